@@ -32,10 +32,12 @@ def masked_whiten(x, mask, shift_mean=True, eps=1e-8):
   """(x - mean) / std over masked entries; keeps the mean when not shift_mean.
 
   `shift_mean=False` is the reward whitening of the PPO implementation-details
-  paper (detail 24): scale by the std but add the mean back.
+  paper (detail 24): scale by the std but add the mean back. The variance is
+  the biased (population) one, as in that paper's `whiten`.
   """
   mean = masked_mean(x, mask)
-  whitened = (x - mean) * jnp.reciprocal(jnp.sqrt(masked_var(x, mask) + eps))
+  var = masked_var(x, mask, unbiased=False)
+  whitened = (x - mean) * jnp.reciprocal(jnp.sqrt(var + eps))
   if not shift_mean:
     whitened = whitened + mean
   return whitened * mask

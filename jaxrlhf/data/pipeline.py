@@ -1,0 +1,109 @@
+"""seqio tasks to fixed-shape numpy batches, deterministic and resumable.
+
+Each process reads only its shard of the examples (seqio's ShardInfo) and
+yields its share of every global batch; `jaxrlhf.sharding.global_batch` joins
+the shares into one global array. The iterator's position is the number of
+batches it has yielded: a run that restores position p resumes with exactly
+the batch an uninterrupted run would have read next.
+"""
+
+import importlib
+from typing import Dict, Iterator, Mapping, Optional
+
+import jax
+import numpy as np
+import seqio
+
+from jaxrlhf.data import tasks as _builtin_tasks  # registers built-in tasks
+
+del _builtin_tasks
+
+
+def import_task_modules(modules) -> None:
+  for name in modules:
+    importlib.import_module(name)
+
+
+def get_task(name: str):
+  """The registered seqio task or mixture, or a one-line error to fix it."""
+  try:
+    return seqio.get_mixture_or_task(name)
+  except (ValueError, KeyError) as e:
+    known = sorted(seqio.TaskRegistry.names())
+    raise ValueError(
+        f"config.data.task: no seqio task or mixture named {name!r} is "
+        f"registered. Known tasks: {known}. Register it before training, or "
+        "list the module that registers it in config.data.task_modules."
+    ) from e
+
+
+def local_batch_size(global_batch_size: int) -> int:
+  count = jax.process_count()
+  if global_batch_size % count:
+    raise ValueError(f"batch size {global_batch_size} is not divisible by the "
+                     f"number of processes {count}.")
+  return global_batch_size // count
+
+
+class BatchIterator:
+  """This process's share of consecutive global batches of a seqio task.
+
+  Args:
+    task: seqio task or mixture name.
+    split: dataset split.
+    feature_lengths: task feature lengths, e.g. {"inputs": 16, "targets": 16}.
+    feature_converter: turns task features into model features.
+    global_batch_size: examples per batch over all processes.
+    seed: shuffle seed; the same seed gives the same batches.
+    shuffle: shuffle examples (training) or keep their order (evaluation).
+    num_epochs: None repeats forever.
+    position: batches already consumed (to resume).
+  """
+
+  def __init__(self, task: str, split: str, feature_lengths: Mapping[str, int],
+               feature_converter: seqio.FeatureConverter,
+               global_batch_size: int, seed: int, shuffle: bool = True,
+               num_epochs: Optional[int] = None, position: int = 0):
+    get_task(task)
+    self.position = position
+    shard = seqio.ShardInfo(index=jax.process_index(),
+                            num_shards=jax.process_count())
+    ds = seqio.get_dataset(
+        task, dict(feature_lengths), feature_converter, dataset_split=split,
+        shuffle=shuffle, num_epochs=num_epochs, shard_info=shard, seed=seed,
+        verbose=False)
+    ds = ds.batch(local_batch_size(global_batch_size), drop_remainder=True)
+    self._iterator = ds.skip(position).as_numpy_iterator()
+
+  def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    batch = next(self._iterator)
+    self.position += 1
+    return batch
+
+
+def eval_examples(task: str, split: str, feature_lengths: Mapping[str, int],
+                  feature_converter: seqio.FeatureConverter,
+                  num_examples: int):
+  """The first `num_examples` of a split, in order, with their texts.
+
+  Returns (features, texts): features are numpy arrays [n, ...] for this
+  process's shard; texts are this shard's {"inputs", "targets"} strings.
+  """
+  shard = seqio.ShardInfo(index=jax.process_index(),
+                          num_shards=jax.process_count())
+  task_obj = get_task(task)
+  raw = task_obj.get_dataset(dict(feature_lengths), split=split, shuffle=False,
+                             shard_info=shard, num_epochs=1)
+  per_process = num_examples // jax.process_count()
+  raw = list(raw.take(per_process).as_numpy_iterator())
+  texts = [{k: ex[f"{k}_pretokenized"].decode() for k in ("inputs", "targets")
+            if f"{k}_pretokenized" in ex} for ex in raw]
+  ds = seqio.get_dataset(task, dict(feature_lengths), feature_converter,
+                         dataset_split=split, shuffle=False, num_epochs=1,
+                         shard_info=shard, verbose=False)
+  rows = list(ds.take(per_process).as_numpy_iterator())
+  features = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
+  return features, texts

@@ -1,0 +1,68 @@
+"""The built-in seqio tasks, and gold rewards looked up by task name.
+
+Importing this module registers the tasks in seqio's global `TaskRegistry`.
+The trainer reads any registered task by name, so a task a user registers in a
+notebook works the same way; a gold reward is optional and only used for
+evaluation.
+"""
+
+import functools
+from typing import Callable, Dict, Optional
+
+import seqio
+import tensorflow as tf
+
+from jaxrlhf.data import synthetic
+from jaxrlhf.data import vocab
+
+# gold_reward(prompt, completion, finished) -> float, by task name.
+GoldReward = Callable[[str, str, bool], float]
+_GOLD_REWARDS: Dict[str, GoldReward] = {}
+
+SYNTHETIC_SUMMARIZE = "synthetic_summarize"
+SYNTHETIC_SPLIT_SIZES = {"train": 20000, "validation": 512}
+
+
+def register_gold_reward(task_name: str, fn: GoldReward) -> None:
+  _GOLD_REWARDS[task_name] = fn
+
+
+def gold_reward_for(task_name: str) -> Optional[GoldReward]:
+  return _GOLD_REWARDS.get(task_name)
+
+
+def synthetic_vocabulary() -> seqio.SentencePieceVocabulary:
+  return vocab.word_vocabulary([synthetic.PROMPT_PREFIX] + synthetic.WORDS)
+
+
+@functools.lru_cache(maxsize=None)
+def _synthetic_examples(split: str):
+  return synthetic.make_examples(split, SYNTHETIC_SPLIT_SIZES[split])
+
+
+def _synthetic_dataset_fn(split, shuffle_files, seed=None):
+  del shuffle_files, seed  # One in-memory file; seqio shuffles examples.
+  examples = _synthetic_examples(split)
+  return tf.data.Dataset.from_tensor_slices({
+      key: [ex[key] for ex in examples] for key in ("inputs", "targets")})
+
+
+def _register_builtin_tasks():
+  if SYNTHETIC_SUMMARIZE in seqio.TaskRegistry.names():
+    return
+  features = {
+      "inputs": seqio.Feature(synthetic_vocabulary(), add_eos=True),
+      "targets": seqio.Feature(synthetic_vocabulary(), add_eos=True),
+  }
+  seqio.TaskRegistry.add(
+      SYNTHETIC_SUMMARIZE,
+      source=seqio.FunctionDataSource(
+          _synthetic_dataset_fn, splits=tuple(SYNTHETIC_SPLIT_SIZES),
+          num_input_examples=SYNTHETIC_SPLIT_SIZES),
+      preprocessors=[seqio.preprocessors.tokenize,
+                     seqio.preprocessors.append_eos_after_trim],
+      output_features=features)
+  register_gold_reward(SYNTHETIC_SUMMARIZE, synthetic.gold_reward)
+
+
+_register_builtin_tasks()

@@ -1,0 +1,62 @@
+"""Deterministic SentencePiece vocabularies for the built-in tasks.
+
+A built-in task's vocabulary is a SentencePiece word model made from the
+task's own word list: no training run and no download, so the same ids come
+out on every machine. The model file is cached (content-addressed) under
+$JAXRLHF_CACHE_DIR, default ~/.cache/jaxrlhf, and written atomically.
+"""
+
+import hashlib
+import os
+import pathlib
+import tempfile
+from typing import Sequence
+
+import seqio
+from sentencepiece import sentencepiece_model_pb2
+
+PAD_ID, EOS_ID, UNK_ID = 0, 1, 2  # T5's ids
+
+
+def cache_dir() -> pathlib.Path:
+  return pathlib.Path(os.environ.get(
+      "JAXRLHF_CACHE_DIR", pathlib.Path.home() / ".cache" / "jaxrlhf"))
+
+
+def word_model_proto(words: Sequence[str]) -> bytes:
+  """A serialized SentencePiece WORD model: pad 0, EOS 1, unk 2, then words."""
+  if len(set(words)) != len(words):
+    raise ValueError("word_model_proto: the word list has duplicates.")
+  piece_type = sentencepiece_model_pb2.ModelProto.SentencePiece
+  model = sentencepiece_model_pb2.ModelProto()
+  spec = model.trainer_spec
+  spec.model_type = sentencepiece_model_pb2.TrainerSpec.WORD
+  spec.vocab_size = len(words) + 3
+  spec.pad_id, spec.eos_id, spec.unk_id, spec.bos_id = PAD_ID, EOS_ID, UNK_ID, -1
+  model.normalizer_spec.name = "identity"
+  model.normalizer_spec.add_dummy_prefix = True
+  model.normalizer_spec.escape_whitespaces = True
+  for text, kind in (("<pad>", piece_type.CONTROL), ("</s>", piece_type.CONTROL),
+                     ("<unk>", piece_type.UNKNOWN)):
+    piece = model.pieces.add()
+    piece.piece, piece.score, piece.type = text, 0.0, kind
+  for i, word in enumerate(words):
+    piece = model.pieces.add()
+    # U+2581 marks a word start in SentencePiece.
+    piece.piece, piece.score = "\u2581" + word, -1.0 - i
+    piece.type = piece_type.NORMAL
+  return model.SerializeToString()
+
+
+def word_vocabulary(words: Sequence[str]) -> seqio.SentencePieceVocabulary:
+  """A seqio vocabulary over `words`, cached on disk by content hash."""
+  proto = word_model_proto(words)
+  path = cache_dir() / f"words-{hashlib.sha256(proto).hexdigest()[:16]}.model"
+  if not path.exists():
+    path.parent.mkdir(parents=True, exist_ok=True)
+    # Write then rename, so a concurrent reader never sees a partial file.
+    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
+    with os.fdopen(fd, "wb") as f:
+      f.write(proto)
+    os.replace(tmp, path)
+  return seqio.SentencePieceVocabulary(str(path))

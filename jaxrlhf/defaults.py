@@ -1,0 +1,152 @@
+"""The shared config every experiment starts from, and its validation.
+
+An experiment file under `configs/` calls `base_config()` and changes what it
+needs. Every field is documented here, where its default is set. Fields that
+default to "unset" are typed placeholders: they may be set from the command
+line with a value of their type, and resolve to something derived (documented
+beside them) when left unset.
+"""
+
+import ml_collections
+from ml_collections import config_dict
+
+from jaxrlhf import sharding
+
+ALGORITHMS = ("sft",)
+OPTIMIZERS = ("adafactor", "adamw")
+SCHEDULES = ("constant", "cosine", "linear")
+
+
+def base_config() -> ml_collections.ConfigDict:
+  c = ml_collections.ConfigDict()
+  # Which recipe trains: "sft" (supervised fine-tuning).
+  c.algorithm = "sft"
+  # Seeds parameter initialisation, dropout and data shuffling.
+  c.seed = 0
+
+  c.model = ml_collections.ConfigDict()
+  # Architecture: "t5" (encoder-decoder).
+  c.model.arch = "t5"
+  # Size preset: tiny, small, base, large, xl, xxl (T5 1.1 dimensions).
+  c.model.size = "tiny"
+  # Output vocabulary size; unset = the task vocabulary's size rounded up to a
+  # multiple of 128 (t5x pads 32100 to 32128 the same way).
+  c.model.vocab_size = config_dict.placeholder(int)
+  # Optional overrides of the preset's dimensions; unset = the preset's.
+  c.model.emb_dim = config_dict.placeholder(int)
+  c.model.num_heads = config_dict.placeholder(int)
+  c.model.num_encoder_layers = config_dict.placeholder(int)
+  c.model.num_decoder_layers = config_dict.placeholder(int)
+  c.model.head_dim = config_dict.placeholder(int)
+  c.model.mlp_dim = config_dict.placeholder(int)
+  # "gated-gelu" (T5 1.1) or "relu" (T5 1.0).
+  c.model.mlp = "gated-gelu"
+  # Tie the output layer to the token embedding (T5 1.0 style).
+  c.model.logits_via_embedding = False
+  # Compute dtype ("float32" or "bfloat16"); parameters are always float32.
+  c.model.dtype = "float32"
+  c.model.dropout_rate = 0.0
+  # Per-layer rematerialisation: "none", "full", "dots_saveable".
+  c.model.remat_policy = "none"
+
+  c.data = ml_collections.ConfigDict()
+  # A seqio task or mixture name; the built-in ones are registered by
+  # jaxrlhf.data.tasks, and any task registered before training works.
+  c.data.task = "synthetic_summarize"
+  c.data.train_split = "train"
+  c.data.eval_split = "validation"
+  # Sequence lengths (tokens, EOS included) for the feature converter.
+  c.data.inputs_length = 16
+  c.data.targets_length = 16
+  # Extra modules to import before looking up the task (they register tasks).
+  c.data.task_modules = ()
+
+  c.train = ml_collections.ConfigDict()
+  c.train.num_steps = 600
+  # Global batch size (examples per optimizer step, over all processes).
+  c.train.batch_size = 32
+  # Gradient accumulation: the batch is split into this many micro-batches.
+  c.train.num_microbatches = 1
+  # Weight of the z-loss (log Z)^2 that keeps the softmax normaliser near 0.
+  c.train.z_loss = 0.0
+  # Console and metrics.jsonl every N steps.
+  c.train.log_every = 50
+
+  c.optimizer = ml_collections.ConfigDict()
+  # "adafactor" (the DRO paper's) or "adamw" (the PPO paper's).
+  c.optimizer.name = "adafactor"
+  c.optimizer.learning_rate = 1e-3
+  # Linear warm-up steps from 0 to learning_rate.
+  c.optimizer.warmup_steps = 0
+  # After warm-up: "constant", "cosine" (to 0 at train.num_steps), "linear".
+  c.optimizer.schedule = "constant"
+  # Adafactor's second-moment decay exponent (DRO paper: 0.8).
+  c.optimizer.decay_rate = 0.8
+  # Adafactor: scale updates by parameter RMS (T5 practice).
+  c.optimizer.multiply_by_parameter_scale = True
+  # AdamW's betas, eps (PPO paper: 1e-5) and decoupled weight decay.
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.eps = 1e-5
+  c.optimizer.weight_decay = 0.0
+  # Clip gradients to this global norm; 0 disables.
+  c.optimizer.grad_clip_norm = 1.0
+
+  c.checkpoint = ml_collections.ConfigDict()
+  # Save every N steps (and always at the end); 0 = only at the end.
+  c.checkpoint.every_steps = 200
+  # How many recent checkpoints to keep.
+  c.checkpoint.keep = 2
+
+  c.eval = ml_collections.ConfigDict()
+  # Evaluate every N steps (and before and after training); 0 = only then.
+  c.eval.every_steps = 0
+  # Held-out examples for loss, token accuracy and greedy-decode gold reward.
+  c.eval.num_examples = 128
+  c.eval.batch_size = 64
+
+  c.mesh = ml_collections.ConfigDict()
+  # Mesh axis sizes, one of them may be -1 for "all remaining devices".
+  c.mesh.shape = (-1, 1)
+  c.mesh.axis_names = ("data", "model")
+
+  c.sharding = ml_collections.ConfigDict()
+  # Logical axis name -> mesh axis (or tuple of axes, or None = replicate).
+  c.sharding.logical_axis_rules = sharding.STANDARD_RULES
+  return c
+
+
+def _require(condition, field, message):
+  if not condition:
+    raise ValueError(f"config.{field}: {message}")
+
+
+def validate(c: ml_collections.ConfigDict) -> None:
+  """Checks values and combinations; the error names the offending field."""
+  _require(c.algorithm in ALGORITHMS, "algorithm",
+           f"{c.algorithm!r} is not one of {ALGORITHMS}.")
+  _require(c.model.arch == "t5", "model.arch",
+           f"{c.model.arch!r} is not supported; use 't5'.")
+  _require(c.model.mlp in ("gated-gelu", "relu"), "model.mlp",
+           f"{c.model.mlp!r}: use 'gated-gelu' or 'relu'.")
+  _require(c.model.dtype in ("float32", "bfloat16"), "model.dtype",
+           f"{c.model.dtype!r}: use 'float32' or 'bfloat16'.")
+  _require(c.optimizer.name in OPTIMIZERS, "optimizer.name",
+           f"{c.optimizer.name!r} is not one of {OPTIMIZERS}.")
+  _require(c.optimizer.schedule in SCHEDULES, "optimizer.schedule",
+           f"{c.optimizer.schedule!r} is not one of {SCHEDULES}.")
+  _require(c.optimizer.learning_rate > 0, "optimizer.learning_rate",
+           "must be positive.")
+  _require(c.train.num_steps > 0, "train.num_steps", "must be positive.")
+  _require(c.train.batch_size > 0, "train.batch_size", "must be positive.")
+  _require(c.train.num_microbatches > 0, "train.num_microbatches",
+           "must be positive.")
+  _require(c.train.batch_size % c.train.num_microbatches == 0,
+           "train.num_microbatches",
+           f"{c.train.num_microbatches} does not divide train.batch_size "
+           f"{c.train.batch_size}.")
+  _require(c.train.log_every > 0, "train.log_every", "must be positive.")
+  _require(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive.")
+  _require(c.data.inputs_length > 0 and c.data.targets_length > 0,
+           "data.inputs_length", "sequence lengths must be positive.")
+  sharding.as_rules(c.sharding.logical_axis_rules)

@@ -1,0 +1,438 @@
+"""T5 encoder-decoder in Flax Linen, with t5x's parameter layout.
+
+The parameter tree, initialisers and numerics follow t5x's
+`examples/t5/network.py` (T5 1.1 by default): pre-norm RMSNorm layers, one
+relative-position bias table per stack shared by its layers, no attention
+scaling (it is folded into the query initialisation), gated-GELU MLP, a
+separate `logits_dense` output layer. T5 1.0 is the options `mlp_activations=
+("relu",)` and `logits_via_embedding=True`. Checkpoints written by t5x load
+into this tree unchanged (see `../shared/fixtures/t5x/README.md`).
+
+Every parameter carries logical axis names and every large activation a
+logical constraint, so `jaxrlhf.sharding` maps the model onto any mesh.
+"""
+
+import dataclasses
+import functools
+import operator
+from typing import Any, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+# Masked attention logits get this additive bias (t5x's value), in the
+# activation dtype.
+_MASK_VALUE = -1e10
+
+
+@dataclasses.dataclass(frozen=True)
+class T5Config:
+  """Hyper-parameters of a T5 model; the field names are t5x's T5Config's."""
+  vocab_size: int = 32128
+  emb_dim: int = 512
+  num_heads: int = 6
+  num_encoder_layers: int = 8
+  num_decoder_layers: int = 8
+  head_dim: int = 64
+  mlp_dim: int = 1024
+  # ("gelu", "linear") is T5 1.1's gated GELU; ("relu",) is T5 1.0.
+  mlp_activations: Sequence[str] = ("gelu", "linear")
+  dropout_rate: float = 0.0
+  # True ties the output layer to the token embedding (T5 1.0).
+  logits_via_embedding: bool = False
+  # Compute dtype; parameters stay float32.
+  dtype: str = "float32"
+  float32_attention_logits: bool = False
+  relpos_num_buckets: int = 32
+  relpos_max_distance: int = 128
+  # Rematerialise each layer in the backward pass ("none", "full",
+  # "dots_saveable"): trades compute for activation memory.
+  remat_policy: str = "none"
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+
+# T5 1.1 dimensions (t5x's t5_1_1 gin files); "tiny" is for tests and the
+# built-in synthetic tasks.
+T5_PRESETS = {
+    "tiny": dict(emb_dim=64, num_heads=4, num_encoder_layers=2,
+                 num_decoder_layers=2, head_dim=16, mlp_dim=128),
+    "small": dict(emb_dim=512, num_heads=6, num_encoder_layers=8,
+                  num_decoder_layers=8, head_dim=64, mlp_dim=1024),
+    "base": dict(emb_dim=768, num_heads=12, num_encoder_layers=12,
+                 num_decoder_layers=12, head_dim=64, mlp_dim=2048),
+    "large": dict(emb_dim=1024, num_heads=16, num_encoder_layers=24,
+                  num_decoder_layers=24, head_dim=64, mlp_dim=2816),
+    "xl": dict(emb_dim=2048, num_heads=32, num_encoder_layers=24,
+               num_decoder_layers=24, head_dim=64, mlp_dim=5120),
+    "xxl": dict(emb_dim=4096, num_heads=64, num_encoder_layers=24,
+                num_decoder_layers=24, head_dim=64, mlp_dim=10240),
+}
+
+
+def t5_config(size: str, **overrides) -> T5Config:
+  """A T5Config from a preset name, with fields overridden."""
+  if size not in T5_PRESETS:
+    raise ValueError(
+        f"Unknown T5 size {size!r}; choose one of {sorted(T5_PRESETS)}.")
+  return T5Config(**{**T5_PRESETS[size], **overrides})
+
+
+_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+
+
+class RMSNorm(nn.Module):
+  """x * rsqrt(mean(x^2) + eps) * scale, computed in float32."""
+  dtype: Any = jnp.float32
+  epsilon: float = 1e-6
+
+  @nn.compact
+  def __call__(self, x):
+    x = x.astype(jnp.float32)
+    scale = self.param(
+        "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
+        (x.shape[-1],), jnp.float32)
+    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True)
+                          + self.epsilon)
+    return y.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class Dense(nn.Module):
+  """x @ kernel over the last axis; the kernel is stored 2-D [in, out]."""
+  features: int
+  axes: tuple
+  dtype: Any = jnp.float32
+  kernel_init: Any = _kernel_init
+
+  @nn.compact
+  def __call__(self, x):
+    kernel = self.param("kernel",
+                        nn.with_logical_partitioning(self.kernel_init, self.axes),
+                        (x.shape[-1], self.features), jnp.float32)
+    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
+
+
+class Embed(nn.Module):
+  """Token embedding, optionally used transposed as the output layer."""
+  num_embeddings: int
+  features: int
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.embedding = self.param(
+        "embedding",
+        nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
+                                     ("vocab", "embed")),
+        (self.num_embeddings, self.features), jnp.float32)
+
+  def __call__(self, tokens):
+    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+
+  def attend(self, x):
+    """Logits x @ embedding^T in float32 (as t5x's attend_dtype)."""
+    return jnp.dot(x.astype(jnp.float32), self.embedding.T.astype(jnp.float32))
+
+
+def relative_position_bucket(relative_position, bidirectional, num_buckets,
+                             max_distance):
+  """T5's bucketing of (memory - query) offsets: exact near, log-spaced far.
+
+  Args:
+    relative_position: int array of memory_position - query_position.
+  Returns:
+    int32 array of the same shape with values in [0, num_buckets).
+  """
+  bucket = 0
+  n = -relative_position
+  if bidirectional:
+    num_buckets //= 2
+    bucket += (n < 0).astype(np.int32) * num_buckets
+    n = np.abs(n)
+  else:
+    n = np.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  # Offsets beyond max_exact share buckets logarithmically up to max_distance.
+  large = max_exact + (
+      np.log(n.astype(np.float32) / max_exact + np.finfo(np.float32).eps)
+      / np.log(max_distance / max_exact) * (num_buckets - max_exact)
+  ).astype(np.int32)
+  large = np.minimum(large, num_buckets - 1)
+  return (bucket + np.where(is_small, n, large)).astype(np.int32)
+
+
+class RelativePositionBias(nn.Module):
+  """Per-head additive attention bias from bucketed relative positions."""
+  num_heads: int
+  num_buckets: int
+  max_distance: int
+  bidirectional: bool
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, query_length: int, key_length: int):
+    """Returns the bias [1, heads, query_length, key_length]."""
+    table = self.param(
+        "rel_embedding",
+        nn.with_logical_partitioning(
+            nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
+            ("heads", "relpos_buckets")),
+        (self.num_heads, self.num_buckets), jnp.float32)
+    offsets = (np.arange(key_length)[None, :]
+               - np.arange(query_length)[:, None])
+    buckets = relative_position_bucket(
+        offsets, self.bidirectional, self.num_buckets, self.max_distance)
+    bias = jnp.take(table, jnp.asarray(buckets), axis=1)
+    return bias[None].astype(self.dtype)
+
+
+def attention_mask(query_valid, key_valid, causal=False):
+  """[batch, 1, q, k] mask of allowed (query, key) pairs."""
+  mask = query_valid[:, None, :, None] & key_valid[:, None, None, :]
+  if causal:
+    q, k = query_valid.shape[-1], key_valid.shape[-1]
+    mask = mask & (np.arange(q)[:, None] >= np.arange(k)[None, :])
+  return mask
+
+
+class MultiHeadAttention(nn.Module):
+  """Unscaled dot-product attention with t5x's 2-D projection kernels."""
+  num_heads: int
+  head_dim: int
+  dtype: Any = jnp.float32
+  float32_logits: bool = False
+  dropout_rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_kv, bias, deterministic=True):
+    """inputs [batch, length, embed], bias [batch|1, heads, q, k]."""
+    features = self.num_heads * self.head_dim
+    # 1/sqrt(head_dim) is folded into the query initialisation, not the logits.
+    depth_scaling = np.sqrt(self.head_dim).astype(np.float32)
+    query_init = lambda *a: _kernel_init(*a) / depth_scaling
+    project = functools.partial(Dense, features, ("embed", "joined_kv"),
+                                dtype=self.dtype)
+    batch, q_len, k_len = inputs_q.shape[0], inputs_q.shape[1], inputs_kv.shape[1]
+    query = project(kernel_init=query_init, name="query")(inputs_q)
+    key = project(name="key")(inputs_kv)
+    value = project(name="value")(inputs_kv)
+    query = query.reshape(batch, q_len, self.num_heads, self.head_dim)
+    key = key.reshape(batch, k_len, self.num_heads, self.head_dim)
+    value = value.reshape(batch, k_len, self.num_heads, self.head_dim)
+    query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
+    key = nn.with_logical_constraint(key, ("batch", "length", "heads", "kv"))
+    value = nn.with_logical_constraint(value, ("batch", "length", "heads", "kv"))
+    if self.float32_logits:
+      query, key = query.astype(jnp.float32), key.astype(jnp.float32)
+    logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+    logits = logits + bias.astype(logits.dtype)
+    weights = jax.nn.softmax(logits).astype(self.dtype)
+    if not deterministic and self.dropout_rate > 0:
+      weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
+    out = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+    out = out.reshape(batch, q_len, features)
+    out = nn.with_logical_constraint(out, ("batch", "length", "joined_kv"))
+    return Dense(inputs_q.shape[-1], ("joined_kv", "embed"), dtype=self.dtype,
+                 name="out")(out)
+
+
+_ACTIVATIONS = {
+    "gelu": nn.gelu,  # tanh approximation, as t5x
+    "relu": nn.relu,
+    "linear": lambda x: x,
+    "silu": nn.silu,
+}
+
+
+class MlpBlock(nn.Module):
+  """Product of activated input projections, then the output projection."""
+  mlp_dim: int
+  activations: Sequence[str]
+  dtype: Any = jnp.float32
+  dropout_rate: float = 0.0
+
+  @nn.compact
+  def __call__(self, x, deterministic=True):
+    for name in self.activations:
+      if name not in _ACTIVATIONS:
+        raise ValueError(f"Unknown MLP activation {name!r}; "
+                         f"choose from {sorted(_ACTIVATIONS)}.")
+    hidden = []
+    for i, name in enumerate(self.activations):
+      dense_name = "wi" if len(self.activations) == 1 else f"wi_{i}"
+      h = Dense(self.mlp_dim, ("embed", "mlp"), dtype=self.dtype,
+                name=dense_name)(x)
+      hidden.append(_ACTIVATIONS[name](h))
+    h = functools.reduce(operator.mul, hidden)
+    h = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(
+        h, deterministic=deterministic)
+    h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+    return Dense(x.shape[-1], ("mlp", "embed"), dtype=self.dtype, name="wo")(h)
+
+
+def _residual_dropout(cfg, x, deterministic):
+  return nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(
+      x, deterministic=deterministic)
+
+
+class EncoderLayer(nn.Module):
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, x, bias, deterministic=True):
+    cfg = self.config
+    h = RMSNorm(cfg.compute_dtype, name="pre_attention_layer_norm")(x)
+    h = MultiHeadAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
+                           cfg.float32_attention_logits, cfg.dropout_rate,
+                           name="attention")(h, h, bias, deterministic)
+    x = x + _residual_dropout(cfg, h, deterministic)
+    h = RMSNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
+    h = MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.compute_dtype,
+                 cfg.dropout_rate, name="mlp")(h, deterministic)
+    x = x + _residual_dropout(cfg, h, deterministic)
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+class DecoderLayer(nn.Module):
+  config: T5Config
+
+  @nn.compact
+  def __call__(self, y, encoded, self_bias, cross_bias, deterministic=True):
+    cfg = self.config
+    attention = functools.partial(
+        MultiHeadAttention, cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
+        cfg.float32_attention_logits, cfg.dropout_rate)
+    h = RMSNorm(cfg.compute_dtype, name="pre_self_attention_layer_norm")(y)
+    h = attention(name="self_attention")(h, h, self_bias, deterministic)
+    y = y + _residual_dropout(cfg, h, deterministic)
+    h = RMSNorm(cfg.compute_dtype, name="pre_cross_attention_layer_norm")(y)
+    h = attention(name="encoder_decoder_attention")(
+        h, encoded, cross_bias, deterministic)
+    y = y + _residual_dropout(cfg, h, deterministic)
+    h = RMSNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(y)
+    h = MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.compute_dtype,
+                 cfg.dropout_rate, name="mlp")(h, deterministic)
+    y = y + _residual_dropout(cfg, h, deterministic)
+    return nn.with_logical_constraint(y, ("batch", "length", "embed"))
+
+
+_REMAT_POLICIES = {
+    "full": None,
+    "dots_saveable": jax.checkpoint_policies.dots_saveable,
+    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
+}
+
+
+def _maybe_remat(layer_cls, policy_name, deterministic_argnum):
+  if policy_name == "none":
+    return layer_cls
+  if policy_name not in _REMAT_POLICIES:
+    raise ValueError(f"Unknown remat_policy {policy_name!r}; choose 'none' or "
+                     f"one of {sorted(_REMAT_POLICIES)}.")
+  # `deterministic` is a Python bool; argnums count `self` as 0.
+  return nn.remat(layer_cls, policy=_REMAT_POLICIES[policy_name],
+                  static_argnums=(deterministic_argnum,))
+
+
+def _mask_to_bias(mask, dtype):
+  return jnp.where(mask, 0.0, _MASK_VALUE).astype(dtype)
+
+
+class Encoder(nn.Module):
+  config: T5Config
+  shared_embedding: nn.Module
+
+  @nn.compact
+  def __call__(self, tokens, deterministic=True):
+    cfg = self.config
+    length = tokens.shape[-1]
+    bias = RelativePositionBias(cfg.num_heads, cfg.relpos_num_buckets,
+                                cfg.relpos_max_distance, bidirectional=True,
+                                dtype=cfg.compute_dtype, name="relpos_bias")(
+                                    length, length)
+    valid = tokens > 0
+    bias = _mask_to_bias(attention_mask(valid, valid), cfg.compute_dtype) + bias
+    x = self.shared_embedding(tokens)
+    x = _residual_dropout(cfg, x, deterministic)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    layer = _maybe_remat(EncoderLayer, cfg.remat_policy, 3)
+    for i in range(cfg.num_encoder_layers):
+      x = layer(cfg, name=f"layers_{i}")(x, bias, deterministic)
+    x = RMSNorm(cfg.compute_dtype, name="encoder_norm")(x)
+    return _residual_dropout(cfg, x, deterministic)
+
+
+class Decoder(nn.Module):
+  config: T5Config
+  shared_embedding: nn.Module
+
+  @nn.compact
+  def __call__(self, encoded, encoder_tokens, decoder_input_tokens,
+               decoder_valid, deterministic=True):
+    cfg = self.config
+    length = decoder_input_tokens.shape[-1]
+    bias = RelativePositionBias(cfg.num_heads, cfg.relpos_num_buckets,
+                                cfg.relpos_max_distance, bidirectional=False,
+                                dtype=cfg.compute_dtype, name="relpos_bias")(
+                                    length, length)
+    self_bias = _mask_to_bias(
+        attention_mask(decoder_valid, decoder_valid, causal=True),
+        cfg.compute_dtype) + bias
+    cross_bias = _mask_to_bias(
+        attention_mask(decoder_valid, encoder_tokens > 0), cfg.compute_dtype)
+    y = self.shared_embedding(decoder_input_tokens)
+    y = _residual_dropout(cfg, y, deterministic)
+    y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
+    layer = _maybe_remat(DecoderLayer, cfg.remat_policy, 5)
+    for i in range(cfg.num_decoder_layers):
+      y = layer(cfg, name=f"layers_{i}")(y, encoded, self_bias, cross_bias,
+                                         deterministic)
+    y = RMSNorm(cfg.compute_dtype, name="decoder_norm")(y)
+    y = _residual_dropout(cfg, y, deterministic)
+    if cfg.logits_via_embedding:
+      logits = self.shared_embedding.attend(y) / np.sqrt(y.shape[-1])
+    else:
+      logits = Dense(cfg.vocab_size, ("embed", "vocab"), dtype=cfg.compute_dtype,
+                     name="logits_dense")(y)
+    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+
+class T5(nn.Module):
+  """The encoder-decoder; `__call__` matches t5x's `Transformer.__call__`."""
+  config: T5Config
+
+  def setup(self):
+    cfg = self.config
+    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype)
+    self.encoder = Encoder(cfg, self.token_embedder)
+    self.decoder = Decoder(cfg, self.token_embedder)
+
+  def encode(self, encoder_input_tokens, deterministic=True):
+    """[batch, enc_len] tokens -> [batch, enc_len, emb_dim] encodings."""
+    return self.encoder(encoder_input_tokens, deterministic)
+
+  def decode(self, encoded, encoder_input_tokens, decoder_input_tokens,
+             decoder_target_tokens=None, deterministic=True):
+    """Teacher-forced decoder logits [batch, dec_len, vocab].
+
+    As in t5x, decoder self-attention masks padding from
+    `decoder_target_tokens > 0`; without targets every position is valid
+    (causality alone then keeps position t from seeing later ones).
+    """
+    if decoder_target_tokens is None:
+      decoder_valid = jnp.ones(decoder_input_tokens.shape, bool)
+    else:
+      decoder_valid = decoder_target_tokens > 0
+    return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
+                        decoder_valid, deterministic)
+
+  def __call__(self, encoder_input_tokens, decoder_input_tokens,
+               decoder_target_tokens=None, deterministic=True):
+    encoded = self.encode(encoder_input_tokens, deterministic)
+    return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
+                       decoder_target_tokens, deterministic)

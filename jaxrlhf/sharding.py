@@ -1,0 +1,128 @@
+"""Device meshes and the logical-axis sharding plan.
+
+Parameters and activations carry logical axis names (batch, length, embed,
+mlp, heads, kv, joined_kv, vocab, layers, relpos_buckets). A rule table from
+the config maps each logical name to a mesh axis, a tuple of mesh axes, or
+None (replicated), as in t5x and MaxText. Changing the plan is a config
+change; no model code changes.
+"""
+
+import math
+from typing import Any, Sequence, Tuple
+
+import flax.linen as nn
+import jax
+import numpy as np
+from jax.sharding import Mesh, NamedSharding, PartitionSpec
+
+# t5x's standard rules for a (data, model) mesh: data parallel over batch,
+# tensor parallel over the wide dimensions.
+STANDARD_RULES = (
+    ("batch", "data"),
+    ("vocab", "model"),
+    ("mlp", "model"),
+    ("heads", "model"),
+    ("joined_kv", "model"),
+    ("kv", None),
+    ("embed", None),
+    ("length", None),
+    ("layers", None),
+    ("relpos_buckets", None),
+)
+
+
+def as_rules(rules) -> Tuple[Tuple[str, Any], ...]:
+  """Normalises a config's rule list (lists from JSON/CLI) to tuples."""
+  out = []
+  for rule in rules:
+    if len(rule) != 2:
+      raise ValueError(f"sharding.logical_axis_rules: {rule!r} is not a "
+                       "(logical_name, mesh_axes) pair.")
+    name, axes = rule
+    if isinstance(axes, list):
+      axes = tuple(axes)
+    out.append((name, axes))
+  return tuple(out)
+
+
+def create_mesh(shape: Sequence[int], axis_names: Sequence[str],
+                devices=None) -> Mesh:
+  """A mesh over all (or the given) devices; one entry of `shape` may be -1.
+
+  Raises ValueError naming `mesh.shape` when it does not fit the devices.
+  """
+  devices = list(jax.devices() if devices is None else devices)
+  shape = list(shape)
+  if len(shape) != len(axis_names):
+    raise ValueError(f"mesh.shape {tuple(shape)} and mesh.axis_names "
+                     f"{tuple(axis_names)} differ in length.")
+  if shape.count(-1) > 1:
+    raise ValueError(f"mesh.shape {tuple(shape)}: at most one axis may be -1.")
+  known = math.prod(s for s in shape if s != -1)
+  if -1 in shape:
+    if len(devices) % known:
+      raise ValueError(
+          f"mesh.shape {tuple(shape)}: {len(devices)} devices are not "
+          f"divisible by the fixed axes' product {known}.")
+    shape[shape.index(-1)] = len(devices) // known
+  if math.prod(shape) != len(devices):
+    raise ValueError(
+        f"mesh.shape {tuple(shape)} needs {math.prod(shape)} devices but "
+        f"{len(devices)} are available; set mesh.shape to fit (use -1 for "
+        "'the rest').")
+  # Auto axes: the compiler propagates shardings from our logical-axis
+  # constraints (explicit-mode sharding-in-types is not what t5x rules model).
+  return jax.make_mesh(tuple(shape), tuple(axis_names),
+                       axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
+                       devices=devices)
+
+
+def logical_to_spec(logical_axes, rules) -> PartitionSpec:
+  return nn.logical_to_mesh_axes(logical_axes, rules)
+
+
+def logical_sharding(mesh: Mesh, rules, logical_axes) -> NamedSharding:
+  return NamedSharding(mesh, logical_to_spec(logical_axes, rules))
+
+
+def tree_shardings(boxed_tree, mesh: Mesh, rules):
+  """NamedShardings for a tree whose leaves may be LogicallyPartitioned.
+
+  Leaves without logical names are replicated.
+  """
+  specs = nn.get_partition_spec(boxed_tree)
+  return nn.logical_to_mesh_sharding(specs, mesh, rules)
+
+
+def replicated(mesh: Mesh) -> NamedSharding:
+  return NamedSharding(mesh, PartitionSpec())
+
+
+def batch_sharding(mesh: Mesh, rules, ndim: int) -> NamedSharding:
+  """Sharding of a [batch, ...] input array: batch split, the rest whole."""
+  return logical_sharding(mesh, rules, ("batch",) + (None,) * (ndim - 1))
+
+
+def data_parallel_size(mesh: Mesh, rules) -> int:
+  """How many ways the batch dimension is split."""
+  spec = logical_to_spec(("batch",), rules)[0]
+  if spec is None:
+    return 1
+  axes = spec if isinstance(spec, tuple) else (spec,)
+  return math.prod(mesh.shape[a] for a in axes)
+
+
+def global_batch(local_batch, mesh: Mesh, rules):
+  """Joins each process's share of a batch into global jax.Arrays.
+
+  Args:
+    local_batch: dict of numpy arrays [local_batch, ...]; process p holds rows
+      [p * local_batch, (p + 1) * local_batch) of the global batch.
+  Returns:
+    dict of jax.Arrays [global_batch, ...] sharded over the batch axes.
+  """
+  return {
+      k: jax.make_array_from_process_local_data(
+          batch_sharding(mesh, rules, np.ndim(v)), np.asarray(v))
+      for k, v in local_batch.items()
+  }

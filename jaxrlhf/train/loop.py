@@ -1,0 +1,196 @@
+"""The training loop every recipe shares.
+
+It owns the mesh, checkpoints (save, keep, resume), preemption (SIGTERM and
+SIGINT save at the next step boundary and exit), the non-finite guard,
+metrics and console progress. A recipe provides `init_state()`,
+`abstract_state` and `state_shardings`, `train_batches(position)`,
+`train_step(state, batch)`, `tokens_in(local_batch)` and `evaluate(state)`.
+"""
+
+import json
+import logging
+import os
+import signal
+import sys
+from typing import Dict, List, Optional
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+
+from jaxrlhf import defaults
+from jaxrlhf import sharding
+from jaxrlhf.train import checkpointing
+from jaxrlhf.train import metrics as metrics_lib
+from jaxrlhf.train import sft
+
+
+def _recipes():
+  return {"sft": sft.SFTRecipe}
+
+
+class NonFiniteError(RuntimeError):
+  """A step produced a non-finite loss or gradient."""
+
+
+class WorkdirError(ValueError):
+  """The workdir cannot be used."""
+
+
+class _StopFlag:
+  """Set by SIGTERM/SIGINT; the loop checks it between steps."""
+
+  def __init__(self):
+    self.signal_name: Optional[str] = None
+    self._previous = {}
+
+  def __enter__(self):
+    for sig in (signal.SIGTERM, signal.SIGINT):
+      try:
+        self._previous[sig] = signal.signal(sig, self._handle)
+      except ValueError:  # not the main thread: signals stay as they were
+        pass
+    return self
+
+  def _handle(self, signum, frame):
+    del frame
+    self.signal_name = signal.Signals(signum).name
+
+  def __exit__(self, *exc):
+    for sig, handler in self._previous.items():
+      signal.signal(sig, handler)
+
+  def requested(self) -> bool:
+    local = self.signal_name is not None
+    if jax.process_count() == 1:
+      return local
+    # Every process must stop at the same step, or the collectives hang.
+    from jax.experimental import multihost_utils
+    flags = multihost_utils.process_allgather(np.array([local], np.int32))
+    return bool(np.any(flags))
+
+
+def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Creates the workdir and writes the resolved config into it."""
+  if not workdir:
+    raise WorkdirError("--workdir is required: a directory for checkpoints, "
+                       "metrics and the resolved config.")
+  try:
+    os.makedirs(workdir, exist_ok=True)
+    probe = os.path.join(workdir, f".write_test_{jax.process_index()}")
+    with open(probe, "w") as f:
+      f.write("ok")
+    os.remove(probe)
+  except OSError as e:
+    raise WorkdirError(
+        f"--workdir {workdir!r} is not a writable directory ({e.strerror}); "
+        "choose a path you can write to.") from e
+  if jax.process_index() == 0:
+    with open(os.path.join(workdir, "config.json"), "w") as f:
+      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+
+
+def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
+  """Runs (or resumes) the run `config` describes in `workdir`.
+
+  Returns the final evaluation metrics, plus "eval_before/..." metrics when
+  this call started from step 0.
+  """
+  defaults.validate(config)
+  prepare_workdir(workdir, config)
+  mesh = sharding.create_mesh(config.mesh.shape, config.mesh.axis_names)
+  rules = sharding.as_rules(config.sharding.logical_axis_rules)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    recipe = _recipes()[config.algorithm](config, mesh)
+    return _run(config, workdir, recipe)
+
+
+def _log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def _run(config, workdir, recipe) -> Dict[str, float]:
+  checkpointer = checkpointing.Checkpointer(
+      os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  total = config.train.num_steps
+  latest = checkpointer.latest_step()
+  # Rows logged after the checkpoint we resume from (a crash between saves)
+  # are dropped, so metrics.jsonl reads as one uninterrupted run.
+  logger = metrics_lib.MetricsLogger(workdir, resume_step=latest or 0)
+  summary: Dict[str, float] = {}
+  if latest is not None:
+    abstract = checkpointing.abstract_with_shardings(
+        recipe.abstract_state, recipe.state_shardings)
+    state, position = checkpointer.restore(latest, abstract)
+    summary.update(logger.eval_before())
+    _log(f"Resumed from checkpoint at step {latest} in {checkpointer.directory}")
+  else:
+    state, position = recipe.init_state(), 0
+    before = recipe.evaluate(state)
+    logger.write(0, before)
+    summary.update({k.replace("eval/", "eval_before/"): v
+                    for k, v in before.items()})
+    _log("Before training: " + _format(before))
+  step = int(jax.device_get(state.step))
+  if step >= total:
+    _log(f"Already at step {step} of {total}; nothing to train.")
+  batches = recipe.train_batches(position)
+  progress = metrics_lib.Progress(total, step)
+  pending: List = []  # (step, device metrics, tokens) not yet written
+  eval_every = config.eval.every_steps
+  ckpt_every = config.checkpoint.every_steps
+
+  def flush():
+    """Writes buffered metrics; raises at the first non-finite step."""
+    host = jax.device_get([(s, m) for s, m, _ in pending])
+    tokens = sum(t for _, _, t in pending)
+    for s, m in host:
+      if m.get("nonfinite", 0.0) > 0:
+        raise NonFiniteError(
+            f"Step {s} produced a non-finite loss or gradient (loss={m['loss']}, "
+            f"grad_norm={m['grad_norm']}). The run stopped without saving; the "
+            f"last good checkpoint (step {checkpointer.latest_step()}) is "
+            "untouched. Lower optimizer.learning_rate or enable "
+            "optimizer.grad_clip_norm, then resume.")
+      logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
+    if host:
+      s, m = host[-1]
+      _log(progress.line(s, m["loss"], tokens))
+    pending.clear()
+
+  try:
+    with _StopFlag() as stop:
+      while step < total:
+        local = next(batches)
+        batch = sharding.global_batch(local, recipe.mesh, recipe.rules)
+        state, step_metrics = recipe.train_step(state, batch)
+        step += 1
+        pending.append((step, step_metrics, recipe.tokens_in(local)))
+        stopping = stop.requested()
+        save_now = stopping or step == total or (
+            ckpt_every and step % ckpt_every == 0)
+        if save_now or step % config.train.log_every == 0:
+          flush()
+        if save_now:
+          checkpointer.save(step, state, batches.position)
+        if stopping:
+          _log(f"Received {stop.signal_name or 'a stop request'}: saved a "
+               f"checkpoint at step {step} and stopped. Run the same command "
+               "again to resume.")
+          return summary
+        if eval_every and step % eval_every == 0 and step < total:
+          logger.write(step, recipe.evaluate(state))
+    after = recipe.evaluate(state)
+    logger.write(step, after)
+    summary.update(after)
+    _log(f"After training (step {step}): " + _format(after))
+    return summary
+  finally:
+    logger.close()
+    checkpointer.close()
+
+
+def _format(metrics: Dict[str, float]) -> str:
+  return ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in sorted(metrics.items()))

@@ -1,0 +1,41 @@
+"""Optax optimizers and learning-rate schedules from the config."""
+
+import ml_collections
+import optax
+
+
+def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int):
+  """Linear warm-up from 0, then constant, cosine or linear decay to 0."""
+  peak, warmup = opt.learning_rate, opt.warmup_steps
+  decay_steps = max(num_steps - warmup, 1)
+  if opt.schedule == "constant":
+    after = optax.constant_schedule(peak)
+  elif opt.schedule == "cosine":
+    after = optax.cosine_decay_schedule(peak, decay_steps)
+  elif opt.schedule == "linear":
+    after = optax.linear_schedule(peak, 0.0, decay_steps)
+  else:
+    raise ValueError(f"config.optimizer.schedule: unknown {opt.schedule!r}.")
+  if warmup <= 0:
+    return after
+  return optax.join_schedules(
+      [optax.linear_schedule(0.0, peak, warmup), after], [warmup])
+
+
+def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int):
+  """The optax GradientTransformation the config describes."""
+  schedule = learning_rate_schedule(opt, num_steps)
+  if opt.name == "adafactor":
+    # Adafactor's own update clipping (threshold 1.0) stays on, as in T5.
+    core = optax.adafactor(
+        learning_rate=schedule, decay_rate=opt.decay_rate,
+        multiply_by_parameter_scale=opt.multiply_by_parameter_scale,
+        clipping_threshold=1.0)
+  elif opt.name == "adamw":
+    core = optax.adamw(learning_rate=schedule, b1=opt.b1, b2=opt.b2,
+                       eps=opt.eps, weight_decay=opt.weight_decay)
+  else:
+    raise ValueError(f"config.optimizer.name: unknown {opt.name!r}.")
+  if opt.grad_clip_norm > 0:
+    return optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), core)
+  return core
