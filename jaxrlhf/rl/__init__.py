@@ -1,0 +1,50 @@
+"""The pure-function core of online RL for language models.
+
+Modules:
+  rollout_rewards  EOS truncation, score at the last token, EOS penalty.
+  kl               per-token KL estimators (k1/k2/k3), KL-penalised rewards,
+                   fixed and adaptive KL controllers.
+  advantages       GAE, reward/advantage whitening, RLOO, GRPO, REINFORCE.
+  reductions       per-sequence / token / constant-length loss reductions.
+  ppo              PPO rollout targets, clipped policy and value losses.
+  grpo             GRPO loss with the k3 KL term and asymmetric clipping.
+  reinforce        vanilla policy-gradient loss (REINFORCE, RLOO).
+  best_of_n        best-of-N / rejection-sampling selection, best-of-N KL.
+
+Every function is a jit-compatible function of arrays; string and integer
+options are static (pass them with `static_argnames` or close over them).
+"""
+
+from jaxrlhf.rl.advantages import batch_mean_baseline
+from jaxrlhf.rl.advantages import broadcast_to_tokens
+from jaxrlhf.rl.advantages import generalized_advantage_estimation
+from jaxrlhf.rl.advantages import grpo_advantages
+from jaxrlhf.rl.advantages import reinforce_advantages
+from jaxrlhf.rl.advantages import rloo_advantages
+from jaxrlhf.rl.advantages import update_running_mean
+from jaxrlhf.rl.advantages import whiten_advantages
+from jaxrlhf.rl.advantages import whiten_rewards
+from jaxrlhf.rl.best_of_n import best_of_n_kl
+from jaxrlhf.rl.best_of_n import gather_per_prompt
+from jaxrlhf.rl.best_of_n import top_k_overall
+from jaxrlhf.rl.best_of_n import top_per_prompt
+from jaxrlhf.rl.grpo import grpo_loss
+from jaxrlhf.rl.kl import adaptive_kl_coef
+from jaxrlhf.rl.kl import fixed_kl_coef
+from jaxrlhf.rl.kl import kl_estimate
+from jaxrlhf.rl.kl import kl_penalized_sequence_rewards
+from jaxrlhf.rl.kl import per_token_rewards
+from jaxrlhf.rl.kl import sequence_kl
+from jaxrlhf.rl.ppo import clipped_surrogate
+from jaxrlhf.rl.ppo import entropy_from_logits
+from jaxrlhf.rl.ppo import explained_variance
+from jaxrlhf.rl.ppo import ppo_loss
+from jaxrlhf.rl.ppo import ppo_policy_loss
+from jaxrlhf.rl.ppo import ppo_rollout_targets
+from jaxrlhf.rl.ppo import ppo_value_loss
+from jaxrlhf.rl.reductions import reduce_token_losses
+from jaxrlhf.rl.reinforce import policy_gradient_loss
+from jaxrlhf.rl.rollout_rewards import last_token_index
+from jaxrlhf.rl.rollout_rewards import replace_score_without_eos
+from jaxrlhf.rl.rollout_rewards import score_at_last_token
+from jaxrlhf.rl.rollout_rewards import truncate_after_eos
