@@ -20,6 +20,33 @@ _CONFIG = config_flags.DEFINE_config_file(
     "config", None, "Experiment config file (path[:arg]).", lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for checkpoints, metrics and the resolved config.")
+_DISTRIBUTED = flags.DEFINE_bool(
+    "distributed", False,
+    "Join the other processes of a multi-host job with jax.distributed "
+    "(auto-detected on TPU pods and GPU clusters).")
+_COORDINATOR = flags.DEFINE_string(
+    "coordinator_address", None,
+    "host:port of process 0, for jax.distributed without auto-detection.")
+_NUM_PROCESSES = flags.DEFINE_integer("num_processes", None,
+                                      "Number of processes in the job.")
+_PROCESS_ID = flags.DEFINE_integer("process_id", None, "This process's index.")
+_CPU_COLLECTIVES = flags.DEFINE_string(
+    "cpu_collectives", None,
+    "CPU collectives implementation for multi-process CPU runs, e.g. 'gloo'.")
+
+
+def initialize_distributed():
+  """Starts jax.distributed when asked; must run before any JAX computation."""
+  import jax
+  if _CPU_COLLECTIVES.value:
+    jax.config.update("jax_cpu_collectives_implementation",
+                      _CPU_COLLECTIVES.value)
+  if _COORDINATOR.value:
+    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
+                               num_processes=_NUM_PROCESSES.value,
+                               process_id=_PROCESS_ID.value)
+  elif _DISTRIBUTED.value:
+    jax.distributed.initialize()
 
 
 def main(argv):
@@ -30,6 +57,7 @@ def main(argv):
   from jaxrlhf.train import loop
 
   logging.set_verbosity(logging.WARNING)
+  initialize_distributed()
   config = _CONFIG.value
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/quickstart.py")
@@ -48,8 +76,35 @@ def main(argv):
     print(line, flush=True)
 
 
+def _unknown_field_message(argv, error) -> str:
+  """Names the --config.* override that refers to a missing field."""
+  missing = str(error).strip("\"'")
+  for arg in argv:
+    if arg.startswith("--config."):
+      path = arg[len("--config."):].split("=", 1)[0]
+      parts = path.split(".")
+      if missing in parts:
+        parent = ".".join(parts[:parts.index(missing)]) or "config"
+        return (f"error: unknown config field '{path}' (from {arg}): "
+                f"'{parent}' has no field '{missing}'. The fields and their "
+                "documentation are in jaxrlhf/defaults.py.")
+  return f"error: bad config override: {error}"
+
+
+def _parse_flags(argv):
+  """absl's flag parsing, with a one-line error for unknown config fields."""
+  try:
+    return flags.FLAGS(argv)
+  except (AttributeError, KeyError) as e:
+    print(_unknown_field_message(argv, e), file=sys.stderr)
+    sys.exit(1)
+  except flags.Error as e:
+    print(f"error: {e}", file=sys.stderr)
+    sys.exit(1)
+
+
 def run():
-  app.run(main)
+  app.run(main, flags_parser=_parse_flags)
 
 
 if __name__ == "__main__":
