@@ -51,7 +51,7 @@ def guarded_update(state, grads, loss, tx, extra_metrics):
   A non-finite step leaves params and optimizer state untouched and reports
   `nonfinite` = 1; the loop stops the run there without saving.
   """
-  grad_norm = optax.global_norm(grads)
+  grad_norm = optax.tree.norm(grads)
   finite = jnp.isfinite(loss) & jnp.isfinite(grad_norm)
   updates, new_opt_state = tx.update(grads, state.opt_state, state.params)
   new_params = optax.apply_updates(state.params, updates)

@@ -1,0 +1,59 @@
+"""Runs a tiny SFT in this process for tests/test_distributed.py.
+
+Usage: python distributed_sft_check.py WORKDIR NUM_STEPS MESH_SHAPE
+           [PROCESS_ID NUM_PROCESSES PORT]
+MESH_SHAPE is like "4,2". With the last three arguments the process joins a
+jax.distributed job on 127.0.0.1 (gloo CPU collectives). Prints one JSON line
+with the parameter layout and a checksum of this process's parameter copy.
+"""
+
+import json
+import os
+import sys
+
+import jax
+
+workdir, num_steps, mesh_shape = sys.argv[1], int(sys.argv[2]), sys.argv[3]
+if len(sys.argv) > 4:
+  process_id, num_processes, port = map(int, sys.argv[4:7])
+  jax.config.update("jax_cpu_collectives_implementation", "gloo")
+  jax.distributed.initialize(coordinator_address=f"127.0.0.1:{port}",
+                             num_processes=num_processes, process_id=process_id)
+
+import flax.linen as nn  # noqa: E402
+import numpy as np  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import tiny_config  # noqa: E402
+from jaxrlhf import sharding  # noqa: E402
+from jaxrlhf.train import checkpointing, loop, sft  # noqa: E402
+
+shape = tuple(int(x) for x in mesh_shape.split(","))
+config = tiny_config(train__num_steps=num_steps, checkpoint__every_steps=3,
+                     mesh__shape=shape)
+summary = loop.train(config, workdir)
+
+# Restore the final checkpoint the way the loop does and report its layout.
+mesh = sharding.create_mesh(shape, config.mesh.axis_names)
+rules = sharding.as_rules(config.sharding.logical_axis_rules)
+with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  recipe = sft.SFTRecipe(config, mesh)
+  ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), 2)
+  state, position = ckpt.restore(
+      ckpt.latest_step(), checkpointing.abstract_with_shardings(
+          recipe.abstract_state, recipe.state_shardings))
+  kernel = state.params["decoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+  local = [np.asarray(s.data) for s in
+           jax.tree.leaves(jax.tree.map(lambda a: a.addressable_shards[0],
+                                        state.params))]
+  print(json.dumps({
+      "devices": jax.device_count(),
+      "process": jax.process_index(),
+      "step": int(state.step),
+      "position": position,
+      "wi_0_spec": [str(a) for a in kernel.sharding.spec],
+      "wi_0_global_shape": list(kernel.shape),
+      "wi_0_shard_shape": list(kernel.addressable_shards[0].data.shape),
+      "checksum": float(sum(np.float64(x).sum() for x in local)),
+      "gold_reward": summary.get("eval/gold_reward"),
+  }), flush=True)

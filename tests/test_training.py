@@ -1,0 +1,197 @@
+"""End-to-end behaviour of the SFT run: resume, preemption, faults, config."""
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+import time
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import orbax.checkpoint as ocp
+import pytest
+
+from conftest import REPO, cli_args, quiet_env, tiny_config
+from jaxrlhf import sharding
+from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.train import loop
+from jaxrlhf.train import sft
+from jaxrlhf.train import steps
+
+
+def _metrics(workdir):
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return [json.loads(line) for line in f]
+
+
+def _train_losses(workdir):
+  return {r["step"]: r["loss"] for r in _metrics(workdir) if "loss" in r}
+
+
+def _saved_params(workdir, step=None):
+  ckpt_dir = os.path.join(workdir, "checkpoints")
+  if step is None:
+    step = max(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
+  state = ocp.PyTreeCheckpointer().restore(
+      os.path.join(ckpt_dir, str(step), "state"))
+  return step, state["params"]
+
+
+def _main(workdir, *flags):
+  return [sys.executable, "-m", "jaxrlhf.main",
+          f"--config={REPO / 'configs' / 'quickstart.py'}",
+          f"--workdir={workdir}", *flags]
+
+
+def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path):
+  flags = cli_args(train__num_steps=150, checkpoint__every_steps=50)
+  straight, interrupted = tmp_path / "straight", tmp_path / "interrupted"
+  subprocess.run(_main(straight, *flags), check=True, env=quiet_env(),
+                 capture_output=True, cwd=REPO)
+
+  proc = subprocess.Popen(_main(interrupted, *flags), env=quiet_env(),
+                          stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                          text=True, cwd=REPO)
+  metrics_file = interrupted / "metrics.jsonl"
+  deadline = time.time() + 300
+  while time.time() < deadline and proc.poll() is None:
+    if metrics_file.exists() and any(
+        json.loads(l).get("step", 0) >= 10 for l in open(metrics_file)):
+      break
+    time.sleep(0.05)
+  proc.send_signal(signal.SIGTERM)
+  out, _ = proc.communicate(timeout=300)
+  assert proc.returncode == 0, out
+  assert "Received SIGTERM" in out and "saved a checkpoint at step" in out
+  stopped_at, _ = _saved_params(interrupted)
+  assert 10 <= stopped_at < 150, "the signal did not arrive part-way"
+
+  resumed = subprocess.run(_main(interrupted, *flags), env=quiet_env(),
+                           capture_output=True, text=True, cwd=REPO)
+  assert resumed.returncode == 0, resumed.stderr
+  assert f"Resumed from checkpoint at step {stopped_at}" in resumed.stdout
+
+  # Bit-exact on CPU: the same losses at every step and the same parameters.
+  expected = _train_losses(straight)
+  assert sorted(expected) == list(range(1, 151))
+  assert _train_losses(interrupted) == expected
+  _, a = _saved_params(straight, 150)
+  _, b = _saved_params(interrupted, 150)
+  jax.tree.map(np.testing.assert_array_equal, a, b)
+  # The resolved config was written into the workdir.
+  written = json.load(open(interrupted / "config.json"))
+  assert written["train"]["num_steps"] == 150
+  assert written["model"]["emb_dim"] == 32
+
+
+class _PoisonedRecipe(sft.SFTRecipe):
+  """SFT whose loss weights turn NaN from step 6 on."""
+
+  def _train_step(self, state, batch):
+    poison = jnp.where(state.step >= 5, jnp.nan, 1.0)
+    batch = dict(batch, decoder_loss_weights=batch["decoder_loss_weights"]
+                 * poison)
+    return super()._train_step(state, batch)
+
+
+def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path,
+                                                             monkeypatch):
+  monkeypatch.setattr(loop, "_recipes", lambda: {"sft": _PoisonedRecipe})
+  config = tiny_config(train__num_steps=12, checkpoint__every_steps=2,
+                       train__log_every=4)
+  with pytest.raises(loop.NonFiniteError, match=r"Step 6 .*non-finite.*step 4"):
+    loop.train(config, str(tmp_path))
+  step, params = _saved_params(tmp_path)
+  assert step == 4
+  assert all(np.isfinite(x).all() for x in jax.tree.leaves(params))
+  # Steps before the fault were logged; nothing at or after it.
+  assert max(_train_losses(tmp_path)) == 5
+
+
+def test_guarded_update_skips_nonfinite_gradients():
+  import optax
+  from jaxrlhf.train import state as state_lib
+  tx = optax.sgd(0.1)
+  params = {"w": jnp.ones(3)}
+  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                               opt_state=tx.init(params),
+                               rng=jax.random.PRNGKey(0))
+  good = steps.guarded_update(state, {"w": jnp.ones(3)}, jnp.float32(1.0), tx, {})
+  np.testing.assert_allclose(good[0]["w"], 0.9)
+  assert good[2]["nonfinite"] == 0
+  bad = steps.guarded_update(state, {"w": jnp.array([1.0, jnp.inf, 0.0])},
+                             jnp.float32(1.0), tx, {})
+  np.testing.assert_array_equal(bad[0]["w"], 1.0)
+  assert bad[2]["nonfinite"] == 1
+
+
+def test_half_written_checkpoint_is_never_restored(tmp_path, capsys):
+  config = tiny_config(train__num_steps=8, checkpoint__every_steps=4)
+  loop.train(config, str(tmp_path))
+  ckpts = tmp_path / "checkpoints"
+  # A save of step 12 that crashed mid-write: orbax writes into a temporary
+  # directory and renames it only once complete.
+  partial = ckpts / "12.orbax-checkpoint-tmp-1795000000"
+  shutil.copytree(ckpts / "8", partial)
+  shutil.rmtree(partial / "state")
+  config.train.num_steps = 12
+  loop.train(config, str(tmp_path))
+  assert "Resumed from checkpoint at step 8" in capsys.readouterr().out
+  assert sorted(int(d) for d in os.listdir(ckpts) if d.isdigit()) == [8, 12]
+  assert not partial.exists()
+
+
+def test_microbatches_give_the_full_batch_gradient():
+  config = tiny_config()
+  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
+  with jax.set_mesh(mesh):
+    recipe = sft.SFTRecipe(config, mesh)
+    state = recipe.init_state()
+  batch = next(recipe.train_batches(0))
+  denom = float(np.maximum(batch["decoder_loss_weights"].sum(), 1))
+
+  def loss_fn(params, mb, rng):
+    logits = recipe._logits(params, mb)
+    loss, m = sft_losses.cross_entropy_loss(
+        logits, mb["decoder_target_tokens"], mb["decoder_loss_weights"])
+    return loss * jnp.maximum(m["weight_sum"], 1.0) / denom, m
+
+  rng = jax.random.PRNGKey(0)
+  full = steps.accumulate_gradients(loss_fn, state.params, batch, rng, 1)
+  micro = steps.accumulate_gradients(loss_fn, state.params, batch, rng, 4)
+  np.testing.assert_allclose(micro[0], full[0], rtol=1e-5)
+  np.testing.assert_allclose(micro[1]["weight_sum"], full[1]["weight_sum"])
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-6),
+               micro[2], full[2])
+
+
+@pytest.mark.parametrize("flags,message", [
+    (["--config.model.no_such_field=1"],
+     "unknown config field 'model.no_such_field'"),
+    (["--config.train.num_steps=many"], "--config.train.num_steps=many"),
+    (["--config.data.task=no_such_task"],
+     "no seqio task or mixture named 'no_such_task'"),
+    (["--config.train.num_microbatches=3"],
+     "config.train.num_microbatches: 3 does not divide"),
+])
+def test_bad_config_gives_one_line_error(tmp_path, flags, message):
+  result = subprocess.run(_main(tmp_path / "run", *flags), env=quiet_env(),
+                          capture_output=True, text=True, cwd=REPO)
+  assert result.returncode == 1
+  errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
+  assert len(errors) == 1 and message in errors[0], result.stderr
+  assert "Traceback" not in result.stderr
+
+
+def test_unwritable_workdir_gives_one_line_error(tmp_path):
+  blocker = tmp_path / "file"
+  blocker.write_text("not a directory")
+  result = subprocess.run(_main(blocker / "run"), env=quiet_env(),
+                          capture_output=True, text=True, cwd=REPO)
+  assert result.returncode == 1
+  assert "is not a writable directory" in result.stderr
+  assert "Traceback" not in result.stderr
