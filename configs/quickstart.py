@@ -9,10 +9,11 @@ training; a few minutes on 2 CPU cores.
 from jaxrlhf import defaults
 
 
-def get_config():
+def get_config(size: str = "tiny"):
+  """`--config=configs/quickstart.py:small` picks another T5 size preset."""
   config = defaults.base_config()
   config.algorithm = "sft"
-  config.model.size = "tiny"
+  config.model.size = size
   config.data.task = "synthetic_summarize"
   config.train.num_steps = 600
   config.train.batch_size = 32

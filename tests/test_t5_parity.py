@@ -7,8 +7,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.eval import greedy
 from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.models import sampling
 from jaxrlhf.models import t5
 from jaxrlhf.models.t5x_checkpoint import read_t5x_checkpoint
 
@@ -46,12 +46,13 @@ def test_logits_encoder_output_and_scores_match_t5x(encdec):
 
 def test_greedy_decode_matches_t5x_predict_batch(encdec):
   model, params, e = encdec
-  tokens, finished = greedy.greedy_decode(
+  out = sampling.sample_encoder_decoder(
       model, params, jnp.asarray(e["encoder_input_tokens"]),
-      e["predict_greedy"].shape[1])
-  np.testing.assert_array_equal(tokens, e["predict_greedy"])
+      jax.random.PRNGKey(0), e["predict_greedy"].shape[1], greedy=True)
+  np.testing.assert_array_equal(out.tokens, e["predict_greedy"])
   # Row 2 of the fixture never emits EOS.
-  np.testing.assert_array_equal(finished, [True, True, False])
+  np.testing.assert_array_equal(out.has_eos, [True, True, False])
+  np.testing.assert_array_equal(out.mask, e["predict_greedy"] > 0)
 
 
 @pytest.mark.parametrize("variant,atol", [("encdec_gzip", 1e-4),

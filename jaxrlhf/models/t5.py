@@ -373,7 +373,7 @@ class Decoder(nn.Module):
 
   @nn.compact
   def __call__(self, encoded, encoder_tokens, decoder_input_tokens,
-               decoder_valid, deterministic=True):
+               decoder_valid, deterministic=True, return_hidden=False):
     cfg = self.config
     length = decoder_input_tokens.shape[-1]
     bias = RelativePositionBias(cfg.num_heads, cfg.relpos_num_buckets,
@@ -394,6 +394,8 @@ class Decoder(nn.Module):
                                          deterministic)
     y = RMSNorm(cfg.compute_dtype, name="decoder_norm")(y)
     y = _residual_dropout(cfg, y, deterministic)
+    if return_hidden:
+      return nn.with_logical_constraint(y, ("batch", "length", "embed"))
     if cfg.logits_via_embedding:
       logits = self.shared_embedding.attend(y) / np.sqrt(y.shape[-1])
     else:
@@ -417,22 +419,26 @@ class T5(nn.Module):
     return self.encoder(encoder_input_tokens, deterministic)
 
   def decode(self, encoded, encoder_input_tokens, decoder_input_tokens,
-             decoder_target_tokens=None, deterministic=True):
+             decoder_target_tokens=None, deterministic=True,
+             return_hidden=False):
     """Teacher-forced decoder logits [batch, dec_len, vocab].
 
     As in t5x, decoder self-attention masks padding from
     `decoder_target_tokens > 0`; without targets every position is valid
-    (causality alone then keeps position t from seeing later ones).
+    (causality alone then keeps position t from seeing later ones). With
+    `return_hidden` the final normalised states [batch, dec_len, emb_dim] are
+    returned instead of logits (for reward and value heads).
     """
     if decoder_target_tokens is None:
       decoder_valid = jnp.ones(decoder_input_tokens.shape, bool)
     else:
       decoder_valid = decoder_target_tokens > 0
     return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
-                        decoder_valid, deterministic)
+                        decoder_valid, deterministic, return_hidden)
 
   def __call__(self, encoder_input_tokens, decoder_input_tokens,
-               decoder_target_tokens=None, deterministic=True):
+               decoder_target_tokens=None, deterministic=True,
+               return_hidden=False):
     encoded = self.encode(encoder_input_tokens, deterministic)
     return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
-                       decoder_target_tokens, deterministic)
+                       decoder_target_tokens, deterministic, return_hidden)

@@ -16,9 +16,9 @@ import seqio
 from jaxrlhf import sharding
 from jaxrlhf.data import pipeline
 from jaxrlhf.data import tasks
-from jaxrlhf.eval import greedy
 from jaxrlhf.losses import sft as sft_losses
 from jaxrlhf.models import build_model
+from jaxrlhf.models import sampling
 from jaxrlhf.train import optimizers
 from jaxrlhf.train import state as state_lib
 from jaxrlhf.train import steps
@@ -63,9 +63,10 @@ class SFTRecipe:
         donate_argnums=0)
     self._eval_logits = jax.jit(self._logits)
     self._decode = jax.jit(
-        lambda params, tokens: greedy.greedy_decode(
-            self.model, params, tokens, config.data.targets_length,
-            self.vocabulary.eos_id))
+        lambda params, tokens: sampling.sample_encoder_decoder(
+            self.model, params, tokens, jax.random.PRNGKey(0),
+            config.data.targets_length, greedy=True,
+            eos_id=self.vocabulary.eos_id))
     self._eval_features = None
 
   # --- state ---------------------------------------------------------------
@@ -158,10 +159,9 @@ class SFTRecipe:
       correct += float(m["correct_sum"])
       weight += float(m["weight_sum"])
       if gold is not None:
-        tokens, finished = self._decode(state.params,
-                                        batch["encoder_input_tokens"])
-        tokens = _local_rows(tokens)
-        finished = _local_rows(finished)
+        samples = self._decode(state.params, batch["encoder_input_tokens"])
+        tokens = _local_rows(samples.tokens)
+        finished = _local_rows(samples.has_eos)
         for i, text in enumerate(texts[rows]):
           completion = self.vocabulary.decode(_until_eos(tokens[i]))
           reward_sum += gold(text["inputs"], completion, bool(finished[i]))
