@@ -1,0 +1,341 @@
+"""Row layouts of public alignment datasets, and a generic column layout.
+
+A layout turns one row (a dict read from JSON lines or Parquet) into zero or
+more raw examples of a data kind, or into `BadRow`s saying why it cannot.
+`row_checks.check_example` then checks each example.
+
+Layouts (what a row looks like):
+
+* "columns" (any kind): a flat row; `column_mapping` maps each field of the
+  kind to a column, e.g. {"prompt": "question", "chosen": "good",
+  "rejected": "bad", "margin": "score_gap"}. Unmapped fields use their own
+  name; a dotted column ("info.post") reads a nested object. For rankings the
+  `completions` column is a list of strings, best first. Scalars missing from
+  a row take the kind's default (`margin` 0, `confidence` 1); `reward` and
+  `label` are required; a label is true/false or 1/0.
+* "ultrafeedback" (trajectory, pairs, ranking): openbmb/UltraFeedback rows,
+  {"instruction": str, "completions": [{"response": str, "overall_score":
+  float, "fine-grained_score": float, "annotations": {aspect: {"Rating": "4",
+  ...} or [{"Rating": ...}]}, ...}, ...]} (assumed from the dataset card's
+  "Dataset Format" and the Hub rows: ratings are strings, "N/A" when the
+  annotator gave none; `overall_score` is the critique score, 1-10, as fixed
+  in the Dec 2023 revision; `fine-grained_score` the mean aspect rating,
+  1-5). The prompt is the instruction
+  alone (not the per-completion `custom_system_prompt` the responses were
+  sampled with). A completion's score is `overall_score` (option
+  `score="overall"`, the default) or `fine-grained_score`, falling back to
+  the mean of the numeric aspect Ratings ("N/A" skipped) when that field is
+  absent (`score="fine_grained"`). Kind trajectory: one example per
+  completion, reward = score, normalised to mean 0 / variance 1 over the
+  split by default as the DRO paper (section 4) does. Kind pairs: the
+  best-scored completion (random among ties) against a random strictly worse
+  one, margin = score difference (the ultrafeedback_binarized recipe); a row
+  whose completions all score the same gives no pair and is reported as
+  `no_worse_completion`. Kind ranking: completions sorted best first (stable
+  among ties). A completion with an empty response or an unusable score is
+  reported and left out; the row's other completions are kept.
+* "hh_rlhf" (pairs): Anthropic HH-RLHF rows {"chosen": dialogue, "rejected":
+  dialogue}, dialogues "\\n\\nHuman: ...\\n\\nAssistant: ...". The prompt is
+  the dialogue up to and including the last "\\n\\nAssistant:", shared by
+  both; the completions are the final assistant turns (with their leading
+  space). Rows whose two prompts differ are reported as `prompts_differ`.
+* "tldr" (pairs): OpenAI summarize_from_feedback comparison rows {"info":
+  {"post", "title", "subreddit", ...}, "summaries": [{"text": ...}, {...}],
+  "choice": 0 or 1, "extra": {"confidence": 1-9, optional}}. The prompt is
+  "SUBREDDIT: r/{subreddit}\\n\\nTITLE: {title}\\n\\nPOST: {post}\\n\\nTL;DR:"
+  ("N+ implementation details of RLHF with PPO", detail 2: no trailing
+  space); a summary gets a leading space if it has none (detail 3). When
+  the prompt exceeds `max_prompt_tokens` the post loses its last paragraph
+  (from its last newline) until it fits (detail 2; option
+  `truncate_post_paragraphs`, default True). confidence = extra.confidence /
+  `confidence_scale` (default 9, the top of the raters' scale), 1 when
+  absent. Rows without a post (the CNN/DM articles of the validation split)
+  are reported as `missing_field`.
+"""
+
+import dataclasses
+import functools
+import math
+from typing import (Any, Callable, Dict, Iterator, Mapping, Optional, Tuple,
+                    Union)
+
+import numpy as np
+
+from jaxrlhf.data import alignment_kinds as kinds_lib
+from jaxrlhf.data import row_checks
+
+BadRow = row_checks.BadRow
+as_number = row_checks.as_number
+
+
+@dataclasses.dataclass
+class RowContext:
+  """What a layout may use to turn one row into examples."""
+  kind: kinds_lib.DataKind
+  column_mapping: Mapping[str, str]
+  options: Mapping[str, Any]
+  # Tokens of a prompt as the task will hold it (EOS included if appended);
+  # None when no vocabulary was given.
+  prompt_tokens: Optional[Callable[[str], int]]
+  max_prompt_tokens: Optional[int]
+  rng_factory: Callable[[], np.random.Generator]
+
+  @functools.cached_property
+  def rng(self) -> np.random.Generator:
+    return self.rng_factory()
+
+
+RowResult = Iterator[Union[dict, BadRow]]
+
+
+def _get_path(record: Mapping[str, Any], column: str):
+  """record[column], following dots into nested objects; None if absent."""
+  value = record
+  for part in column.split("."):
+    if not isinstance(value, Mapping) or part not in value:
+      return None
+    value = value[part]
+  return value
+
+
+def _columns_layout(record, ctx: RowContext) -> RowResult:
+  example = {}
+  for field in ctx.kind.fields:
+    column = ctx.column_mapping.get(field, field)
+    value = _get_path(record, column)
+    if value is None:
+      if field in ctx.kind.scalar_fields:
+        continue  # Validation fills the default or reports a required one.
+      yield BadRow("missing_field", f"column {column!r} (field {field!r}) is "
+                   "missing or null.")
+      return
+    example[field] = value
+  for field in ctx.kind.scalar_fields:
+    column = ctx.column_mapping.get(field, field)
+    if field not in example and ctx.kind.scalar_defaults[field] is None:
+      yield BadRow("missing_field", f"column {column!r} (field {field!r}) is "
+                   "missing or null.")
+      return
+  yield example
+
+
+def _ultrafeedback_aspect_mean(annotations, what: str) -> Union[float, BadRow]:
+  if not isinstance(annotations, Mapping) or not annotations:
+    return BadRow("missing_field", f"{what}: no fine-grained_score and no "
+                  "annotations to average.")
+  ratings = []
+  for aspect in annotations.values():
+    entries = aspect if isinstance(aspect, list) else [aspect]
+    for entry in entries:
+      rating = entry.get("Rating") if isinstance(entry, Mapping) else None
+      try:
+        rating = float(rating)
+      except (TypeError, ValueError):
+        continue  # "N/A" and absent ratings do not count.
+      if math.isfinite(rating):
+        ratings.append(rating)
+  if not ratings:
+    return BadRow("non_finite_reward", f"{what}: no numeric aspect Rating to "
+                  "average.")
+  return sum(ratings) / len(ratings)
+
+
+def _ultrafeedback_score(completion: Mapping[str, Any], index: int,
+                         score: str) -> Union[float, BadRow]:
+  if score == "overall":
+    return as_number(completion.get("overall_score"),
+                      f"completions[{index}].overall_score")
+  value = completion.get("fine-grained_score")
+  if value is None:
+    return _ultrafeedback_aspect_mean(completion.get("annotations"),
+                                      f"completions[{index}]")
+  return as_number(value, f"completions[{index}].fine-grained_score")
+
+
+def _ultrafeedback_layout(record, ctx: RowContext) -> RowResult:
+  score_kind = ctx.options["score"]
+  instruction = record.get("instruction")
+  completions = record.get("completions")
+  if instruction is None:
+    yield BadRow("missing_field", "'instruction' is missing or null.")
+    return
+  if not isinstance(completions, list):
+    yield BadRow("missing_field", "'completions' is missing or not a list.")
+    return
+  scored = []  # (score, response) of the usable completions, in file order.
+  for i, completion in enumerate(completions):
+    if not isinstance(completion, Mapping):
+      yield BadRow("wrong_type", f"completions[{i}] is not an object.")
+      continue
+    response = completion.get("response")
+    if response is None:
+      yield BadRow("missing_field", f"completions[{i}].response is missing.")
+      continue
+    if not isinstance(response, str):
+      yield BadRow("wrong_type", f"completions[{i}].response is not a string.")
+      continue
+    if not response.strip():
+      yield BadRow("empty_completion", f"completions[{i}].response is empty.")
+      continue
+    value = _ultrafeedback_score(completion, i, score_kind)
+    if isinstance(value, BadRow):
+      yield value
+      continue
+    scored.append((value, response))
+  kind = ctx.kind.name
+  if kind == "trajectory":
+    for value, response in scored:
+      yield {"prompt": instruction, "completion": response, "reward": value}
+  elif kind == "ranking":
+    order = sorted(range(len(scored)), key=lambda j: -scored[j][0])
+    yield {"prompt": instruction, "completions": [scored[j][1] for j in order]}
+  elif kind == "pairs":
+    if len(scored) < 2:
+      yield BadRow("too_few_completions", f"{len(scored)} usable "
+                   "completion(s); a pair needs 2.")
+      return
+    scores = np.array([s for s, _ in scored])
+    best = np.flatnonzero(scores == scores.max())
+    worse = np.flatnonzero(scores < scores.max())
+    if not worse.size:
+      yield BadRow("no_worse_completion", f"all {len(scored)} completions "
+                   f"score {scores.max():g}; no pair has a preference.")
+      return
+    chosen = int(ctx.rng.choice(best))
+    rejected = int(ctx.rng.choice(worse))
+    yield {"prompt": instruction, "chosen": scored[chosen][1],
+           "rejected": scored[rejected][1],
+           "margin": float(scores[chosen] - scores[rejected])}
+
+
+HH_ASSISTANT = "\n\nAssistant:"
+
+
+def split_hh_dialogue(dialogue: str) -> Optional[Tuple[str, str]]:
+  """(prompt up to and including the last "\\n\\nAssistant:", final turn)."""
+  cut = dialogue.rfind(HH_ASSISTANT)
+  if cut < 0:
+    return None
+  cut += len(HH_ASSISTANT)
+  return dialogue[:cut], dialogue[cut:]
+
+
+def _hh_layout(record, ctx: RowContext) -> RowResult:
+  del ctx
+  parts = {}
+  for field in ("chosen", "rejected"):
+    dialogue = record.get(field)
+    if dialogue is None:
+      yield BadRow("missing_field", f"{field!r} is missing or null.")
+      return
+    if not isinstance(dialogue, str):
+      yield BadRow("wrong_type", f"{field!r} is not a string.")
+      return
+    split = split_hh_dialogue(dialogue)
+    if split is None:
+      yield BadRow("unparsable_dialogue", f"{field!r} has no "
+                   f"{HH_ASSISTANT!r} turn.")
+      return
+    parts[field] = split
+  if parts["chosen"][0] != parts["rejected"][0]:
+    yield BadRow("prompts_differ", "the chosen and rejected dialogues differ "
+                 "before their last assistant turn.")
+    return
+  yield {"prompt": parts["chosen"][0], "chosen": parts["chosen"][1],
+         "rejected": parts["rejected"][1]}
+
+
+def format_tldr_prompt(subreddit: str, title: str, post: str) -> str:
+  """The TL;DR query ("N+ implementation details", detail 2)."""
+  return f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+
+
+def _tldr_layout(record, ctx: RowContext) -> RowResult:
+  info = record.get("info")
+  if not isinstance(info, Mapping):
+    yield BadRow("missing_field", "'info' is missing or not an object.")
+    return
+  fields = {}
+  for name in ("subreddit", "title", "post"):
+    value = info.get(name)
+    if value is None:
+      yield BadRow("missing_field", f"info.{name} is missing or null.")
+      return
+    if not isinstance(value, str):
+      yield BadRow("wrong_type", f"info.{name} is not a string.")
+      return
+    fields[name] = value
+  summaries = record.get("summaries")
+  if not isinstance(summaries, list) or len(summaries) != 2:
+    yield BadRow("missing_field", "'summaries' must be a list of 2 objects.")
+    return
+  texts = []
+  for i, summary in enumerate(summaries):
+    text = summary.get("text") if isinstance(summary, Mapping) else None
+    if not isinstance(text, str):
+      yield BadRow("missing_field", f"summaries[{i}].text is missing.")
+      return
+    # Detail 3: a space between "TL;DR:" and the summary.
+    texts.append(text if text[:1].isspace() else " " + text)
+  choice = record.get("choice")
+  if isinstance(choice, bool) or choice not in (0, 1):
+    yield BadRow("bad_label", f"'choice' must be 0 or 1, got {choice!r}.")
+    return
+  post = fields["post"]
+  prompt = format_tldr_prompt(fields["subreddit"], fields["title"], post)
+  if (ctx.options["truncate_post_paragraphs"] and ctx.max_prompt_tokens
+      and ctx.prompt_tokens is not None):
+    # Detail 2: drop the post's last paragraph rather than cut a sentence.
+    while (ctx.prompt_tokens(prompt) > ctx.max_prompt_tokens
+           and "\n" in post):
+      post = post[:post.rfind("\n")].rstrip()
+      prompt = format_tldr_prompt(fields["subreddit"], fields["title"], post)
+  example = {"prompt": prompt, "chosen": texts[choice],
+             "rejected": texts[1 - choice]}
+  extra = record.get("extra")
+  confidence = extra.get("confidence") if isinstance(extra, Mapping) else None
+  if confidence is not None:
+    value = as_number(confidence, "extra.confidence")
+    if isinstance(value, BadRow):
+      yield value
+      return
+    example["confidence"] = value / ctx.options["confidence_scale"]
+  yield example
+
+
+@dataclasses.dataclass(frozen=True)
+class Layout:
+  name: str
+  parse: Callable[[Mapping[str, Any], RowContext], RowResult]
+  kinds: Tuple[str, ...]
+  option_defaults: Mapping[str, Any]
+  # Normalise rewards unless told otherwise (DRO paper on UltraFeedback).
+  normalizes_rewards: bool = False
+
+
+LAYOUTS: Dict[str, Layout] = {
+    layout.name: layout for layout in (
+        Layout("columns", _columns_layout, tuple(kinds_lib.KINDS), {}),
+        Layout("ultrafeedback", _ultrafeedback_layout,
+               ("trajectory", "pairs", "ranking"), {"score": "overall"},
+               normalizes_rewards=True),
+        Layout("hh_rlhf", _hh_layout, ("pairs",), {}),
+        Layout("tldr", _tldr_layout, ("pairs",),
+               {"truncate_post_paragraphs": True, "confidence_scale": 9.0}),
+    )}
+
+
+def check_layout_options(layout: Layout, options: Mapping[str, Any]):
+  unknown = set(options) - set(layout.option_defaults)
+  if unknown:
+    raise ValueError(
+        f"layout_options: {sorted(unknown)} not understood by layout "
+        f"{layout.name!r}; its options are {sorted(layout.option_defaults)}.")
+  merged = {**layout.option_defaults, **options}
+  if layout.name == "ultrafeedback" and merged["score"] not in (
+      "overall", "fine_grained"):
+    raise ValueError("layout_options['score'] must be 'overall' or "
+                     f"'fine_grained', got {merged['score']!r}.")
+  if layout.name == "tldr" and not merged["confidence_scale"] > 0:
+    raise ValueError("layout_options['confidence_scale'] must be > 0.")
+  return merged

@@ -1,0 +1,440 @@
+"""seqio sources for alignment data in the file layouts researchers have.
+
+A source reads JSON-lines or Parquet files once (local paths, globs, or any
+path `tf.io.gfile` opens, e.g. gs://), turns each row into examples of one
+data kind (`alignment_kinds`) following a *layout*, checks every example,
+optionally normalises rewards, and serves the examples as a
+`seqio.DataSource`. Tasks built on it (`alignment_data.register_file_task`)
+read like any registered seqio task.
+
+File formats: `.jsonl`, `.json` (one JSON object per line, as in the TL;DR
+comparison files), `.parquet`; `.gz` after either JSON suffix is gunzipped.
+Row numbers in messages count from 1 (the line number of a JSON-lines file).
+
+The layouts ("columns", "ultrafeedback", "hh_rlhf", "tldr") are described in
+`file_layouts`; the bad-row policy and reasons in `row_checks`: a bad row is
+never dropped silently; it raises `BadRowError` with its file and row
+(`on_bad_row="raise"`, the default) or is skipped, counted by reason
+(`bad_row_counts(split)`), kept with its message (`bad_rows(split)`) and
+summarised in a log line when the split is loaded
+(`on_bad_row="skip_and_report"`).
+"""
+
+import dataclasses
+import functools
+import gzip
+import json
+import logging
+from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence,
+                    Tuple, Union)
+
+import numpy as np
+import seqio
+import tensorflow as tf
+
+from jaxrlhf.data import alignment_kinds as kinds_lib
+from jaxrlhf.data import file_layouts
+from jaxrlhf.data import row_checks
+
+BadRow = row_checks.BadRow
+BadRowError = row_checks.BadRowError
+BadRowRecord = row_checks.BadRowRecord
+
+ON_BAD_ROW = ("raise", "skip_and_report")
+FILE_FORMATS = ("jsonl", "parquet")
+# How many bad-row messages a source keeps per split (all are counted).
+MAX_KEPT_BAD_ROWS = 1000
+LAYOUTS = file_layouts.LAYOUTS
+
+
+# --- readers -----------------------------------------------------------------
+
+
+def file_format_of(path: str, file_format: Optional[str] = None) -> str:
+  if file_format is not None:
+    if file_format not in FILE_FORMATS:
+      raise ValueError(f"file_format={file_format!r}; expected one of "
+                       f"{FILE_FORMATS}.")
+    return file_format
+  name = path[:-3] if path.endswith(".gz") else path
+  if name.endswith((".jsonl", ".json")):
+    return "jsonl"
+  if name.endswith(".parquet"):
+    return "parquet"
+  raise ValueError(f"{path}: cannot tell the file format from the suffix; "
+                   "use .jsonl/.json/.parquet or pass file_format='jsonl' or "
+                   "'parquet'.")
+
+
+def _read_jsonl(path: str) -> Iterator[Tuple[int, Union[dict, BadRow]]]:
+  with tf.io.gfile.GFile(path, "rb") as raw:
+    stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
+    for line_number, line in enumerate(stream, start=1):
+      if not line.strip():
+        continue  # Blank lines (e.g. a trailing newline) are not rows.
+      try:
+        record = json.loads(line)
+      except ValueError as e:
+        yield line_number, BadRow("invalid_json", f"not valid JSON ({e}).")
+        continue
+      if not isinstance(record, dict):
+        yield line_number, BadRow(
+            "invalid_json", f"a row must be a JSON object, got "
+            f"{type(record).__name__}.")
+        continue
+      yield line_number, record
+
+
+def _read_parquet(path: str) -> Iterator[Tuple[int, dict]]:
+  try:
+    # pylint: disable=g-import-not-at-top
+    import pyarrow as pa
+    import pyarrow.parquet as pq
+  except ImportError as e:
+    raise ImportError(f"{path}: reading Parquet needs pyarrow; "
+                      "`pip install pyarrow`.") from e
+  if "://" in path:
+    # pyarrow cannot read through a GFile; remote files (gs://...) are read
+    # into memory whole.
+    with tf.io.gfile.GFile(path, "rb") as f:
+      target = pa.BufferReader(f.read())
+  else:
+    target = path
+  row = 0
+  for batch in pq.ParquetFile(target).iter_batches(batch_size=1024):
+    for record in batch.to_pylist():
+      row += 1
+      yield row, record
+
+
+def read_rows(path: str, file_format: Optional[str] = None
+              ) -> Iterator[Tuple[int, Union[dict, BadRow]]]:
+  """(row number from 1, row dict or BadRow) for each row of one file."""
+  if file_format_of(path, file_format) == "jsonl":
+    return _read_jsonl(path)
+  return _read_parquet(path)
+
+
+def expand_paths(paths: Union[str, Sequence[str]]) -> List[str]:
+  """Files named by paths or glob patterns, each pattern's matches sorted."""
+  if isinstance(paths, str):
+    paths = [paths]
+  files = []
+  for pattern in paths:
+    if any(c in pattern for c in "*?["):
+      matches = sorted(tf.io.gfile.glob(pattern))
+      if not matches:
+        raise FileNotFoundError(f"no file matches {pattern!r}.")
+      files.extend(matches)
+    else:
+      if not tf.io.gfile.exists(pattern):
+        raise FileNotFoundError(f"{pattern}: no such file.")
+      files.append(pattern)
+  return files
+
+
+# --- the source --------------------------------------------------------------
+
+
+@dataclasses.dataclass
+class SplitData:
+  """The checked examples of one split and what was left out."""
+  columns: Dict[str, Any]
+  num_examples: int
+  num_rows: int
+  bad_row_counts: Dict[str, int]
+  bad_rows: List[BadRowRecord]
+  files: List[str]
+
+
+@dataclasses.dataclass(frozen=True)
+class RewardStats:
+  """Mean and standard deviation (ddof 0) of the raw rewards of `split`."""
+  mean: float
+  std: float
+  count: int
+  split: str
+
+
+def _normalize_splits(paths) -> Dict[str, Union[str, Sequence[str]]]:
+  if isinstance(paths, Mapping):
+    if not paths:
+      raise ValueError("paths: the split -> files mapping is empty.")
+    return dict(paths)
+  return {"train": paths}
+
+
+class AlignmentFileSource(seqio.DataSource):
+  """Examples of one kind read from files of one layout; see module doc.
+
+  Args:
+    paths: a file, a glob, a list of them (the "train" split), or a mapping
+      split -> file(s).
+    kind: the data kind ("pairs", "ranking", "trajectory", "thumbs").
+    layout: "columns", "ultrafeedback", "hh_rlhf" or "tldr".
+    column_mapping: for layout "columns": kind field -> column name.
+    layout_options: layout-specific options (see `file_layouts`).
+    vocabulary: the task's vocabulary; needed for token limits and TL;DR
+      paragraph truncation.
+    prompt_add_eos: whether the task appends EOS to prompts (counted against
+      `max_prompt_tokens`).
+    max_prompt_tokens: prompts with more tokens are bad rows. Register the
+      task with the same number as its "prompt" feature length.
+    max_completion_tokens: completions with more tokens (EOS included) are
+      bad rows; None lets seqio truncate them (and then append EOS).
+    min_completions, max_completions: bounds on the K of a ranking.
+    normalize_rewards: shift and scale rewards to mean 0 and variance 1, with
+      statistics from the "train" split if there is one (applied to every
+      split) and from the split itself otherwise. None: the layout's default
+      (on for UltraFeedback trajectories, off otherwise).
+    on_bad_row: "raise" or "skip_and_report".
+    seed: seed of the layouts' random choices (UltraFeedback pairs) and of
+      the default shuffle.
+    file_format: "jsonl" or "parquet" when the suffix does not say.
+  """
+
+  def __init__(self, paths, *, kind, layout: str = "columns",
+               column_mapping: Optional[Mapping[str, str]] = None,
+               layout_options: Optional[Mapping[str, Any]] = None,
+               vocabulary: Optional[seqio.Vocabulary] = None,
+               prompt_add_eos: bool = True,
+               max_prompt_tokens: Optional[int] = None,
+               max_completion_tokens: Optional[int] = None,
+               min_completions: int = 2,
+               max_completions: Optional[int] = None,
+               normalize_rewards: Optional[bool] = None,
+               on_bad_row: str = "raise", seed: int = 0,
+               file_format: Optional[str] = None):
+    self.kind = kinds_lib.get_kind(kind)
+    if layout not in LAYOUTS:
+      raise ValueError(f"unknown layout {layout!r}; expected one of "
+                       f"{sorted(LAYOUTS)}.")
+    self.layout = LAYOUTS[layout]
+    if self.kind.name not in self.layout.kinds:
+      raise ValueError(f"layout {layout!r} gives kinds {self.layout.kinds}, "
+                       f"not {self.kind.name!r}.")
+    self.layout_options = file_layouts.check_layout_options(
+        self.layout, dict(layout_options or {}))
+    self.column_mapping = dict(column_mapping or {})
+    if self.column_mapping and layout != "columns":
+      raise ValueError(f"column_mapping applies to layout 'columns', not "
+                       f"{layout!r}.")
+    unknown = set(self.column_mapping) - set(self.kind.fields)
+    if unknown:
+      raise ValueError(f"column_mapping: {sorted(unknown)} are not fields of "
+                       f"kind {self.kind.name!r}; its fields are "
+                       f"{list(self.kind.fields)}.")
+    if on_bad_row not in ON_BAD_ROW:
+      raise ValueError(f"on_bad_row={on_bad_row!r}; expected one of "
+                       f"{ON_BAD_ROW}.")
+    if (max_prompt_tokens is not None or max_completion_tokens is not None
+       ) and vocabulary is None:
+      raise ValueError("max_prompt_tokens/max_completion_tokens need the "
+                       "vocabulary to count tokens; pass vocabulary=.")
+    if normalize_rewards is None:
+      normalize_rewards = (self.layout.normalizes_rewards
+                           and self.kind.name == "trajectory")
+    if normalize_rewards and "reward" not in self.kind.scalar_fields:
+      raise ValueError(f"normalize_rewards applies to kind 'trajectory', not "
+                       f"{self.kind.name!r}.")
+    self.normalize_rewards = normalize_rewards
+    self.on_bad_row = on_bad_row
+    self.seed = seed
+    self.file_format = file_format
+    self.vocabulary = vocabulary
+    self.prompt_add_eos = prompt_add_eos
+    self.max_prompt_tokens = max_prompt_tokens
+    self._limits = row_checks.ExampleLimits(
+        prompt_tokens=self._count_prompt_tokens if vocabulary else None,
+        completion_tokens=self._count_completion_tokens if vocabulary else None,
+        max_prompt_tokens=max_prompt_tokens,
+        max_completion_tokens=max_completion_tokens,
+        min_completions=min_completions, max_completions=max_completions)
+    self._split_paths = _normalize_splits(paths)
+    self._raw: Dict[str, SplitData] = {}
+    self._loaded: Dict[str, SplitData] = {}
+    self._reward_stats: Dict[str, RewardStats] = {}
+    super().__init__(splits=tuple(self._split_paths),
+                     num_input_examples=None, caching_permitted=True)
+
+  # --- token counts --------------------------------------------------------
+
+  def _count_prompt_tokens(self, text: str) -> int:
+    return len(self.vocabulary.encode(text)) + int(self.prompt_add_eos)
+
+  def _count_completion_tokens(self, text: str) -> int:
+    return len(self.vocabulary.encode(text)) + 1  # + EOS
+
+  # --- reading -------------------------------------------------------------
+
+  def _check_split(self, split: str):
+    if split not in self._split_paths:
+      raise ValueError(f"split {split!r} not in this source's splits "
+                       f"{list(self._split_paths)}.")
+
+  def _read_split(self, split: str) -> SplitData:
+    """Reads, parses and checks every row of a split's files (one pass)."""
+    files = expand_paths(self._split_paths[split])
+    examples: List[dict] = []
+    counts: Dict[str, int] = {}
+    kept: List[BadRowRecord] = []
+    num_rows = 0
+    for file_index, path in enumerate(files):
+      for row, record in read_rows(path, self.file_format):
+        num_rows += 1
+        if isinstance(record, BadRow):
+          results = [record]
+        else:
+          ctx = file_layouts.RowContext(
+              kind=self.kind, column_mapping=self.column_mapping,
+              options=self.layout_options,
+              prompt_tokens=self._limits.prompt_tokens,
+              max_prompt_tokens=self.max_prompt_tokens,
+              rng_factory=functools.partial(
+                  np.random.default_rng, [self.seed, file_index, row]))
+          results = [
+              item if isinstance(item, BadRow)
+              else row_checks.check_example(item, self.kind, self._limits)
+              for item in self.layout.parse(record, ctx)]
+        for item in results:
+          if isinstance(item, BadRow):
+            record_ = BadRowRecord(path, row, item.reason, item.detail)
+            if self.on_bad_row == "raise":
+              raise BadRowError(
+                  f"{record_} Fix the file, or pass "
+                  "on_bad_row='skip_and_report' to skip such rows and count "
+                  "them.")
+            counts[item.reason] = counts.get(item.reason, 0) + 1
+            if len(kept) < MAX_KEPT_BAD_ROWS:
+              kept.append(record_)
+          else:
+            examples.append(item)
+    columns = {field: [ex[field] for ex in examples]
+               for field in self.kind.fields}
+    data = SplitData(columns=columns, num_examples=len(examples),
+                     num_rows=num_rows, bad_row_counts=counts, bad_rows=kept,
+                     files=files)
+    self._log_summary(split, data)
+    if not examples:
+      raise ValueError(
+          f"split {split!r} of {files}: no usable example in {num_rows} rows "
+          f"(bad rows by reason: {counts}). Check the layout "
+          f"({self.layout.name!r}) and kind ({self.kind.name!r}).")
+    return data
+
+  def _log_summary(self, split: str, data: SplitData):
+    if data.bad_row_counts:
+      reasons = ", ".join(f"{k}={v}" for k, v in
+                          sorted(data.bad_row_counts.items()))
+      first = f" First: {data.bad_rows[0]}" if data.bad_rows else ""
+      logging.warning(
+          "%s split %r: %d examples from %d rows of %d file(s); skipped %d "
+          "bad rows/completions (%s).%s", self.layout.name, split,
+          data.num_examples, data.num_rows, len(data.files),
+          sum(data.bad_row_counts.values()), reasons, first)
+    else:
+      logging.info("%s split %r: %d examples from %d rows of %d file(s).",
+                   self.layout.name, split, data.num_examples, data.num_rows,
+                   len(data.files))
+
+  def _raw_split(self, split: str) -> SplitData:
+    self._check_split(split)
+    if split not in self._raw:
+      self._raw[split] = self._read_split(split)
+    return self._raw[split]
+
+  def reward_stats(self, split: str = "train") -> Optional[RewardStats]:
+    """The statistics `split`'s rewards are normalised with (None when not
+    normalising): the "train" split's if the source has one, else its own."""
+    if not self.normalize_rewards:
+      return None
+    self._check_split(split)
+    stats_split = "train" if "train" in self._split_paths else split
+    if stats_split not in self._reward_stats:
+      self._reward_stats[stats_split] = self._stats_of(stats_split)
+    return self._reward_stats[stats_split]
+
+  def _stats_of(self, split: str) -> RewardStats:
+    rewards = np.asarray(self._raw_split(split).columns["reward"], np.float64)
+    std = float(rewards.std())
+    if not std > 0:
+      raise ValueError(f"normalize_rewards: the rewards of split {split!r} "
+                       f"all equal {rewards[0]:g}; they cannot be scaled to "
+                       "variance 1. Pass normalize_rewards=False.")
+    return RewardStats(mean=float(rewards.mean()), std=std,
+                       count=int(rewards.size), split=split)
+
+  def load(self, split: str) -> SplitData:
+    """The checked (and normalised) examples of a split; read once."""
+    if split not in self._loaded:
+      data = self._raw_split(split)
+      if self.normalize_rewards:
+        stats = self.reward_stats(split)
+        rewards = np.asarray(data.columns["reward"], np.float64)
+        data = dataclasses.replace(data, columns={
+            **data.columns, "reward": list((rewards - stats.mean) / stats.std)})
+      self._loaded[split] = data
+    return self._loaded[split]
+
+  def bad_row_counts(self, split: str = "train") -> Dict[str, int]:
+    """Bad rows (or completions) of a split by reason."""
+    return dict(self._raw_split(split).bad_row_counts)
+
+  def bad_rows(self, split: str = "train") -> List[BadRowRecord]:
+    """The first MAX_KEPT_BAD_ROWS bad rows of a split, with messages."""
+    return list(self._raw_split(split).bad_rows)
+
+  def examples(self, split: str = "train") -> List[dict]:
+    """The split's examples as dicts of Python values, in file order."""
+    columns = self.load(split).columns
+    return [dict(zip(columns, values)) for values in zip(*columns.values())]
+
+  # --- seqio.DataSource ----------------------------------------------------
+
+  @property
+  def supports_arbitrary_sharding(self) -> bool:
+    return True
+
+  def list_shards(self, split: str) -> Sequence[str]:
+    self._check_split(split)
+    return expand_paths(self._split_paths[split])
+
+  def num_input_examples(self, split: str) -> Optional[int]:
+    return self.load(split).num_examples
+
+  def get_dataset(self, split: str = "train", shuffle: bool = True,
+                  seed: Optional[int] = None,
+                  shard_info: Optional[seqio.ShardInfo] = None,
+                  *, sequence_length=None, use_cached=False, num_epochs=1
+                  ) -> tf.data.Dataset:
+    del sequence_length, use_cached, num_epochs  # Unused by sources.
+    data = self.load(split)
+    index = np.arange(data.num_examples)
+    if shard_info is not None:
+      index = index[shard_info.index::shard_info.num_shards]
+    tensors = {}
+    for field in self.kind.fields:
+      values = data.columns[field]
+      if field in self.kind.scalar_fields:
+        tensors[field] = np.asarray(values, np.float32)[index]
+      elif self.kind.ranked and field in self.kind.completion_fields:
+        rows = [values[i] for i in index]
+        tensors[field] = tf.RaggedTensor.from_row_lengths(
+            np.array([t for r in rows for t in r], dtype=object),
+            np.array([len(r) for r in rows], np.int64))
+      else:
+        tensors[field] = np.array([values[i] for i in index], dtype=object)
+    ds = tf.data.Dataset.from_tensor_slices(tensors)
+    if self.kind.ranked:
+      # Slices of a ragged tensor come out as ragged_rank-0 specs; an identity
+      # map makes them plain [n] string tensors for seqio's tokenizer.
+      ds = ds.map(lambda ex: dict(ex))
+    if shuffle:
+      ds = ds.shuffle(max(len(index), 1),
+                      seed=self.seed if seed is None else seed,
+                      reshuffle_each_iteration=True)
+    return ds
+
+  def __repr__(self):
+    return (f"{type(self).__name__}(kind={self.kind.name!r}, "
+            f"layout={self.layout.name!r}, splits={self._split_paths})")
