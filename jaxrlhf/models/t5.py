@@ -83,7 +83,9 @@ def t5_config(size: str, **overrides) -> T5Config:
   return T5Config(**{**T5_PRESETS[size], **overrides})
 
 
+# t5x: truncated normal for MLP and output kernels, normal for attention.
 _kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
+_attention_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
 
 
 class RMSNorm(nn.Module):
@@ -214,9 +216,9 @@ class MultiHeadAttention(nn.Module):
     features = self.num_heads * self.head_dim
     # 1/sqrt(head_dim) is folded into the query initialisation, not the logits.
     depth_scaling = np.sqrt(self.head_dim).astype(np.float32)
-    query_init = lambda *a: _kernel_init(*a) / depth_scaling
+    query_init = lambda *a: _attention_init(*a) / depth_scaling
     project = functools.partial(Dense, features, ("embed", "joined_kv"),
-                                dtype=self.dtype)
+                                dtype=self.dtype, kernel_init=_attention_init)
     batch, q_len, k_len = inputs_q.shape[0], inputs_q.shape[1], inputs_kv.shape[1]
     query = project(kernel_init=query_init, name="query")(inputs_q)
     key = project(name="key")(inputs_kv)
@@ -238,7 +240,7 @@ class MultiHeadAttention(nn.Module):
     out = out.reshape(batch, q_len, features)
     out = nn.with_logical_constraint(out, ("batch", "length", "joined_kv"))
     return Dense(inputs_q.shape[-1], ("joined_kv", "embed"), dtype=self.dtype,
-                 name="out")(out)
+                 kernel_init=_attention_init, name="out")(out)
 
 
 _ACTIVATIONS = {
@@ -328,7 +330,7 @@ _REMAT_POLICIES = {
 }
 
 
-def _maybe_remat(layer_cls, policy_name, deterministic_argnum):
+def maybe_remat(layer_cls, policy_name, deterministic_argnum):
   if policy_name == "none":
     return layer_cls
   if policy_name not in _REMAT_POLICIES:
@@ -360,7 +362,7 @@ class Encoder(nn.Module):
     x = self.shared_embedding(tokens)
     x = _residual_dropout(cfg, x, deterministic)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    layer = _maybe_remat(EncoderLayer, cfg.remat_policy, 3)
+    layer = maybe_remat(EncoderLayer, cfg.remat_policy, 3)
     for i in range(cfg.num_encoder_layers):
       x = layer(cfg, name=f"layers_{i}")(x, bias, deterministic)
     x = RMSNorm(cfg.compute_dtype, name="encoder_norm")(x)
@@ -388,7 +390,7 @@ class Decoder(nn.Module):
     y = self.shared_embedding(decoder_input_tokens)
     y = _residual_dropout(cfg, y, deterministic)
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
-    layer = _maybe_remat(DecoderLayer, cfg.remat_policy, 5)
+    layer = maybe_remat(DecoderLayer, cfg.remat_policy, 5)
     for i in range(cfg.num_decoder_layers):
       y = layer(cfg, name=f"layers_{i}")(y, encoded, self_bias, cross_bias,
                                          deterministic)

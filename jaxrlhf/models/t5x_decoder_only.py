@@ -1,0 +1,408 @@
+"""t5x's decoder-only Transformer in Flax Linen, with its parameter layout.
+
+The parameter tree is exactly that of t5x's
+`examples/decoder_only/network.py` `DecoderWrapper`: every parameter lives
+under the top-level scope `decoder/` (`decoder/token_embedder/embedding`,
+`decoder/relpos_bias/rel_embedding`, `decoder/layers_{i}/...`,
+`decoder/decoder_norm/scale`, and `decoder/logits_dense/kernel` when the
+output layer is not tied). A t5x checkpoint read with
+`jaxrlhf.models.t5x_checkpoint.read_t5x_checkpoint` loads unchanged:
+
+  params = read_t5x_checkpoint(path)['params']        # {'decoder': {...}}
+  logits = T5xDecoderOnly(config).apply({'params': params},
+                                        decoder_input_tokens,
+                                        decoder_target_tokens)
+
+The numerics are t5x's (see `../shared/fixtures/t5x/README.md`): pre-norm
+RMSNorm layers with one self-attention and one MLP each, one unidirectional
+relative-position bias table shared by all layers, unscaled dot-product
+attention, masks as an additive -1e10, and, with `logits_via_embedding`,
+logits = h @ embedding^T / sqrt(emb_dim) in float32. The building blocks are
+those of `jaxrlhf.models.t5`.
+
+The attention mask is t5x's `make_decoder_mask`: causal, AND padding taken
+from `decoder_target_tokens > 0`, AND (with packing) equal segment ids; with
+`decoder_causal_attention` (the prefix-LM mode, t5x's
+`inputs_bidirectional_attention=True`) positions inside that prefix region also
+see each other bidirectionally.
+
+Besides the module, this file has the t5x `DecoderOnlyModel` computations that
+need no KV cache: `token_scores` / `score_batch` and a re-forwarding greedy
+`greedy_continuation` that reproduces `predict_batch` with temperature 0.
+"""
+
+import dataclasses
+from typing import Any, Mapping, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.models import t5
+from jaxrlhf.models.t5 import Dense
+from jaxrlhf.models.t5 import Embed
+from jaxrlhf.models.t5 import MlpBlock
+from jaxrlhf.models.t5 import MultiHeadAttention
+from jaxrlhf.models.t5 import RelativePositionBias
+from jaxrlhf.models.t5 import RMSNorm
+from jaxrlhf.models.t5 import attention_mask
+
+Array = jax.Array
+# t5x's additive bias for masked attention logits, in the activation dtype.
+_MASK_VALUE = -1e10
+
+
+@dataclasses.dataclass(frozen=True)
+class T5xDecoderOnlyConfig:
+  """Hyper-parameters; field names are t5x's decoder_only TransformerConfig's.
+
+  The defaults are t5x's, except `dropout_rate` (0.0 here, 0.1 there) and the
+  fields t5x fixes in its network code (relative-position buckets and
+  distance), which are configurable here with t5x's values as defaults.
+  """
+  vocab_size: int = 32128
+  emb_dim: int = 512
+  num_heads: int = 8
+  num_layers: int = 6
+  head_dim: int = 64
+  mlp_dim: int = 2048
+  # ("relu",) is t5x's default; ("gelu", "linear") the gated GELU of its gin
+  # files.
+  mlp_activations: Sequence[str] = ("relu",)
+  dropout_rate: float = 0.0
+  # True: the output layer is the token embedding transposed, scaled by
+  # 1/sqrt(emb_dim); False: a separate `logits_dense` [emb, vocab].
+  logits_via_embedding: bool = False
+  # Compute dtype; parameters stay float32, logits are float32.
+  dtype: str = "float32"
+  float32_attention_logits: bool = False
+  relpos_num_buckets: int = 32
+  relpos_max_distance: int = 128
+  # Rematerialise each layer in the backward pass ("none", "full",
+  # "dots_saveable", "nothing_saveable").
+  remat_policy: str = "none"
+
+  def __post_init__(self):
+    for name in ("vocab_size", "emb_dim", "num_heads", "num_layers",
+                 "head_dim", "mlp_dim", "relpos_num_buckets",
+                 "relpos_max_distance"):
+      value = getattr(self, name)
+      if not isinstance(value, (int, np.integer)) or value <= 0:
+        raise ValueError(f"T5xDecoderOnlyConfig.{name} must be a positive "
+                         f"integer, got {value!r}.")
+    if isinstance(self.mlp_activations, str):
+      raise ValueError("T5xDecoderOnlyConfig.mlp_activations must be a "
+                       f"sequence of names such as ('gelu', 'linear'), got the "
+                       f"string {self.mlp_activations!r}.")
+    try:
+      jnp.dtype(self.dtype)
+    except TypeError as e:
+      raise ValueError(f"T5xDecoderOnlyConfig.dtype={self.dtype!r} is not a "
+                       "dtype name (e.g. 'float32', 'bfloat16').") from e
+
+  @property
+  def compute_dtype(self):
+    return jnp.dtype(self.dtype)
+
+  @classmethod
+  def from_t5x(cls, transformer_config: Mapping[str, Any], **overrides):
+    """From t5x's TransformerConfig fields (e.g. a gin file's or the fixture
+    config.json's "TransformerConfig"), with fields overridden."""
+    fields = dict(transformer_config)
+    if "dtype" in fields:
+      fields["dtype"] = jnp.dtype(fields["dtype"]).name
+    if "mlp_activations" in fields:
+      fields["mlp_activations"] = tuple(fields["mlp_activations"])
+    unknown = set(fields) - {f.name for f in dataclasses.fields(cls)}
+    if unknown:
+      raise ValueError(f"T5xDecoderOnlyConfig.from_t5x: unknown fields "
+                       f"{sorted(unknown)}.")
+    return cls(**{**fields, **overrides})
+
+
+def make_decoder_mask(decoder_target_tokens: Array,
+                      decoder_causal_attention: Optional[Array] = None,
+                      decoder_segment_ids: Optional[Array] = None) -> Array:
+  """t5x's decoder self-attention mask, as booleans.
+
+  mask[b, 0, q, k] = (k <= q  OR  (prefix[b, q] AND prefix[b, k]))
+                     AND valid[b, q] AND valid[b, k]
+                     [AND segment[b, q] == segment[b, k]]
+  with valid = decoder_target_tokens > 0 and prefix = decoder_causal_attention
+  > 0. A padded query row is all False; t5x keeps it and its attention is
+  then uniform (see the fixture README), which `T5xDecoderOnly` reproduces.
+
+  Args:
+    decoder_target_tokens: [batch, length] int; 0 marks padding.
+    decoder_causal_attention: optional [batch, length], 1 on the prefix
+      (prompt) region that attends bidirectionally. Despite t5x's name, 1
+      means bidirectional.
+    decoder_segment_ids: optional [batch, length] packing segment ids.
+  Returns:
+    [batch, 1, length, length] bool.
+  """
+  valid = decoder_target_tokens > 0
+  mask = attention_mask(valid, valid, causal=True)
+  if decoder_causal_attention is not None:
+    prefix = (decoder_causal_attention > 0) & valid
+    mask = mask | attention_mask(prefix, prefix)
+  if decoder_segment_ids is not None:
+    mask = mask & (decoder_segment_ids[:, None, :, None]
+                   == decoder_segment_ids[:, None, None, :])
+  return mask
+
+
+class DecoderLayer(nn.Module):
+  """Pre-norm self-attention then MLP, each with a residual connection."""
+  config: T5xDecoderOnlyConfig
+
+  @nn.compact
+  def __call__(self, x, self_attention_bias, deterministic=True):
+    """x [batch, length, embed]; bias [batch|1, heads, length, length]."""
+    cfg = self.config
+    h = RMSNorm(cfg.compute_dtype, name="pre_self_attention_layer_norm")(x)
+    h = MultiHeadAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
+                           cfg.float32_attention_logits, cfg.dropout_rate,
+                           name="self_attention")(h, h, self_attention_bias,
+                                                  deterministic)
+    x = x + _dropout(cfg, h, deterministic)
+    h = RMSNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
+    h = MlpBlock(cfg.mlp_dim, tuple(cfg.mlp_activations), cfg.compute_dtype,
+                 cfg.dropout_rate, name="mlp")(h, deterministic)
+    x = x + _dropout(cfg, h, deterministic)
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+
+def _dropout(cfg, x, deterministic):
+  # t5x broadcasts its residual dropout masks along length.
+  return nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(
+      x, deterministic=deterministic)
+
+
+class Decoder(nn.Module):
+  """The `decoder/` scope: embedding, relpos table, layers, norm, logits."""
+  config: T5xDecoderOnlyConfig
+
+  def setup(self):
+    cfg = self.config
+    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype)
+    self.relpos_bias = RelativePositionBias(
+        cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
+        bidirectional=False, dtype=cfg.compute_dtype)
+    # `deterministic` is argument 3 counting `self`.
+    layer_cls = t5.maybe_remat(
+        DecoderLayer, cfg.remat_policy, 3)
+    # A list attribute names its modules layers_0, layers_1, ... (t5x's names).
+    self.layers = [layer_cls(cfg) for _ in range(cfg.num_layers)]
+    self.decoder_norm = RMSNorm(cfg.compute_dtype)
+    # t5x broadcasts its dropout masks along length.
+    self.input_dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+    self.output_dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
+    if not cfg.logits_via_embedding:
+      # float32 output layer, as t5x ("for stability").
+      self.logits_dense = Dense(cfg.vocab_size, ("embed", "vocab"),
+                                dtype=jnp.float32)
+
+  def hidden_states(self, decoder_input_tokens, decoder_target_tokens=None,
+                    *, decoder_causal_attention=None, decoder_segment_ids=None,
+                    deterministic=True):
+    """[batch, length] features -> final states [batch, length, embed]."""
+    cfg = self.config
+    decoder_input_tokens = jnp.asarray(decoder_input_tokens)
+    _check_tokens(decoder_input_tokens, "decoder_input_tokens")
+    if decoder_target_tokens is None:
+      decoder_target_tokens = jnp.ones_like(decoder_input_tokens)
+    decoder_target_tokens = jnp.asarray(decoder_target_tokens)
+    for name, value in (("decoder_target_tokens", decoder_target_tokens),
+                        ("decoder_causal_attention", decoder_causal_attention),
+                        ("decoder_segment_ids", decoder_segment_ids)):
+      if value is not None and value.shape != decoder_input_tokens.shape:
+        raise ValueError(
+            f"{name} has shape {value.shape} but decoder_input_tokens has "
+            f"{decoder_input_tokens.shape}; every feature is [batch, length].")
+    length = decoder_input_tokens.shape[-1]
+    mask = make_decoder_mask(decoder_target_tokens, decoder_causal_attention,
+                             decoder_segment_ids)
+    bias = (jnp.where(mask, 0.0, _MASK_VALUE).astype(cfg.compute_dtype)
+            + self.relpos_bias(length, length))
+    y = self.token_embedder(decoder_input_tokens.astype(jnp.int32))
+    y = self.input_dropout(y, deterministic=deterministic)
+    y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
+    for layer in self.layers:
+      y = layer(y, bias, deterministic)
+    y = self.decoder_norm(y)
+    return self.output_dropout(y, deterministic=deterministic)
+
+  def logits_from_hidden(self, hidden):
+    """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
+    cfg = self.config
+    if cfg.logits_via_embedding:
+      # attend() is float32; the 1/sqrt(emb_dim) keeps tied logits O(1).
+      logits = self.token_embedder.attend(hidden) / np.sqrt(hidden.shape[-1])
+    else:
+      logits = self.logits_dense(hidden)
+    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+  def __call__(self, decoder_input_tokens, decoder_target_tokens=None, *,
+               decoder_causal_attention=None, decoder_segment_ids=None,
+               deterministic=True):
+    hidden = self.hidden_states(
+        decoder_input_tokens, decoder_target_tokens,
+        decoder_causal_attention=decoder_causal_attention,
+        decoder_segment_ids=decoder_segment_ids, deterministic=deterministic)
+    return self.logits_from_hidden(hidden)
+
+
+def _check_tokens(tokens, name):
+  if tokens.ndim != 2:
+    raise ValueError(f"{name} must be [batch, length], got shape "
+                     f"{tokens.shape}.")
+  if not jnp.issubdtype(tokens.dtype, jnp.integer):
+    raise ValueError(f"{name} must hold integer token ids, got dtype "
+                     f"{tokens.dtype}.")
+
+
+class T5xDecoderOnly(nn.Module):
+  """t5x's `DecoderWrapper`: the decoder under an outer `decoder/` scope.
+
+  Call: `apply({'params': p}, decoder_input_tokens, decoder_target_tokens,
+  decoder_causal_attention=..., decoder_segment_ids=..., deterministic=...)`
+  with int [batch, length] features (seqio's decoder-only feature names) ->
+  float32 logits [batch, length, vocab]. `decoder_target_tokens` only sets the
+  padding mask (> 0); None treats every position as real. Pass
+  `decoder_causal_attention` only for the prefix-LM mask. t5x's
+  `decoder_positions` is not taken: its network ignores it (relative positions
+  come from array indices; packed examples are kept apart by segment ids).
+  """
+  config: T5xDecoderOnlyConfig
+
+  def setup(self):
+    self.decoder = Decoder(self.config)
+
+  def hidden_states(self, decoder_input_tokens, decoder_target_tokens=None,
+                    **kwargs):
+    """Final normalised states [batch, length, embed] (for value/reward
+    heads); same arguments as `__call__`."""
+    return self.decoder.hidden_states(decoder_input_tokens,
+                                      decoder_target_tokens, **kwargs)
+
+  def logits_from_hidden(self, hidden):
+    """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
+    return self.decoder.logits_from_hidden(hidden)
+
+  def __call__(self, decoder_input_tokens, decoder_target_tokens=None,
+               **kwargs):
+    return self.decoder(decoder_input_tokens, decoder_target_tokens, **kwargs)
+
+
+# ----------------------------------------------------------------------------
+# t5x DecoderOnlyModel computations (no KV cache).
+
+
+def _causal_attention_or_none(batch, inputs_bidirectional_attention):
+  """t5x ignores decoder_causal_attention unless the prefix-LM mode is on."""
+  if not inputs_bidirectional_attention:
+    return None
+  if "decoder_causal_attention" not in batch:
+    raise ValueError("inputs_bidirectional_attention=True needs the batch "
+                     "feature 'decoder_causal_attention' (seqio's "
+                     "PrefixLMFeatureConverter makes it).")
+  return batch["decoder_causal_attention"]
+
+
+def token_scores(model: T5xDecoderOnly, params, batch: Mapping[str, Array],
+                 inputs_bidirectional_attention: bool = False) -> Array:
+  """Per-token log p(target) times the loss weight, as t5x's score_batch.
+
+  Args:
+    model: the module.
+    params: its parameters (the tree under 'params').
+    batch: 'decoder_input_tokens', 'decoder_target_tokens',
+      'decoder_loss_weights' [batch, length], optionally
+      'decoder_causal_attention' and 'decoder_segment_ids'.
+    inputs_bidirectional_attention: t5x's DecoderOnlyModel flag: use the
+      prefix-LM mask from 'decoder_causal_attention'.
+  Returns:
+    [batch, length] float32; 0 where the loss weight is 0.
+  """
+  logits = model.apply(
+      {"params": params}, batch["decoder_input_tokens"],
+      batch["decoder_target_tokens"],
+      decoder_causal_attention=_causal_attention_or_none(
+          batch, inputs_bidirectional_attention),
+      decoder_segment_ids=batch.get("decoder_segment_ids"))
+  logprobs = sft_losses.token_logprobs(logits, batch["decoder_target_tokens"])
+  return logprobs * batch["decoder_loss_weights"].astype(jnp.float32)
+
+
+def score_batch(model: T5xDecoderOnly, params, batch: Mapping[str, Array],
+                inputs_bidirectional_attention: bool = False) -> Array:
+  """[batch] sequence log-likelihood over weighted (target) tokens, EOS
+  included; t5x's `DecoderOnlyModel.score_batch` (z-loss not used)."""
+  return jnp.sum(token_scores(model, params, batch,
+                              inputs_bidirectional_attention), axis=-1)
+
+
+def greedy_continuation(model: T5xDecoderOnly, params,
+                        decoder_input_tokens: Array,
+                        decoder_causal_attention: Array,
+                        inputs_bidirectional_attention: bool = False,
+                        eos_id: int = 1):
+  """Argmax decoding from prompts, as t5x's DecoderOnlyModel.predict_batch.
+
+  The prompt is `decoder_input_tokens * decoder_causal_attention`: BOS 0 at
+  position 0, then the prompt tokens, then zeros. Its length P counts the
+  non-zero tokens after position 0 (so prompt tokens must not be 0), and up to
+  length - P tokens are generated. As in t5x's `temperature_sample`, an EOS
+  already inside the prompt does not stop decoding; the first generated EOS is
+  kept and everything after it is 0. Only the continuation is returned,
+  starting at index 0 (t5x's `remove_prefix`).
+
+  Each step re-runs the whole sequence (no KV cache). That equals t5x's
+  prefill-then-decode: in its prefill the prompt region attends
+  bidirectionally (prefix-LM mode) and positions after the prompt are masked,
+  and later positions attend causally, which is what one full forward pass
+  with the same `decoder_causal_attention` computes at each position.
+
+  Args:
+    decoder_input_tokens: [batch, length] int, shifted right with 0 first.
+    decoder_causal_attention: [batch, length], 1 on the first P + 1 positions.
+    inputs_bidirectional_attention: prefix-LM mask over the prompt.
+    eos_id: the end-of-sequence id.
+  Returns:
+    (tokens [batch, length] int32, finished [batch] bool: an EOS was made).
+  """
+  _check_tokens(decoder_input_tokens, "decoder_input_tokens")
+  batch_size, length = decoder_input_tokens.shape
+  prompt = (decoder_input_tokens
+            * decoder_causal_attention.astype(decoder_input_tokens.dtype)
+            ).astype(jnp.int32)
+  prompt_length = jnp.sum(prompt[:, 1:] != 0, axis=-1)
+  causal_attention = (decoder_causal_attention
+                      if inputs_bidirectional_attention else None)
+  variables = {"params": params}
+  positions = jnp.arange(length)[None, :]
+
+  def step(s, carry):
+    tokens, out, done = carry
+    # Causal masking keeps the not-yet-written positions from mattering, so
+    # every position may count as real.
+    logits = model.apply(variables, tokens,
+                         decoder_causal_attention=causal_attention)
+    read_at = jnp.minimum(prompt_length + s, length - 1)
+    next_logits = jnp.take_along_axis(logits, read_at[:, None, None],
+                                      axis=1)[:, 0]
+    token = jnp.argmax(next_logits, axis=-1).astype(jnp.int32)
+    active = (prompt_length + s < length) & ~done
+    token = jnp.where(active, token, 0)
+    out = jnp.where(positions == s, token[:, None], out)
+    tokens = jnp.where(active[:, None] & (positions == read_at[:, None] + 1),
+                       token[:, None], tokens)
+    return tokens, out, done | (active & (token == eos_id))
+
+  out = jnp.zeros((batch_size, length), jnp.int32)
+  done = jnp.zeros((batch_size,), bool)
+  _, out, done = jax.lax.fori_loop(0, length, step, (prompt, out, done))
+  return out, done
