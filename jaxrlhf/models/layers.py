@@ -1,0 +1,597 @@
+"""Building blocks shared by the decoder-only model families.
+
+Llama-style and GPT-NeoX-style transformers differ only in which of these
+blocks they use and how they wire them: RMSNorm vs LayerNorm, full vs partial
+rotary embeddings, gated (SwiGLU) vs plain GELU MLPs, biases or none,
+sequential vs parallel residual. Everything here is Flax Linen with
+float32 parameters, a configurable compute `dtype`, logical axis names on
+every parameter and logical constraints on the large activations.
+
+Logical axis names used: batch, length, embed, mlp, heads, kv_heads, kv,
+vocab, layers. `kv_heads` is the key/value head axis of grouped-query
+attention; it has its own name because it is often smaller than the model
+axis of a mesh that shards `heads` (Llama 3 8B has 8 key/value heads and 32
+query heads), so a sharding plan may replicate it or shard it differently.
+
+Attention is split into projection (`Attention`), position encoding
+(`apply_rotary_embedding`) and the score/softmax/sum core (`attend`), with the
+mask built once per forward pass (`causal_padding_mask`), so that a KV cache
+for incremental decoding can slot in between projection and `attend` without
+touching the rest.
+"""
+
+import dataclasses
+import functools
+import operator
+from typing import Any, Callable, Optional, Sequence
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+Array = jax.Array
+
+ATTENTION_IMPLS = ("xla", "dot_product", "dot_product_cudnn")
+
+# 'none' keeps every activation; 'full' recomputes the whole layer in the
+# backward pass; the rest are jax.checkpoint_policies names.
+REMAT_POLICIES = ("none", "full", "dots_saveable",
+                  "dots_with_no_batch_dims_saveable", "nothing_saveable",
+                  "everything_saveable")
+
+
+def check_choice(value, choices, field):
+  if value not in choices:
+    raise ValueError(f"{field}={value!r} is not supported; choose one of "
+                     f"{list(choices)}.")
+
+
+def check_dtype(value, field="dtype"):
+  try:
+    jnp.dtype(value)
+  except TypeError as e:
+    raise ValueError(f"{field}={value!r} is not a dtype name (e.g. 'float32', "
+                     "'bfloat16').") from e
+
+
+# ----------------------------------------------------------------------------
+# Initialisers.
+
+def kernel_init(num_in_axes: int, num_out_axes: int):
+  """LeCun-normal (truncated) with fan-in over all leading input axes, for a
+  kernel [*in_axes, *out_axes]."""
+  return nn.initializers.variance_scaling(
+      1.0, "fan_in", "truncated_normal",
+      in_axis=tuple(range(num_in_axes)),
+      out_axis=tuple(range(num_in_axes, num_in_axes + num_out_axes)))
+
+
+def default_embedding_init():
+  # Std 1/sqrt(embed): tied output logits h @ E^T of a normalised h are O(1).
+  return nn.initializers.variance_scaling(1.0, "fan_in", "normal",
+                                          in_axis=1, out_axis=0)
+
+
+def _boxed(init, names):
+  return nn.with_logical_partitioning(init, names)
+
+
+class DenseGeneral(nn.Module):
+  """y = x . kernel over the last `num_in_axes` axes of x, plus a bias.
+
+  The kernel [*in_shape, *features] is created at its full shape with its
+  logical names (flax's DenseGeneral initialises a flattened 2-D kernel and
+  reshapes it, which fails under a mesh with logical rules active, because
+  the 2-D value is constrained with the multi-axis names).
+  """
+  features: Sequence[int]
+  kernel_axes: Sequence[str]
+  num_in_axes: int = 1
+  use_bias: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    features = tuple(self.features)
+    n_in = self.num_in_axes
+    kernel = self.param(
+        "kernel",
+        _boxed(kernel_init(n_in, len(features)), tuple(self.kernel_axes)),
+        x.shape[x.ndim - n_in:] + features, jnp.float32)
+    contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
+    y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
+                            (contract, ((), ())))
+    if self.use_bias:
+      bias = self.param(
+          "bias", _boxed(nn.initializers.zeros,
+                         tuple(self.kernel_axes[n_in:])),
+          features, jnp.float32)
+      y = y + bias.astype(self.dtype)
+    return y
+
+
+# ----------------------------------------------------------------------------
+# Normalisation.
+
+class RMSNorm(nn.Module):
+  """x / sqrt(mean(x^2) + eps) * scale over the last axis, in float32.
+
+  Matches Hugging Face's LlamaRMSNorm: statistics in float32, the normalised
+  value cast to the compute dtype, then multiplied by the scale.
+  """
+  epsilon: float = 1e-6
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    """x [..., embed] -> [..., embed] in `dtype`."""
+    scale = self.param("scale", _boxed(nn.initializers.ones, ("embed",)),
+                       (x.shape[-1],), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    normed = x32 * jax.lax.rsqrt(
+        jnp.mean(jnp.square(x32), axis=-1, keepdims=True) + self.epsilon)
+    return normed.astype(self.dtype) * scale.astype(self.dtype)
+
+
+class LayerNorm(nn.Module):
+  """Mean/variance LayerNorm with scale and bias, statistics in float32."""
+  epsilon: float = 1e-5
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    """x [..., embed] -> [..., embed] in `dtype`."""
+    features = x.shape[-1]
+    scale = self.param("scale", _boxed(nn.initializers.ones, ("embed",)),
+                       (features,), jnp.float32)
+    bias = self.param("bias", _boxed(nn.initializers.zeros, ("embed",)),
+                      (features,), jnp.float32)
+    x32 = x.astype(jnp.float32)
+    mean = jnp.mean(x32, axis=-1, keepdims=True)
+    var = jnp.mean(jnp.square(x32 - mean), axis=-1, keepdims=True)
+    normed = (x32 - mean) * jax.lax.rsqrt(var + self.epsilon)
+    return (normed * scale + bias).astype(self.dtype)
+
+
+# ----------------------------------------------------------------------------
+# Rotary position embeddings.
+
+@dataclasses.dataclass(frozen=True)
+class RopeScaling:
+  """Context-extension rescaling of the rotary frequencies.
+
+  kind='llama3' is Llama 3.1/3.2's scheme: wavelengths longer than
+  original_max_length / low_freq_factor are slowed by `factor`, shorter than
+  original_max_length / high_freq_factor kept, and those between interpolated.
+  kind='linear' divides every frequency by `factor` (position interpolation).
+  """
+  kind: str = "llama3"
+  factor: float = 8.0
+  low_freq_factor: float = 1.0
+  high_freq_factor: float = 4.0
+  original_max_length: int = 8192
+
+  def __post_init__(self):
+    check_choice(self.kind, ("llama3", "linear"), "RopeScaling.kind")
+
+
+def rope_inverse_frequencies(rotary_dim: int, theta: float,
+                             scaling: Optional[RopeScaling] = None
+                             ) -> np.ndarray:
+  """The rotation frequency of each pair of rotated channels.
+
+  Returns:
+    float32 [rotary_dim // 2]: theta ** (-2i / rotary_dim), rescaled.
+  """
+  if rotary_dim % 2:
+    raise ValueError(f"rotary dimension {rotary_dim} must be even.")
+  exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim
+  inv_freq = (1.0 / np.float32(theta) ** exponents).astype(np.float32)
+  if scaling is None:
+    return inv_freq
+  if scaling.kind == "linear":
+    return (inv_freq / np.float32(scaling.factor)).astype(np.float32)
+  # llama3: piecewise in wavelength (computed in float32 as the reference).
+  factor = np.float32(scaling.factor)
+  low_wavelen = np.float32(scaling.original_max_length / scaling.low_freq_factor)
+  high_wavelen = np.float32(
+      scaling.original_max_length / scaling.high_freq_factor)
+  wavelen = np.float32(2 * np.pi) / inv_freq
+  slowed = np.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+  smooth = ((scaling.original_max_length / wavelen - scaling.low_freq_factor)
+            / (scaling.high_freq_factor - scaling.low_freq_factor))
+  smoothed = (1 - smooth) * slowed / factor + smooth * slowed
+  is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+  return np.where(is_medium, smoothed, slowed).astype(np.float32)
+
+
+def apply_rotary_embedding(x: Array, positions: Array, inv_freq: np.ndarray
+                           ) -> Array:
+  """Rotates the first 2 * len(inv_freq) channels of every head.
+
+  Uses the "rotate half" pairing of Hugging Face / GPT-NeoX checkpoints:
+  channel i is paired with channel i + rotary_dim / 2 (not i + 1 as in Meta's
+  original Llama code, whose checkpoints HF permutes at conversion time).
+  Channels beyond rotary_dim pass through (GPT-NeoX's partial rotary).
+
+  Args:
+    x: [batch, length, heads, head_dim].
+    positions: [batch, length] integer positions.
+    inv_freq: [rotary_dim // 2] from `rope_inverse_frequencies`.
+  Returns:
+    [batch, length, heads, head_dim] in x's dtype.
+  """
+  rotary_dim = 2 * inv_freq.shape[0]
+  if rotary_dim == 0:
+    return x
+  angles = positions.astype(jnp.float32)[..., None] * jnp.asarray(inv_freq)
+  angles = jnp.concatenate([angles, angles], axis=-1)[:, :, None, :]
+  cos, sin = jnp.cos(angles), jnp.sin(angles)
+  x_rot, x_pass = x[..., :rotary_dim], x[..., rotary_dim:]
+  x_rot = x_rot.astype(jnp.float32)
+  first, second = jnp.split(x_rot, 2, axis=-1)
+  rotated_half = jnp.concatenate([-second, first], axis=-1)
+  x_rot = (x_rot * cos + rotated_half * sin).astype(x.dtype)
+  return jnp.concatenate([x_rot, x_pass], axis=-1)
+
+
+# ----------------------------------------------------------------------------
+# Attention.
+
+def positions_from_mask(attention_mask: Array) -> Array:
+  """Positions for left- or right-padded rows: cumsum(mask) - 1, clipped at 0.
+
+  Args:
+    attention_mask: [batch, length], 1 = real token, 0 = pad.
+  Returns:
+    int32 [batch, length]; the first real token of each row is position 0.
+  """
+  mask = jnp.asarray(attention_mask).astype(jnp.int32)
+  return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
+
+
+def causal_padding_mask(attention_mask: Array) -> Array:
+  """Which keys each query may attend to: earlier-or-same real tokens.
+
+  Every query may also attend to itself, even a pad: a left-pad query has no
+  earlier real key, and a fully masked softmax row would otherwise be a
+  uniform average (or NaN in fused kernels) whose gradient is wasted work at
+  best. Real queries are unaffected (they are real keys themselves).
+
+  Args:
+    attention_mask: [batch, length], 1 = real token, 0 = pad.
+  Returns:
+    bool [batch, 1, length, length] (query, key).
+  """
+  real = jnp.asarray(attention_mask).astype(bool)
+  length = real.shape[-1]
+  causal = np.tril(np.ones((length, length), dtype=bool))
+  mask = (causal[None] & real[:, None, :]) | np.eye(length, dtype=bool)[None]
+  return mask[:, None]
+
+
+def attend(query: Array, key: Array, value: Array, mask: Array, *,
+           impl: str = "xla") -> Array:
+  """softmax(q k^T / sqrt(head_dim) + mask) v with grouped key/value heads.
+
+  Args:
+    query: [batch, q_length, heads, head_dim].
+    key, value: [batch, kv_length, kv_heads, head_dim]; heads % kv_heads == 0
+      and query head h reads key/value head h // (heads // kv_heads).
+    mask: bool [batch, 1, q_length, kv_length], True = may attend.
+    impl: 'xla' (einsums, softmax in float32), 'dot_product'
+      (`jax.nn.dot_product_attention`, letting JAX pick the kernel), or
+      'dot_product_cudnn' (its cuDNN fused kernel; GPU only).
+  Returns:
+    [batch, q_length, heads, head_dim] in query's dtype.
+  """
+  batch, q_len, heads, head_dim = query.shape
+  kv_heads = key.shape[2]
+  scale = 1.0 / np.sqrt(head_dim)
+  if impl == "xla":
+    groups = heads // kv_heads
+    query = query.reshape(batch, q_len, kv_heads, groups, head_dim)
+    logits = jnp.einsum("btkgh,bskh->bkgts", query, key,
+                        preferred_element_type=jnp.float32) * scale
+    logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
+    probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
+    out = jnp.einsum("bkgts,bskh->btkgh", probs, value)
+    return out.reshape(batch, q_len, heads, head_dim)
+  if impl in ("dot_product", "dot_product_cudnn"):
+    implementation = "cudnn" if impl == "dot_product_cudnn" else None
+    return jax.nn.dot_product_attention(
+        query, key, value, mask=mask, scale=scale,
+        implementation=implementation).astype(query.dtype)
+  raise ValueError(f"attention_impl={impl!r} is not supported; choose one of "
+                   f"{list(ATTENTION_IMPLS)}.")
+
+
+class Attention(nn.Module):
+  """Multi-head self-attention with grouped-query heads and rotary positions.
+
+  Parameters: query/kernel [embed, heads, kv], key/kernel and value/kernel
+  [embed, kv_heads, kv], out/kernel [heads, kv, embed], and matching biases
+  when `use_bias`.
+  """
+  num_heads: int
+  num_kv_heads: int
+  head_dim: int
+  rotary_dim: int
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[RopeScaling] = None
+  use_bias: bool = False
+  dtype: Any = jnp.float32
+  attention_impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, x: Array, positions: Array, mask: Array) -> Array:
+    """x [batch, length, embed], positions [batch, length], mask from
+    `causal_padding_mask` -> [batch, length, embed]."""
+    def projection(heads, head_axis, name):
+      return DenseGeneral((heads, self.head_dim), ("embed", head_axis, "kv"),
+                          use_bias=self.use_bias, dtype=self.dtype, name=name)
+
+    query = projection(self.num_heads, "heads", "query")(x)
+    key = projection(self.num_kv_heads, "kv_heads", "key")(x)
+    value = projection(self.num_kv_heads, "kv_heads", "value")(x)
+    inv_freq = rope_inverse_frequencies(self.rotary_dim, self.rope_theta,
+                                        self.rope_scaling)
+    query = apply_rotary_embedding(query, positions, inv_freq)
+    key = apply_rotary_embedding(key, positions, inv_freq)
+    query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
+    key = nn.with_logical_constraint(key, ("batch", "length", "kv_heads", "kv"))
+    value = nn.with_logical_constraint(
+        value, ("batch", "length", "kv_heads", "kv"))
+    out = attend(query, key, value, mask, impl=self.attention_impl)
+    out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
+    return DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
+                        num_in_axes=2, use_bias=self.use_bias,
+                        dtype=self.dtype, name="out")(out)
+
+
+# ----------------------------------------------------------------------------
+# MLP.
+
+def _gelu_exact(x):
+  return nn.gelu(x, approximate=False)
+
+
+# Names follow Hugging Face's `hidden_act` strings where they differ: 'gelu'
+# is the exact erf form (GPT-NeoX), 'gelu_new' the tanh approximation.
+ACTIVATIONS = {
+    "silu": nn.silu,
+    "gelu": _gelu_exact,
+    "gelu_new": functools.partial(nn.gelu, approximate=True),
+    "gelu_pytorch_tanh": functools.partial(nn.gelu, approximate=True),
+    "relu": nn.relu,
+    "linear": lambda x: x,
+}
+
+
+class Mlp(nn.Module):
+  """Product of activated input projections, then the output projection.
+
+  ('silu', 'linear') is SwiGLU (wi_0 = gate, wi_1 = up, as t5x's gated MLP);
+  a single activation gives the plain MLP with one input projection 'wi'.
+  """
+  mlp_dim: int
+  activations: Sequence[str]
+  use_bias: bool = False
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    """x [batch, length, embed] -> [batch, length, embed]."""
+    hidden = []
+    for i, name in enumerate(self.activations):
+      check_choice(name, ACTIVATIONS, "mlp activation")
+      h = DenseGeneral((self.mlp_dim,), ("embed", "mlp"),
+                       use_bias=self.use_bias, dtype=self.dtype,
+                       name="wi" if len(self.activations) == 1 else f"wi_{i}")(x)
+      hidden.append(ACTIVATIONS[name](h))
+    h = functools.reduce(operator.mul, hidden)
+    h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
+    return DenseGeneral((x.shape[-1],), ("mlp", "embed"),
+                        use_bias=self.use_bias, dtype=self.dtype,
+                        name="wo")(h)
+
+
+# ----------------------------------------------------------------------------
+# Embedding and output layer.
+
+class Embed(nn.Module):
+  """Token embedding [vocab, embed]; `attend` uses it as a tied output layer."""
+  num_embeddings: int
+  features: int
+  dtype: Any = jnp.float32
+
+  def setup(self):
+    self.embedding = self.param(
+        "embedding", _boxed(default_embedding_init(), ("vocab", "embed")),
+        (self.num_embeddings, self.features), jnp.float32)
+
+  def __call__(self, tokens: Array) -> Array:
+    """tokens [batch, length] -> [batch, length, embed] in `dtype`."""
+    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
+
+  def attend(self, x: Array) -> Array:
+    """x [batch, length, embed] -> logits [batch, length, vocab]."""
+    return jnp.einsum("ble,ve->blv", x.astype(self.dtype),
+                      self.embedding.astype(self.dtype))
+
+
+class OutputDense(nn.Module):
+  """Untied output layer: kernel [embed, vocab], no bias."""
+  vocab_size: int
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, x: Array) -> Array:
+    kernel = self.param("kernel", _boxed(kernel_init(1, 1), ("embed", "vocab")),
+                        (x.shape[-1], self.vocab_size), jnp.float32)
+    return jnp.einsum("ble,ev->blv", x.astype(self.dtype),
+                      kernel.astype(self.dtype))
+
+
+# ----------------------------------------------------------------------------
+# The layer stack: scan over layers and rematerialisation.
+
+def remat_policy(name: str):
+  """The jax.checkpoint policy for a `remat_policy` config string."""
+  check_choice(name, REMAT_POLICIES, "remat_policy")
+  if name == "full":
+    return None
+  return getattr(jax.checkpoint_policies, name)
+
+
+def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
+                     remat_policy_name: str):
+  """`num_layers` copies of `block(config)`, to create inside `setup`.
+
+  `block(config)` must be a module whose `__call__(x, positions, mask)`
+  returns `(x, None)` (the scan carry signature). Returns a list of modules
+  (assigned to `self.layers` in setup they are named layers_0 ... layers_{n-1},
+  as in t5x), or, when `scan_layers`, one `nn.scan`-ned module (named `layers`)
+  whose parameters have a leading [num_layers] axis with logical name
+  'layers'. `stack_layer_params` / `unstack_layer_params` convert between the
+  two layouts. Call it with `run_layer_stack`.
+  """
+  if remat_policy_name != "none":
+    # Under scan, CSE across iterations cannot happen, so prevent_cse (which
+    # blocks some XLA optimisations) is only needed unrolled.
+    block = nn.remat(block, policy=remat_policy(remat_policy_name),
+                     prevent_cse=not scan_layers)
+  if scan_layers:
+    scanned = nn.scan(
+        block, variable_axes={"params": 0}, split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast), length=num_layers,
+        metadata_params={nn.PARTITION_NAME: "layers"})
+    return scanned(config)
+  return [block(config) for _ in range(num_layers)]
+
+
+def run_layer_stack(layers, x: Array, positions: Array, mask: Array) -> Array:
+  """Applies what `make_layer_stack` made; x [batch, length, embed]."""
+  if isinstance(layers, (list, tuple)):
+    for layer in layers:
+      x, _ = layer(x, positions, mask)
+    return x
+  x, _ = layers(x, positions, mask)
+  return x
+
+
+def check_decoder_inputs(tokens, positions, attention_mask):
+  """Shapes of the common decoder-only call, checked at trace time."""
+  for name, arr in (("tokens", tokens), ("positions", positions),
+                    ("attention_mask", attention_mask)):
+    if arr.ndim != 2:
+      raise ValueError(f"{name} must be [batch, length], got shape {arr.shape}.")
+  if not tokens.shape == positions.shape == attention_mask.shape:
+    raise ValueError(
+        "tokens, positions and attention_mask must have one shape [batch, "
+        f"length]; got {tokens.shape}, {positions.shape}, "
+        f"{attention_mask.shape}.")
+
+
+class DecoderOnly(nn.Module):
+  """Token embedding -> layer stack -> final norm -> output logits.
+
+  The parameter tree follows t5x's decoder-only layout: token_embedder/
+  embedding, layers_i/... (or layers/... when scanned), decoder_norm/...,
+  logits_dense/kernel (absent when the embedding is tied).
+
+  `config` needs: vocab_size, emb_dim, num_layers, dtype, scan_layers,
+  remat_policy, tie_embeddings.
+  """
+  config: Any
+  block: Any
+  final_norm: Callable[[], nn.Module]
+
+  def setup(self):
+    cfg = self.config
+    dtype = jnp.dtype(cfg.dtype)
+    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype)
+    self.layers = make_layer_stack(self.block, cfg, cfg.num_layers,
+                                   cfg.scan_layers, cfg.remat_policy)
+    self.decoder_norm = self.final_norm()
+    if not cfg.tie_embeddings:
+      self.logits_dense = OutputDense(cfg.vocab_size, dtype)
+
+  def hidden_states(self, tokens: Array, positions: Array,
+                    attention_mask: Array) -> Array:
+    """The normalised last-layer states [batch, length, embed] (compute dtype).
+
+    Args:
+      tokens: int [batch, length].
+      positions: int [batch, length]; `positions_from_mask(attention_mask)`
+        makes left- and right-padded rows agree.
+      attention_mask: [batch, length], 1 = real token, 0 = pad.
+    """
+    check_decoder_inputs(tokens, positions, attention_mask)
+    mask = causal_padding_mask(attention_mask)
+    x = self.token_embedder(tokens)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    x = run_layer_stack(self.layers, x, positions, mask)
+    x = self.decoder_norm(x)
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+  def logits_from_hidden(self, hidden: Array) -> Array:
+    """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
+    if self.config.tie_embeddings:
+      logits = self.token_embedder.attend(hidden)
+    else:
+      logits = self.logits_dense(hidden)
+    logits = logits.astype(jnp.float32)
+    return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
+
+  def __call__(self, tokens: Array, positions: Array,
+               attention_mask: Array) -> Array:
+    """tokens, positions, attention_mask [batch, length] -> float32 logits
+    [batch, length, vocab]."""
+    return self.logits_from_hidden(
+        self.hidden_states(tokens, positions, attention_mask))
+
+
+def _stack(*xs):
+  # Host arrays stay on the host (an import of a large checkpoint must not
+  # land on one device); device arrays are stacked where they live.
+  if all(isinstance(x, np.ndarray) for x in xs):
+    return np.stack(xs)
+  return jnp.stack(xs)
+
+
+def stack_layer_params(params, num_layers: int, stack_name: str = "decoder"):
+  """Unrolled -> scanned layout: `stack/layers_i/...` to `stack/layers/...`.
+
+  Args:
+    params: the (unboxed) parameter dict of an unrolled model.
+    num_layers: how many `layers_i` subtrees to stack.
+    stack_name: the key in `params` of the subtree holding the layers.
+  Returns:
+    A new dict whose `stack/layers` leaves are [num_layers, ...] arrays.
+  """
+  params = dict(params)
+  stack = dict(params[stack_name])
+  names = [f"layers_{i}" for i in range(num_layers)]
+  missing = [n for n in names if n not in stack]
+  if missing or "layers" in stack or f"layers_{num_layers}" in stack:
+    raise ValueError(
+        f"'{stack_name}' must hold exactly layers_0..layers_{num_layers - 1} "
+        f"to stack; it has {sorted(k for k in stack if k.startswith('layers'))}.")
+  per_layer = [stack.pop(n) for n in names]
+  stack["layers"] = jax.tree.map(_stack, *per_layer)
+  params[stack_name] = stack
+  return params
+
+
+def unstack_layer_params(params, stack_name: str = "decoder"):
+  """Scanned -> unrolled layout (inverse of `stack_layer_params`)."""
+  params = dict(params)
+  stack = dict(params[stack_name])
+  stacked = stack.pop("layers")
+  num_layers = jax.tree.leaves(stacked)[0].shape[0]
+  for i in range(num_layers):
+    stack[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
+  params[stack_name] = stack
+  return params
