@@ -12,14 +12,18 @@ from ml_collections import config_dict
 
 from jaxrlhf import sharding
 
-ALGORITHMS = ("sft",)
+# Must equal jaxrlhf.recipes.registry.RECIPES's keys (a test checks).
+ALGORITHMS = ("sft", "reward_model", "dpo", "kto", "kto_thumbs", "dro_v")
 OPTIMIZERS = ("adafactor", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 
 
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
-  # Which recipe trains: "sft" (supervised fine-tuning).
+  # Which recipe trains: "sft" (supervised fine-tuning), "reward_model"
+  # (Bradley-Terry on pairs), "dpo" (the direct preference family on pairs,
+  # see dpo.loss_type), "kto" (on trajectories: desirable = reward above the
+  # batch mean), "kto_thumbs" (on thumbs up/down), "dro_v" (on trajectories).
   c.algorithm = "sft"
   # Seeds parameter initialisation, dropout and data shuffling.
   c.seed = 0
@@ -48,6 +52,12 @@ def base_config() -> ml_collections.ConfigDict:
   c.model.dropout_rate = 0.0
   # Per-layer rematerialisation: "none", "full", "dots_saveable".
   c.model.remat_policy = "none"
+
+  c.init = ml_collections.ConfigDict()
+  # Where the policy starts: "" = random initialisation; a T5X checkpoint
+  # (checkpoint_N or its model directory), or a jaxrlhf workdir whose latest
+  # checkpoint's policy is used (e.g. an SFT run's).
+  c.init.policy_checkpoint = ""
 
   c.data = ml_collections.ConfigDict()
   # A seqio task or mixture name; the built-in ones are registered by
@@ -92,6 +102,65 @@ def base_config() -> ml_collections.ConfigDict:
   # Clip gradients to this global norm; 0 disables.
   c.optimizer.grad_clip_norm = 1.0
 
+  c.reward_model = ml_collections.ConfigDict()
+  # Use the pairs' "margin" feature in the Bradley-Terry loss (Llama 2).
+  c.reward_model.use_margin = False
+  # Weight of the reward-centring term (r_chosen + r_rejected)^2.
+  c.reward_model.centering_coef = 0.0
+
+  c.dpo = ml_collections.ConfigDict()
+  # "dpo" (logistic), "cdpo" (label smoothing), "robust_dpo", "ipo", "slic".
+  c.dpo.loss_type = "dpo"
+  # beta of f(beta * delta log-ratio); IPO's tau plays this role.
+  c.dpo.beta = 0.1
+  # cdpo / robust_dpo: assumed label flip rate.
+  c.dpo.label_smoothing = 0.0
+  # slic: hinge margin delta in max(0, delta - beta * delta log-ratio).
+  c.dpo.slic_delta = 1.0
+  # Divide sequence log-probs by completion length (length-normalised DPO).
+  c.dpo.length_normalize = False
+  # Weight of the chosen completions' mean token NLL (DPO+NLL).
+  c.dpo.nll_coef = 0.0
+
+  c.kto = ml_collections.ConfigDict()
+  c.kto.beta = 0.1
+  # lambda_D and lambda_U of the KTO paper.
+  c.kto.desirable_weight = 1.0
+  c.kto.undesirable_weight = 1.0
+
+  c.dro = ml_collections.ConfigDict()
+  # KL regularisation strength tau (DRO paper default 1.0).
+  c.dro.tau = 1.0
+  # Learning rate of the value network's optimizer (same kind and schedule
+  # as config.optimizer, which drives the policy).
+  c.dro.value_learning_rate = 1e-4
+  # One shared network: the value head reads the policy's own encoder.
+  c.dro.shared_network = False
+  # One value per batch instead of per prompt (the paper's Figure 5 ablation).
+  c.dro.single_value_per_batch = False
+  # Start the separate value network's backbone from init.policy_checkpoint.
+  c.dro.value_from_policy = True
+
+  c.pipeline = ml_collections.ConfigDict()
+  # Comma-separated stages of jaxrlhf.offline_pipeline ("" = run
+  # config.algorithm alone): sft, data, reward_model, dpo, kto, dro_v.
+  c.pipeline.stages = ""
+  c.pipeline.sft_steps = 600
+  # Offline data: SFT samples for this many training prompts (and held-out
+  # prompts for the reward model's evaluation pairs).
+  c.pipeline.num_prompts = 2000
+  c.pipeline.num_eval_prompts = 200
+  c.pipeline.samples_per_prompt = 4
+  c.pipeline.sampling_temperature = 1.0
+  # Bradley-Terry annotator: P(a preferred) = sigmoid(beta * (r_a - r_b)).
+  c.pipeline.annotator_beta = 10.0
+  c.pipeline.reward_model_steps = 300
+  c.pipeline.reward_model_learning_rate = 1e-3
+  # Steps and learning rate of each offline policy method.
+  c.pipeline.policy_steps = 300
+  c.pipeline.policy_learning_rate = 1e-3
+  c.pipeline.eval_samples_per_prompt = 2
+
   c.checkpoint = ml_collections.ConfigDict()
   # Save every N steps (and always at the end); 0 = only at the end.
   c.checkpoint.every_steps = 200
@@ -104,6 +173,13 @@ def base_config() -> ml_collections.ConfigDict:
   # Held-out examples for loss, token accuracy and greedy-decode gold reward.
   c.eval.num_examples = 128
   c.eval.batch_size = 64
+  # Policy recipes: the task whose `eval.split` prompts and gold reward judge
+  # the policy against its reference ("" = data.task), how many samples per
+  # prompt, and the sampling temperature (1.0 keeps the KL estimate exact).
+  c.eval.task = ""
+  c.eval.split = "validation"
+  c.eval.num_samples = 1
+  c.eval.temperature = 1.0
 
   c.mesh = ml_collections.ConfigDict()
   # Mesh axis sizes, one of them may be -1 for "all remaining devices".
@@ -125,6 +201,10 @@ def validate(c: ml_collections.ConfigDict) -> None:
   """Checks values and combinations; the error names the offending field."""
   _require(c.algorithm in ALGORITHMS, "algorithm",
            f"{c.algorithm!r} is not one of {ALGORITHMS}.")
+  _require(c.dpo.loss_type in ("dpo", "cdpo", "robust_dpo", "ipo", "slic"),
+           "dpo.loss_type", f"{c.dpo.loss_type!r} is not a known loss type.")
+  _require(c.dro.tau > 0, "dro.tau", "must be positive.")
+  _require(c.eval.num_samples > 0, "eval.num_samples", "must be positive.")
   _require(c.model.arch == "t5", "model.arch",
            f"{c.model.arch!r} is not supported; use 't5'.")
   _require(c.model.mlp in ("gated-gelu", "relu"), "model.mlp",

@@ -62,6 +62,10 @@ def main(argv):
   if config is None:
     raise app.UsageError("--config is required, e.g. --config=configs/quickstart.py")
   try:
+    if config.pipeline.stages:
+      from jaxrlhf import offline_pipeline
+      offline_pipeline.run(config, _WORKDIR.value)
+      return
     summary = loop.train(config, _WORKDIR.value)
   except (ValueError, loop.NonFiniteError) as e:
     print(f"error: {e}", file=sys.stderr)

@@ -26,7 +26,8 @@ import numpy as np  # noqa: E402
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import tiny_config  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
-from jaxrlhf.train import checkpointing, loop, sft  # noqa: E402
+from jaxrlhf.recipes import sft  # noqa: E402
+from jaxrlhf.train import checkpointing, loop  # noqa: E402
 
 shape = tuple(int(x) for x in mesh_shape.split(","))
 config = tiny_config(train__num_steps=num_steps, checkpoint__every_steps=3,
@@ -42,7 +43,7 @@ with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
   state, position = ckpt.restore(
       ckpt.latest_step(), checkpointing.abstract_with_shardings(
           recipe.abstract_state, recipe.state_shardings))
-  kernel = state.params["decoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
+  kernel = state.params["policy"]["decoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
   local = [np.asarray(s.data) for s in
            jax.tree.leaves(jax.tree.map(lambda a: a.addressable_shards[0],
                                         state.params))]

@@ -17,8 +17,8 @@ import pytest
 from conftest import REPO, cli_args, quiet_env, tiny_config
 from jaxrlhf import sharding
 from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.recipes import sft
 from jaxrlhf.train import loop
-from jaxrlhf.train import sft
 from jaxrlhf.train import steps
 
 
@@ -37,7 +37,7 @@ def _saved_params(workdir, step=None):
     step = max(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
   state = ocp.PyTreeCheckpointer().restore(
       os.path.join(ckpt_dir, str(step), "state"))
-  return step, state["params"]
+  return step, state["params"]["policy"]
 
 
 def _main(workdir, *flags):
@@ -154,7 +154,7 @@ def test_microbatches_give_the_full_batch_gradient():
   denom = float(np.maximum(batch["decoder_loss_weights"].sum(), 1))
 
   def loss_fn(params, mb, rng):
-    logits = recipe._logits(params, mb)
+    logits = recipe.lm.completion_logits(params["policy"], mb)
     loss, m = sft_losses.cross_entropy_loss(
         logits, mb["decoder_target_tokens"], mb["decoder_loss_weights"])
     return loss * jnp.maximum(m["weight_sum"], 1.0) / denom, m

@@ -26,6 +26,7 @@ Array = jax.Array
 # Masked attention logits get this additive bias (t5x's value), in the
 # activation dtype.
 _MASK_VALUE = -1e10
+ATTENTION_IMPLS = ("xla", "dot_product")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -51,6 +52,23 @@ class T5Config:
   # Rematerialise each layer in the backward pass ("none", "full",
   # "dots_saveable"): trades compute for activation memory.
   remat_policy: str = "none"
+  # nn.scan over each stack's layers: one compiled layer body and parameters
+  # stacked under `encoder/layers` and `decoder/layers` with a leading
+  # 'layers' axis. False keeps t5x's `layers_{i}` layout (what T5X
+  # checkpoints hold); `scan_layer_params` / `unscan_layer_params` convert.
+  scan_layers: bool = False
+  # 'xla': einsums and softmax as t5x; 'dot_product':
+  # jax.nn.dot_product_attention with the relative-position and mask bias
+  # passed as `bias` (lets JAX pick a fused kernel). Same numbers.
+  attention_impl: str = "xla"
+
+  def __post_init__(self):
+    if self.attention_impl not in ATTENTION_IMPLS:
+      raise ValueError(f"T5Config.attention_impl={self.attention_impl!r}; "
+                       f"choose one of {list(ATTENTION_IMPLS)}.")
+    if self.remat_policy != "none" and self.remat_policy not in _REMAT_POLICIES:
+      raise ValueError(f"T5Config.remat_policy={self.remat_policy!r}; choose "
+                       f"'none' or one of {sorted(_REMAT_POLICIES)}.")
 
   @property
   def compute_dtype(self):

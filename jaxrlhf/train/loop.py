@@ -21,13 +21,13 @@ import numpy as np
 
 from jaxrlhf import defaults
 from jaxrlhf import sharding
+from jaxrlhf.recipes import registry
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import metrics as metrics_lib
-from jaxrlhf.train import sft
 
 
 def _recipes():
-  return {"sft": sft.SFTRecipe}
+  return registry.RECIPES
 
 
 class NonFiniteError(RuntimeError):

@@ -5,58 +5,81 @@ from typing import Any, Callable
 import flax
 import flax.linen as nn
 import jax
-import optax
 
 from jaxrlhf import sharding
 
 
 @flax.struct.dataclass
 class TrainState:
-  """Everything a step changes. `params` and `opt_state` may hold several
-  networks (e.g. {"policy": ..., "value": ...})."""
+  """Everything a run needs to continue.
+
+  `params` holds the trained networks by name ({"policy": ..., "value": ...})
+  and `opt_state` their optimizer states; `frozen` holds networks the step
+  reads but never updates (a reference policy, a reward model).
+  """
   step: jax.Array
   params: Any
   opt_state: Any
+  frozen: Any
   rng: jax.Array  # raw uint32[2] PRNG key
 
 
-def state_shardings(abstract_boxed_params, abstract_state, tx, mesh, rules):
+def _dict_keys(path):
+  return tuple(k.key for k in path if isinstance(k, jax.tree_util.DictKey))
+
+
+def state_shardings(abstract_boxed, abstract_state, mesh, rules):
   """NamedShardings for a TrainState.
 
-  Parameters follow their logical axis names. Optimizer-state leaves shaped
-  like their parameter (Adam moments, unfactored Adafactor moments) share its
-  sharding; other leaves (factored Adafactor rows/columns, counts) are
-  replicated, as they are small.
+  Parameters follow their logical axis names. An optimizer-state leaf whose
+  dict-key path ends with a parameter's path and that has the parameter's
+  shape (Adam moments, unfactored Adafactor moments) shares its sharding,
+  whatever optimizer wrappers sit above it; other leaves (factored Adafactor
+  rows/columns, counts) are small and replicated.
   """
-  param_shardings = sharding.tree_shardings(abstract_boxed_params, mesh, rules)
+  boxed_params, boxed_frozen = abstract_boxed
+  param_shardings = sharding.tree_shardings(boxed_params, mesh, rules)
   replicated = sharding.replicated(mesh)
-  opt_shardings = optax.tree_map_params(
-      tx,
-      lambda leaf, s, p: s if getattr(leaf, "shape", None) == p.shape else replicated,
-      abstract_state.opt_state, param_shardings, abstract_state.params,
-      transform_non_params=lambda _: replicated,
-      is_leaf=lambda x: isinstance(x, jax.ShapeDtypeStruct))
+  by_path = {
+      _dict_keys(path): (leaf.shape, s)
+      for (path, leaf), s in zip(
+          jax.tree_util.tree_flatten_with_path(abstract_state.params)[0],
+          jax.tree.leaves(param_shardings))}
+
+  def opt_sharding(path, leaf):
+    keys = _dict_keys(path)
+    for start in range(len(keys)):
+      match = by_path.get(keys[start:])
+      if match is not None:
+        return match[1] if match[0] == leaf.shape else replicated
+    return replicated
+
+  opt_shardings = jax.tree_util.tree_map_with_path(opt_sharding,
+                                                   abstract_state.opt_state)
   return TrainState(step=replicated, params=param_shardings,
-                    opt_state=opt_shardings, rng=replicated)
+                    opt_state=opt_shardings,
+                    frozen=sharding.tree_shardings(boxed_frozen, mesh, rules),
+                    rng=replicated)
 
 
 def make_sharded_init(init_params: Callable, tx, mesh, rules):
   """A jitted `rng -> TrainState` whose outputs are born sharded.
 
   Args:
-    init_params: rng -> params, possibly boxed with logical axis names.
+    init_params: rng -> (trainable params, frozen params), possibly boxed
+      with logical axis names.
   Returns:
     (init_fn, shardings, abstract_state): parameters are created directly in
     their shardings on the devices; no full copy is ever made on one host.
   """
   def init_state(rng):
     params_rng, state_rng = jax.random.split(rng)
-    params = nn.unbox(init_params(params_rng))
+    params, frozen = nn.unbox(init_params(params_rng))
     return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-                      opt_state=tx.init(params), rng=state_rng)
+                      opt_state=tx.init(params), frozen=frozen, rng=state_rng)
 
   rng = jax.random.PRNGKey(0)
   abstract_boxed = jax.eval_shape(init_params, rng)
   abstract_state = jax.eval_shape(init_state, rng)
-  shardings = state_shardings(abstract_boxed, abstract_state, tx, mesh, rules)
+  shardings = state_shardings(abstract_boxed, abstract_state, mesh, rules)
   return jax.jit(init_state, out_shardings=shardings), shardings, abstract_state

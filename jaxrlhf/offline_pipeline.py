@@ -1,0 +1,253 @@
+"""The offline pipeline on a task with a gold reward, end to end.
+
+  SFT -> sample completions from the SFT policy -> label them with the gold
+  reward (Bradley-Terry pairs with annotator noise; single trajectories with
+  normalised rewards) -> reward model -> DPO, KTO and DRO-V from the SFT
+  policy -> a table of win rates against SFT judged by the gold reward.
+
+Each stage is an ordinary run of `jaxrlhf.train.loop.train` in its own
+sub-directory of the workdir (`sft/`, `reward_model/`, `dpo/`, ...), with the
+stage's config derived from the pipeline's; the labelled data are JSONL
+files under `data/`, read back through the same file sources and seqio tasks
+as real data. Every stage resumes, so re-running the command after an
+interruption continues where it stopped. The table is printed and written to
+`<workdir>/results.json`.
+"""
+
+import copy
+import json
+import os
+from typing import Dict, List
+
+import flax.linen as nn
+import jax
+import ml_collections
+import numpy as np
+
+from jaxrlhf import sharding
+from jaxrlhf.data import alignment_data
+from jaxrlhf.data import synthetic_feedback
+from jaxrlhf.data import tasks
+from jaxrlhf.eval import evaluation
+from jaxrlhf.recipes import sft
+from jaxrlhf.train import loop
+
+PAIRS_TASK = "offline_pipeline_pairs"
+TRAJECTORY_TASK = "offline_pipeline_trajectories"
+# stage name -> (algorithm, data task)
+POLICY_STAGES = {
+    "dpo": ("dpo", PAIRS_TASK),
+    "kto": ("kto", TRAJECTORY_TASK),
+    "dro_v": ("dro_v", TRAJECTORY_TASK),
+}
+ALL_STAGES = ("sft", "data", "reward_model") + tuple(POLICY_STAGES)
+
+
+def _log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
+def stages_of(config) -> List[str]:
+  stages = [s.strip() for s in config.pipeline.stages.split(",") if s.strip()]
+  for s in stages:
+    if s not in ALL_STAGES:
+      raise ValueError(f"config.pipeline.stages: unknown stage {s!r}; "
+                       f"choose from {ALL_STAGES}.")
+  return stages
+
+
+def stage_config(config, algorithm: str, **changes) -> ml_collections.ConfigDict:
+  """The pipeline's config turned into one stage's run config."""
+  c = copy.deepcopy(config)
+  with c.unlocked():
+    c.pipeline.stages = ""
+    c.algorithm = algorithm
+    for path, value in changes.items():
+      node = c
+      *parents, leaf = path.split(".")
+      for p in parents:
+        node = node[p]
+      node[leaf] = value
+  return c
+
+
+# --- data -----------------------------------------------------------------------
+
+
+def _data_paths(workdir):
+  d = os.path.join(workdir, "data")
+  return {kind: {split: os.path.join(d, f"{kind}_{split}.jsonl")
+                 for split in ("train", "validation")}
+          for kind in ("pairs", "trajectory")}
+
+
+def make_data(config, workdir: str, sft_workdir: str) -> None:
+  """Samples completions from the SFT policy and labels them (once)."""
+  done = os.path.join(workdir, "data", "DONE")
+  if os.path.exists(done):
+    return
+  p = config.pipeline
+  c = stage_config(config, "sft", **{"init.policy_checkpoint": sft_workdir})
+  mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
+  rules = sharding.as_rules(c.sharding.logical_axis_rules)
+  os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
+  gold = tasks.gold_reward_for(c.data.task)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    recipe = sft.SFTRecipe(c, mesh)
+    params = recipe.init_state().params["policy"]
+    for split, num_prompts in (("train", p.num_prompts),
+                               ("validation", p.num_eval_prompts)):
+      # Held-out pairs come from the end of the validation split, away from
+      # the prompts that judge the policies.
+      features, texts = _prompts(c, recipe, split, num_prompts)
+      prompts = [t["inputs"] for t in texts]
+      completions = [[] for _ in prompts]
+      for k in range(p.samples_per_prompt):
+        s = evaluation.sample(recipe, params, features, greedy=False,
+                              temperature=p.sampling_temperature,
+                              seed=1000 + k)
+        # A completion that never ended fills the whole length; the file
+        # source reports and skips it as too long for an EOS.
+        for i, text in enumerate(evaluation.completion_texts(
+            recipe.vocabulary, s)):
+          completions[i].append(text)
+      paths = _data_paths(workdir)
+      n_pairs = synthetic_feedback.write_synthetic_feedback(
+          paths["pairs"][split], "pairs", prompts, completions, gold,
+          beta=p.annotator_beta, seed=config.seed)
+      n_traj = synthetic_feedback.write_synthetic_feedback(
+          paths["trajectory"][split], "trajectory", prompts, completions, gold)
+      _log(f"data: {split}: {len(prompts)} prompts x {p.samples_per_prompt} "
+           f"SFT samples -> {n_pairs} pairs, {n_traj} trajectories")
+  with open(done, "w") as f:
+    f.write("ok\n")
+
+
+def _prompts(config, recipe, split, num_prompts):
+  import seqio
+  from jaxrlhf.data import pipeline
+  features, texts = pipeline.eval_examples(
+      config.data.task, "train" if split == "train" else "validation",
+      recipe.feature_lengths, seqio.EncDecFeatureConverter(pack=False),
+      num_prompts if split == "train" else
+      num_prompts + config.eval.num_examples)
+  tokens = features["encoder_input_tokens"]
+  if split != "train":  # skip the prompts that judge the policies
+    tokens, texts = tokens[config.eval.num_examples:], texts[
+        config.eval.num_examples:]
+  return tokens, texts
+
+
+def register_data_tasks(config, workdir: str) -> None:
+  paths = _data_paths(workdir)
+  vocabulary = tasks.synthetic_vocabulary()
+  for name, kind in ((PAIRS_TASK, "pairs"), (TRAJECTORY_TASK, "trajectory")):
+    alignment_data.register_file_task(
+        name, paths[kind], kind=kind, vocabulary=vocabulary, layout="columns",
+        normalize_rewards=(kind == "trajectory"), overwrite=True,
+        max_completion_tokens=config.data.targets_length - 1,
+        on_bad_row="skip_and_report")
+
+
+# --- the pipeline ----------------------------------------------------------------
+
+
+def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
+  """Runs the configured stages; returns {method: results}."""
+  stages = stages_of(config)
+  loop.prepare_workdir(workdir, config)
+  p = config.pipeline
+  sft_dir = os.path.join(workdir, "sft")
+  results: Dict[str, Dict[str, float]] = {}
+  if "sft" in stages:
+    _log("=== stage sft ===")
+    summary = loop.train(stage_config(
+        config, "sft", **{"train.num_steps": p.sft_steps}), sft_dir)
+    results["sft"] = summary
+    _log_gold(summary)
+  if "data" in stages:
+    _log("=== stage data ===")
+    make_data(config, workdir, sft_dir)
+  if any(s in stages for s in ("reward_model",) + tuple(POLICY_STAGES)):
+    register_data_tasks(config, workdir)
+  if "reward_model" in stages:
+    _log("=== stage reward_model ===")
+    results["reward_model"] = loop.train(stage_config(
+        config, "reward_model", **{
+            "data.task": PAIRS_TASK, "train.num_steps": p.reward_model_steps,
+            "init.policy_checkpoint": sft_dir,
+            "optimizer.learning_rate": p.reward_model_learning_rate,
+        }), os.path.join(workdir, "reward_model"))
+  for stage, (algorithm, task) in POLICY_STAGES.items():
+    if stage not in stages:
+      continue
+    _log(f"=== stage {stage} ===")
+    results[stage] = loop.train(stage_config(
+        config, algorithm, **{
+            "data.task": task, "train.num_steps": p.policy_steps,
+            "init.policy_checkpoint": sft_dir,
+            "optimizer.learning_rate": p.policy_learning_rate,
+            "optimizer.warmup_steps": min(config.optimizer.warmup_steps,
+                                          p.policy_steps // 4),
+            "eval.task": config.data.task,
+            "eval.num_samples": p.eval_samples_per_prompt,
+        }), os.path.join(workdir, stage))
+  table = results_table(results)
+  if table:
+    if jax.process_index() == 0:
+      with open(os.path.join(workdir, "results.json"), "w") as f:
+        json.dump(table, f, indent=2, sort_keys=True)
+    _log(format_table(table))
+  return results
+
+
+def _log_gold(summary):
+  if "eval/gold_reward" in summary and "eval_before/gold_reward" in summary:
+    _log("Gold reward of greedy outputs on held-out prompts: before "
+         f"{summary['eval_before/gold_reward']:.4f} -> after "
+         f"{summary['eval/gold_reward']:.4f}")
+
+
+def results_table(results) -> Dict[str, Dict[str, float]]:
+  """One entry per policy method: win rate against SFT (with its standard
+  error), mean gold reward, KL to the SFT reference and mean length."""
+  table = {}
+  reference = None
+  for method in POLICY_STAGES:
+    r = results.get(method)
+    if not r or "eval/win_rate" not in r:
+      continue
+    reference = r.get("eval/reference_gold_reward", reference)
+    table[method] = {
+        "win_rate_vs_sft": r["eval/win_rate"],
+        "win_rate_stderr": r["eval/win_rate_stderr"],
+        "gold_reward": r["eval/gold_reward"],
+        "kl_to_sft": r["eval/kl"],
+        "mean_length": r["eval/length"],
+    }
+  if table and reference is not None:
+    table["sft"] = {"win_rate_vs_sft": 0.5, "gold_reward": reference,
+                    "kl_to_sft": 0.0}
+  if "reward_model" in results and "eval/accuracy" in results["reward_model"]:
+    table["reward_model"] = {
+        "heldout_pair_accuracy": results["reward_model"]["eval/accuracy"]}
+  return table
+
+
+def format_table(table) -> str:
+  lines = ["", "method        win rate vs SFT    gold reward   KL(pi||SFT)   "
+           "length", "-" * 72]
+  for method in ("sft",) + tuple(POLICY_STAGES):
+    if method not in table:
+      continue
+    r = table[method]
+    se = r.get("win_rate_stderr")
+    win = f"{r['win_rate_vs_sft']:.3f}" + (f" +- {se:.3f}" if se else "")
+    length = f"{r['mean_length']:.2f}" if "mean_length" in r else "-"
+    lines.append(f"{method:<13} {win:<18} {r['gold_reward']:>11.4f} "
+                 f"{r['kl_to_sft']:>13.4f}   {length}")
+  if "reward_model" in table:
+    lines.append("reward model: held-out pair accuracy "
+                 f"{table['reward_model']['heldout_pair_accuracy']:.3f}")
+  return "\n".join(lines)

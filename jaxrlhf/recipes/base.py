@@ -1,0 +1,192 @@
+"""What every recipe shares: model, data, sharded state, jitted step.
+
+A recipe is an algorithm: which networks it trains (`init_trainable`), which
+it keeps frozen (`init_frozen`, e.g. the reference policy), what data it
+reads (`data_kind`), its loss (`loss`), and its evaluation. This base class
+does the rest, so adding an algorithm touches one module under
+`jaxrlhf/recipes/` and one line of the registry (DESIGN.md principle 4).
+
+The train state holds the trainable networks (`params`, a dict by network
+name), their optimizer states, the frozen networks (`frozen`), the step and
+the RNG; all of it is checkpointed.
+"""
+
+from typing import Dict, Optional
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import optax
+
+from jaxrlhf import sharding
+from jaxrlhf.data import alignment_data
+from jaxrlhf.data import pipeline
+from jaxrlhf.models import build_model
+from jaxrlhf.models import scoring
+from jaxrlhf.train import optimizers
+from jaxrlhf.train import pretrained
+from jaxrlhf.train import state as state_lib
+from jaxrlhf.train import steps
+
+
+class Recipe:
+  """Base class; subclasses define the hooks marked "hook"."""
+
+  # hook: the alignment data kind ("pairs", "trajectory", ...); None = SFT.
+  data_kind: Optional[str] = None
+
+  def __init__(self, config, mesh):
+    self.config = config
+    self.mesh = mesh
+    self.rules = sharding.as_rules(config.sharding.logical_axis_rules)
+    pipeline.import_task_modules(config.data.task_modules)
+    task = pipeline.get_task(config.data.task)
+    features = task.output_features
+    feature = (features.get("targets") or features.get("prompt")
+               or next(iter(features.values())))
+    self.vocabulary = feature.vocabulary
+    self.model, self.model_config = build_model(config.model,
+                                                self.vocabulary.vocab_size)
+    self.lm = scoring.EncoderDecoderLM(self.model)
+    self.feature_lengths = self.make_feature_lengths()
+    self.feature_converter = self.make_feature_converter()
+    self.tx = self.make_optimizer()
+    self._check_batch_size()
+    self._init, self.state_shardings, self.abstract_state = (
+        state_lib.make_sharded_init(self._init_trainable_and_frozen, self.tx,
+                                    mesh, self.rules))
+    batch_sharding = sharding.batch_sharding(self.mesh, self.rules, 1)
+    self.train_step = jax.jit(
+        self._train_step,
+        in_shardings=(self.state_shardings, batch_sharding),
+        out_shardings=(self.state_shardings, sharding.replicated(mesh)),
+        donate_argnums=0)
+
+  # --- data ------------------------------------------------------------------
+
+  def make_feature_lengths(self) -> Dict[str, int]:
+    """hook: task feature lengths. Default: prompt + each completion field."""
+    kind = alignment_data.get_kind(self.data_kind)
+    lengths = {"prompt": self.config.data.inputs_length}
+    for field in kind.completion_fields:
+      lengths[field] = self.config.data.targets_length
+    return lengths
+
+  def make_feature_converter(self):
+    return alignment_data.feature_converter_for(self.data_kind,
+                                                "encoder_decoder")
+
+  def train_batches(self, position: int):
+    return pipeline.BatchIterator(
+        self.config.data.task, self.config.data.train_split,
+        self.feature_lengths, self.feature_converter,
+        self.config.train.batch_size, seed=self.config.seed, shuffle=True,
+        position=position)
+
+  def tokens_in(self, local_batch) -> int:
+    """Completion tokens in a global batch (for tokens/s)."""
+    n = sum(int(np.sum(v)) for k, v in local_batch.items()
+            if k.endswith("loss_weights"))
+    return n * jax.process_count()
+
+  def _check_batch_size(self):
+    dp = sharding.data_parallel_size(self.mesh, self.rules)
+    per_micro = self.config.train.batch_size // self.config.train.num_microbatches
+    if per_micro % dp:
+      raise ValueError(
+          f"config.train.batch_size: {self.config.train.batch_size} / "
+          f"{self.config.train.num_microbatches} micro-batches = {per_micro} "
+          f"rows cannot be split over {dp} data-parallel shards.")
+
+  # --- networks ----------------------------------------------------------------
+
+  def init_lm(self, rng):
+    """Fresh (boxed) parameters of the configured language model."""
+    enc = jnp.ones((1, self.config.data.inputs_length), jnp.int32)
+    dec = jnp.ones((1, self.config.data.targets_length), jnp.int32)
+    return self.model.init(rng, enc, dec, dec)["params"]
+
+  def init_trainable(self, rng) -> Dict:
+    """hook: {network name: boxed params} of the networks the step trains."""
+    raise NotImplementedError
+
+  def init_frozen(self, rng) -> Dict:
+    """hook: {network name: boxed params} of networks held fixed."""
+    del rng
+    return {}
+
+  def _init_trainable_and_frozen(self, rng):
+    a, b = jax.random.split(rng)
+    return self.init_trainable(a), self.init_frozen(b)
+
+  def pretrained_paths(self) -> Dict[str, str]:
+    """hook: {"params/<net>" or "frozen/<net>": checkpoint path} to load
+    over the fresh initialisation of a new run."""
+    return {}
+
+  def init_state(self):
+    state = self._init(jax.random.PRNGKey(self.config.seed))
+    for target, path in self.pretrained_paths().items():
+      if not path:
+        continue
+      group, name, *sub = target.split("/")
+      tree = getattr(state, group)
+      node = tree[name]
+      for key in sub:
+        node = node[key]
+      loaded = pretrained.load_lm_params(path, node)
+      tree = _replace_subtree(tree, [name] + sub, loaded)
+      state = state.replace(**{group: tree})
+    return state
+
+  # --- optimisation --------------------------------------------------------------
+
+  def optimizer_configs(self) -> Dict[str, object]:
+    """hook: {network name: optimizer ConfigDict}; default: one for all."""
+    return {}
+
+  def make_optimizer(self):
+    per_network = self.optimizer_configs()
+    steps_total = self.config.train.num_steps
+    if not per_network:
+      return optimizers.make_optimizer(self.config.optimizer, steps_total)
+    transforms = {name: optimizers.make_optimizer(cfg, steps_total)
+                  for name, cfg in per_network.items()}
+    # Labels: each top-level network uses its own optimizer.
+    return optax.multi_transform(transforms, {k: k for k in transforms})
+
+  def loss(self, params, frozen, batch, rng):
+    """hook: (scalar loss, {metric: scalar}) for one (micro-)batch; the loss
+    is a mean over the batch's examples."""
+    raise NotImplementedError
+
+  def _train_step(self, state, batch):
+    rng, step_rng = jax.random.split(state.rng)
+    micro = self.config.train.num_microbatches
+
+    def loss_fn(params, mb, mb_rng):
+      loss, metrics = self.loss(params, state.frozen, mb, mb_rng)
+      return loss / micro, jax.tree.map(lambda m: m / micro, metrics)
+
+    loss, metrics, grads = steps.accumulate_gradients(
+        loss_fn, state.params, batch, step_rng, micro)
+    params, opt_state, out = steps.guarded_update(
+        state, grads, loss, self.tx,
+        dict(metrics, learning_rate=optimizers.learning_rate_schedule(
+            self.config.optimizer, self.config.train.num_steps)(state.step)))
+    return state.replace(step=state.step + 1, params=params,
+                         opt_state=opt_state, rng=rng), out
+
+  def evaluate(self, state) -> Dict[str, float]:
+    """hook: evaluation metrics ("eval/..." keys)."""
+    del state
+    return {}
+
+
+def _replace_subtree(tree, path, value):
+  if not path:
+    return value
+  out = dict(tree)
+  out[path[0]] = _replace_subtree(tree[path[0]], path[1:], value)
+  return out

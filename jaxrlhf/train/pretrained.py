@@ -1,0 +1,77 @@
+"""Loading a language model's parameters from a checkpoint into a run.
+
+`load_lm_params(path, target)` accepts
+  - a T5X checkpoint (a `checkpoint_N` directory or a model directory with
+    them): read with jaxrlhf.models.t5x_checkpoint straight into the target's
+    shardings, each device reading only its chunks;
+  - a jaxrlhf workdir (or its `checkpoints/` directory, or one step of it):
+    the policy ("params/policy") of its latest checkpoint.
+The loaded tree must have the target's structure and shapes; a mismatch is
+an error naming the parameter.
+"""
+
+import os
+from typing import Any
+
+import jax
+import numpy as np
+import orbax.checkpoint as ocp
+
+from jaxrlhf.models import t5x_checkpoint
+
+
+def _is_t5x(path: str) -> bool:
+  if os.path.isfile(os.path.join(path, "checkpoint")):
+    return True
+  return os.path.isdir(path) and any(
+      d.startswith("checkpoint_") for d in os.listdir(path))
+
+
+def _orbax_state_dir(path: str) -> str:
+  """The `<step>/state` directory of the latest step under `path`."""
+  if os.path.isdir(os.path.join(path, "state")):
+    return os.path.join(path, "state")
+  if os.path.isdir(os.path.join(path, "checkpoints")):
+    path = os.path.join(path, "checkpoints")
+  steps = [int(d) for d in os.listdir(path) if d.isdigit()] \
+      if os.path.isdir(path) else []
+  if not steps:
+    raise ValueError(
+        f"{path!r} is neither a T5X checkpoint nor a jaxrlhf workdir with "
+        "checkpoints; point the init path at one of those.")
+  return os.path.join(path, str(max(steps)), "state")
+
+
+def _check_same_tree(loaded, target, path):
+  flat_l = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
+  flat_t = dict(jax.tree_util.tree_flatten_with_path(target)[0])
+  missing = sorted(jax.tree_util.keystr(k) for k in flat_t if k not in flat_l)
+  if missing:
+    raise ValueError(f"Checkpoint {path!r} lacks parameters {missing[:5]} "
+                     f"({len(missing)} in all): it is not this model.")
+  for k, t in flat_t.items():
+    if tuple(flat_l[k].shape) != tuple(t.shape):
+      raise ValueError(
+          f"Checkpoint {path!r}: parameter {jax.tree_util.keystr(k)} has "
+          f"shape {tuple(flat_l[k].shape)}, the model expects "
+          f"{tuple(t.shape)}. Set config.model to the checkpoint's size.")
+
+
+def load_lm_params(path: str, target: Any) -> Any:
+  """Parameters from `path` shaped and sharded like `target` (jax.Arrays)."""
+  path = os.fspath(path)
+  shardings = jax.tree.map(lambda x: x.sharding, target)
+  if _is_t5x(path):
+    shapes = t5x_checkpoint.t5x_param_shapes(path)["params"]
+    _check_same_tree(shapes, target, path)
+    loaded = t5x_checkpoint.read_t5x_checkpoint(
+        path, restore_dtype=np.float32, shardings=shardings)["params"]
+    return jax.tree.map(lambda x, t: x.astype(t.dtype), loaded, target)
+  state = ocp.PyTreeCheckpointer().restore(_orbax_state_dir(path))
+  if "params" not in state or "policy" not in state["params"]:
+    raise ValueError(f"Checkpoint {path!r} has no params/policy network.")
+  loaded = state["params"]["policy"]
+  _check_same_tree(loaded, target, path)
+  return jax.tree.map(
+      lambda x, t, s: jax.device_put(np.asarray(x, t.dtype), s),
+      loaded, target, shardings)
