@@ -1,9 +1,13 @@
-"""Quickstart: SFT of a tiny T5 from scratch on the built-in synthetic task.
+"""Quickstart: the whole offline pipeline on the built-in synthetic task.
 
   python -m jaxrlhf.main --config=configs/quickstart.py --workdir=/tmp/quickstart
 
-Prints the gold reward of greedy outputs on held-out prompts before and after
-training; a few minutes on 2 CPU cores.
+A tiny T5 is fine-tuned from scratch (SFT; the gold reward of its greedy
+outputs on held-out prompts is printed before and after), SFT samples are
+labelled by the gold reward, a reward model is trained, and DPO, KTO and
+DRO-V start from the SFT policy; the run ends with a table of win rates
+against SFT, also written to <workdir>/results.json. About 10 minutes on 2
+CPU cores. `--config.pipeline.stages=sft` runs only the SFT stage.
 """
 
 from jaxrlhf import defaults
@@ -22,5 +26,6 @@ def get_config(size: str = "tiny"):
   config.optimizer.learning_rate = 1e-2
   config.optimizer.warmup_steps = 50
   config.checkpoint.every_steps = 200
-  config.eval.num_examples = 128
+  config.eval.num_examples = 256
+  config.pipeline.stages = "sft,data,reward_model,dpo,kto,dro_v"
   return config

@@ -70,6 +70,27 @@ def base_config() -> ml_collections.ConfigDict:
   c.data.targets_length = 16
   # Extra modules to import before looking up the task (they register tasks).
   c.data.task_modules = ()
+  # Alignment data from files on disk: when data.files.train is set, a seqio
+  # task named data.task is registered from these files at start-up.
+  c.data.files = ml_collections.ConfigDict()
+  # Path or glob of training / held-out files (JSONL or Parquet; local or
+  # any tf.io.gfile path such as gs://).
+  c.data.files.train = ""
+  c.data.files.validation = ""
+  # "columns" (with column_mapping), "ultrafeedback", "hh_rlhf", "tldr".
+  c.data.files.layout = "columns"
+  # Layout "columns": kind field -> file column, as "prompt=question,
+  # completion=answer,reward=score" ("" = the fields' own names).
+  c.data.files.column_mapping = ""
+  # SentencePiece model of the policy's vocabulary ("" = the built-in
+  # synthetic task's vocabulary).
+  c.data.files.vocabulary = ""
+  # Normalise trajectory rewards to mean 0, variance 1 over the training
+  # files (the DRO paper does this for UltraFeedback).
+  c.data.files.normalize_rewards = True
+  # "raise": a malformed row stops the run naming file and row;
+  # "skip_and_report": it is counted, reported, and skipped.
+  c.data.files.on_bad_row = "raise"
 
   c.train = ml_collections.ConfigDict()
   c.train.num_steps = 600
@@ -143,9 +164,9 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.pipeline = ml_collections.ConfigDict()
   # Comma-separated stages of jaxrlhf.offline_pipeline ("" = run
-  # config.algorithm alone): sft, data, reward_model, dpo, kto, dro_v.
+  # config.algorithm alone): sft, data, reward_model, dpo, kto, dro_v. The
+  # SFT stage trains for train.num_steps with config.optimizer.
   c.pipeline.stages = ""
-  c.pipeline.sft_steps = 600
   # Offline data: SFT samples for this many training prompts (and held-out
   # prompts for the reward model's evaluation pairs).
   c.pipeline.num_prompts = 2000
@@ -229,4 +250,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive.")
   _require(c.data.inputs_length > 0 and c.data.targets_length > 0,
            "data.inputs_length", "sequence lengths must be positive.")
+  _require(c.data.files.on_bad_row in ("raise", "skip_and_report"),
+           "data.files.on_bad_row", f"{c.data.files.on_bad_row!r}: use "
+           "'raise' or 'skip_and_report'.")
   sharding.as_rules(c.sharding.logical_axis_rules)

@@ -162,8 +162,7 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   results: Dict[str, Dict[str, float]] = {}
   if "sft" in stages:
     _log("=== stage sft ===")
-    summary = loop.train(stage_config(
-        config, "sft", **{"train.num_steps": p.sft_steps}), sft_dir)
+    summary = loop.train(stage_config(config, "sft"), sft_dir)
     results["sft"] = summary
     _log_gold(summary)
   if "data" in stages:

@@ -41,6 +41,8 @@ class Recipe:
     self.mesh = mesh
     self.rules = sharding.as_rules(config.sharding.logical_axis_rules)
     pipeline.import_task_modules(config.data.task_modules)
+    if config.data.files.train:
+      register_task_from_files(config, self.data_kind)
     task = pipeline.get_task(config.data.task)
     features = task.output_features
     feature = (features.get("targets") or features.get("prompt")
@@ -182,6 +184,45 @@ class Recipe:
     """hook: evaluation metrics ("eval/..." keys)."""
     del state
     return {}
+
+
+def parse_column_mapping(text: str) -> Optional[Dict[str, str]]:
+  """"prompt=question,reward=score" -> {"prompt": "question", ...}."""
+  if not text:
+    return None
+  mapping = {}
+  for item in text.split(","):
+    field, sep, column = item.partition("=")
+    if not sep or not field.strip() or not column.strip():
+      raise ValueError(f"config.data.files.column_mapping: {item!r} is not "
+                       "field=column.")
+    mapping[field.strip()] = column.strip()
+  return mapping
+
+
+def register_task_from_files(config, kind: Optional[str]) -> None:
+  """Registers config.data.task from config.data.files (see defaults.py)."""
+  files = config.data.files
+  if kind is None:
+    raise ValueError("config.data.files: SFT reads seqio tasks; file "
+                     "sources are for the alignment data kinds.")
+  if files.vocabulary:
+    import seqio
+    vocabulary = seqio.SentencePieceVocabulary(files.vocabulary)
+  else:
+    from jaxrlhf.data import tasks
+    vocabulary = tasks.synthetic_vocabulary()
+  paths = {"train": files.train}
+  if files.validation:
+    paths["validation"] = files.validation
+  alignment_data.register_file_task(
+      config.data.task, paths, kind=kind, vocabulary=vocabulary,
+      layout=files.layout, column_mapping=parse_column_mapping(
+          files.column_mapping),
+      max_prompt_tokens=config.data.inputs_length,
+      max_completion_tokens=config.data.targets_length - 1,
+      normalize_rewards=files.normalize_rewards and kind == "trajectory",
+      on_bad_row=files.on_bad_row, seed=config.seed, overwrite=True)
 
 
 def _replace_subtree(tree, path, value):

@@ -57,6 +57,21 @@ def _check_same_tree(loaded, target, path):
           f"{tuple(t.shape)}. Set config.model to the checkpoint's size.")
 
 
+def _restore_as_numpy(state_dir: str):
+  """The saved state as host numpy arrays, whatever mesh wrote it.
+
+  Each process holds a full host copy of the state while loading (fine for
+  the sizes orbax checkpoints of this library hold; large pretrained models
+  come as T5X or safetensors checkpoints, which load shard by shard).
+  """
+  checkpointer = ocp.PyTreeCheckpointer()
+  tree = checkpointer.metadata(state_dir).item_metadata.tree
+  restore_args = jax.tree.map(
+      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
+  return checkpointer.restore(
+      state_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
+
+
 def load_lm_params(path: str, target: Any) -> Any:
   """Parameters from `path` shaped and sharded like `target` (jax.Arrays)."""
   path = os.fspath(path)
@@ -67,7 +82,7 @@ def load_lm_params(path: str, target: Any) -> Any:
     loaded = t5x_checkpoint.read_t5x_checkpoint(
         path, restore_dtype=np.float32, shardings=shardings)["params"]
     return jax.tree.map(lambda x, t: x.astype(t.dtype), loaded, target)
-  state = ocp.PyTreeCheckpointer().restore(_orbax_state_dir(path))
+  state = _restore_as_numpy(_orbax_state_dir(path))
   if "params" not in state or "policy" not in state["params"]:
     raise ValueError(f"Checkpoint {path!r} has no params/policy network.")
   loaded = state["params"]["policy"]

@@ -1,0 +1,12 @@
+"""SLiC-HF's calibration hinge on UltraFeedback pairs; see configs/dpo.py."""
+
+from jaxrlhf import presets
+
+
+def get_config():
+  c = presets.ultrafeedback_offline("dpo", "large", mesh_shape=(4, 4),
+                                    num_steps=20_000)
+  c.dpo.loss_type = "slic"
+  c.dpo.beta = 1.0
+  c.dpo.slic_delta = 1.0
+  return c
