@@ -70,13 +70,8 @@ def main(argv):
   except (ValueError, loop.NonFiniteError) as e:
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
-  if jax.process_index() == 0 and "eval/gold_reward" in summary:
-    before = summary.get("eval_before/gold_reward")
-    after = summary["eval/gold_reward"]
-    line = f"Gold reward of greedy outputs on held-out prompts: after {after:.4f}"
-    if before is not None:
-      line = (f"Gold reward of greedy outputs on held-out prompts: "
-              f"before {before:.4f} -> after {after:.4f}")
+  line = loop.gold_reward_line(summary)
+  if line and jax.process_index() == 0:
     print(line, flush=True)
 
 

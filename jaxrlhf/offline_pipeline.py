@@ -164,7 +164,7 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
     _log("=== stage sft ===")
     summary = loop.train(stage_config(config, "sft"), sft_dir)
     results["sft"] = summary
-    _log_gold(summary)
+    _log(loop.gold_reward_line(summary) or "")
   if "data" in stages:
     _log("=== stage data ===")
     make_data(config, workdir, sft_dir)
@@ -199,13 +199,6 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
         json.dump(table, f, indent=2, sort_keys=True)
     _log(format_table(table))
   return results
-
-
-def _log_gold(summary):
-  if "eval/gold_reward" in summary and "eval_before/gold_reward" in summary:
-    _log("Gold reward of greedy outputs on held-out prompts: before "
-         f"{summary['eval_before/gold_reward']:.4f} -> after "
-         f"{summary['eval/gold_reward']:.4f}")
 
 
 def results_table(results) -> Dict[str, Dict[str, float]]:

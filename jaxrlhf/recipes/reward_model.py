@@ -1,5 +1,6 @@
-"""Reward modelling on preference pairs (Bradley-Terry, optional margin and
-reward centring); jaxrlhf.losses.reward_model.bradley_terry_loss.
+"""Reward modelling: Bradley-Terry on preference pairs (optional margin and
+reward centring) and Plackett-Luce on K-wise rankings
+(jaxrlhf.losses.reward_model).
 
 The reward model is a copy of the policy backbone (`init.policy_checkpoint`)
 with a scalar head read at the completion's EOS (jaxrlhf.models.heads).
@@ -11,8 +12,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.eval import evaluation
+from jaxrlhf.data import alignment_data
 from jaxrlhf.data import pipeline
+from jaxrlhf.eval import evaluation
 from jaxrlhf.losses import reward_model as rm_losses
 from jaxrlhf.models import heads
 from jaxrlhf.models import scoring
@@ -77,3 +79,40 @@ class RewardModelRecipe(base.Recipe):
             "eval/margin": float(m["margin"]),
             "eval/expected_calibration_error":
                 float(table["expected_calibration_error"])}
+
+
+class RankingRewardModelRecipe(RewardModelRecipe):
+  """K-wise rankings (best first) with the Plackett-Luce loss; K is
+  `config.reward_model.num_completions`."""
+  data_kind = "ranking"
+
+  def make_feature_lengths(self):
+    # seqio trims a ranking's first axis to the "completions" length, so it
+    # must be at least K (the converter checks).
+    return {"prompt": self.config.data.inputs_length,
+            "completions": max(self.config.data.targets_length,
+                               self.config.reward_model.num_completions)}
+
+  def make_feature_converter(self):
+    return alignment_data.feature_converter_for(
+        "ranking", "encoder_decoder",
+        num_completions=self.config.reward_model.num_completions)
+
+  def ranked_rewards(self, reward_params, batch):
+    """[batch, K] rewards of each example's K completions (one pass)."""
+    b, k = batch["completions_mask"].shape
+    flat = {"encoder_input_tokens": jnp.repeat(batch["encoder_input_tokens"],
+                                               k, axis=0)}
+    for suffix in ("decoder_target_tokens", "decoder_input_tokens",
+                   "decoder_loss_weights"):
+      x = batch[f"completions_{suffix}"]
+      flat[f"completions_{suffix}"] = x.reshape((b * k,) + x.shape[2:])
+    rewards = heads.sequence_rewards(self.lm, reward_params, flat, "completions")
+    return rewards.reshape(b, k)
+
+  def loss(self, params, frozen, batch, rng):
+    rewards = self.ranked_rewards(params["reward"], batch)
+    return rm_losses.plackett_luce_loss(rewards, batch["completions_mask"])
+
+  def evaluate(self, state):
+    return {}

@@ -192,5 +192,17 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
     checkpointer.close()
 
 
+def gold_reward_line(summary: Dict[str, float]) -> Optional[str]:
+  """The run's closing line: held-out gold reward before -> after."""
+  if "eval/gold_reward" not in summary:
+    return None
+  after = summary["eval/gold_reward"]
+  before = summary.get("eval_before/gold_reward")
+  head = "Gold reward of greedy outputs on held-out prompts: "
+  if before is None:
+    return head + f"after {after:.4f}"
+  return head + f"before {before:.4f} -> after {after:.4f}"
+
+
 def _format(metrics: Dict[str, float]) -> str:
   return ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in sorted(metrics.items()))
