@@ -13,7 +13,10 @@ from ml_collections import config_dict
 from jaxrlhf import sharding
 
 # Must equal jaxrlhf.recipes.registry.RECIPES's keys (a test checks).
-ALGORITHMS = ("sft", "reward_model", "dpo", "kto", "kto_thumbs", "dro_v")
+ALGORITHMS = ("sft", "reward_model", "dpo", "kto", "kto_thumbs", "dro_v",
+              "ppo", "rloo", "grpo", "reinforce", "rejection_sampling")
+# The online algorithms: they sample from the policy inside the train step.
+ONLINE_ALGORITHMS = ("ppo", "rloo", "grpo", "reinforce", "rejection_sampling")
 OPTIMIZERS = ("adafactor", "adamw")
 SCHEDULES = ("constant", "cosine", "linear")
 
@@ -23,7 +26,9 @@ def base_config() -> ml_collections.ConfigDict:
   # Which recipe trains: "sft" (supervised fine-tuning), "reward_model"
   # (Bradley-Terry on pairs), "dpo" (the direct preference family on pairs,
   # see dpo.loss_type), "kto" (on trajectories: desirable = reward above the
-  # batch mean), "kto_thumbs" (on thumbs up/down), "dro_v" (on trajectories).
+  # batch mean), "kto_thumbs" (on thumbs up/down), "dro_v" (on trajectories);
+  # online, on the prompts of data.task scored by a reward model (see
+  # `online`): "ppo", "rloo", "grpo", "reinforce", "rejection_sampling".
   c.algorithm = "sft"
   # Seeds parameter initialisation, dropout and data shuffling.
   c.seed = 0
@@ -162,10 +167,119 @@ def base_config() -> ml_collections.ConfigDict:
   # Start the separate value network's backbone from init.policy_checkpoint.
   c.dro.value_from_policy = True
 
+  # Online RL (ppo, rloo, grpo, reinforce, rejection_sampling): every train
+  # step samples responses to train.batch_size prompts of data.task from the
+  # policy, scores them with a frozen reward model and updates the policy;
+  # init.policy_checkpoint is the policy's start and the frozen reference.
+  # "Table 7" is the PPO hyper-parameter table of "The N+ implementation
+  # details of RLHF with PPO".
+  c.online = ml_collections.ConfigDict()
+  # A jaxrlhf reward_model workdir: its latest params/reward scores rollouts
+  # (and initialises PPO's value network, detail 22). Its vocabulary must be
+  # the policy's. Required.
+  c.online.reward_model_checkpoint = ""
+  # Sampling temperature of rollouts (Table 7: 0.7); the log-probs of PPO
+  # ratios and of the KL penalty are computed at the same temperature.
+  c.online.temperature = 0.7
+  # Tokens sampled per response, a fixed number as in detail 23 (then cut
+  # after the first EOS); unset = data.targets_length.
+  c.online.max_new_tokens = config_dict.placeholder(int)
+  # The EOS trick (detail 23): a response with no EOS scores
+  # missing_eos_penalty instead of the reward model's output (which is only
+  # valid at an EOS, detail 13). False keeps the score at the last token.
+  c.online.eos_trick = True
+  c.online.missing_eos_penalty = -1.0
+  # beta of the KL(pi || reference) penalty folded into the reward (PPO per
+  # token; RLOO and REINFORCE per sequence); Table 7: 0.05. GRPO puts its KL
+  # in the loss instead, with grpo.kl_coef.
+  c.online.kl_coef = 0.05
+  # Per-token KL estimator of the penalty: "k1" (log ratio), "k2", "k3"
+  # (jaxrlhf/rl/kl.py).
+  c.online.kl_estimator = "k1"
+  # Adaptive KL coefficient (Ziegler et al. 2019): beta moves towards
+  # keeping the mean per-response KL at kl_target, by at most 20% of
+  # (responses per step / kl_horizon) per step. The coefficient is part of
+  # the checkpointed train state.
+  c.online.adaptive_kl = False
+  c.online.kl_target = 6.0
+  c.online.kl_horizon = 10000
+  # Responses per prompt (the group size k of RLOO/GRPO, N of rejection
+  # sampling); unset = 1 for ppo and reinforce, 4 for rloo and grpo, 8 for
+  # rejection_sampling. A step trains on batch_size * k responses.
+  c.online.samples_per_prompt = config_dict.placeholder(int)
+  # Passes over each rollout batch and minibatches (optimizer updates) per
+  # pass; each pass reshuffles the rollouts. Unset epochs = 4 for ppo
+  # (Table 7: K = 4, N_mb = 1), 1 for the others.
+  c.online.num_epochs = config_dict.placeholder(int)
+  c.online.num_minibatches = 1
+  # Policy ratio clipping epsilon (Table 7: 0.2); GRPO's lower epsilon.
+  c.online.clip_eps = 0.2
+  # RLOO and REINFORCE: how per-token losses become one scalar
+  # (jaxrlhf/rl/reductions.py); "sequence_sum" treats the response as one
+  # action (RLHF book 11.1.3).
+  c.online.pg_reduction = "sequence_sum"
+  # Prompts longer than data.inputs_length: "cut_paragraph" drops trailing
+  # paragraphs (from the last newline) until the prompt fits (detail 2; a
+  # prompt with no newline left is an error naming it); "raise" stops at
+  # start-up naming the first one.
+  c.online.long_prompts = "cut_paragraph"
+  # A prompt ending that cutting keeps (e.g. "\n\nTL;DR:"); "" = none.
+  c.online.prompt_suffix = ""
+
+  c.ppo = ml_collections.ConfigDict()
+  # GAE discount and lambda (Table 7: 1.0 and 0.95).
+  c.ppo.gamma = 1.0
+  c.ppo.lam = 0.95
+  # Value loss clipping and its epsilon (Table 7: on, 0.2).
+  c.ppo.value_clipping = True
+  c.ppo.value_clip_eps = 0.2
+  # Value loss weight c1 (Table 7: 0.1).
+  c.ppo.vf_coef = 0.1
+  # Whiten the per-token rewards of each batch without shifting their mean
+  # (detail 24; optional, off in Table 7) and the advantages (detail 25).
+  c.ppo.whiten_rewards = False
+  c.ppo.whiten_advantages = True
+  # Learning rate of the value network (same optimizer kind and schedule);
+  # unset = optimizer.learning_rate, as in Table 7.
+  c.ppo.value_learning_rate = config_dict.placeholder(float)
+  # Weight of an entropy bonus (0 in the paper; entropy is logged anyway).
+  c.ppo.entropy_coef = 0.0
+
+  c.grpo = ml_collections.ConfigDict()
+  # beta of the k3 KL(pi || reference) term in the loss (DeepSeekMath: 0.04).
+  c.grpo.kl_coef = 0.04
+  # Upper clip epsilon (DAPO's clip-higher); unset = online.clip_eps.
+  c.grpo.clip_eps_high = config_dict.placeholder(float)
+  # "sequence_mean" (GRPO), "token_mean" (DAPO), "constant_length" (Dr.
+  # GRPO: divide by batch * online.max_new_tokens), "sequence_sum".
+  c.grpo.reduction = "sequence_mean"
+  # Divide the group-centred rewards by the group std (GRPO); False is Dr.
+  # GRPO's unscaled advantage.
+  c.grpo.scale_by_std = True
+
+  c.reinforce = ml_collections.ConfigDict()
+  # Baseline subtracted from the KL-penalised sequence reward:
+  # "running_mean" (exponential moving average of past batches, part of the
+  # checkpointed state), "batch_mean" or "none".
+  c.reinforce.baseline = "running_mean"
+  c.reinforce.baseline_decay = 0.9
+
+  c.rejection_sampling = ml_collections.ConfigDict()
+  # Which samples are fine-tuned on: "top_per_prompt" (the best of each
+  # prompt's N) or "top_k_overall" (the best top_k of the whole batch).
+  c.rejection_sampling.selection = "top_per_prompt"
+  # top_k_overall's K; unset = train.batch_size.
+  c.rejection_sampling.top_k = config_dict.placeholder(int)
+  # Sample from the current "policy" (iterated rejection sampling) or from
+  # the frozen "reference" (one round, as a dataset from the SFT model).
+  c.rejection_sampling.sample_from = "policy"
+
   c.pipeline = ml_collections.ConfigDict()
   # Comma-separated stages of jaxrlhf.offline_pipeline ("" = run
   # config.algorithm alone): sft, data, reward_model, dpo, kto, dro_v. The
-  # SFT stage trains for train.num_steps with config.optimizer.
+  # SFT stage trains for train.num_steps with config.optimizer. Online
+  # stages, after reward_model and using it: ppo, rloo, grpo, reinforce,
+  # rejection_sampling, and best_of_n (an evaluation of the SFT policy).
   c.pipeline.stages = ""
   # Offline data: SFT samples for this many training prompts (and held-out
   # prompts for the reward model's evaluation pairs).
@@ -181,6 +295,11 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline.policy_steps = 300
   c.pipeline.policy_learning_rate = 1e-3
   c.pipeline.eval_samples_per_prompt = 2
+  # Steps and learning rate of each online stage.
+  c.pipeline.online_steps = 200
+  c.pipeline.online_learning_rate = 1e-3
+  # N of the best-of-N row (its KL is log N - (N - 1) / N).
+  c.pipeline.best_of_n = 8
 
   c.checkpoint = ml_collections.ConfigDict()
   # Save every N steps (and always at the end); 0 = only at the end.
@@ -211,6 +330,16 @@ def base_config() -> ml_collections.ConfigDict:
   # Logical axis name -> mesh axis (or tuple of axes, or None = replicate).
   c.sharding.logical_axis_rules = sharding.STANDARD_RULES
   return c
+
+
+def apply_overrides(c: ml_collections.ConfigDict, overrides) -> None:
+  """Sets fields by dotted path, {"train.num_steps": 10, ...}, in place."""
+  for path, value in overrides.items():
+    node = c
+    *parents, leaf = path.split(".")
+    for name in parents:
+      node = node[name]
+    node[leaf] = value
 
 
 def _require(condition, field, message):
@@ -253,4 +382,63 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.data.files.on_bad_row in ("raise", "skip_and_report"),
            "data.files.on_bad_row", f"{c.data.files.on_bad_row!r}: use "
            "'raise' or 'skip_and_report'.")
+  _validate_online(c)
   sharding.as_rules(c.sharding.logical_axis_rules)
+
+
+def _validate_online(c: ml_collections.ConfigDict) -> None:
+  o = c.online
+  _require(o.temperature > 0, "online.temperature", "must be positive.")
+  _require(o.max_new_tokens is None or o.max_new_tokens > 0,
+           "online.max_new_tokens", "must be positive.")
+  _require(o.kl_estimator in ("k1", "k2", "k3"), "online.kl_estimator",
+           f"{o.kl_estimator!r}: use 'k1', 'k2' or 'k3'.")
+  _require(o.kl_coef >= 0, "online.kl_coef", "must be >= 0.")
+  _require(o.kl_target > 0 and o.kl_horizon > 0, "online.kl_target",
+           "kl_target and kl_horizon must be positive.")
+  _require(o.samples_per_prompt is None or o.samples_per_prompt > 0,
+           "online.samples_per_prompt", "must be positive.")
+  _require(o.num_epochs is None or o.num_epochs > 0, "online.num_epochs",
+           "must be positive.")
+  _require(o.num_minibatches > 0, "online.num_minibatches",
+           "must be positive.")
+  _require(o.clip_eps > 0, "online.clip_eps", "must be positive.")
+  _require(o.pg_reduction in ("sequence_mean", "token_mean",
+                              "constant_length", "sequence_sum"),
+           "online.pg_reduction", f"{o.pg_reduction!r} is not a reduction.")
+  _require(o.long_prompts in ("cut_paragraph", "raise"), "online.long_prompts",
+           f"{o.long_prompts!r}: use 'cut_paragraph' or 'raise'.")
+  _require(0 <= c.ppo.gamma <= 1 and 0 <= c.ppo.lam <= 1, "ppo.gamma",
+           "gamma and lam must be in [0, 1].")
+  _require(c.ppo.value_clip_eps > 0, "ppo.value_clip_eps", "must be positive.")
+  _require(c.grpo.reduction in ("sequence_mean", "token_mean",
+                                "constant_length", "sequence_sum"),
+           "grpo.reduction", f"{c.grpo.reduction!r} is not a reduction.")
+  _require(c.grpo.clip_eps_high is None or c.grpo.clip_eps_high > 0,
+           "grpo.clip_eps_high", "must be positive.")
+  _require(c.reinforce.baseline in ("running_mean", "batch_mean", "none"),
+           "reinforce.baseline", f"{c.reinforce.baseline!r}: use "
+           "'running_mean', 'batch_mean' or 'none'.")
+  _require(c.rejection_sampling.selection in ("top_per_prompt",
+                                              "top_k_overall"),
+           "rejection_sampling.selection",
+           f"{c.rejection_sampling.selection!r}: use 'top_per_prompt' or "
+           "'top_k_overall'.")
+  _require(c.rejection_sampling.sample_from in ("policy", "reference"),
+           "rejection_sampling.sample_from",
+           f"{c.rejection_sampling.sample_from!r}: use 'policy' or "
+           "'reference'.")
+  if c.algorithm not in ONLINE_ALGORITHMS:
+    return
+  _require(c.model.dropout_rate == 0, "model.dropout_rate",
+           f"{c.model.dropout_rate}: online RL needs deterministic log-probs "
+           "(PPO details, detail 7: with dropout the ratios are not 1 before "
+           "the first update); set it to 0.")
+  _require(c.train.num_microbatches == 1, "train.num_microbatches",
+           "online algorithms split each rollout batch into "
+           "online.num_minibatches optimizer updates instead; set it to 1.")
+  if c.algorithm in ("rloo", "grpo"):
+    _require(c.online.samples_per_prompt is None
+             or c.online.samples_per_prompt >= 2, "online.samples_per_prompt",
+             f"{c.algorithm} compares the responses to one prompt; it needs "
+             "at least 2.")

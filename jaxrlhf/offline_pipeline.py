@@ -24,6 +24,7 @@ import jax
 import ml_collections
 import numpy as np
 
+from jaxrlhf import defaults
 from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import synthetic_feedback
@@ -60,15 +61,8 @@ def stages_of(config) -> List[str]:
 def stage_config(config, algorithm: str, **changes) -> ml_collections.ConfigDict:
   """The pipeline's config turned into one stage's run config."""
   c = copy.deepcopy(config)
-  with c.unlocked():
-    c.pipeline.stages = ""
-    c.algorithm = algorithm
-    for path, value in changes.items():
-      node = c
-      *parents, leaf = path.split(".")
-      for p in parents:
-        node = node[p]
-      node[leaf] = value
+  defaults.apply_overrides(c, {"pipeline.stages": "", "algorithm": algorithm,
+                               **changes})
   return c
 
 

@@ -33,14 +33,10 @@ def tiny_config(**overrides):
   module = importlib.util.module_from_spec(spec)
   spec.loader.exec_module(module)
   config = module.get_config()
+  from jaxrlhf import defaults
   merged = dict(TINY_OVERRIDES)
   merged.update({k.replace("__", "."): v for k, v in overrides.items()})
-  for path, value in merged.items():
-    node = config
-    *parents, leaf = path.split(".")
-    for p in parents:
-      node = node[p]
-    node[leaf] = value
+  defaults.apply_overrides(config, merged)
   return config
 
 

@@ -13,9 +13,10 @@ def masked_sum(x, mask, axis=None):
 
 
 def masked_mean(x, mask, axis=None):
-  """Mean of `x` over the entries where `mask` is set (0 where none is)."""
-  count = jnp.sum(mask, axis=axis)
-  return masked_sum(x, mask, axis) / jnp.maximum(count, 1)
+  """sum(mask * x) / sum(mask): the mean over the entries where `mask` is set
+  (0 where none is). Fractional masks act as weights and are exact."""
+  total = jnp.sum(mask, axis=axis)
+  return masked_sum(x, mask, axis) / jnp.where(total > 0, total, 1.0)
 
 
 def masked_var(x, mask, unbiased=True):
@@ -53,3 +54,24 @@ def sequence_logprob(token_logprobs, mask):
     [batch] sum of the masked per-token log-probs.
   """
   return masked_sum(token_logprobs, mask, axis=-1)
+
+
+def check_rank(where: str, name: str, x, rank: int, hint: str = ""):
+  """Raises a ValueError naming `where` and `name` unless x has `rank`."""
+  if jnp.ndim(x) != rank:
+    raise ValueError(f"{where}: `{name}` must have rank {rank}, got shape "
+                     f"{jnp.shape(x)}" + (f"; {hint}" if hint else "."))
+
+
+def check_same_shape(where: str, **arrays):
+  """Raises a ValueError listing the shapes unless all (non-None) agree."""
+  shapes = {name: jnp.shape(x) for name, x in arrays.items() if x is not None}
+  if len(set(shapes.values())) > 1:
+    listed = ", ".join(f"{name}{list(shape)}" for name, shape in shapes.items())
+    raise ValueError(f"{where}: shapes must match, got {listed}.")
+
+
+def win_indicator(a, b):
+  """1 where a > b, 0 where a < b, 1/2 for ties, so that an untrained model
+  (all scores equal) reports the chance accuracy 0.5."""
+  return jnp.where(a > b, 1.0, jnp.where(a < b, 0.0, 0.5))

@@ -35,21 +35,14 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.losses import common
+
 Array = Any
 Metrics = dict
 
 
-def _check_same_shape(where: str, **arrays):
-  shapes = {name: jnp.shape(x) for name, x in arrays.items() if x is not None}
-  if len(set(shapes.values())) > 1:
-    listed = ", ".join(f"{name}{list(shape)}" for name, shape in shapes.items())
-    raise ValueError(f"{where}: shapes must match, got {listed}.")
 
 
-def _weighted_mean(x: Array, weights: Array) -> Array:
-  """sum(w * x) / sum(w); 0 when every weight is 0."""
-  total = jnp.sum(weights)
-  return jnp.sum(weights * x) / jnp.where(total > 0, total, 1.0)
 
 
 def dro_v_losses(policy_logps: Array,
@@ -105,7 +98,7 @@ def dro_v_losses(policy_logps: Array,
         f"{where}: policy_logps must be [batch] per-sequence log-probs, got "
         f"shape {jnp.shape(policy_logps)}; reduce per-token log-probs with "
         "`common.sequence_logprob(token_logprobs, mask)`.")
-  _check_same_shape(where, policy_logps=policy_logps, ref_logps=ref_logps,
+  common.check_same_shape(where, policy_logps=policy_logps, ref_logps=ref_logps,
                     rewards=rewards, weights=weights)
   if jnp.ndim(values) not in (0, 1) or (
       jnp.ndim(values) == 1 and jnp.shape(values) != jnp.shape(policy_logps)):
@@ -119,7 +112,7 @@ def dro_v_losses(policy_logps: Array,
     weights = jnp.ones(jnp.shape(policy_logps), jnp.float32)
 
   if single_value_per_batch:
-    values = _weighted_mean(jnp.broadcast_to(values, jnp.shape(policy_logps)),
+    values = common.masked_mean(jnp.broadcast_to(values, jnp.shape(policy_logps)),
                             weights)
   values = jnp.broadcast_to(values, jnp.shape(policy_logps))
   ref_logps = jax.lax.stop_gradient(ref_logps)
@@ -129,24 +122,24 @@ def dro_v_losses(policy_logps: Array,
   # Eq. 8 / tau. V enters only through the stopped advantage: it is the value
   # network's output, not a function of the policy parameters.
   advantage = rewards - jax.lax.stop_gradient(values)
-  policy_loss = _weighted_mean(
+  policy_loss = common.masked_mean(
       -advantage * policy_logps + 0.5 * tau * jnp.square(log_ratio), weights)
   if not rescale_policy_gradient:
     policy_loss = tau * policy_loss
 
   # Eq. 7: regress V onto r - tau l with the policy held fixed.
   value_target = rewards - tau * jax.lax.stop_gradient(log_ratio)
-  value_loss = 0.5 * _weighted_mean(jnp.square(value_target - values), weights)
+  value_loss = 0.5 * common.masked_mean(jnp.square(value_target - values), weights)
 
   residual = jax.lax.stop_gradient(rewards - values - tau * log_ratio)
   metrics = {
-      "dro_loss": 0.5 * _weighted_mean(jnp.square(residual), weights),
-      "value_mean": _weighted_mean(jax.lax.stop_gradient(values), weights),
-      "reward_mean": _weighted_mean(rewards, weights),
-      "log_ratio_mean": _weighted_mean(jax.lax.stop_gradient(log_ratio),
+      "dro_loss": 0.5 * common.masked_mean(jnp.square(residual), weights),
+      "value_mean": common.masked_mean(jax.lax.stop_gradient(values), weights),
+      "reward_mean": common.masked_mean(rewards, weights),
+      "log_ratio_mean": common.masked_mean(jax.lax.stop_gradient(log_ratio),
                                        weights),
-      "advantage_mean": _weighted_mean(advantage, weights),
-      "residual_abs_mean": _weighted_mean(jnp.abs(residual), weights),
+      "advantage_mean": common.masked_mean(advantage, weights),
+      "residual_abs_mean": common.masked_mean(jnp.abs(residual), weights),
   }
   return policy_loss, value_loss, metrics
 
@@ -167,7 +160,7 @@ def optimal_policy_and_value(ref_logprobs: Array, rewards: Array, *,
     (log pi*(y|x) [..., num_completions], V*(x) [...]), with
     V* = tau log sum_y pi_ref(y|x) exp(r(x, y)/tau).
   """
-  _check_same_shape("optimal_policy_and_value", ref_logprobs=ref_logprobs,
+  common.check_same_shape("optimal_policy_and_value", ref_logprobs=ref_logprobs,
                     rewards=rewards)
   scores = ref_logprobs + rewards / tau
   log_partition = jax.nn.logsumexp(scores, axis=-1)

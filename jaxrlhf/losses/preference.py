@@ -46,37 +46,27 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.losses import common
+
 Array = Any
 Metrics = dict
+
+
+def _rank(name, x, rank, where):
+  common.check_rank(where, name, x, rank,
+                    "pass per-sequence log-probs ([batch]), e.g. "
+                    "`common.sequence_logprob(token_logprobs, mask)`.")
 
 PAIRWISE_LOSS_TYPES = ("dpo", "cdpo", "robust_dpo", "ipo", "slic")
 _LOGISTIC_LOSS_TYPES = ("dpo", "cdpo", "robust_dpo")
 
 
-def _check_rank(name: str, x: Array, rank: int, where: str):
-  if jnp.ndim(x) != rank:
-    raise ValueError(
-        f"{where}: `{name}` must have rank {rank}, got shape {jnp.shape(x)}; "
-        "pass per-sequence log-probs ([batch]), e.g. "
-        "`common.sequence_logprob(token_logprobs, mask)`.")
 
 
-def _check_same_shape(where: str, **arrays):
-  shapes = {name: jnp.shape(x) for name, x in arrays.items() if x is not None}
-  if len(set(shapes.values())) > 1:
-    listed = ", ".join(f"{name}{list(shape)}" for name, shape in shapes.items())
-    raise ValueError(f"{where}: shapes must match, got {listed}.")
 
 
-def _weighted_mean(x: Array, weights: Array) -> Array:
-  """sum(w * x) / sum(w); 0 when every weight is 0."""
-  total = jnp.sum(weights)
-  return jnp.sum(weights * x) / jnp.where(total > 0, total, 1.0)
 
 
-def _win_indicator(a: Array, b: Array) -> Array:
-  """1 where a > b, 0 where a < b, 1/2 for ties (chance level at init)."""
-  return jnp.where(a > b, 1.0, jnp.where(a < b, 0.0, 0.5))
 
 
 def _is_static_number(x) -> bool:
@@ -138,14 +128,14 @@ def direct_preference_loss(policy_chosen_logps: Array,
   if loss_type not in PAIRWISE_LOSS_TYPES:
     raise ValueError(f"{where}: unknown loss_type {loss_type!r}; choose one of "
                      f"{PAIRWISE_LOSS_TYPES}.")
-  _check_rank("policy_chosen_logps", policy_chosen_logps, 1, where)
+  _rank("policy_chosen_logps", policy_chosen_logps, 1, where)
   if reference_free:
     ref_chosen_logps = jnp.zeros_like(policy_chosen_logps)
     ref_rejected_logps = jnp.zeros_like(policy_rejected_logps)
   elif ref_chosen_logps is None or ref_rejected_logps is None:
     raise ValueError(f"{where}: ref_chosen_logps and ref_rejected_logps are "
                      "required unless reference_free=True.")
-  _check_same_shape(where, policy_chosen_logps=policy_chosen_logps,
+  common.check_same_shape(where, policy_chosen_logps=policy_chosen_logps,
                     policy_rejected_logps=policy_rejected_logps,
                     ref_chosen_logps=ref_chosen_logps,
                     ref_rejected_logps=ref_rejected_logps,
@@ -203,10 +193,10 @@ def direct_preference_loss(policy_chosen_logps: Array,
     per_pair = jnp.square(delta - 1.0 / (2.0 * beta))
   else:  # slic
     per_pair = jax.nn.relu(slic_delta - beta * delta)
-  preference_loss = _weighted_mean(per_pair, weights)
+  preference_loss = common.masked_mean(per_pair, weights)
 
   if chosen_lengths is not None:
-    nll = _weighted_mean(-policy_chosen_logps / jnp.maximum(chosen_lengths, 1),
+    nll = common.masked_mean(-policy_chosen_logps / jnp.maximum(chosen_lengths, 1),
                          weights)
   else:
     nll = jnp.zeros((), preference_loss.dtype)
@@ -218,12 +208,12 @@ def direct_preference_loss(policy_chosen_logps: Array,
       "loss": loss,
       "preference_loss": preference_loss,
       "nll": nll,
-      "chosen_reward": _weighted_mean(chosen_reward, weights),
-      "rejected_reward": _weighted_mean(rejected_reward, weights),
-      "reward_accuracy": _weighted_mean(
-          _win_indicator(chosen_reward, rejected_reward), weights),
-      "reward_margin": _weighted_mean(chosen_reward - rejected_reward, weights),
-      "log_ratio_gap": _weighted_mean(jax.lax.stop_gradient(delta), weights),
+      "chosen_reward": common.masked_mean(chosen_reward, weights),
+      "rejected_reward": common.masked_mean(rejected_reward, weights),
+      "reward_accuracy": common.masked_mean(
+          common.win_indicator(chosen_reward, rejected_reward), weights),
+      "reward_margin": common.masked_mean(chosen_reward - rejected_reward, weights),
+      "log_ratio_gap": common.masked_mean(jax.lax.stop_gradient(delta), weights),
   }
   return loss, metrics
 
@@ -274,11 +264,11 @@ def kto_loss(policy_logps: Array,
     0 if the class is empty) and `desirable_fraction`.
   """
   where = "kto_loss"
-  _check_rank("policy_logps", policy_logps, 1, where)
-  _check_rank("kl_policy_logps", kl_policy_logps, 1, where)
-  _check_same_shape(where, policy_logps=policy_logps, ref_logps=ref_logps,
+  _rank("policy_logps", policy_logps, 1, where)
+  _rank("kl_policy_logps", kl_policy_logps, 1, where)
+  common.check_same_shape(where, policy_logps=policy_logps, ref_logps=ref_logps,
                     desirable=desirable, weights=weights)
-  _check_same_shape(where, kl_policy_logps=kl_policy_logps,
+  common.check_same_shape(where, kl_policy_logps=kl_policy_logps,
                     kl_ref_logps=kl_ref_logps, kl_weights=kl_weights)
   if weights is None:
     weights = jnp.ones(jnp.shape(policy_logps), jnp.float32)
@@ -287,7 +277,7 @@ def kto_loss(policy_logps: Array,
   is_desirable = jnp.asarray(desirable) > 0
 
   log_ratio = policy_logps - jax.lax.stop_gradient(ref_logps)
-  kl_estimate = _weighted_mean(kl_policy_logps - kl_ref_logps, kl_weights)
+  kl_estimate = common.masked_mean(kl_policy_logps - kl_ref_logps, kl_weights)
   kl_baseline = jax.lax.stop_gradient(jnp.maximum(kl_estimate, 0.0))
   value = jnp.where(is_desirable,
                     desirable_weight * jax.nn.sigmoid(beta * (log_ratio
@@ -295,7 +285,7 @@ def kto_loss(policy_logps: Array,
                     undesirable_weight * jax.nn.sigmoid(beta * (kl_baseline
                                                                 - log_ratio)))
   class_weight = jnp.where(is_desirable, desirable_weight, undesirable_weight)
-  loss = _weighted_mean(class_weight - value, weights)
+  loss = common.masked_mean(class_weight - value, weights)
 
   reward = jax.lax.stop_gradient(beta * log_ratio)
   desirable_w = weights * is_desirable
@@ -303,9 +293,9 @@ def kto_loss(policy_logps: Array,
   metrics = {
       "loss": loss,
       "kl_baseline": kl_baseline,
-      "desirable_reward": _weighted_mean(reward, desirable_w),
-      "undesirable_reward": _weighted_mean(reward, undesirable_w),
-      "desirable_fraction": _weighted_mean(is_desirable.astype(jnp.float32),
+      "desirable_reward": common.masked_mean(reward, desirable_w),
+      "undesirable_reward": common.masked_mean(reward, undesirable_w),
+      "desirable_fraction": common.masked_mean(is_desirable.astype(jnp.float32),
                                            weights),
   }
   return loss, metrics
@@ -326,11 +316,11 @@ def desirable_from_rewards(rewards: Array,
   Returns:
     [batch] bool, True for desirable.
   """
-  _check_rank("rewards", rewards, 1, "desirable_from_rewards")
+  _rank("rewards", rewards, 1, "desirable_from_rewards")
   if mask is None:
     mask = jnp.ones(jnp.shape(rewards), jnp.float32)
-  _check_same_shape("desirable_from_rewards", rewards=rewards, mask=mask)
-  batch_mean = _weighted_mean(rewards, mask)
+  common.check_same_shape("desirable_from_rewards", rewards=rewards, mask=mask)
+  batch_mean = common.masked_mean(rewards, mask)
   return (rewards > batch_mean) & (mask > 0)
 
 

@@ -23,39 +23,19 @@ Array = Any
 Metrics = dict
 
 
-def _check_rank(name: str, x: Array, rank: int, where: str):
-  if jnp.ndim(x) != rank:
-    raise ValueError(
-        f"{where}: `{name}` must have rank {rank}, got shape {jnp.shape(x)}; "
-        "pass one value per example (reduce per-token values with "
-        "`sequence_logprob` or take the reward at the EOS token first).")
+def _rank(name, x, rank, where):
+  common.check_rank(where, name, x, rank,
+                    "pass one value per example (reduce per-token values "
+                    "with `sequence_logprob` or take the reward at the EOS "
+                    "token first).")
 
 
-def _check_same_shape(where: str, **arrays):
-  shapes = {name: jnp.shape(x) for name, x in arrays.items() if x is not None}
-  if len(set(shapes.values())) > 1:
-    listed = ", ".join(f"{name}{list(shape)}" for name, shape in shapes.items())
-    raise ValueError(f"{where}: shapes must match, got {listed}.")
 
 
-def _weighted_mean(x: Array, weights: Array) -> Array:
-  """sum(w * x) / sum(w); 0 when every weight is 0.
-
-  Unlike `common.masked_mean` this divides by the true total weight even when
-  it is below 1, so fractional weights (e.g. 1 / pairs-per-prompt) are exact.
-  """
-  total = jnp.sum(weights)
-  return jnp.sum(weights * x) / jnp.where(total > 0, total, 1.0)
 
 
-def _win_indicator(score_a: Array, score_b: Array) -> Array:
-  """1 where a > b, 0 where a < b and 1/2 for ties.
 
-  Ties score 1/2 so that an untrained model (all rewards equal) reports the
-  chance accuracy 0.5 instead of 0.
-  """
-  return jnp.where(score_a > score_b, 1.0,
-                   jnp.where(score_a < score_b, 0.0, 0.5))
+
 
 
 def prompt_balanced_weights(prompt_ids: Array,
@@ -75,10 +55,10 @@ def prompt_balanced_weights(prompt_ids: Array,
     [batch] weights w_i = weights_i / sum_{j: same prompt} weights_j. Their
     sum is the number of prompts with a non-zero total weight.
   """
-  _check_rank("prompt_ids", prompt_ids, 1, "prompt_balanced_weights")
+  _rank("prompt_ids", prompt_ids, 1, "prompt_balanced_weights")
   if weights is None:
     weights = jnp.ones(jnp.shape(prompt_ids), jnp.float32)
-  _check_same_shape("prompt_balanced_weights", prompt_ids=prompt_ids,
+  common.check_same_shape("prompt_balanced_weights", prompt_ids=prompt_ids,
                     weights=weights)
   # A [batch, batch] same-prompt matrix keeps this jit-friendly without a
   # static number of prompts; batches of pairs are small.
@@ -118,8 +98,8 @@ def bradley_terry_loss(chosen_rewards: Array,
     (mean r_c - r_r), all weighted like the loss.
   """
   where = "bradley_terry_loss"
-  _check_rank("chosen_rewards", chosen_rewards, 1, where)
-  _check_same_shape(where, chosen_rewards=chosen_rewards,
+  _rank("chosen_rewards", chosen_rewards, 1, where)
+  common.check_same_shape(where, chosen_rewards=chosen_rewards,
                     rejected_rewards=rejected_rewards, weights=weights,
                     prompt_ids=prompt_ids)
   if weights is None:
@@ -129,19 +109,19 @@ def bradley_terry_loss(chosen_rewards: Array,
   reward_gap = chosen_rewards - rejected_rewards
   logits = reward_gap if margin is None else reward_gap - margin
   # -log sigmoid(z) = softplus(-z), stable for large |z|.
-  bt_loss = _weighted_mean(jax.nn.softplus(-logits), weights)
-  centering = _weighted_mean(jnp.square(chosen_rewards + rejected_rewards),
+  bt_loss = common.masked_mean(jax.nn.softplus(-logits), weights)
+  centering = common.masked_mean(jnp.square(chosen_rewards + rejected_rewards),
                              weights)
   loss = bt_loss + centering_coef * centering
   metrics = {
       "loss": loss,
       "bt_loss": bt_loss,
       "centering_penalty": centering,
-      "accuracy": _weighted_mean(
-          _win_indicator(chosen_rewards, rejected_rewards), weights),
-      "chosen_reward": _weighted_mean(chosen_rewards, weights),
-      "rejected_reward": _weighted_mean(rejected_rewards, weights),
-      "margin": _weighted_mean(reward_gap, weights),
+      "accuracy": common.masked_mean(
+          common.win_indicator(chosen_rewards, rejected_rewards), weights),
+      "chosen_reward": common.masked_mean(chosen_rewards, weights),
+      "rejected_reward": common.masked_mean(rejected_rewards, weights),
+      "margin": common.masked_mean(reward_gap, weights),
   }
   return loss, metrics
 
@@ -172,14 +152,14 @@ def plackett_luce_loss(ranked_rewards: Array,
     ties 1/2), averaged over rankings with the same weights.
   """
   where = "plackett_luce_loss"
-  _check_rank("ranked_rewards", ranked_rewards, 2, where)
+  _rank("ranked_rewards", ranked_rewards, 2, where)
   if mask is None:
     mask = jnp.ones(jnp.shape(ranked_rewards), jnp.float32)
-  _check_same_shape(where, ranked_rewards=ranked_rewards, mask=mask)
+  common.check_same_shape(where, ranked_rewards=ranked_rewards, mask=mask)
   batch, num_items = jnp.shape(ranked_rewards)
   if weights is None:
     weights = jnp.ones((batch,), jnp.float32)
-  _check_same_shape(where, ranked_rewards_batch=ranked_rewards[:, 0],
+  common.check_same_shape(where, ranked_rewards_batch=ranked_rewards[:, 0],
                     weights=weights)
   present = mask > 0
   rewards = jnp.where(present, ranked_rewards, 0.0)
@@ -199,18 +179,18 @@ def plackett_luce_loss(ranked_rewards: Array,
   # Metrics: ordered pairs (k above j) among present items.
   pair_present = (present[:, :, None] & present[:, None, :]
                   & (index[:, None] < index[None, :])[None])
-  pair_wins = _win_indicator(rewards[:, :, None], rewards[:, None, :])
+  pair_wins = common.win_indicator(rewards[:, :, None], rewards[:, None, :])
   pairwise = jnp.sum(jnp.where(pair_present, pair_wins, 0.0), axis=(1, 2))
   num_pairs = jnp.sum(pair_present, axis=(1, 2))
   pairwise_accuracy = pairwise / jnp.maximum(num_pairs, 1)
   best_other = jnp.max(jnp.where(present & (index[None] > 0), rewards,
                                  -jnp.inf), axis=-1)
-  top1 = _win_indicator(rewards[:, 0], best_other)
-  loss = _weighted_mean(nll, weights)
+  top1 = common.win_indicator(rewards[:, 0], best_other)
+  loss = common.masked_mean(nll, weights)
   metrics = {
       "loss": loss,
-      "top1_accuracy": _weighted_mean(top1, weights),
-      "pairwise_accuracy": _weighted_mean(pairwise_accuracy, weights),
+      "top1_accuracy": common.masked_mean(top1, weights),
+      "pairwise_accuracy": common.masked_mean(pairwise_accuracy, weights),
   }
   return loss, metrics
 
@@ -242,8 +222,8 @@ def calibration_table(chosen_rewards: Array,
     count-weighted mean |accuracy - confidence|).
   """
   where = "calibration_table"
-  _check_rank("chosen_rewards", chosen_rewards, 1, where)
-  _check_same_shape(where, chosen_rewards=chosen_rewards,
+  _rank("chosen_rewards", chosen_rewards, 1, where)
+  common.check_same_shape(where, chosen_rewards=chosen_rewards,
                     rejected_rewards=rejected_rewards, weights=weights)
   if not isinstance(num_bins, int) or num_bins < 1:
     raise ValueError(f"{where}: num_bins must be a positive int, got "
@@ -252,7 +232,7 @@ def calibration_table(chosen_rewards: Array,
     weights = jnp.ones(jnp.shape(chosen_rewards), jnp.float32)
   gap = chosen_rewards - rejected_rewards
   confidence = jax.nn.sigmoid(jnp.abs(gap))
-  correct = _win_indicator(chosen_rewards, rejected_rewards)
+  correct = common.win_indicator(chosen_rewards, rejected_rewards)
   bin_index = jnp.clip(
       jnp.floor((confidence - 0.5) * 2.0 * num_bins).astype(jnp.int32), 0,
       num_bins - 1)
@@ -290,7 +270,7 @@ def zero_mean_reward_bias(reference_rewards: Array,
   """
   if mask is None:
     mask = jnp.ones(jnp.shape(reference_rewards), jnp.float32)
-  _check_same_shape("zero_mean_reward_bias",
+  common.check_same_shape("zero_mean_reward_bias",
                     reference_rewards=reference_rewards, mask=mask)
   return -common.masked_mean(reference_rewards, mask)
 
@@ -317,7 +297,7 @@ def reward_gain_and_bias(reference_rewards: Array,
   """
   if mask is None:
     mask = jnp.ones(jnp.shape(reference_rewards), jnp.float32)
-  _check_same_shape("reward_gain_and_bias",
+  common.check_same_shape("reward_gain_and_bias",
                     reference_rewards=reference_rewards, mask=mask)
   mean = common.masked_mean(reference_rewards, mask)
   var = common.masked_var(reference_rewards, mask, unbiased=False)
