@@ -117,7 +117,7 @@ def test_guarded_update_skips_nonfinite_gradients():
   tx = optax.sgd(0.1)
   params = {"w": jnp.ones(3)}
   state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=tx.init(params),
+                               opt_state=tx.init(params), frozen={},
                                rng=jax.random.PRNGKey(0))
   good = steps.guarded_update(state, {"w": jnp.ones(3)}, jnp.float32(1.0), tx, {})
   np.testing.assert_allclose(good[0]["w"], 0.9)
