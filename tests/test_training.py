@@ -56,11 +56,13 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path):
                           stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
                           text=True, cwd=REPO)
   metrics_file = interrupted / "metrics.jsonl"
-  deadline = time.time() + 300
-  while time.time() < deadline and proc.poll() is None:
-    if metrics_file.exists() and any(
-        json.loads(l).get("step", 0) >= 10 for l in open(metrics_file)):
-      break
+  deadline = time.time() + 900
+  # Signal only once training is under way (step 10 logged): the handler is
+  # installed by then, and 140 steps remain.
+  while not (metrics_file.exists() and any(
+      json.loads(l).get("step", 0) >= 10 for l in open(metrics_file))):
+    assert proc.poll() is None, proc.communicate()[0]
+    assert time.time() < deadline, "the run never reached step 10"
     time.sleep(0.05)
   proc.send_signal(signal.SIGTERM)
   out, _ = proc.communicate(timeout=300)
