@@ -60,7 +60,8 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path):
   # Signal only once training is under way (step 10 logged): the handler is
   # installed by then, and 140 steps remain.
   while not (metrics_file.exists() and any(
-      json.loads(l).get("step", 0) >= 10 for l in open(metrics_file))):
+      json.loads(l).get("step", 0) >= 10 for l in open(metrics_file)
+      if l.endswith("\n"))):
     assert proc.poll() is None, proc.communicate()[0]
     assert time.time() < deadline, "the run never reached step 10"
     time.sleep(0.05)
