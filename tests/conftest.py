@@ -21,6 +21,8 @@ TINY_OVERRIDES = {
     "model.num_decoder_layers": 1, "train.batch_size": 16,
     "train.log_every": 1, "eval.num_examples": 16, "eval.batch_size": 16,
     "optimizer.learning_rate": 1e-2,
+    # A single run of config.algorithm, not the quickstart's whole pipeline.
+    "pipeline.stages": "",
 }
 
 
