@@ -1,5 +1,6 @@
 """The sampler draws from the softmax of the filtered logits."""
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -32,8 +33,18 @@ def tiny_t5():
                        mlp_dim=32)
   model = t5.T5(config)
   prompt = jnp.array([[3, 4, 5, 1]], jnp.int32)
-  params = model.init(jax.random.PRNGKey(1), prompt, prompt[:, :2])["params"]
-  params = jax.tree.map(lambda x: x * 3.0, params)  # a peakier distribution
+  # Random parameters without compiling the initialisers (LeCun-scaled
+  # kernels); the first-token distribution has several likely tokens
+  # (largest probabilities 0.17, 0.15, 0.13, 0.13).
+  abstract = nn.meta.unbox(jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(1), prompt, prompt[:, :2]))[
+          "params"])
+  rng = np.random.default_rng(2)
+  params = jax.tree.map(
+      lambda a: (rng.standard_normal(a.shape) / np.sqrt(a.shape[0])
+                 ).astype(np.float32) if a.ndim > 1 else np.ones(a.shape,
+                                                                 np.float32),
+      abstract)
   return model, params, prompt
 
 
@@ -47,8 +58,8 @@ def test_first_token_frequencies_follow_filtered_softmax(tiny_t5, temperature,
   out = jax.jit(lambda p, x, r: sampling.sample_encoder_decoder(
       model, p, x, r, 1, temperature=temperature, top_k=top_k, top_p=top_p))(
           params, prompts, jax.random.PRNGKey(7))
-  logits = model.apply({"params": params}, prompt,
-                       jnp.zeros((1, 1), jnp.int32))[0, 0]
+  logits = jax.jit(model.apply)({"params": params}, prompt,
+                                jnp.zeros((1, 1), jnp.int32))[0, 0]
   probs = np.asarray(jax.nn.softmax(
       sampling.filter_logits(logits, temperature, top_k, top_p)), np.float64)
   counts = np.bincount(np.asarray(out.tokens[:, 0]), minlength=16)
@@ -80,3 +91,79 @@ def test_truncation_after_first_eos_and_has_eos(tiny_t5):
     else:
       assert m.all()
   assert np.all(np.asarray(out.logprobs)[mask == 0] == 0)
+
+
+# ----------------------------------------------------------------------------
+# The decoder-only sampler (KV cache: a prefill, then one step per token).
+
+HF_LLAMA = __import__("pathlib").Path(__file__).resolve().parent / (
+    "fixtures/hf/llama_gqa")
+
+
+@pytest.fixture(scope="module")
+def tiny_llama():
+  from jaxrlhf.models import hf_io  # pylint: disable=g-import-not-at-top
+  config, params = hf_io.load_hf_checkpoint(HF_LLAMA)
+  model = hf_io.model_for_config(config)
+  # Left-padded by 2: rotary positions must come from the mask.
+  prompt = jnp.array([[0, 0, 5, 9, 12]], jnp.int32)
+  return model, params, prompt, (prompt > 0).astype(jnp.int32)
+
+
+def _full_forward_probs(model, params, tokens, temperature, top_k, top_p):
+  """Filtered next-token probabilities after `tokens` [1, L] (no cache)."""
+  from jaxrlhf.models import layers  # pylint: disable=g-import-not-at-top
+  mask = (jnp.arange(tokens.shape[1]) >= 2).astype(jnp.int32)[None]
+  logits = jax.jit(model.apply)({"params": params}, tokens,
+                                layers.positions_from_mask(mask), mask)[0, -1]
+  return np.asarray(jax.nn.softmax(
+      sampling.filter_logits(logits, temperature, top_k, top_p)), np.float64)
+
+
+def _chi2_ok(counts, probs):
+  n = counts.sum()
+  assert counts[probs < 1e-12].sum() == 0  # filtered tokens never drawn
+  expected = probs * n
+  seen = expected > 5
+  chi2 = np.sum((counts[seen] - expected[seen]) ** 2 / expected[seen])
+  # 99.9% quantile of chi-square with up to 63 degrees of freedom is 103.4.
+  return chi2 < 103.4
+
+
+@pytest.mark.parametrize("temperature,top_k,top_p", [(0.8, 10, 1.0),
+                                                      (1.2, 0, 0.9)])
+def test_decoder_only_first_and_second_token_frequencies(
+    tiny_llama, temperature, top_k, top_p):
+  model, params, prompt, mask = tiny_llama
+  n = 20000
+  out = sampling.sample_decoder_only(
+      model, params, jnp.repeat(prompt, n, axis=0), jnp.repeat(mask, n, 0),
+      jax.random.PRNGKey(11), 2, temperature=temperature, top_k=top_k,
+      top_p=top_p, eos_id=-1)
+  tokens = np.asarray(out.tokens)
+  first = _full_forward_probs(model, params, prompt, temperature, top_k, top_p)
+  assert _chi2_ok(np.bincount(tokens[:, 0], minlength=64), first)
+  # The second token (drawn after one cached step) follows the full-forward
+  # distribution given the prompt and the most frequent first token.
+  a = int(np.argmax(np.bincount(tokens[:, 0], minlength=64)))
+  second = _full_forward_probs(
+      model, params, jnp.concatenate([prompt, jnp.array([[a]])], 1),
+      temperature, top_k, top_p)
+  rows = tokens[:, 0] == a
+  assert rows.sum() > 1000
+  assert _chi2_ok(np.bincount(tokens[rows, 1], minlength=64), second)
+  # Returned log-probs are those of the filtered distributions.
+  np.testing.assert_allclose(out.logprobs[:, 0],
+                             np.log(first[tokens[:, 0]]), rtol=1e-4, atol=1e-5)
+  np.testing.assert_allclose(np.asarray(out.logprobs)[rows, 1],
+                             np.log(second[tokens[rows, 1]]), rtol=1e-4,
+                             atol=1e-5)
+
+
+def test_sampling_option_errors():
+  with pytest.raises(ValueError, match="top_p"):
+    sampling._check_options(4, 1.0, 0, 0.0)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="max_new_tokens"):
+    sampling._check_options(0, 1.0, 0, 1.0)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="temperature"):
+    sampling._check_options(4, -1.0, 0, 1.0)  # pylint: disable=protected-access

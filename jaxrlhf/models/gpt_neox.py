@@ -118,7 +118,8 @@ class GPTNeoXBlock(nn.Module):
   config: GPTNeoXConfig
 
   @nn.compact
-  def __call__(self, x: Array, positions: Array, mask: Array):
+  def __call__(self, x: Array, positions: Array, mask: Array,
+               cache_index=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     norm = functools.partial(layers.LayerNorm, cfg.norm_epsilon, dtype)
@@ -128,7 +129,7 @@ class GPTNeoXBlock(nn.Module):
         head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
         rope_theta=cfg.rope_theta, use_bias=True, dtype=dtype,
         attention_impl=cfg.attention_impl,
-        name="self_attention")(h, positions, mask)
+        name="self_attention")(h, positions, mask, cache_index)
     mlp = layers.Mlp(cfg.mlp_dim, (cfg.mlp_activation,), use_bias=True,
                      dtype=dtype, name="mlp")
     if cfg.use_parallel_residual:
@@ -159,6 +160,14 @@ class GPTNeoX(nn.Module):
   def logits_from_hidden(self, hidden: Array) -> Array:
     """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
     return self.decoder.logits_from_hidden(hidden)
+
+  def decode_step(self, tokens: Array, positions: Array,
+                  attention_mask: Array, cache_index) -> Array:
+    """One KV-cache step (see `layers.DecoderOnly.decode_step`): float32
+    logits [batch, vocab] of the last of `tokens`; apply with
+    mutable=["cache"]."""
+    return self.decoder.decode_step(tokens, positions, attention_mask,
+                                    cache_index)
 
   def __call__(self, tokens: Array, positions: Array,
                attention_mask: Array) -> Array:

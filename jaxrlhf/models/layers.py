@@ -15,9 +15,14 @@ query heads), so a sharding plan may replicate it or shard it differently.
 
 Attention is split into projection (`Attention`), position encoding
 (`apply_rotary_embedding`) and the score/softmax/sum core (`attend`), with the
-mask built once per forward pass (`causal_padding_mask`), so that a KV cache
-for incremental decoding can slot in between projection and `attend` without
-touching the rest.
+mask built once per forward pass (`causal_padding_mask`). The KV cache for
+incremental decoding slots in between rotary and `attend`: with a
+`cache_index`, `Attention` writes the rotated keys and the values into the
+flax "cache" collection (`cached_key` / `cached_value` [batch, T, kv_heads,
+head_dim], stacked along 'layers' when scanned) and attends over all T cached
+positions with `cache_mask`. `DecoderOnly.decode_step` is the entry point:
+one prefill call over a left-padded prompt (rotary positions from its mask),
+then one call per new token, each with `mutable=["cache"]`.
 """
 
 import dataclasses
@@ -307,6 +312,47 @@ def attend(query: Array, key: Array, value: Array, mask: Array, *,
                    f"{list(ATTENTION_IMPLS)}.")
 
 
+def cache_mask(attention_mask: Array, cache_index, length: int) -> Array:
+  """The attention mask of `length` queries at cache positions cache_index ..
+  cache_index + length - 1 over all T cached keys.
+
+  Same rule as `causal_padding_mask`: earlier-or-same real keys, and always
+  the query's own position.
+
+  Args:
+    attention_mask: [batch, T], 1 = real token (prompt pads 0; positions to
+      be generated 1).
+    cache_index: int scalar (may be traced).
+    length: static number of queries.
+  Returns:
+    bool [batch, 1, length, T].
+  """
+  real = jnp.asarray(attention_mask).astype(bool)
+  query_slots = cache_index + jnp.arange(length)
+  key_slots = jnp.arange(real.shape[-1])
+  causal = key_slots[None, :] <= query_slots[:, None]
+  itself = key_slots[None, :] == query_slots[:, None]
+  mask = (causal[None] & real[:, None, :]) | itself[None]
+  return mask[:, None]
+
+
+def update_kv_cache(module: nn.Module, name: str, new: Array, cache_index,
+                    cache_length: int, axes) -> Array:
+  """Writes `new` [batch, L, heads, head_dim] into the cache variable `name`
+  at [cache_index, cache_index + L) along length; returns the whole cache
+  [batch, cache_length, heads, head_dim] (created as zeros if absent)."""
+  batch, _, heads, head_dim = new.shape
+  var = module.variable("cache", name, jnp.zeros,
+                        (batch, cache_length, heads, head_dim), new.dtype)
+  zero = jnp.zeros((), jnp.int32)
+  var.value = nn.with_logical_constraint(
+      jax.lax.dynamic_update_slice(
+          var.value, new.astype(var.value.dtype),
+          (zero, jnp.asarray(cache_index, jnp.int32), zero, zero)),
+      axes)
+  return var.value
+
+
 class Attention(nn.Module):
   """Multi-head self-attention with grouped-query heads and rotary positions.
 
@@ -325,9 +371,19 @@ class Attention(nn.Module):
   attention_impl: str = "xla"
 
   @nn.compact
-  def __call__(self, x: Array, positions: Array, mask: Array) -> Array:
+  def __call__(self, x: Array, positions: Array, mask: Array,
+               cache_index: Optional[Array] = None) -> Array:
     """x [batch, length, embed], positions [batch, length], mask from
-    `causal_padding_mask` -> [batch, length, embed]."""
+    `causal_padding_mask` -> [batch, length, embed].
+
+    With `cache_index` (incremental decoding; apply with mutable=["cache"]):
+    the rotated keys and the values of the `length` inputs are written at
+    positions [cache_index, cache_index + length) of `cached_key` /
+    `cached_value` [batch, T, kv_heads, head_dim], T = mask.shape[-1]
+    (created as zeros on the first call), and the queries attend over all T
+    cached positions; `mask` [batch, 1, length, T] (from `cache_mask`) hides
+    the pads and the positions not written yet.
+    """
     def projection(heads, head_axis, name):
       return DenseGeneral((heads, self.head_dim), ("embed", head_axis, "kv"),
                           use_bias=self.use_bias, dtype=self.dtype, name=name)
@@ -339,10 +395,15 @@ class Attention(nn.Module):
                                         self.rope_scaling)
     query = apply_rotary_embedding(query, positions, inv_freq)
     key = apply_rotary_embedding(key, positions, inv_freq)
+    kv_axes = ("batch", "length", "kv_heads", "kv")
     query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
-    key = nn.with_logical_constraint(key, ("batch", "length", "kv_heads", "kv"))
-    value = nn.with_logical_constraint(
-        value, ("batch", "length", "kv_heads", "kv"))
+    key = nn.with_logical_constraint(key, kv_axes)
+    value = nn.with_logical_constraint(value, kv_axes)
+    if cache_index is not None:
+      key = update_kv_cache(self, "cached_key", key, cache_index,
+                            mask.shape[-1], kv_axes)
+      value = update_kv_cache(self, "cached_value", value, cache_index,
+                              mask.shape[-1], kv_axes)
     out = attend(query, key, value, mask, impl=self.attention_impl)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
@@ -449,8 +510,8 @@ def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
                      remat_policy_name: str):
   """`num_layers` copies of `block(config)`, to create inside `setup`.
 
-  `block(config)` must be a module whose `__call__(x, positions, mask)`
-  returns `(x, None)` (the scan carry signature). Returns a list of modules
+  `block(config)` must be a module whose `__call__(x, positions, mask,
+  cache_index=None)` returns `(x, None)` (the scan carry signature). Returns a list of modules
   (assigned to `self.layers` in setup they are named layers_0 ... layers_{n-1},
   as in t5x), or, when `scan_layers`, one `nn.scan`-ned module (named `layers`)
   whose parameters have a leading [num_layers] axis with logical name
@@ -463,21 +524,24 @@ def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
     block = nn.remat(block, policy=remat_policy(remat_policy_name),
                      prevent_cse=not scan_layers)
   if scan_layers:
+    # The KV cache (collection "cache") is stacked along layers too.
     scanned = nn.scan(
-        block, variable_axes={"params": 0}, split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast), length=num_layers,
+        block, variable_axes={"params": 0, "cache": 0},
+        split_rngs={"params": True},
+        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
     return scanned(config)
   return [block(config) for _ in range(num_layers)]
 
 
-def run_layer_stack(layers, x: Array, positions: Array, mask: Array) -> Array:
+def run_layer_stack(layers, x: Array, positions: Array, mask: Array,
+                    cache_index: Optional[Array] = None) -> Array:
   """Applies what `make_layer_stack` made; x [batch, length, embed]."""
   if isinstance(layers, (list, tuple)):
     for layer in layers:
-      x, _ = layer(x, positions, mask)
+      x, _ = layer(x, positions, mask, cache_index)
     return x
-  x, _ = layers(x, positions, mask)
+  x, _ = layers(x, positions, mask, cache_index)
   return x
 
 
@@ -535,6 +599,36 @@ class DecoderOnly(nn.Module):
     x = run_layer_stack(self.layers, x, positions, mask)
     x = self.decoder_norm(x)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+  def decode_step(self, tokens: Array, positions: Array,
+                  attention_mask: Array, cache_index) -> Array:
+    """Incremental decoding with the KV cache; apply with mutable=["cache"].
+
+    The first call (prefill) passes the whole left-padded prompt at
+    cache_index 0 and creates the cache of T = attention_mask.shape[-1]
+    positions; each later call passes the newest token(s) and the returned
+    cache.
+
+    Args:
+      tokens: int [batch, L], at cache positions cache_index ..
+        cache_index + L - 1.
+      positions: int [batch, L] rotary positions (for a left-padded prompt,
+        `positions_from_mask`; a generated token's is one more than the
+        previous token's).
+      attention_mask: [batch, T] over the whole cache: the prompt's mask,
+        then 1 for every generated position.
+      cache_index: int scalar (may be traced).
+    Returns:
+      float32 logits [batch, vocab] of the last of the L inputs.
+    """
+    mask = cache_mask(attention_mask, cache_index, tokens.shape[-1])
+    x = self.token_embedder(tokens)
+    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    x = run_layer_stack(self.layers, x, positions, mask, cache_index)
+    # Only the last position's logits are needed: a prefill of a long prompt
+    # would otherwise build a [batch, L, vocab] array.
+    x = self.decoder_norm(x[:, -1:])
+    return self.logits_from_hidden(x)[:, 0]
 
   def logits_from_hidden(self, hidden: Array) -> Array:
     """[batch, length, embed] -> float32 logits [batch, length, vocab]."""

@@ -136,7 +136,8 @@ class LlamaBlock(nn.Module):
   config: LlamaConfig
 
   @nn.compact
-  def __call__(self, x: Array, positions: Array, mask: Array):
+  def __call__(self, x: Array, positions: Array, mask: Array,
+               cache_index=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     h = layers.RMSNorm(cfg.norm_epsilon, dtype,
@@ -146,7 +147,7 @@ class LlamaBlock(nn.Module):
         head_dim=cfg.head_dim, rotary_dim=cfg.head_dim,
         rope_theta=cfg.rope_theta, rope_scaling=cfg.rope_scaling,
         use_bias=False, dtype=dtype, attention_impl=cfg.attention_impl,
-        name="self_attention")(h, positions, mask)
+        name="self_attention")(h, positions, mask, cache_index)
     x = x + h
     h = layers.RMSNorm(cfg.norm_epsilon, dtype, name="pre_mlp_layer_norm")(x)
     h = layers.Mlp(cfg.mlp_dim, ("silu", "linear"), use_bias=False,
@@ -175,6 +176,14 @@ class Llama(nn.Module):
   def logits_from_hidden(self, hidden: Array) -> Array:
     """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
     return self.decoder.logits_from_hidden(hidden)
+
+  def decode_step(self, tokens: Array, positions: Array,
+                  attention_mask: Array, cache_index) -> Array:
+    """One KV-cache step (see `layers.DecoderOnly.decode_step`): float32
+    logits [batch, vocab] of the last of `tokens`; apply with
+    mutable=["cache"]."""
+    return self.decoder.decode_step(tokens, positions, attention_mask,
+                                    cache_index)
 
   def __call__(self, tokens: Array, positions: Array,
                attention_mask: Array) -> Array:

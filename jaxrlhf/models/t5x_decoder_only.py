@@ -26,9 +26,9 @@ from `decoder_target_tokens > 0`, AND (with packing) equal segment ids; with
 `inputs_bidirectional_attention=True`) positions inside that prefix region also
 see each other bidirectionally.
 
-Besides the module, this file has the t5x `DecoderOnlyModel` computations that
-need no KV cache: `token_scores` / `score_batch` and a re-forwarding greedy
-`greedy_continuation` that reproduces `predict_batch` with temperature 0.
+Besides the module, this file has the t5x `DecoderOnlyModel` computations:
+`token_scores` / `score_batch`, and `greedy_continuation`, which reproduces
+`predict_batch` with temperature 0 using the KV cache of `decode_step`.
 """
 
 import dataclasses
@@ -107,6 +107,14 @@ class T5xDecoderOnlyConfig:
     return jnp.dtype(self.dtype)
 
   @classmethod
+  def preset(cls, name: str, **overrides) -> "T5xDecoderOnlyConfig":
+    """A size by name (see T5X_DECODER_ONLY_PRESETS), fields overridden."""
+    if name not in T5X_DECODER_ONLY_PRESETS:
+      raise ValueError(f"Unknown t5x decoder-only preset {name!r}; choose one "
+                       f"of {sorted(T5X_DECODER_ONLY_PRESETS)}.")
+    return dataclasses.replace(T5X_DECODER_ONLY_PRESETS[name], **overrides)
+
+  @classmethod
   def from_t5x(cls, transformer_config: Mapping[str, Any], **overrides):
     """From t5x's TransformerConfig fields (e.g. a gin file's or the fixture
     config.json's "TransformerConfig"), with fields overridden."""
@@ -120,6 +128,28 @@ class T5xDecoderOnlyConfig:
       raise ValueError(f"T5xDecoderOnlyConfig.from_t5x: unknown fields "
                        f"{sorted(unknown)}.")
     return cls(**{**fields, **overrides})
+
+
+def _gin_size(emb_dim, num_heads, num_layers, mlp_dim):
+  # t5x/examples/decoder_only/models/base.gin and the sizes that include it:
+  # gated GELU, tied output layer, head_dim 64, 32128 vocabulary.
+  return T5xDecoderOnlyConfig(
+      vocab_size=32128, emb_dim=emb_dim, num_heads=num_heads,
+      num_layers=num_layers, head_dim=64, mlp_dim=mlp_dim,
+      mlp_activations=("gelu", "linear"), logits_via_embedding=True)
+
+
+T5X_DECODER_ONLY_PRESETS = {
+    # The dimensions of ../shared/fixtures/t5x/decoder_only.
+    "tiny": T5xDecoderOnlyConfig(
+        vocab_size=128, emb_dim=32, num_heads=4, num_layers=2, head_dim=8,
+        mlp_dim=64, mlp_activations=("gelu", "linear"),
+        logits_via_embedding=True),
+    "base": _gin_size(768, 12, 12, 2048),
+    "large": _gin_size(1024, 16, 24, 2816),
+    "xl": _gin_size(2048, 32, 24, 5120),
+    "xxl": _gin_size(4096, 64, 24, 10240),
+}
 
 
 def make_decoder_mask(decoder_target_tokens: Array,
@@ -159,14 +189,17 @@ class DecoderLayer(nn.Module):
   config: T5xDecoderOnlyConfig
 
   @nn.compact
-  def __call__(self, x, self_attention_bias, deterministic=True):
-    """x [batch, length, embed]; bias [batch|1, heads, length, length]."""
+  def __call__(self, x, self_attention_bias, deterministic=True,
+               cache_index=None):
+    """x [batch, length, embed]; bias [batch|1, heads, length, length], or
+    [.., length, T] over a KV cache of T positions with `cache_index`."""
     cfg = self.config
     h = RMSNorm(cfg.compute_dtype, name="pre_self_attention_layer_norm")(x)
     h = MultiHeadAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
                            cfg.float32_attention_logits, cfg.dropout_rate,
                            name="self_attention")(h, h, self_attention_bias,
-                                                  deterministic)
+                                                  deterministic,
+                                                  cache_index=cache_index)
     x = x + _dropout(cfg, h, deterministic)
     h = RMSNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
     h = MlpBlock(cfg.mlp_dim, tuple(cfg.mlp_activations), cfg.compute_dtype,
@@ -235,6 +268,39 @@ class Decoder(nn.Module):
     y = self.decoder_norm(y)
     return self.output_dropout(y, deterministic=deterministic)
 
+  def decode_step(self, tokens, positions, attention_mask, cache_index,
+                  bidirectional_prompt=False):
+    """One KV-cache step; see `T5xDecoderOnly.decode_step`."""
+    del positions  # relative positions come from cache positions
+    cfg = self.config
+    _check_tokens(tokens, "tokens")
+    length = tokens.shape[-1]
+    cache_length = attention_mask.shape[-1]
+    real = jnp.asarray(attention_mask).astype(bool)
+    query_slots = cache_index + jnp.arange(length)
+    key_slots = jnp.arange(cache_length)
+    real_queries = jax.lax.dynamic_slice_in_dim(real, cache_index, length,
+                                                axis=1)
+    causal = key_slots[None, :] <= query_slots[:, None]
+    # t5x's mask: real query AND real key AND causal (a pad query row is all
+    # masked, its attention uniform, as in `make_decoder_mask`).
+    mask = (real_queries[:, None, :, None] & real[:, None, None, :]
+            & causal[None, None])
+    if bidirectional_prompt:
+      # Prefix-LM prefill: the inputs of this call see each other both ways.
+      among_inputs = ((key_slots >= cache_index)
+                      & (key_slots < cache_index + length))
+      mask = mask | (real_queries[:, None, :, None] & real[:, None, None, :]
+                     & among_inputs[None, None, None, :])
+    bias = (jnp.where(mask, 0.0, _MASK_VALUE).astype(cfg.compute_dtype)
+            + self.relpos_bias(length, cache_length, query_offset=cache_index))
+    y = self.token_embedder(tokens.astype(jnp.int32))
+    y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
+    for layer in self.layers:
+      y = layer(y, bias, True, cache_index)
+    y = self.decoder_norm(y[:, -1:])
+    return self.logits_from_hidden(y)[:, 0]
+
   def logits_from_hidden(self, hidden):
     """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
     cfg = self.config
@@ -292,13 +358,41 @@ class T5xDecoderOnly(nn.Module):
     """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
     return self.decoder.logits_from_hidden(hidden)
 
+  def decode_step(self, tokens, positions, attention_mask, cache_index,
+                  bidirectional_prompt=False):
+    """Incremental decoding with the KV cache; apply with mutable=["cache"].
+
+    The decoder-only families' common signature (see
+    `layers.DecoderOnly.decode_step`): the first call passes a left-padded
+    prompt at cache_index 0 and creates a cache of T =
+    attention_mask.shape[-1] positions; later calls pass the newest token.
+    Relative positions are differences of cache positions, which left
+    padding does not change, so a left-padded prompt decodes as t5x's
+    right-padded one. `positions` is accepted for the common signature and
+    ignored.
+
+    Args:
+      tokens: int [batch, L] at cache positions cache_index ..
+        cache_index + L - 1 (t5x's BOS 0 is a real token here: the mask, not
+        the id, says what is padding).
+      positions: ignored.
+      attention_mask: [batch, T], 1 = real (prompt, BOS, generated).
+      cache_index: int scalar (may be traced).
+      bidirectional_prompt: the L inputs attend to each other both ways (t5x's
+        prefix-LM prefill, `inputs_bidirectional_attention=True`).
+    Returns:
+      float32 logits [batch, vocab] of the last of the L inputs.
+    """
+    return self.decoder.decode_step(tokens, positions, attention_mask,
+                                    cache_index, bidirectional_prompt)
+
   def __call__(self, decoder_input_tokens, decoder_target_tokens=None,
                **kwargs):
     return self.decoder(decoder_input_tokens, decoder_target_tokens, **kwargs)
 
 
 # ----------------------------------------------------------------------------
-# t5x DecoderOnlyModel computations (no KV cache).
+# t5x DecoderOnlyModel computations.
 
 
 def _causal_attention_or_none(batch, inputs_bidirectional_attention):
@@ -345,6 +439,37 @@ def score_batch(model: T5xDecoderOnly, params, batch: Mapping[str, Array],
                               inputs_bidirectional_attention), axis=-1)
 
 
+def left_padded_prompts(decoder_input_tokens: Array,
+                        decoder_causal_attention: Array):
+  """t5x's right-padded decoder-only prompts as left-padded ones.
+
+  t5x's prompt is `decoder_input_tokens * decoder_causal_attention`: BOS 0 at
+  position 0, the P prompt tokens (non-zero), then zeros. The left-padded
+  row holds the same P + 1 tokens (BOS included, marked real by the mask) at
+  its right end, which is what `sampling.sample_decoder_only` takes.
+  Relative-position attention only sees position differences, so it gives
+  the same numbers.
+
+  Args:
+    decoder_input_tokens, decoder_causal_attention: [batch, length].
+  Returns:
+    (prompt_tokens [batch, length] int32, prompt_attention_mask [batch,
+    length] int32, prompt_length [batch]: P, BOS not counted).
+  """
+  prompt = (decoder_input_tokens
+            * decoder_causal_attention.astype(decoder_input_tokens.dtype)
+            ).astype(jnp.int32)
+  length = prompt.shape[-1]
+  prompt_length = jnp.sum(prompt[:, 1:] != 0, axis=-1)
+  # Left-padded column j holds original position j - shift.
+  shift = length - 1 - prompt_length
+  source = jnp.arange(length)[None, :] - shift[:, None]
+  real = source >= 0
+  tokens = jnp.take_along_axis(prompt, jnp.maximum(source, 0), axis=1)
+  return (jnp.where(real, tokens, 0).astype(jnp.int32),
+          real.astype(jnp.int32), prompt_length)
+
+
 def greedy_continuation(model: T5xDecoderOnly, params,
                         decoder_input_tokens: Array,
                         decoder_causal_attention: Array,
@@ -360,11 +485,11 @@ def greedy_continuation(model: T5xDecoderOnly, params,
   kept and everything after it is 0. Only the continuation is returned,
   starting at index 0 (t5x's `remove_prefix`).
 
-  Each step re-runs the whole sequence (no KV cache). That equals t5x's
-  prefill-then-decode: in its prefill the prompt region attends
-  bidirectionally (prefix-LM mode) and positions after the prompt are masked,
-  and later positions attend causally, which is what one full forward pass
-  with the same `decoder_causal_attention` computes at each position.
+  The prompts are left-padded (`left_padded_prompts`) and decoded with the KV
+  cache (`sampling.sample_decoder_only`: one prefill pass, in which the prompt
+  attends bidirectionally in the prefix-LM mode, then one causal step per
+  token, as t5x's prefill-then-decode), and each row is cut to its budget
+  length - P.
 
   Args:
     decoder_input_tokens: [batch, length] int, shifted right with 0 first.
@@ -375,34 +500,23 @@ def greedy_continuation(model: T5xDecoderOnly, params,
     (tokens [batch, length] int32, finished [batch] bool: an EOS was made).
   """
   _check_tokens(decoder_input_tokens, "decoder_input_tokens")
-  batch_size, length = decoder_input_tokens.shape
-  prompt = (decoder_input_tokens
-            * decoder_causal_attention.astype(decoder_input_tokens.dtype)
-            ).astype(jnp.int32)
-  prompt_length = jnp.sum(prompt[:, 1:] != 0, axis=-1)
-  causal_attention = (decoder_causal_attention
-                      if inputs_bidirectional_attention else None)
-  variables = {"params": params}
-  positions = jnp.arange(length)[None, :]
+  return _greedy_continuation_cached(model, params, decoder_input_tokens,
+                                     decoder_causal_attention,
+                                     inputs_bidirectional_attention, eos_id)
 
-  def step(s, carry):
-    tokens, out, done = carry
-    # Causal masking keeps the not-yet-written positions from mattering, so
-    # every position may count as real.
-    logits = model.apply(variables, tokens,
-                         decoder_causal_attention=causal_attention)
-    read_at = jnp.minimum(prompt_length + s, length - 1)
-    next_logits = jnp.take_along_axis(logits, read_at[:, None, None],
-                                      axis=1)[:, 0]
-    token = jnp.argmax(next_logits, axis=-1).astype(jnp.int32)
-    active = (prompt_length + s < length) & ~done
-    token = jnp.where(active, token, 0)
-    out = jnp.where(positions == s, token[:, None], out)
-    tokens = jnp.where(active[:, None] & (positions == read_at[:, None] + 1),
-                       token[:, None], tokens)
-    return tokens, out, done | (active & (token == eos_id))
 
-  out = jnp.zeros((batch_size, length), jnp.int32)
-  done = jnp.zeros((batch_size,), bool)
-  _, out, done = jax.lax.fori_loop(0, length, step, (prompt, out, done))
-  return out, done
+def _greedy_continuation_cached(model, params, decoder_input_tokens,
+                                decoder_causal_attention,
+                                inputs_bidirectional_attention, eos_id):
+  from jaxrlhf.models import sampling  # pylint: disable=g-import-not-at-top
+  length = decoder_input_tokens.shape[-1]
+  tokens, mask, prompt_length = left_padded_prompts(
+      jnp.asarray(decoder_input_tokens), jnp.asarray(decoder_causal_attention))
+  samples = sampling.sample_decoder_only(
+      model, params, tokens, mask, jax.random.PRNGKey(0), length, greedy=True,
+      eos_id=eos_id, bidirectional_prompt=inputs_bidirectional_attention)
+  # Row b may generate length - P_b tokens (t5x's per-row budget).
+  within_budget = (jnp.arange(length)[None, :]
+                   < (length - prompt_length)[:, None])
+  out = jnp.where(within_budget, samples.tokens, 0)
+  return out, jnp.any(out == eos_id, axis=-1)

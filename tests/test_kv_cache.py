@@ -1,0 +1,342 @@
+"""KV-cache sampling against full forward passes, t5x and transformers.
+
+The truths: (1) the models' own teacher-forced forward pass without a cache
+(each sampled token must be the argmax, or have the log-prob, that a full
+forward pass over the prompt and the tokens before it gives); (2) the greedy
+decodes t5x's predict_batch wrote into ../shared/fixtures/t5x; (3) the ids
+transformers' greedy `generate` produced for the checkpoints in
+tests/fixtures/hf (generate.npz, by experiments/make_hf_generate_fixtures.py).
+"""
+
+import dataclasses
+import functools
+import json
+import pathlib
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.models import gpt_neox
+from jaxrlhf.models import hf_io
+from jaxrlhf.models import layers
+from jaxrlhf.models import llama
+from jaxrlhf.models import sampling
+from jaxrlhf.models import t5
+from jaxrlhf.models import t5x_decoder_only as t5x_do
+from jaxrlhf.models.t5x_checkpoint import read_t5x_checkpoint
+
+HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+NEW_TOKENS = 6
+
+
+def random_params(model, *init_args, seed=0, scale=1.0):
+  """Random float32 parameters for `model` without compiling its init.
+
+  Kernels ~ N(0, scale^2 / fan_in) (fan_in: the second-to-last axis, the
+  layer's input width for every kernel here), norm scales ~ 1 + N(0, 0.1^2),
+  biases ~ N(0, 0.1^2), embeddings and relative-position tables ~ N(0, 1).
+  Larger `scale` gives peakier next-token distributions (clear greedy
+  margins).
+  """
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  abstract = nn.meta.unbox(jax.eval_shape(
+      lambda: model.init(jax.random.PRNGKey(0), *init_args))["params"])
+  rng = np.random.default_rng(seed)
+
+  def draw(path, leaf):
+    name = str(getattr(path[-1], "key", path[-1]))
+    noise = rng.standard_normal(leaf.shape).astype(np.float32)
+    if name == "scale":
+      return 1 + 0.1 * noise
+    if name == "bias":
+      return 0.1 * noise
+    if name in ("embedding", "rel_embedding"):
+      return noise
+    return noise * np.float32(scale / np.sqrt(leaf.shape[-2]))
+  return jax.tree_util.tree_map_with_path(draw, abstract)
+
+
+# ----------------------------------------------------------------------------
+# The check against full forward passes.
+
+def _check_against_full_forward(samples, logits, eos_id, greedy,
+                                temperature=1.0, top_k=0, top_p=1.0):
+  """`logits` [batch, N, vocab]: full-forward logits for each sampled
+  position given the prompt and the sampled tokens before it."""
+  tokens = np.asarray(samples.tokens)
+  mask = np.asarray(samples.mask) > 0
+  filtered = sampling.filter_logits(jnp.asarray(logits),
+                                    1.0 if greedy else temperature, top_k,
+                                    top_p)
+  logprobs = np.asarray(jax.nn.log_softmax(filtered))
+  want = np.take_along_axis(logprobs, tokens[..., None], -1)[..., 0]
+  np.testing.assert_allclose(np.asarray(samples.logprobs)[mask], want[mask],
+                             atol=2e-5, rtol=1e-5)
+  assert np.all(np.asarray(samples.logprobs)[~mask] == 0)
+  if greedy:
+    np.testing.assert_array_equal(tokens[mask],
+                                  np.argmax(logprobs, -1)[mask])
+  # Truncation after the first EOS; the mask covers tokens up to it.
+  for row, row_mask, ended in zip(tokens, mask, np.asarray(samples.has_eos)):
+    eos = np.flatnonzero(row == eos_id)
+    assert ended == (eos.size > 0)
+    if eos.size:
+      assert np.all(row[eos[0] + 1:] == 0)
+      assert row_mask.tolist() == [True] * (eos[0] + 1) + [False] * (
+          len(row) - eos[0] - 1)
+    else:
+      assert row_mask.all()
+
+
+# ----------------------------------------------------------------------------
+# T5.
+
+T5_CONFIG = t5.T5Config(vocab_size=32, emb_dim=32, num_heads=4,
+                        num_encoder_layers=2, num_decoder_layers=2,
+                        head_dim=8, mlp_dim=48, relpos_num_buckets=8,
+                        relpos_max_distance=16)
+
+
+@pytest.fixture(scope="module")
+def t5_setup():
+  model = t5.T5(T5_CONFIG)
+  prompts = np.array([[5, 6, 7, 8, 9, 1], [3, 4, 1, 0, 0, 0],
+                      [9, 9, 1, 0, 0, 0], [7, 1, 0, 0, 0, 0]], np.int32)
+  params = random_params(model, prompts, prompts, scale=2.0)
+  return model, params, prompts
+
+
+@functools.lru_cache(maxsize=None)
+def _t5_forward(model):
+  return jax.jit(model.apply)
+
+
+def _t5_logits(model, params, prompts, tokens):
+  inputs = np.concatenate([np.zeros_like(tokens[:, :1]), tokens[:, :-1]], 1)
+  return np.asarray(_t5_forward(model)({"params": params}, prompts, inputs),
+                    np.float32)
+
+
+@pytest.mark.parametrize("options", [
+    dict(greedy=True), dict(temperature=0.8, top_k=6, top_p=0.95)])
+def test_t5_cached_sampling_matches_full_forward(t5_setup, options):
+  model, params, prompts = t5_setup
+  eos = 2  # a common token, so that some rows stop early
+  samples = sampling.sample_encoder_decoder(
+      model, params, prompts, jax.random.PRNGKey(3), NEW_TOKENS, eos_id=eos,
+      **options)
+  assert samples.tokens.shape == (4, NEW_TOKENS)
+  logits = _t5_logits(model, params, prompts, np.asarray(samples.tokens))
+  _check_against_full_forward(samples, logits, eos, options.get("greedy"),
+                              options.get("temperature", 1.0),
+                              options.get("top_k", 0), options.get("top_p", 1))
+
+
+@pytest.fixture(scope="module")
+def encdec(t5x_fixtures):
+  root = t5x_fixtures / "encdec"
+  cfg = json.loads((root / "config.json").read_text())["T5Config"]
+  config = t5.T5Config(**{k: (tuple(v) if isinstance(v, list) else v)
+                          for k, v in cfg.items()})
+  params = read_t5x_checkpoint(root / "checkpoint_3")["params"]
+  return config, params, dict(np.load(root / "expected.npz"))
+
+
+@pytest.mark.parametrize("options", [
+    dict(scan_layers=True, remat_policy="full"),
+    dict(attention_impl="dot_product")])
+def test_t5_speed_options_equal_default_and_t5x(encdec, options):
+  config, params, e = encdec
+  config = dataclasses.replace(config, **options)
+  model = t5.T5(config)
+  if config.scan_layers:
+    params = t5.scan_layer_params(params, config)
+    assert params["encoder"]["layers"]["mlp"]["wi_0"]["kernel"].shape == (
+        config.num_encoder_layers, config.emb_dim, config.mlp_dim)
+    assert "layers_0" not in params["decoder"]
+  logits = jax.jit(model.apply)(
+      {"params": params}, e["encoder_input_tokens"], e["decoder_input_tokens"],
+      e["decoder_target_tokens"])
+  # The t5x logits (all positions: the masking is t5x's in both paths).
+  np.testing.assert_allclose(logits, e["logits"], atol=1e-4, rtol=0)
+  if config.scan_layers:  # the KV cache stacked along the scanned layers
+    samples = sampling.sample_encoder_decoder(
+        model, params, e["encoder_input_tokens"], jax.random.PRNGKey(0),
+        e["predict_greedy"].shape[1], greedy=True)
+    np.testing.assert_array_equal(samples.tokens, e["predict_greedy"])
+
+
+def test_t5_scan_layout_round_trip_and_logical_axes(encdec):
+  config, params, _ = encdec
+  scanned_config = dataclasses.replace(config, scan_layers=True)
+  scanned = t5.scan_layer_params(params, scanned_config)
+  back = t5.unscan_layer_params(scanned)
+  flat = lambda t: {jax.tree_util.keystr(k): v
+                    for k, v in jax.tree_util.tree_leaves_with_path(t)}
+  assert flat(back).keys() == flat(params).keys()
+  for key, value in flat(params).items():
+    np.testing.assert_array_equal(flat(back)[key], value)
+  # The scanned module's init has the same tree and the 'layers' axis name.
+  model = t5.T5(scanned_config)
+  one = jnp.ones((1, 3), jnp.int32)
+  abstract = jax.eval_shape(lambda: model.init(jax.random.PRNGKey(0), one,
+                                               one))["params"]
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  shapes = jax.tree.map(lambda a: a.shape, nn.meta.unbox(abstract))
+  assert shapes == jax.tree.map(np.shape, scanned)
+  spec = nn.get_partition_spec(abstract)
+  assert tuple(spec["decoder"]["layers"]["self_attention"]["query"][
+      "kernel"]) == ("layers", "embed", "joined_kv")
+
+
+def test_t5_option_errors_name_the_field():
+  with pytest.raises(ValueError, match="attention_impl"):
+    t5.T5Config(attention_impl="flash")
+  with pytest.raises(ValueError, match="remat_policy"):
+    t5.T5Config(remat_policy="sometimes")
+
+
+# ----------------------------------------------------------------------------
+# Decoder-only families.
+
+# Prompts left-padded by 0, 2 and 4 of 6.
+PROMPTS = np.array([[5, 9, 12, 7, 3, 8], [0, 0, 4, 4, 11, 6],
+                    [0, 0, 0, 0, 13, 2]], np.int32)
+PROMPT_MASK = (PROMPTS > 0).astype(np.int32)
+
+
+def _decoder_configs():
+  return {
+      "llama": llama.LlamaConfig.preset("tiny", vocab_size=32),
+      "llama_scanned": llama.LlamaConfig.preset("tiny", vocab_size=32,
+                                                scan_layers=True),
+      "gpt_neox": gpt_neox.GPTNeoXConfig.preset("tiny", vocab_size=32,
+                                                 num_heads=4, rotary_pct=0.5),
+  }
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder_setup(name):
+  config = _decoder_configs()[name]
+  model = hf_io.model_for_config(config)
+  one = jnp.ones((1, 6), jnp.int32)
+  return model, random_params(model, one, one, one, seed=1, scale=1.5)
+
+
+@functools.lru_cache(maxsize=None)
+def _decoder_forward(model):
+  return jax.jit(model.apply)
+
+
+def _decoder_logits(model, params, prompts, prompt_mask, tokens):
+  """Full-forward logits predicting each of `tokens` (no cache)."""
+  full = np.concatenate([prompts, tokens], 1)
+  mask = np.concatenate([prompt_mask, np.ones_like(tokens)], 1)
+  logits = _decoder_forward(model)({"params": params}, full,
+                                   layers.positions_from_mask(mask), mask)
+  p, n = prompts.shape[1], tokens.shape[1]
+  return np.asarray(logits)[:, p - 1:p + n - 1]
+
+
+@pytest.mark.parametrize("name,options", [
+    ("llama", dict(greedy=True)),
+    ("llama_scanned", dict(temperature=1.3, top_p=0.9)),
+    ("gpt_neox", dict(greedy=True)),
+    ("gpt_neox", dict(temperature=0.7, top_k=5)),
+])
+def test_decoder_only_cached_sampling_matches_full_forward(name, options):
+  model, params = _decoder_setup(name)
+  eos = 3
+  samples = sampling.sample_decoder_only(
+      model, params, PROMPTS, PROMPT_MASK, jax.random.PRNGKey(5), NEW_TOKENS,
+      eos_id=eos, **options)
+  assert samples.tokens.shape == (3, NEW_TOKENS)
+  logits = _decoder_logits(model, params, PROMPTS, PROMPT_MASK,
+                           np.asarray(samples.tokens))
+  _check_against_full_forward(samples, logits, eos, options.get("greedy"),
+                              options.get("temperature", 1.0),
+                              options.get("top_k", 0), options.get("top_p", 1))
+
+
+def test_right_padded_prompts_are_rejected():
+  model, params = _decoder_setup("llama")
+  right = np.array([[5, 6, 0]], np.int32)
+  with pytest.raises(ValueError, match="left-padded"):
+    sampling.sample_decoder_only(model, params, right, right > 0,
+                                 jax.random.PRNGKey(0), 2)
+
+
+# ----------------------------------------------------------------------------
+# t5x decoder-only against t5x's predict_batch.
+
+@pytest.fixture(scope="module")
+def decoder_only(t5x_fixtures):
+  root = t5x_fixtures / "decoder_only"
+  config = t5x_do.T5xDecoderOnlyConfig.from_t5x(
+      json.loads((root / "config.json").read_text())["TransformerConfig"])
+  params = read_t5x_checkpoint(root / "checkpoint_3")["params"]
+  return t5x_do.T5xDecoderOnly(config), params, dict(
+      np.load(root / "expected.npz"))
+
+
+def test_t5x_decoder_only_cached_greedy_matches_predict_batch(decoder_only):
+  # (test_t5x_decoder_only.py checks the prefix-LM mode the same way.)
+  model, params, e = decoder_only
+  tokens, finished = t5x_do.greedy_continuation(
+      model, params, jnp.asarray(e["decoder_input_tokens"]),
+      jnp.asarray(e["decoder_causal_attention"]))
+  np.testing.assert_array_equal(tokens, e["predict_greedy"])
+  np.testing.assert_array_equal(finished, [True, True, True])
+
+
+def test_t5x_decoder_only_sampled_path_matches_full_forward(decoder_only):
+  model, params, e = decoder_only
+  prompts, mask, _ = t5x_do.left_padded_prompts(
+      jnp.asarray(e["decoder_input_tokens"]),
+      jnp.asarray(e["decoder_causal_attention"]))
+  prompts, mask = np.asarray(prompts), np.asarray(mask)
+  # Each row's first real token is t5x's BOS, id 0: only the mask says what
+  # is padding.
+  first_real = mask.argmax(axis=1)
+  assert np.all(prompts[np.arange(len(prompts)), first_real] == 0)
+  assert mask.sum(1).tolist() == [5, 9, 3]  # prompt lengths 4, 8, 2 + BOS
+  samples = sampling.sample_decoder_only(
+      model, params, prompts, mask, jax.random.PRNGKey(2), NEW_TOKENS,
+      temperature=1.5)
+  tokens = np.asarray(samples.tokens)
+  full = np.concatenate([prompts, tokens], 1)
+  real = np.concatenate([mask, np.ones_like(tokens)], 1)
+  # t5x's own mask with segment ids keeps the left pads apart; relative
+  # positions are index differences, unchanged by the left shift.
+  logits = jax.jit(model.apply)({"params": params}, full,
+                                decoder_segment_ids=real)
+  p = prompts.shape[1]
+  _check_against_full_forward(samples, np.asarray(logits)[:, p - 1:-1], 1,
+                              False, temperature=1.5)
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face checkpoints against transformers' greedy generate.
+
+@pytest.mark.parametrize("name", ["llama_gqa", "llama_tied", "pythia",
+                                  "neox_sequential", "t5_gated",
+                                  "t5_relu_tied"])
+def test_greedy_matches_transformers_generate(name):
+  config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / name)
+  model = hf_io.model_for_config(config)
+  g = dict(np.load(HF_FIXTURES / name / "generate.npz"))
+  options = dict(rng=jax.random.PRNGKey(0),
+                 max_new_tokens=int(g["max_new_tokens"]), greedy=True,
+                 eos_id=int(g["eos_id"]))
+  if "encoder_input_tokens" in g:
+    samples = sampling.sample_encoder_decoder(
+        model, params, g["encoder_input_tokens"], **options)
+  else:
+    samples = sampling.sample_decoder_only(
+        model, params, g["prompt_tokens"], g["prompt_attention_mask"],
+        **options)
+  np.testing.assert_array_equal(samples.tokens, g["generated"])
+  np.testing.assert_array_equal(samples.has_eos,
+                                np.any(g["generated"] == g["eos_id"], -1))
