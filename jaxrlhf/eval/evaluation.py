@@ -65,24 +65,51 @@ def global_batches(features: Dict[str, np.ndarray], batch_size: int, mesh,
     yield sharding.global_batch(local, mesh, rules)
 
 
+def left_pad_prompts(prompt_tokens: np.ndarray, eos_id: int):
+  """Encoder-style prompts (right-padded, ending in EOS) as decoder-only
+  prompts: the EOS dropped (it must not sit between prompt and completion)
+  and left-padded. Returns (tokens, attention_mask), both [n, Lp]."""
+  tokens = np.zeros_like(prompt_tokens)
+  for i, row in enumerate(prompt_tokens):
+    real = [int(t) for t in row if t != 0]
+    if real and real[-1] == eos_id:
+      real = real[:-1]
+    if real:
+      tokens[i, -len(real):] = real
+  return tokens, (tokens > 0).astype(np.int32)
+
+
 @functools.lru_cache(maxsize=None)
-def _sampler(model, max_new_tokens, greedy, temperature, eos_id):
-  return jax.jit(lambda params, prompts, rng: sampling.sample_encoder_decoder(
-      model, params, prompts, rng, max_new_tokens, temperature=temperature,
-      greedy=greedy, eos_id=eos_id))
+def _sampler(lm, max_new_tokens, greedy, temperature, eos_id):
+  if lm.is_encoder_decoder:
+    return jax.jit(lambda params, b, rng: sampling.sample_encoder_decoder(
+        lm.module, params, b["tokens"], rng, max_new_tokens,
+        temperature=temperature, greedy=greedy, eos_id=eos_id))
+  return jax.jit(lambda params, b, rng: sampling.sample_decoder_only(
+      lm.module, params, b["tokens"], b["mask"], rng, max_new_tokens,
+      temperature=temperature, greedy=greedy, eos_id=eos_id))
+
+
+def _prompt_features(recipe, prompt_tokens):
+  if recipe.lm.is_encoder_decoder:
+    return {"tokens": prompt_tokens}
+  tokens, mask = left_pad_prompts(prompt_tokens, recipe.vocabulary.eos_id)
+  return {"tokens": tokens, "mask": mask}
 
 
 def sample(recipe, params, prompt_tokens: np.ndarray, *, greedy: bool,
            temperature: float = 1.0, seed: int = 0) -> sampling.Samples:
-  """Completions for this process's prompts [n, Lp], as numpy arrays."""
+  """Completions for this process's prompts [n, Lp] (encoder-style: right-
+  padded, ending in EOS; re-padded for decoder-only models), as numpy."""
   cfg = recipe.config
-  fn = _sampler(recipe.model, cfg.data.targets_length, greedy, temperature,
+  fn = _sampler(recipe.lm, cfg.data.targets_length, greedy, temperature,
                 recipe.vocabulary.eos_id)
   n = len(prompt_tokens)
   parts = []
   for i, batch in enumerate(global_batches(
-      {"p": prompt_tokens}, cfg.eval.batch_size, recipe.mesh, recipe.rules)):
-    out = fn(params, batch["p"], jax.random.PRNGKey(seed * 100003 + i))
+      _prompt_features(recipe, prompt_tokens), cfg.eval.batch_size,
+      recipe.mesh, recipe.rules)):
+    out = fn(params, batch, jax.random.PRNGKey(seed * 100003 + i))
     parts.append(jax.tree.map(local_rows, out))
   merged = jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
   return merged
@@ -114,11 +141,26 @@ def gold_reward_of_samples(recipe, params, prompt_tokens, prompts, gold, *,
 
 
 def decoder_features(samples: sampling.Samples) -> Dict[str, np.ndarray]:
-  """Teacher-forcing features of sampled completions (for scoring them)."""
+  """Encoder-decoder teacher-forcing features of sampled completions."""
   targets = np.asarray(samples.tokens, np.int32)
   inputs = np.concatenate([np.zeros_like(targets[:, :1]), targets[:, :-1]], 1)
   return {"decoder_target_tokens": targets, "decoder_input_tokens": inputs,
           "decoder_loss_weights": np.asarray(samples.mask, np.int32)}
+
+
+def scoring_features(recipe, prompt_tokens, samples) -> Dict[str, np.ndarray]:
+  """Teacher-forcing features (unprefixed scoring-API names) of sampled
+  completions of encoder-style prompts, for either architecture."""
+  if recipe.lm.is_encoder_decoder:
+    return dict(decoder_features(samples), encoder_input_tokens=prompt_tokens)
+  completion = np.asarray(samples.tokens, np.int32)
+  weights = np.asarray(samples.mask, np.int32)
+  prompt, prompt_mask = left_pad_prompts(prompt_tokens, recipe.vocabulary.eos_id)
+  mask = np.concatenate([prompt_mask, weights], 1)
+  return {"tokens": np.concatenate([prompt, completion], 1),
+          "attention_mask": mask,
+          "positions": np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32),
+          "loss_weights": np.concatenate([np.zeros_like(prompt), weights], 1)}
 
 
 def sequence_logprobs(recipe, params, prompt_tokens, samples) -> np.ndarray:
@@ -126,7 +168,7 @@ def sequence_logprobs(recipe, params, prompt_tokens, samples) -> np.ndarray:
   if not hasattr(recipe, "_score_fn"):
     recipe._score_fn = jax.jit(lambda p, b: jnp.sum(
         recipe.lm.completion_logprobs(p, b)[0], axis=-1))
-  features = dict(decoder_features(samples), encoder_input_tokens=prompt_tokens)
+  features = scoring_features(recipe, prompt_tokens, samples)
   n = len(prompt_tokens)
   out = [local_rows(recipe._score_fn(params, b)) for b in global_batches(
       features, recipe.config.eval.batch_size, recipe.mesh, recipe.rules)]

@@ -141,6 +141,14 @@ class DecoderOnlyLM:
     return hidden, batch["prompt_attention_mask"].astype(jnp.float32)
 
 
+def adapter_for(module):
+  """The scoring adapter of a model: EncoderDecoderLM for T5 (anything with
+  `encode` and `decode`), DecoderOnlyLM for the decoder-only families."""
+  if hasattr(module, "encode") and hasattr(module, "decode"):
+    return EncoderDecoderLM(module)
+  return DecoderOnlyLM(module)
+
+
 def concatenate_completions(lm, batch, names: Sequence[str],
                             joined: str = "joined"):
   """A batch with the completions `names` stacked along the batch axis.

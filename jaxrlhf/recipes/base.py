@@ -50,7 +50,9 @@ class Recipe:
     self.vocabulary = feature.vocabulary
     self.model, self.model_config = build_model(config.model,
                                                 self.vocabulary.vocab_size)
-    self.lm = scoring.EncoderDecoderLM(self.model)
+    self.lm = scoring.adapter_for(self.model)
+    self.architecture = ("encoder_decoder" if self.lm.is_encoder_decoder
+                         else "decoder_only")
     self.feature_lengths = self.make_feature_lengths()
     self.feature_converter = self.make_feature_converter()
     self.tx = self.make_optimizer()
@@ -76,8 +78,10 @@ class Recipe:
     return lengths
 
   def make_feature_converter(self):
+    kwargs = ({} if self.lm.is_encoder_decoder
+              else {"eos_id": self.vocabulary.eos_id})
     return alignment_data.feature_converter_for(self.data_kind,
-                                                "encoder_decoder")
+                                                self.architecture, **kwargs)
 
   def train_batches(self, position: int):
     return pipeline.BatchIterator(
@@ -105,9 +109,14 @@ class Recipe:
 
   def init_lm(self, rng):
     """Fresh (boxed) parameters of the configured language model."""
-    enc = jnp.ones((1, self.config.data.inputs_length), jnp.int32)
-    dec = jnp.ones((1, self.config.data.targets_length), jnp.int32)
-    return self.model.init(rng, enc, dec, dec)["params"]
+    if self.lm.is_encoder_decoder:
+      enc = jnp.ones((1, self.config.data.inputs_length), jnp.int32)
+      dec = jnp.ones((1, self.config.data.targets_length), jnp.int32)
+      return self.model.init(rng, enc, dec, dec)["params"]
+    length = self.config.data.inputs_length + self.config.data.targets_length
+    tokens = jnp.ones((1, length), jnp.int32)
+    return self.model.init(rng, tokens, jnp.arange(length)[None],
+                           tokens)["params"]
 
   def init_trainable(self, rng) -> Dict:
     """hook: {network name: boxed params} of the networks the step trains."""

@@ -1,8 +1,6 @@
 """DPO and its family (cDPO, robust DPO, IPO, SLiC, DPO+NLL) on preference
 pairs; the loss is jaxrlhf.losses.preference.direct_preference_loss."""
 
-import jax.numpy as jnp
-
 from jaxrlhf.losses import preference
 from jaxrlhf.recipes import policy
 
@@ -15,8 +13,7 @@ class DirectPreferenceRecipe(policy.PolicyRecipe):
     names = ("chosen", "rejected")
     pi = self.sequence_logprobs(params["policy"], batch, names)
     ref = self.reference_logprobs(frozen, batch, names)
-    lengths = {n: jnp.sum(batch[f"{n}_decoder_loss_weights"], axis=-1)
-               for n in names}
+    lengths = self.completion_lengths(batch, names)
     return preference.direct_preference_loss(
         pi["chosen"], pi["rejected"], ref["chosen"], ref["rejected"],
         loss_type=cfg.loss_type, beta=cfg.beta,

@@ -28,6 +28,14 @@ def with_mismatched_completions(batch):
 class KTORecipe(policy.PolicyRecipe):
   data_kind = "trajectory"
 
+  def __init__(self, config, mesh):
+    super().__init__(config, mesh)
+    if not self.lm.is_encoder_decoder:
+      raise ValueError(
+          f"config.model.arch: {config.model.arch!r}: KTO's KL baseline pairs "
+          "prompt i with completion i+1, which is built for encoder-decoder "
+          "batches only so far; use a T5 policy.")
+
   def loss(self, params, frozen, batch, rng):
     cfg = self.config.kto
     batch = with_mismatched_completions(batch)

@@ -45,6 +45,12 @@ class PolicyRecipe(base.Recipe):
     scored = scoring.score_many(self.lm, params, batch, names, rng=rng)
     return {n: jnp.sum(lp, axis=-1) for n, (lp, _) in scored.items()}
 
+  def completion_lengths(self, batch, names):
+    """{name: [batch] completion tokens (EOS included)}, any architecture."""
+    suffix = ("decoder_loss_weights" if self.lm.is_encoder_decoder
+              else "loss_weights")
+    return {n: jnp.sum(batch[f"{n}_{suffix}"], axis=-1) for n in names}
+
   def reference_logprobs(self, frozen, batch, names):
     return jax.lax.stop_gradient(
         self.sequence_logprobs(frozen["reference"], batch, names))
