@@ -23,6 +23,15 @@ from jaxrlhf.train import steps
 class SFTRecipe(base.Recipe):
   """Supervised fine-tuning of an encoder-decoder on a seqio task."""
 
+  def __init__(self, config, mesh):
+    super().__init__(config, mesh)
+    if not self.lm.is_encoder_decoder:
+      raise ValueError(
+          f"config.model.arch: {config.model.arch!r}: SFT reads seqio's "
+          "encoder-decoder features and supports T5 so far; decoder-only "
+          "policies can be trained with the offline recipes (dpo, dro_v, "
+          "reward_model) from a checkpoint (init.policy_checkpoint).")
+
   def make_feature_lengths(self):
     return {"inputs": self.config.data.inputs_length,
             "targets": self.config.data.targets_length}
