@@ -4,10 +4,11 @@
 
 A tiny T5 is fine-tuned from scratch (SFT; the gold reward of its greedy
 outputs on held-out prompts is printed before and after), SFT samples are
-labelled by the gold reward, a reward model is trained, and DPO, KTO and
-DRO-V start from the SFT policy; the run ends with a table of win rates
-against SFT, also written to <workdir>/results.json. About 10 minutes on 2
-CPU cores. `--config.pipeline.stages=sft` runs only the SFT stage.
+labelled by the gold reward, a reward model is trained, DPO, KTO and DRO-V
+(offline) and PPO, RLOO, GRPO and rejection sampling (online, against the
+reward model) start from the SFT policy, and best-of-N is evaluated; the run
+ends with a table of win rates against SFT, also written to
+<workdir>/results.json. About 10 minutes on 2 CPU cores. `--config.pipeline.stages=sft` runs only the SFT stage.
 """
 
 from jaxrlhf import defaults
@@ -27,5 +28,6 @@ def get_config(size: str = "tiny"):
   config.optimizer.warmup_steps = 50
   config.checkpoint.every_steps = 200
   config.eval.num_examples = 256
-  config.pipeline.stages = "sft,data,reward_model,dpo,kto,dro_v"
+  config.pipeline.stages = ("sft,data,reward_model,dpo,kto,dro_v,"
+                            "ppo,rloo,grpo,rejection_sampling,best_of_n")
   return config

@@ -13,8 +13,8 @@ from ml_collections import config_dict
 from jaxrlhf import sharding
 
 # Must equal jaxrlhf.recipes.registry.RECIPES's keys (a test checks).
-ALGORITHMS = ("sft", "reward_model", "dpo", "kto", "kto_thumbs", "dro_v",
-              "ppo", "rloo", "grpo", "reinforce", "rejection_sampling")
+ALGORITHMS = ("sft", "reward_model", "reward_model_ranking", "dpo", "kto",
+              "kto_thumbs", "dro_v", "ppo", "rloo", "grpo", "reinforce", "rejection_sampling")
 # The online algorithms: they sample from the policy inside the train step.
 ONLINE_ALGORITHMS = ("ppo", "rloo", "grpo", "reinforce", "rejection_sampling")
 OPTIMIZERS = ("adafactor", "adamw")
@@ -24,7 +24,8 @@ SCHEDULES = ("constant", "cosine", "linear")
 def base_config() -> ml_collections.ConfigDict:
   c = ml_collections.ConfigDict()
   # Which recipe trains: "sft" (supervised fine-tuning), "reward_model"
-  # (Bradley-Terry on pairs), "dpo" (the direct preference family on pairs,
+  # (Bradley-Terry on pairs), "reward_model_ranking" (Plackett-Luce on
+  # K-wise rankings), "dpo" (the direct preference family on pairs,
   # see dpo.loss_type), "kto" (on trajectories: desirable = reward above the
   # batch mean), "kto_thumbs" (on thumbs up/down), "dro_v" (on trajectories);
   # online, on the prompts of data.task scored by a reward model (see
@@ -35,8 +36,11 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.model = ml_collections.ConfigDict()
   # Architecture: "t5" (encoder-decoder).
+  # "t5" (encoder-decoder), or the decoder-only "llama", "gpt_neox",
+  # "t5x_decoder_only" (offline recipes; SFT and online RL are T5-only).
   c.model.arch = "t5"
-  # Size preset: tiny, small, base, large, xl, xxl (T5 1.1 dimensions).
+  # Size preset: for t5 tiny, small, base, large, xl, xxl (T5 1.1
+  # dimensions); for the others their presets (e.g. llama3.2-1b, pythia-1b).
   c.model.size = "tiny"
   # Output vocabulary size; unset = the task vocabulary's size rounded up to a
   # multiple of 128 (t5x pads 32100 to 32128 the same way).
@@ -133,6 +137,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.reward_model.use_margin = False
   # Weight of the reward-centring term (r_chosen + r_rejected)^2.
   c.reward_model.centering_coef = 0.0
+  # reward_model_ranking: K, the completions per ranking (best first).
+  c.reward_model.num_completions = 4
 
   c.dpo = ml_collections.ConfigDict()
   # "dpo" (logistic), "cdpo" (label smoothing), "robust_dpo", "ipo", "slic".
@@ -209,7 +215,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.online.samples_per_prompt = config_dict.placeholder(int)
   # Passes over each rollout batch and minibatches (optimizer updates) per
   # pass; each pass reshuffles the rollouts. Unset epochs = 4 for ppo
-  # (Table 7: K = 4, N_mb = 1), 1 for the others.
+  # (Table 7: K = 4, N_mb = 1) and rloo (as TRL's RLOO), 1 for the others.
   c.online.num_epochs = config_dict.placeholder(int)
   c.online.num_minibatches = 1
   # Policy ratio clipping epsilon (Table 7: 0.2); GRPO's lower epsilon.
@@ -270,9 +276,10 @@ def base_config() -> ml_collections.ConfigDict:
   c.rejection_sampling.selection = "top_per_prompt"
   # top_k_overall's K; unset = train.batch_size.
   c.rejection_sampling.top_k = config_dict.placeholder(int)
-  # Sample from the current "policy" (iterated rejection sampling) or from
-  # the frozen "reference" (one round, as a dataset from the SFT model).
-  c.rejection_sampling.sample_from = "policy"
+  # Sample from the frozen "reference" (one round: fine-tune on the best of
+  # the SFT model's samples) or from the current "policy" (a new round every
+  # step; without a KL term it drifts far, as iterated selection compounds).
+  c.rejection_sampling.sample_from = "reference"
 
   c.pipeline = ml_collections.ConfigDict()
   # Comma-separated stages of jaxrlhf.offline_pipeline ("" = run
@@ -296,7 +303,7 @@ def base_config() -> ml_collections.ConfigDict:
   c.pipeline.policy_learning_rate = 1e-3
   c.pipeline.eval_samples_per_prompt = 2
   # Steps and learning rate of each online stage.
-  c.pipeline.online_steps = 200
+  c.pipeline.online_steps = 100
   c.pipeline.online_learning_rate = 1e-3
   # N of the best-of-N row (its KL is log N - (N - 1) / N).
   c.pipeline.best_of_n = 8
@@ -355,8 +362,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
            "dpo.loss_type", f"{c.dpo.loss_type!r} is not a known loss type.")
   _require(c.dro.tau > 0, "dro.tau", "must be positive.")
   _require(c.eval.num_samples > 0, "eval.num_samples", "must be positive.")
-  _require(c.model.arch == "t5", "model.arch",
-           f"{c.model.arch!r} is not supported; use 't5'.")
+  _require(c.model.arch in ("t5", "llama", "gpt_neox", "t5x_decoder_only"),
+           "model.arch", f"{c.model.arch!r} is not supported; use 't5', "
+           "'llama', 'gpt_neox' or 't5x_decoder_only'.")
   _require(c.model.mlp in ("gated-gelu", "relu"), "model.mlp",
            f"{c.model.mlp!r}: use 'gated-gelu' or 'relu'.")
   _require(c.model.dtype in ("float32", "bfloat16"), "model.dtype",

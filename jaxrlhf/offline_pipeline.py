@@ -5,6 +5,11 @@
   normalised rewards) -> reward model -> DPO, KTO and DRO-V from the SFT
   policy -> a table of win rates against SFT judged by the gold reward.
 
+Online stages run after the reward model and optimise against it: PPO,
+RLOO, GRPO, REINFORCE and rejection sampling from the SFT policy, and
+best-of-N of the SFT policy as a baseline that trains nothing. They read the
+task's prompts, so they need no labelled data.
+
 Each stage is an ordinary run of `jaxrlhf.train.loop.train` in its own
 sub-directory of the workdir (`sft/`, `reward_model/`, `dpo/`, ...), with the
 stage's config derived from the pipeline's; the labelled data are JSONL
@@ -41,7 +46,22 @@ POLICY_STAGES = {
     "kto": ("kto", TRAJECTORY_TASK),
     "dro_v": ("dro_v", TRAJECTORY_TASK),
 }
-ALL_STAGES = ("sft", "data", "reward_model") + tuple(POLICY_STAGES)
+# Online stages: stage name = algorithm; they score samples with the
+# reward_model stage's model.
+ONLINE_STAGES = ("ppo", "rloo", "grpo", "reinforce", "rejection_sampling")
+# Settings of online stages on top of the pipeline's config. With the
+# pipeline's noisy reward model, GRPO as published (advantages divided by the
+# group std, per-response mean of token losses, beta 0.04) lengthens
+# responses and loses gold reward: the length bias Liu et al. 2025 describe.
+# The grpo stage runs their Dr. GRPO fix, with a stronger KL term.
+ONLINE_STAGE_SETTINGS = {
+    "grpo": {"grpo.scale_by_std": False, "grpo.reduction": "constant_length",
+             "grpo.kl_coef": 0.1},
+}
+BEST_OF_N = "best_of_n"
+ALL_STAGES = (("sft", "data", "reward_model") + tuple(POLICY_STAGES)
+              + ONLINE_STAGES + (BEST_OF_N,))
+TABLE_METHODS = tuple(POLICY_STAGES) + ONLINE_STAGES + (BEST_OF_N,)
 
 
 def _log(message: str) -> None:
@@ -162,7 +182,7 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   if "data" in stages:
     _log("=== stage data ===")
     make_data(config, workdir, sft_dir)
-  if any(s in stages for s in ("reward_model",) + tuple(POLICY_STAGES)):
+  if any(s in stages for s in ("reward_model",) + TABLE_METHODS):
     register_data_tasks(config, workdir)
   if "reward_model" in stages:
     _log("=== stage reward_model ===")
@@ -186,6 +206,17 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
             "eval.task": config.data.task,
             "eval.num_samples": p.eval_samples_per_prompt,
         }), os.path.join(workdir, stage))
+  rm_dir = os.path.join(workdir, "reward_model")
+  for stage in ONLINE_STAGES:
+    if stage not in stages:
+      continue
+    _log(f"=== stage {stage} ===")
+    results[stage] = loop.train(online_stage_config(config, stage, sft_dir,
+                                                    rm_dir),
+                                os.path.join(workdir, stage))
+  if BEST_OF_N in stages:
+    _log(f"=== stage {BEST_OF_N} ===")
+    results[BEST_OF_N] = best_of_n_stage(config, workdir, sft_dir, rm_dir)
   table = results_table(results)
   if table:
     if jax.process_index() == 0:
@@ -195,12 +226,54 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   return results
 
 
+def online_stage_config(config, algorithm, sft_dir, rm_dir):
+  p = config.pipeline
+  return stage_config(config, algorithm, **{
+      "train.num_steps": p.online_steps,
+      "init.policy_checkpoint": sft_dir,
+      "online.reward_model_checkpoint": rm_dir,
+      "optimizer.learning_rate": p.online_learning_rate,
+      "optimizer.warmup_steps": min(config.optimizer.warmup_steps,
+                                    p.online_steps // 4),
+      "eval.task": config.data.task,
+      "eval.num_samples": p.eval_samples_per_prompt,
+      **ONLINE_STAGE_SETTINGS.get(algorithm, {}),
+  })
+
+
+def best_of_n_stage(config, workdir, sft_dir, rm_dir) -> Dict[str, float]:
+  """Best-of-N of the SFT policy by the reward model, judged like the
+  trained policies (once; the result is kept in best_of_n/results.json)."""
+  from jaxrlhf.recipes import rejection_sampling
+  out_dir = os.path.join(workdir, BEST_OF_N)
+  path = os.path.join(out_dir, "results.json")
+  if os.path.exists(path):
+    with open(path) as f:
+      return json.load(f)
+  c = online_stage_config(config, "rejection_sampling", sft_dir, rm_dir)
+  mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
+  rules = sharding.as_rules(c.sharding.logical_axis_rules)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    recipe = rejection_sampling.RejectionSamplingRecipe(c, mesh)
+    metrics = rejection_sampling.best_of_n_evaluation(
+        recipe, recipe.init_state(), config.pipeline.best_of_n)
+  metrics = {k: float(v) for k, v in metrics.items()}
+  if jax.process_index() == 0:
+    os.makedirs(out_dir, exist_ok=True)
+    with open(path, "w") as f:
+      json.dump(metrics, f, indent=2, sort_keys=True)
+  _log(f"best-of-{config.pipeline.best_of_n}: gold reward "
+       f"{metrics['eval/gold_reward']:.4f}, win rate vs SFT "
+       f"{metrics['eval/win_rate']:.3f}")
+  return metrics
+
+
 def results_table(results) -> Dict[str, Dict[str, float]]:
   """One entry per policy method: win rate against SFT (with its standard
   error), mean gold reward, KL to the SFT reference and mean length."""
   table = {}
   reference = None
-  for method in POLICY_STAGES:
+  for method in TABLE_METHODS:
     r = results.get(method)
     if not r or "eval/win_rate" not in r:
       continue
@@ -212,6 +285,8 @@ def results_table(results) -> Dict[str, Dict[str, float]]:
         "kl_to_sft": r["eval/kl"],
         "mean_length": r["eval/length"],
     }
+    if "eval/reward_model_score" in r:
+      table[method]["reward_model_score"] = r["eval/reward_model_score"]
   if table and reference is not None:
     table["sft"] = {"win_rate_vs_sft": 0.5, "gold_reward": reference,
                     "kl_to_sft": 0.0}
@@ -222,17 +297,23 @@ def results_table(results) -> Dict[str, Dict[str, float]]:
 
 
 def format_table(table) -> str:
-  lines = ["", "method        win rate vs SFT    gold reward   KL(pi||SFT)   "
-           "length", "-" * 72]
-  for method in ("sft",) + tuple(POLICY_STAGES):
+  lines = ["", "method              win rate vs SFT    gold reward   "
+           "KL(pi||SFT)   length   RM score", "-" * 89]
+  for method in ("sft",) + TABLE_METHODS:
     if method not in table:
       continue
     r = table[method]
     se = r.get("win_rate_stderr")
     win = f"{r['win_rate_vs_sft']:.3f}" + (f" +- {se:.3f}" if se else "")
     length = f"{r['mean_length']:.2f}" if "mean_length" in r else "-"
-    lines.append(f"{method:<13} {win:<18} {r['gold_reward']:>11.4f} "
-                 f"{r['kl_to_sft']:>13.4f}   {length}")
+    score = (f"{r['reward_model_score']:.4f}" if "reward_model_score" in r
+             else "-")
+    name = method + ("*" if method == BEST_OF_N else "")
+    lines.append(f"{name:<19} {win:<18} {r['gold_reward']:>11.4f} "
+                 f"{r['kl_to_sft']:>13.4f}   {length:>6}   {score:>8}")
+  if BEST_OF_N in table:
+    lines.append("* best-of-N of the SFT policy by the reward model; its KL "
+                 "is the analytic log N - (N - 1) / N.")
   if "reward_model" in table:
     lines.append("reward model: held-out pair accuracy "
                  f"{table['reward_model']['heldout_pair_accuracy']:.3f}")

@@ -33,6 +33,7 @@ def test_offline_pipeline_beats_sft_and_writes_results(tmp_path):
   result = subprocess.run(
       [sys.executable, "-m", "jaxrlhf.main", "--config=configs/quickstart.py",
        f"--workdir={tmp_path}", "--config.train.num_steps=300",
+       "--config.pipeline.stages=sft,data,reward_model,dpo,kto,dro_v",
        "--config.pipeline.num_prompts=600", "--config.pipeline.num_eval_prompts=64",
        "--config.pipeline.reward_model_steps=100",
        "--config.pipeline.policy_steps=120", "--config.eval.num_examples=128"],

@@ -6,12 +6,17 @@
     shardings, each device reading only its chunks;
   - a jaxrlhf workdir (or its `checkpoints/` directory, or one step of it):
     the policy ("params/policy") of its latest checkpoint.
+`load_network_params(path, target, network)` reads another trained network
+of a jaxrlhf workdir, e.g. "reward" of a reward-model run (online RL's
+reward model and PPO's value network); `run_config(path)` is the resolved
+config that run wrote.
 The loaded tree must have the target's structure and shapes; a mismatch is
 an error naming the parameter.
 """
 
+import json
 import os
-from typing import Any
+from typing import Any, Optional
 
 import jax
 import numpy as np
@@ -82,11 +87,38 @@ def load_lm_params(path: str, target: Any) -> Any:
     loaded = t5x_checkpoint.read_t5x_checkpoint(
         path, restore_dtype=np.float32, shardings=shardings)["params"]
     return jax.tree.map(lambda x, t: x.astype(t.dtype), loaded, target)
+  return load_network_params(path, target, "policy")
+
+
+def load_network_params(path: str, target: Any, network: str) -> Any:
+  """`params/<network>` of a jaxrlhf workdir's latest checkpoint, shaped and
+  sharded like `target` (jax.Arrays)."""
+  path = os.fspath(path)
+  shardings = jax.tree.map(lambda x: x.sharding, target)
   state = _restore_as_numpy(_orbax_state_dir(path))
-  if "params" not in state or "policy" not in state["params"]:
-    raise ValueError(f"Checkpoint {path!r} has no params/policy network.")
-  loaded = state["params"]["policy"]
+  if "params" not in state or network not in state["params"]:
+    have = sorted(state.get("params", {}))
+    raise ValueError(f"Checkpoint {path!r} has no params/{network} network "
+                     f"(it has {have}).")
+  loaded = state["params"][network]
   _check_same_tree(loaded, target, path)
   return jax.tree.map(
       lambda x, t, s: jax.device_put(np.asarray(x, t.dtype), s),
       loaded, target, shardings)
+
+
+def run_config(path: str) -> Optional[dict]:
+  """The config.json a jaxrlhf run wrote, found from its workdir, its
+  `checkpoints/` directory or one step of it; None if there is none."""
+  path = os.path.abspath(os.fspath(path))
+  # Climb out of <workdir>/checkpoints/<step>/state, and no further: a
+  # pipeline's own config.json sits one level above its stages.
+  for name in ("state", None, "checkpoints"):
+    base = os.path.basename(path)
+    if base == name or (name is None and base.isdigit()):
+      path = os.path.dirname(path)
+  candidate = os.path.join(path, "config.json")
+  if not os.path.isfile(candidate):
+    return None
+  with open(candidate) as f:
+    return json.load(f)

@@ -1,0 +1,158 @@
+r"""Where one PPO iteration's time goes: rollout, scoring and update.
+
+  python experiments/bench_ppo_iteration.py --size=tiny --batch_size=32 \
+      --inputs_length=64 --targets_length=64 --epochs=4 --minibatches=1
+
+One PPO iteration of `jaxrlhf.recipes.ppo` is timed whole (the jitted train
+step) and in its three parts, each jitted alone:
+
+  rollout  sampling `targets_length` tokens per prompt at temperature 0.7
+           (`sampling.sample_encoder_decoder`, with its KV cache);
+  scoring  teacher-forced forward passes over the sampled responses: policy
+           and reference log-probs, the reward model at the EOS, the value
+           network, then the PPO targets (KL-penalised rewards, GAE,
+           whitening);
+  update   `epochs` x `minibatches` PPO updates (policy and value forward
+           and backward, optimizer) in one `lax.scan`.
+
+Tokens/s counts response tokens: sampled tokens for the rollout, response
+tokens scored (each by four networks) for scoring, and response tokens
+trained on, once per epoch, for the update. Networks are randomly
+initialised (the cost does not depend on the weights: responses are always
+sampled to full length) and prompts are random token ids.
+"""
+
+import argparse
+import time
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+from jaxrlhf import defaults
+from jaxrlhf import sharding
+from jaxrlhf.recipes import ppo
+from jaxrlhf.rl import rollout as rollout_lib
+
+
+def _time(fn, *args, repeats):
+  out = fn(*args)  # compile
+  jax.block_until_ready(out)
+  start = time.perf_counter()
+  for _ in range(repeats):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / repeats, out
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--size", default="tiny")
+  p.add_argument("--batch_size", type=int, default=32, help="prompts")
+  p.add_argument("--inputs_length", type=int, default=64)
+  p.add_argument("--targets_length", type=int, default=64,
+                 help="tokens sampled per response")
+  p.add_argument("--epochs", type=int, default=4)
+  p.add_argument("--minibatches", type=int, default=1)
+  p.add_argument("--vocab_size", type=int, default=32128)
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--optimizer", default="adamw")
+  p.add_argument("--mesh", default="-1,1", help="data,model mesh shape")
+  p.add_argument("--steps", type=int, default=5)
+  args = p.parse_args()
+
+  c = defaults.base_config()
+  c.algorithm = "ppo"
+  c.model.size = args.size
+  c.model.vocab_size = args.vocab_size
+  c.model.dtype = args.dtype
+  c.optimizer.name = args.optimizer
+  c.train.batch_size = args.batch_size
+  c.data.inputs_length = args.inputs_length
+  c.data.targets_length = args.targets_length
+  c.online.num_epochs = args.epochs
+  c.online.num_minibatches = args.minibatches
+  # Only the shapes matter: no checkpoint is read (see init below).
+  c.init.policy_checkpoint = "unused"
+  c.online.reward_model_checkpoint = "unused"
+  c.mesh.shape = tuple(int(x) for x in args.mesh.split(","))
+  defaults.validate(c)
+  mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
+  rules = sharding.as_rules(c.sharding.logical_axis_rules)
+  b, lp, lt = args.batch_size, args.inputs_length, args.targets_length
+  rng = np.random.default_rng(0)
+  prompts = rng.integers(3, 100, size=(b, lp)).astype(np.int32)
+  prompts[:, -1] = 1
+
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    recipe = ppo.PPORecipe(c, mesh)
+    # Random networks in their shardings (init_state would load the
+    # checkpoints).
+    state = recipe._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
+    batch = sharding.global_batch({"encoder_input_tokens": prompts}, mesh,
+                                  rules)
+    o = c.online
+
+    @jax.jit
+    def rollout(params, prompt_tokens, key):
+      return rollout_lib.sample_responses(
+          recipe.lm, params["policy"], prompt_tokens, key,
+          max_new_tokens=recipe.max_new_tokens, temperature=o.temperature,
+          eos_id=1)
+
+    @jax.jit
+    def scoring(params, frozen, prompt_tokens, tokens, kl_coef):
+      ro = rollout_lib.assemble_rollout(
+          recipe.lm, params["policy"], frozen["reference"], recipe.reward_lm,
+          frozen["reward"], prompt_tokens, tokens, temperature=o.temperature,
+          missing_eos_penalty=o.missing_eos_penalty)
+      return ro, recipe.rollout_targets(params["value"], ro, kl_coef)
+
+    @jax.jit
+    def update(state, ro, targets, key):
+      data = dict(ro.features, old_logprobs=ro.logprobs,
+                  old_values=targets["old_values"],
+                  advantages=targets["advantages"],
+                  returns=targets["returns"])
+      return recipe.run_updates(state, data, recipe.minibatch_loss, key)
+
+    key = jax.random.PRNGKey(1)
+    t_roll, tokens = _time(rollout, state.params, batch["encoder_input_tokens"],
+                           key, repeats=args.steps)
+    t_score, (ro, targets) = _time(
+        scoring, state.params, state.frozen, batch["encoder_input_tokens"],
+        tokens, state.rl["kl_coef"], repeats=args.steps)
+    t_update, _ = _time(update, state, ro, targets, key, repeats=args.steps)
+
+    step = recipe.train_step
+    state = step(state, batch)[0]  # compile (the step donates its state)
+    jax.block_until_ready(state)
+    start = time.perf_counter()
+    for _ in range(args.steps):
+      state, metrics = step(state, batch)
+    jax.block_until_ready(metrics)
+    t_step = (time.perf_counter() - start) / args.steps
+
+  response_tokens = b * lt
+  print(f"PPO iteration: {args.size} T5, {b} prompts x {lp} tokens, {lt} "
+        f"sampled tokens each, {args.epochs} epochs x {args.minibatches} "
+        f"minibatches, {jax.device_count()} {jax.devices()[0].platform} "
+        "device(s)")
+  print(f"{'part':<10} {'ms':>10} {'share':>7} {'tokens/s':>12}  counts")
+  parts = (("rollout", t_roll, response_tokens, "sampled tokens"),
+           ("scoring", t_score, response_tokens,
+            "response tokens, 4 networks each"),
+           ("update", t_update, response_tokens * args.epochs,
+            "response tokens x epochs"))
+  total = t_roll + t_score + t_update
+  for name, t, n, what in parts:
+    print(f"{name:<10} {t * 1e3:>10.1f} {t / total:>7.1%} {n / t:>12,.0f}  "
+          f"{what}")
+  print(f"{'sum':<10} {total * 1e3:>10.1f}")
+  print(f"{'step':<10} {t_step * 1e3:>10.1f} {'':>7} "
+        f"{response_tokens / t_step:>12,.0f}  the jitted train step, whole")
+
+
+if __name__ == "__main__":
+  main()
