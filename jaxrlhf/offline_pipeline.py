@@ -27,7 +27,6 @@ from typing import Dict, List
 import flax.linen as nn
 import jax
 import ml_collections
-import numpy as np
 
 from jaxrlhf import defaults
 from jaxrlhf import sharding

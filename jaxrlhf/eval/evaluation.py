@@ -8,7 +8,7 @@ from the reference estimated on the policy's own samples, and mean length.
 """
 
 import functools
-from typing import Callable, Dict, Iterator, List, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Sequence
 
 import jax
 import jax.numpy as jnp

@@ -13,7 +13,6 @@ the RNG; all of it is checkpointed.
 
 from typing import Dict, Optional
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -213,8 +212,10 @@ def register_task_from_files(config, kind: Optional[str]) -> None:
   """Registers config.data.task from config.data.files (see defaults.py)."""
   files = config.data.files
   if kind is None:
-    raise ValueError("config.data.files: SFT reads seqio tasks; file "
-                     "sources are for the alignment data kinds.")
+    raise ValueError(
+        f"config.data.files: {config.algorithm} reads a registered seqio "
+        "task (config.data.task); file sources are for the offline "
+        "alignment data kinds (pairs, rankings, trajectories, thumbs).")
   if files.vocabulary:
     import seqio
     vocabulary = seqio.SentencePieceVocabulary(files.vocabulary)

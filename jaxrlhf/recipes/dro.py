@@ -12,7 +12,6 @@ jaxrlhf.losses.dro.dro_v_losses: the policy receives equation 8 rescaled by
 import copy
 
 import jax
-import jax.numpy as jnp
 
 from jaxrlhf.losses import dro as dro_losses
 from jaxrlhf.models import heads

@@ -5,7 +5,6 @@ desirable when its reward is above the batch mean. The KL baseline z0 uses
 mismatched pairs: prompt i with the completion of example i+1.
 """
 
-import jax.numpy as jnp
 
 from jaxrlhf.losses import preference
 from jaxrlhf.recipes import policy

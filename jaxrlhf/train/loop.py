@@ -7,11 +7,8 @@ metrics and console progress. A recipe provides `init_state()`,
 `train_step(state, batch)`, `tokens_in(local_batch)` and `evaluate(state)`.
 """
 
-import json
-import logging
 import os
 import signal
-import sys
 from typing import Dict, List, Optional
 
 import flax.linen as nn
@@ -198,7 +195,10 @@ def gold_reward_line(summary: Dict[str, float]) -> Optional[str]:
     return None
   after = summary["eval/gold_reward"]
   before = summary.get("eval_before/gold_reward")
-  head = "Gold reward of greedy outputs on held-out prompts: "
+  # SFT evaluates greedy outputs; policy recipes sample (and report a win
+  # rate against their reference).
+  kind = "sampled" if "eval/win_rate" in summary else "greedy"
+  head = f"Gold reward of {kind} outputs on held-out prompts: "
   if before is None:
     return head + f"after {after:.4f}"
   return head + f"before {before:.4f} -> after {after:.4f}"
