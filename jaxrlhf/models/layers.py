@@ -689,3 +689,43 @@ def unstack_layer_params(params, stack_name: str = "decoder"):
     stack[f"layers_{i}"] = jax.tree.map(lambda x, i=i: x[i], stacked)
   params[stack_name] = stack
   return params
+
+
+class CausalLM(nn.Module):
+  """A decoder-only family: `DecoderOnly` under the scope 'decoder' (t5x
+  layout) with the family's block and final norm.
+
+  Subclasses set `block_cls` and define `final_norm()`, a factory of the
+  final normalisation module.
+  """
+  config: Any
+  block_cls = None
+
+  def final_norm(self):
+    raise NotImplementedError
+
+  def setup(self):
+    self.decoder = DecoderOnly(self.config, self.block_cls, self.final_norm())
+
+  def hidden_states(self, tokens: Array, positions: Array,
+                    attention_mask: Array) -> Array:
+    """[batch, length] inputs -> final normalised states [batch, length,
+    embed] in the compute dtype."""
+    return self.decoder.hidden_states(tokens, positions, attention_mask)
+
+  def logits_from_hidden(self, hidden: Array) -> Array:
+    """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
+    return self.decoder.logits_from_hidden(hidden)
+
+  def decode_step(self, tokens: Array, positions: Array,
+                  attention_mask: Array, cache_index) -> Array:
+    """One KV-cache step (see `DecoderOnly.decode_step`): float32 logits
+    [batch, vocab] of the last of `tokens`; apply with mutable=["cache"]."""
+    return self.decoder.decode_step(tokens, positions, attention_mask,
+                                    cache_index)
+
+  def __call__(self, tokens: Array, positions: Array,
+               attention_mask: Array) -> Array:
+    """tokens, positions, attention_mask [batch, length] -> float32 logits
+    [batch, length, vocab]."""
+    return self.decoder(tokens, positions, attention_mask)

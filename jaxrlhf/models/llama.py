@@ -156,37 +156,11 @@ class LlamaBlock(nn.Module):
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
 
 
-class Llama(nn.Module):
+class Llama(layers.CausalLM):
   """Llama-style causal LM; parameters under 'decoder' (t5x layout)."""
   config: LlamaConfig
+  block_cls = LlamaBlock
 
-  def setup(self):
-    cfg = self.config
-    self.decoder = layers.DecoderOnly(
-        cfg, LlamaBlock,
-        functools.partial(layers.RMSNorm, cfg.norm_epsilon,
-                          jnp.dtype(cfg.dtype)))
-
-  def hidden_states(self, tokens: Array, positions: Array,
-                    attention_mask: Array) -> Array:
-    """[batch, length] inputs -> final normalised states [batch, length,
-    embed] in the compute dtype."""
-    return self.decoder.hidden_states(tokens, positions, attention_mask)
-
-  def logits_from_hidden(self, hidden: Array) -> Array:
-    """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
-    return self.decoder.logits_from_hidden(hidden)
-
-  def decode_step(self, tokens: Array, positions: Array,
-                  attention_mask: Array, cache_index) -> Array:
-    """One KV-cache step (see `layers.DecoderOnly.decode_step`): float32
-    logits [batch, vocab] of the last of `tokens`; apply with
-    mutable=["cache"]."""
-    return self.decoder.decode_step(tokens, positions, attention_mask,
-                                    cache_index)
-
-  def __call__(self, tokens: Array, positions: Array,
-               attention_mask: Array) -> Array:
-    """tokens, positions, attention_mask [batch, length] -> float32 logits
-    [batch, length, vocab]."""
-    return self.decoder(tokens, positions, attention_mask)
+  def final_norm(self):
+    return functools.partial(layers.RMSNorm, self.config.norm_epsilon,
+                             jnp.dtype(self.config.dtype))
