@@ -2,12 +2,14 @@ r"""Where one PPO iteration's time goes: rollout, scoring and update.
 
   python experiments/bench_ppo_iteration.py --size=tiny --batch_size=32 \
       --inputs_length=64 --targets_length=64 --epochs=4 --minibatches=1
+  python experiments/bench_ppo_iteration.py --arch=llama --size=tinyllama-1.1b \
+      --dtype=bfloat16 --vocab_size=32000
 
 One PPO iteration of `jaxrlhf.recipes.ppo` is timed whole (the jitted train
 step) and in its three parts, each jitted alone:
 
   rollout  sampling `targets_length` tokens per prompt at temperature 0.7
-           (`sampling.sample_encoder_decoder`, with its KV cache);
+           (the KV-cache sampler of `jaxrlhf.models.sampling`);
   scoring  teacher-forced forward passes over the sampled responses: policy
            and reference log-probs, the reward model at the EOS, the value
            network, then the PPO targets (KL-penalised rewards, GAE,
@@ -29,54 +31,29 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+import bench_common
 from jaxrlhf import defaults
 from jaxrlhf import sharding
 from jaxrlhf.recipes import ppo
 from jaxrlhf.rl import rollout as rollout_lib
 
 
-def _time(fn, *args, repeats):
-  out = fn(*args)  # compile
-  jax.block_until_ready(out)
-  start = time.perf_counter()
-  for _ in range(repeats):
-    out = fn(*args)
-  jax.block_until_ready(out)
-  return (time.perf_counter() - start) / repeats, out
-
-
 def main():
   p = argparse.ArgumentParser(description=__doc__,
                               formatter_class=argparse.RawTextHelpFormatter)
-  p.add_argument("--size", default="tiny")
-  p.add_argument("--batch_size", type=int, default=32, help="prompts")
-  p.add_argument("--inputs_length", type=int, default=64)
-  p.add_argument("--targets_length", type=int, default=64,
-                 help="tokens sampled per response")
+  bench_common.add_shape_flags(p, optimizer="adamw", steps=5)
   p.add_argument("--epochs", type=int, default=4)
   p.add_argument("--minibatches", type=int, default=1)
-  p.add_argument("--vocab_size", type=int, default=32128)
-  p.add_argument("--dtype", default="float32")
-  p.add_argument("--optimizer", default="adamw")
-  p.add_argument("--mesh", default="-1,1", help="data,model mesh shape")
-  p.add_argument("--steps", type=int, default=5)
   args = p.parse_args()
 
-  c = defaults.base_config()
-  c.algorithm = "ppo"
-  c.model.size = args.size
-  c.model.vocab_size = args.vocab_size
-  c.model.dtype = args.dtype
-  c.optimizer.name = args.optimizer
-  c.train.batch_size = args.batch_size
-  c.data.inputs_length = args.inputs_length
-  c.data.targets_length = args.targets_length
-  c.online.num_epochs = args.epochs
-  c.online.num_minibatches = args.minibatches
-  # Only the shapes matter: no checkpoint is read (see init below).
-  c.init.policy_checkpoint = "unused"
-  c.online.reward_model_checkpoint = "unused"
-  c.mesh.shape = tuple(int(x) for x in args.mesh.split(","))
+  c = bench_common.config_from_flags(args, "ppo")
+  defaults.apply_overrides(c, {
+      "online.num_epochs": args.epochs,
+      "online.num_minibatches": args.minibatches,
+      # Only the shapes matter: no checkpoint is read (see init below).
+      "init.policy_checkpoint": "unused",
+      "online.reward_model_checkpoint": "unused",
+  })
   defaults.validate(c)
   mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
   rules = sharding.as_rules(c.sharding.logical_axis_rules)
@@ -93,37 +70,38 @@ def main():
     batch = sharding.global_batch({"encoder_input_tokens": prompts}, mesh,
                                   rules)
     o = c.online
+    eos = recipe.vocabulary.eos_id
 
+    # The two halves of `recipe.make_rollout`, jitted apart.
     @jax.jit
     def rollout(params, prompt_tokens, key):
       return rollout_lib.sample_responses(
           recipe.lm, params["policy"], prompt_tokens, key,
           max_new_tokens=recipe.max_new_tokens, temperature=o.temperature,
-          eos_id=1)
+          eos_id=eos)
 
     @jax.jit
     def scoring(params, frozen, prompt_tokens, tokens, kl_coef):
       ro = rollout_lib.assemble_rollout(
           recipe.lm, params["policy"], frozen["reference"], recipe.reward_lm,
           frozen["reward"], prompt_tokens, tokens, temperature=o.temperature,
-          missing_eos_penalty=o.missing_eos_penalty)
+          eos_id=eos, missing_eos_penalty=o.missing_eos_penalty)
       return ro, recipe.rollout_targets(params["value"], ro, kl_coef)
 
     @jax.jit
     def update(state, ro, targets, key):
-      data = dict(ro.features, old_logprobs=ro.logprobs,
-                  old_values=targets["old_values"],
-                  advantages=targets["advantages"],
-                  returns=targets["returns"])
-      return recipe.run_updates(state, data, recipe.minibatch_loss, key)
+      return recipe.run_updates(state, recipe.update_data(ro, targets),
+                                recipe.minibatch_loss, key)
 
     key = jax.random.PRNGKey(1)
-    t_roll, tokens = _time(rollout, state.params, batch["encoder_input_tokens"],
-                           key, repeats=args.steps)
-    t_score, (ro, targets) = _time(
-        scoring, state.params, state.frozen, batch["encoder_input_tokens"],
-        tokens, state.rl["kl_coef"], repeats=args.steps)
-    t_update, _ = _time(update, state, ro, targets, key, repeats=args.steps)
+    prompt_tokens = batch["encoder_input_tokens"]
+    t_roll, tokens = bench_common.timed(rollout, state.params, prompt_tokens,
+                                        key, repeats=args.steps)
+    t_score, (ro, targets) = bench_common.timed(
+        scoring, state.params, state.frozen, prompt_tokens, tokens,
+        state.rl["kl_coef"], repeats=args.steps)
+    t_update, _ = bench_common.timed(update, state, ro, targets, key,
+                                     repeats=args.steps)
 
     step = recipe.train_step
     state = step(state, batch)[0]  # compile (the step donates its state)
@@ -135,10 +113,10 @@ def main():
     t_step = (time.perf_counter() - start) / args.steps
 
   response_tokens = b * lt
-  print(f"PPO iteration: {args.size} T5, {b} prompts x {lp} tokens, {lt} "
-        f"sampled tokens each, {args.epochs} epochs x {args.minibatches} "
-        f"minibatches, {jax.device_count()} {jax.devices()[0].platform} "
-        "device(s)")
+  print(bench_common.device_line(mesh))
+  print(f"PPO iteration: {args.arch} {args.size}, {b} prompts x {lp} "
+        f"tokens, {lt} sampled tokens each, {args.epochs} epochs x {args.minibatches} "
+        f"minibatches x {args.num_microbatches} micro-batches")
   print(f"{'part':<10} {'ms':>10} {'share':>7} {'tokens/s':>12}  counts")
   parts = (("rollout", t_roll, response_tokens, "sampled tokens"),
            ("scoring", t_score, response_tokens,

@@ -33,21 +33,12 @@ plots into --out. Every stage resumes, so an interrupted run continues.
 
 import argparse
 import copy
-import importlib.util
 import json
 import os
 import pathlib
 import time
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-
-
-def quickstart_config():
-  spec = importlib.util.spec_from_file_location(
-      "quickstart_config", REPO / "configs" / "quickstart.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config()
 
 
 def runs(steps: int):
@@ -65,14 +56,6 @@ def runs(steps: int):
                            {"online.kl_coef": 0.0,
                             "train.num_steps": 3 * steps}),
   }
-
-
-def _set(config, path, value):
-  node = config
-  *parents, leaf = path.split(".")
-  for p in parents:
-    node = node[p]
-  node[leaf] = value
 
 
 def read_metrics(workdir):
@@ -248,11 +231,12 @@ def main():
   p.add_argument("--only", default="", help="comma-separated runs")
   args = p.parse_args()
 
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
   from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
   from jaxrlhf.train import loop  # pylint: disable=g-import-not-at-top
 
   started = time.time()
-  config = quickstart_config()
+  config = defaults.load_config_file(REPO / "configs" / "quickstart.py")
   config.pipeline.stages = "sft,data,reward_model"
   config.eval.num_examples = 128
   config.pipeline.eval_samples_per_prompt = 2
@@ -267,11 +251,8 @@ def main():
     if selected and name not in selected:
       continue
     c = offline_pipeline.online_stage_config(config, "ppo", sft_dir, rm_dir)
-    with c.unlocked():
-      c.eval.every_steps = args.eval_every
-      c.train.log_every = 10
-      for path, value in overrides.items():
-        _set(c, path, value)
+    defaults.apply_overrides(c, {"eval.every_steps": args.eval_every,
+                                 "train.log_every": 10, **overrides})
     workdir = os.path.join(args.workdir, name)
     print(f"=== {name}: {description}", flush=True)
     loop.train(copy.deepcopy(c), workdir)

@@ -7,6 +7,9 @@ line with a value of their type, and resolve to something derived (documented
 beside them) when left unset.
 """
 
+import os
+from typing import Optional
+
 import ml_collections
 from ml_collections import config_dict
 
@@ -35,9 +38,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.seed = 0
 
   c.model = ml_collections.ConfigDict()
-  # Architecture: "t5" (encoder-decoder).
-  # "t5" (encoder-decoder), or the decoder-only "llama", "gpt_neox",
-  # "t5x_decoder_only" (offline recipes; SFT and online RL are T5-only).
+  # Architecture: "t5" (encoder-decoder), or the decoder-only "llama",
+  # "gpt_neox", "t5x_decoder_only"; every algorithm runs on both kinds.
   c.model.arch = "t5"
   # Size preset: for t5 tiny, small, base, large, xl, xxl (T5 1.1
   # dimensions); for the others their presets (e.g. llama3.2-1b, pythia-1b).
@@ -105,7 +107,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.train.num_steps = 600
   # Global batch size (examples per optimizer step, over all processes).
   c.train.batch_size = 32
-  # Gradient accumulation: the batch is split into this many micro-batches.
+  # Gradient accumulation: the batch is split into this many micro-batches
+  # (online algorithms: each online.num_minibatches minibatch is).
   c.train.num_microbatches = 1
   # Weight of the z-loss (log Z)^2 that keeps the softmax normaliser near 0.
   c.train.z_loss = 0.0
@@ -139,6 +142,25 @@ def base_config() -> ml_collections.ConfigDict:
   c.reward_model.centering_coef = 0.0
   # reward_model_ranking: K, the completions per ranking (best first).
   c.reward_model.num_completions = 4
+  # Weigh each pair by its "prompt_weight" feature (file sources set it so
+  # every prompt counts once however many pairs it has; InstructGPT, RLHF
+  # book eq. 6). Data with one pair per prompt, or the same number for every
+  # prompt, train exactly as unweighted.
+  c.reward_model.weight_prompts_equally = True
+  # reward_model_ranking's loss: "plackett_luce" (the K-wise likelihood) or
+  # "all_pairs" (Bradley-Terry on all C(K, 2) pairs of a ranking, each
+  # weighted 1 / C(K, 2): InstructGPT's scheme).
+  c.reward_model.ranking_loss = "plackett_luce"
+  # Reward normalisation (PPO details, detail 15; Stiennon et al. 2020): at
+  # the end of training, shift the head's bias so the reference completions
+  # (the `targets`) of this seqio task's prompts score mean 0; the final
+  # checkpoint holds the shifted head, so runs reading this reward model get
+  # normalised scores. "" = off. E.g. the SFT task, "synthetic_summarize".
+  c.reward_model.normalize_on_task = ""
+  # The split of normalize_on_task to score, and how many of its first
+  # examples (0 = all of them).
+  c.reward_model.normalize_split = "train"
+  c.reward_model.normalize_num_examples = 0
 
   c.dpo = ml_collections.ConfigDict()
   # "dpo" (logistic), "cdpo" (label smoothing), "robust_dpo", "ipo", "slic".
@@ -172,6 +194,24 @@ def base_config() -> ml_collections.ConfigDict:
   c.dro.single_value_per_batch = False
   # Start the separate value network's backbone from init.policy_checkpoint.
   c.dro.value_from_policy = True
+
+  # Reference log-probs of dpo and dro_v: "in_step" runs the frozen
+  # reference on every batch; "precomputed" scores the training split with
+  # the reference once before training (TRL's precompute_ref_log_probs),
+  # stores the results in cache_dir, and feeds them to the loss with each
+  # batch, so that training neither holds nor runs the reference (evaluation
+  # loads it from init.policy_checkpoint while it runs). Not for kto: its KL
+  # baseline scores mismatched pairs that depend on the batch.
+  c.reference_logprobs = ml_collections.ConfigDict()
+  c.reference_logprobs.mode = "in_step"
+  # Where the precomputed values live; "" = <workdir>/reference_logprobs. A
+  # resumed run reuses them; a cache made with another reference checkpoint,
+  # task, split, lengths or model is recomputed by a fresh run and is an
+  # error for a resumed one.
+  c.reference_logprobs.cache_dir = ""
+  # Examples per forward pass of the precomputation; unset = the train
+  # step's micro-batch (train.batch_size / train.num_microbatches).
+  c.reference_logprobs.batch_size = config_dict.placeholder(int)
 
   # Online RL (ppo, rloo, grpo, reinforce, rejection_sampling): every train
   # step samples responses to train.batch_size prompts of data.task from the
@@ -360,7 +400,25 @@ def validate(c: ml_collections.ConfigDict) -> None:
            f"{c.algorithm!r} is not one of {ALGORITHMS}.")
   _require(c.dpo.loss_type in ("dpo", "cdpo", "robust_dpo", "ipo", "slic"),
            "dpo.loss_type", f"{c.dpo.loss_type!r} is not a known loss type.")
+  _require(c.reward_model.ranking_loss in ("plackett_luce", "all_pairs"),
+           "reward_model.ranking_loss", f"{c.reward_model.ranking_loss!r}: "
+           "use 'plackett_luce' or 'all_pairs'.")
+  _require(c.reward_model.normalize_num_examples >= 0,
+           "reward_model.normalize_num_examples", "must be >= 0 (0 = the "
+           "whole split).")
   _require(c.dro.tau > 0, "dro.tau", "must be positive.")
+  _require(c.reference_logprobs.mode in ("in_step", "precomputed"),
+           "reference_logprobs.mode", f"{c.reference_logprobs.mode!r}: use "
+           "'in_step' or 'precomputed'.")
+  _require(c.reference_logprobs.mode == "in_step"
+           or c.algorithm in ("dpo", "dro_v"), "reference_logprobs.mode",
+           f"'precomputed' applies to dpo and dro_v, not {c.algorithm!r} "
+           "(kto's KL baseline pairs each prompt with another example's "
+           "completion, so its reference log-probs depend on the batch; "
+           "online algorithms score fresh samples); use 'in_step'.")
+  _require(c.reference_logprobs.batch_size is None
+           or c.reference_logprobs.batch_size > 0,
+           "reference_logprobs.batch_size", "must be positive.")
   _require(c.eval.num_samples > 0, "eval.num_samples", "must be positive.")
   _require(c.model.arch in ("t5", "llama", "gpt_neox", "t5x_decoder_only"),
            "model.arch", f"{c.model.arch!r} is not supported; use 't5', "
@@ -442,11 +500,24 @@ def _validate_online(c: ml_collections.ConfigDict) -> None:
            f"{c.model.dropout_rate}: online RL needs deterministic log-probs "
            "(PPO details, detail 7: with dropout the ratios are not 1 before "
            "the first update); set it to 0.")
-  _require(c.train.num_microbatches == 1, "train.num_microbatches",
-           "online algorithms split each rollout batch into "
-           "online.num_minibatches optimizer updates instead; set it to 1.")
+  # train.num_microbatches > 1 splits each online minibatch update into
+  # micro-batches (gradient accumulation); the recipe checks that they
+  # divide the minibatch (jaxrlhf/recipes/online.py).
   if c.algorithm in ("rloo", "grpo"):
     _require(c.online.samples_per_prompt is None
              or c.online.samples_per_prompt >= 2, "online.samples_per_prompt",
              f"{c.algorithm} compares the responses to one prompt; it needs "
              "at least 2.")
+
+
+def load_config_file(path, arg: Optional[str] = None
+                     ) -> ml_collections.ConfigDict:
+  """`get_config(arg)` of a config file such as configs/quickstart.py, as
+  `--config=path[:arg]` would give it, for scripts and notebooks."""
+  import importlib.util  # pylint: disable=g-import-not-at-top
+  path = os.fspath(path)
+  spec = importlib.util.spec_from_file_location(
+      os.path.splitext(os.path.basename(path))[0], path)
+  module = importlib.util.module_from_spec(spec)
+  spec.loader.exec_module(module)
+  return module.get_config() if arg is None else module.get_config(arg)

@@ -2,8 +2,10 @@
 
   SFT -> sample completions from the SFT policy -> label them with the gold
   reward (Bradley-Terry pairs with annotator noise; single trajectories with
-  normalised rewards) -> reward model -> DPO, KTO and DRO-V from the SFT
-  policy -> a table of win rates against SFT judged by the gold reward.
+  normalised rewards) -> reward model (its head bias then set so that the
+  SFT demonstrations score mean 0, PPO detail 15) -> DPO, KTO and DRO-V
+  from the SFT policy -> a table of win rates against SFT judged by the
+  gold reward.
 
 Online stages run after the reward model and optimise against it: PPO,
 RLOO, GRPO, REINFORCE and rejection sampling from the SFT policy, and
@@ -88,7 +90,8 @@ def stage_config(config, algorithm: str, **changes) -> ml_collections.ConfigDict
 # --- data -----------------------------------------------------------------------
 
 
-def _data_paths(workdir):
+def data_paths(workdir):
+  """{kind: {split: path}} of the labelled data files in a pipeline workdir."""
   d = os.path.join(workdir, "data")
   return {kind: {split: os.path.join(d, f"{kind}_{split}.jsonl")
                  for split in ("train", "validation")}
@@ -125,7 +128,7 @@ def make_data(config, workdir: str, sft_workdir: str) -> None:
         for i, text in enumerate(evaluation.completion_texts(
             recipe.vocabulary, s)):
           completions[i].append(text)
-      paths = _data_paths(workdir)
+      paths = data_paths(workdir)
       n_pairs = synthetic_feedback.write_synthetic_feedback(
           paths["pairs"][split], "pairs", prompts, completions, gold,
           beta=p.annotator_beta, seed=config.seed)
@@ -153,7 +156,7 @@ def _prompts(config, recipe, split, num_prompts):
 
 
 def register_data_tasks(config, workdir: str) -> None:
-  paths = _data_paths(workdir)
+  paths = data_paths(workdir)
   vocabulary = tasks.synthetic_vocabulary()
   for name, kind in ((PAIRS_TASK, "pairs"), (TRAJECTORY_TASK, "trajectory")):
     alignment_data.register_file_task(
@@ -190,6 +193,10 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
             "data.task": PAIRS_TASK, "train.num_steps": p.reward_model_steps,
             "init.policy_checkpoint": sft_dir,
             "optimizer.learning_rate": p.reward_model_learning_rate,
+            # PPO detail 15: the SFT demonstrations of the data's prompts
+            # score mean 0, so the online stages see centred rewards.
+            "reward_model.normalize_on_task": config.data.task,
+            "reward_model.normalize_num_examples": p.num_prompts,
         }), os.path.join(workdir, "reward_model"))
   for stage, (algorithm, task) in POLICY_STAGES.items():
     if stage not in stages:

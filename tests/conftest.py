@@ -29,13 +29,8 @@ TINY_OVERRIDES = {
 def tiny_config(**overrides):
   """The quickstart config with TINY_OVERRIDES and `overrides` applied;
   keys are dotted paths with "." replaced by "__" (model__emb_dim=64)."""
-  import importlib.util
-  spec = importlib.util.spec_from_file_location(
-      "quickstart_config", REPO / "configs" / "quickstart.py")
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  config = module.get_config()
   from jaxrlhf import defaults
+  config = defaults.load_config_file(REPO / "configs" / "quickstart.py")
   merged = dict(TINY_OVERRIDES)
   merged.update({k.replace("__", "."): v for k, v in overrides.items()})
   defaults.apply_overrides(config, merged)

@@ -10,6 +10,7 @@ import math
 
 import numpy as np
 import pytest
+import seqio
 import tensorflow as tf
 
 from jaxrlhf.data import alignment_data
@@ -62,7 +63,7 @@ def test_encdec_pairs_shift_right_and_loss_weights():
       "rejected_decoder_input_tokens": [0, 10, 1, 0],
       "rejected_decoder_loss_weights": [1, 1, 0, 0],
   }
-  assert set(ex) == set(expected) | {"margin", "confidence"}
+  assert set(ex) == set(expected) | {"margin", "confidence", "prompt_weight"}
   for name, want in expected.items():
     np.testing.assert_array_equal(ex[name], want, err_msg=name)
     assert ex[name].dtype == np.int32
@@ -124,7 +125,7 @@ def test_decoder_pairs_right_padded_sequences_and_left_padded_prompt():
       "prompt_attention_mask":  [0, 0, 1, 1, 1],
       "prompt_positions":       [0, 0, 0, 1, 2],
   }
-  assert set(ex) == set(expected) | {"margin", "confidence"}
+  assert set(ex) == set(expected) | {"margin", "confidence", "prompt_weight"}
   for name, want in expected.items():
     np.testing.assert_array_equal(ex[name], want, err_msg=name)
 
@@ -288,6 +289,44 @@ def test_register_twice_needs_overwrite(tmp_path):
   with pytest.raises(ValueError, match="already registered"):
     alignment_data.register_file_task("test_alignment_twice", str(path),
                                       **kwargs)
+
+
+def test_custom_pairs_source_may_leave_out_the_optional_scalars():
+  """A source with only prompt/chosen/rejected gets margin 0, confidence 1
+  and prompt_weight 1 (the kind's defaults); a trajectory source without its
+  required reward is refused by seqio."""
+  def source(**texts):
+    def dataset_fn(split, shuffle_files, seed=None):
+      del split, shuffle_files, seed
+      return tf.data.Dataset.from_tensor_slices(
+          {k: [v] for k, v in texts.items()})
+    return seqio.FunctionDataSource(dataset_fn, splits=("train",))
+  vocabulary = tasks.synthetic_vocabulary()
+  alignment_data.register_alignment_task(
+      "test_custom_pairs_defaults",
+      source(prompt="summarize: fox red", chosen="fox red", rejected="fox"),
+      "pairs", vocabulary,
+      overwrite=True)
+  rows = list(seqio.get_dataset(
+      "test_custom_pairs_defaults", {"prompt": 8, "chosen": 6, "rejected": 6},
+      fc.feature_converter_for("pairs", "encoder_decoder"),
+      dataset_split="train", shuffle=False).as_numpy_iterator())
+  assert len(rows) == 1
+  assert (rows[0]["margin"], rows[0]["confidence"],
+          rows[0]["prompt_weight"]) == (0.0, 1.0, 1.0)
+  assert list(rows[0]["chosen_decoder_target_tokens"][:3]) == [
+      WORD_IDS["fox"], WORD_IDS["red"], EOS]
+
+  alignment_data.register_alignment_task(
+      "test_custom_trajectory_no_reward",
+      source(prompt="summarize: fox red", completion="fox red"),
+      "trajectory", vocabulary,
+      overwrite=True)
+  with pytest.raises(Exception, match="reward"):
+    list(seqio.get_dataset(
+        "test_custom_trajectory_no_reward", {"prompt": 8, "completion": 6},
+        fc.feature_converter_for("trajectory", "encoder_decoder"),
+        dataset_split="train", shuffle=False).as_numpy_iterator())
 
 
 # --- synthetic feedback ------------------------------------------------------

@@ -6,7 +6,6 @@ checkpoint stands in for the SFT checkpoint, on a small UltraFeedback file
 the test writes.
 """
 
-import importlib.util
 import json
 import pathlib
 
@@ -25,10 +24,7 @@ PAPER_CONFIGS = ["dpo.py", "dro_t5l.py", "dro_t5xl.py", "ipo.py", "kto.py",
 
 
 def load(name, arg=None):
-  spec = importlib.util.spec_from_file_location(name[:-3], REPO / "configs" / name)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config() if arg is None else module.get_config(arg)
+  return defaults.load_config_file(REPO / "configs" / name, arg)
 
 
 def test_registry_and_validation_agree():

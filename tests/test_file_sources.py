@@ -165,7 +165,8 @@ def test_hh_rlhf_splits_shared_prompt_from_final_turn(tmp_path):
                   on_bad_row="skip_and_report")
   assert source.examples() == [{
       "prompt": HH_PROMPT, "chosen": " Usually red.",
-      "rejected": " I don't know.", "margin": 0.0, "confidence": 1.0}]
+      "rejected": " I don't know.", "margin": 0.0, "confidence": 1.0,
+      "prompt_weight": 1.0}]
   assert source.bad_row_counts() == {"prompts_differ": 1,
                                      "unparsable_dialogue": 1}
   assert [b.row for b in source.bad_rows()] == [2, 3]
@@ -199,9 +200,21 @@ def test_tldr_prompt_format_choice_and_confidence(tmp_path):
                  "POST: My post.\n\nTL;DR:"),
       "chosen": " second summary",  # Leading space added (detail 3).
       "rejected": " first summary", "margin": 0.0,
-      "confidence": pytest.approx(6 / 9)}
+      "confidence": pytest.approx(6 / 9), "prompt_weight": 1.0}
   assert examples[1]["chosen"] == " first summary"
   assert examples[1]["confidence"] == 1.0
+
+
+def test_tldr_comparisons_of_one_post_share_one_weight(tmp_path):
+  # TL;DR compares several summary pairs of one post; InstructGPT-style
+  # weights make each post count once: 4 pairs over 2 posts, so the post with
+  # 3 pairs gives each (4 / 2) / 3 and the other post's pair gets 4 / 2.
+  rows = [tldr_row("Busy post.", choice=c) for c in (0, 1, 0)]
+  rows.insert(1, tldr_row("Quiet post."))
+  path = write_jsonl(tmp_path / "comparisons.json", rows)
+  examples = Source(path, kind="pairs", layout="tldr").examples()
+  assert [e["prompt_weight"] for e in examples] == pytest.approx(
+      [2 / 3, 2.0, 2 / 3, 2 / 3])
 
 
 def test_tldr_drops_last_paragraphs_to_fit(tmp_path, vocab):

@@ -138,6 +138,50 @@ def test_plackett_luce_k3_by_hand_and_mask():
   assert np.all(np.isfinite(grads))
 
 
+all_pairs_ranking_loss = jax.jit(rm.all_pairs_ranking_loss)
+
+
+def test_all_pairs_ranking_loss_matches_plain_python():
+  rng = np.random.default_rng(3)
+  ranked = rng.normal(size=(4, 4)).astype(np.float32)
+  # Rankings of 4, 3 (last column padding), 2 (middle columns unused) items,
+  # and one whose padded column holds junk that must not count.
+  mask = np.array([[1, 1, 1, 1], [1, 1, 1, 0], [1, 0, 0, 1], [1, 1, 0, 0]],
+                  np.float32)
+  ranked[3, 2:] = 100.0
+  weights = np.array([1.0, 2.0, 1.0, 0.5], np.float32)
+  per_ranking, top1, pairwise = [], [], []
+  for row, present in zip(ranked, mask):
+    items = [float(r) for r, m in zip(row, present) if m]
+    pairs = list(itertools.combinations(range(len(items)), 2))
+    # InstructGPT: each of the C(K, 2) comparisons weighs 1 / C(K, 2).
+    per_ranking.append(sum(-_log_sigmoid(items[a] - items[b])
+                           for a, b in pairs) / len(pairs))
+    pairwise.append(sum(items[a] > items[b] for a, b in pairs) / len(pairs))
+    top1.append(float(items[0] > max(items[1:])))
+  mean = lambda xs: float(np.dot(weights, xs) / weights.sum())
+  loss, metrics = all_pairs_ranking_loss(ranked, mask, weights=weights)
+  np.testing.assert_allclose(loss, mean(per_ranking), rtol=1e-5)
+  np.testing.assert_allclose(metrics["loss"], loss)
+  np.testing.assert_allclose(metrics["pairwise_accuracy"], mean(pairwise),
+                             rtol=1e-6)
+  np.testing.assert_allclose(metrics["top1_accuracy"], mean(top1), rtol=1e-6)
+  grads = jax.grad(lambda x: rm.all_pairs_ranking_loss(x, mask)[0])(ranked)
+  assert np.all(np.isfinite(grads))
+  np.testing.assert_array_equal(grads[mask == 0], 0.0)
+
+
+def test_all_pairs_ranking_loss_k2_equals_bradley_terry():
+  rng = np.random.default_rng(4)
+  chosen = rng.normal(size=5).astype(np.float32)
+  rejected = rng.normal(size=5).astype(np.float32)
+  loss, metrics = all_pairs_ranking_loss(np.stack([chosen, rejected], 1))
+  bt, bt_metrics = rm.bradley_terry_loss(chosen, rejected)
+  np.testing.assert_allclose(loss, bt, rtol=1e-5)
+  np.testing.assert_allclose(metrics["pairwise_accuracy"],
+                             bt_metrics["accuracy"], rtol=1e-6)
+
+
 def test_calibration_table_on_hand_made_pairs():
   # gap r_c - r_r and confidence sigmoid(|gap|), 5 bins of width 0.1 on [.5,1]:
   #  0.0 -> 0.500 bin 0, tie (1/2)
@@ -197,3 +241,7 @@ def test_reward_model_errors():
     rm.bradley_terry_loss(np.zeros((3, 2)), np.zeros((3, 2)))
   with pytest.raises(ValueError, match="rank 2"):
     rm.plackett_luce_loss(x)
+  with pytest.raises(ValueError, match="rank 2"):
+    rm.all_pairs_ranking_loss(x)
+  with pytest.raises(ValueError, match="shapes must match"):
+    rm.all_pairs_ranking_loss(np.zeros((3, 2)), np.zeros((3, 3)))

@@ -449,11 +449,18 @@ def test_bad_online_configs_name_the_field(workdirs):
        "online.samples_per_prompt"),
       ({"model__dropout_rate": 0.1}, "model.dropout_rate"),
       ({"online__kl_estimator": "k4"}, "online.kl_estimator"),
-      ({"train__num_microbatches": 2}, "train.num_microbatches"),
       ({"online__long_prompts": "truncate"}, "online.long_prompts")):
     with pytest.raises(ValueError, match=f"config.{field}"):
       defaults.validate(_config(workdirs, **overrides))
   config = _config(workdirs, online__num_minibatches=3)
   with _mesh_context(config) as mesh:
     with pytest.raises(ValueError, match="num_minibatches: 8 responses"):
+      ppo.PPORecipe(config, mesh)
+  # 12 responses / 2 minibatches = 6 rows per update: 4 micro-batches cannot
+  # split them (though they divide train.batch_size).
+  config = _config(workdirs, online__num_minibatches=2,
+                   train__num_microbatches=4, train__batch_size=12)
+  with _mesh_context(config) as mesh:
+    with pytest.raises(ValueError, match="num_microbatches: each minibatch "
+                       r"update of ppo has 6 responses .* 4 equal"):
       ppo.PPORecipe(config, mesh)

@@ -53,3 +53,36 @@ def test_plackett_luce_reward_model_learns_gold_rankings(tmp_path):
   # Rewards follow the labelled order on most rows of the last batch.
   ordered = (rewards[:, 0] > rewards[:, 1]) & (rewards[:, 1] > rewards[:, 2])
   assert ordered.mean() > 0.6
+
+
+def test_all_pairs_ranking_loss_option_is_instructgpt_loss(tmp_path):
+  examples = synthetic.make_examples("train", 16)
+  path = str(tmp_path / "rankings.jsonl")
+  synthetic_feedback.write_synthetic_feedback(
+      path, "ranking", [e["inputs"] for e in examples],
+      [[e["ideal"], f"{e['ideal']} {e['ideal']}", "red"] for e in examples],
+      synthetic.gold_reward, beta=1.0, seed=1)
+  config = tiny_config(algorithm="reward_model_ranking",
+                       data__task="all_pairs_rankings",
+                       reward_model__ranking_loss="all_pairs",
+                       reward_model__num_completions=3)
+  config.data.files.train = path
+  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
+  rules = sharding.as_rules(config.sharding.logical_axis_rules)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    recipe = _FromScratch(config, mesh)
+    state = recipe.init_state()
+    batch = sharding.global_batch(next(recipe.train_batches(0)), mesh, rules)
+    # One compilation for both: the recipe's loss and the rewards it saw.
+    (loss, metrics), rewards = jax.jit(lambda params, frozen, b: (
+        recipe.loss(params, frozen, b, None),
+        recipe.ranked_rewards(params["reward"], b)))(
+            state.params, state.frozen, batch)
+    rewards = np.asarray(rewards, np.float64)
+  # Plain Python: -log sigmoid over the 3 ordered pairs of each ranking,
+  # averaged per ranking (weight 1 / C(3, 2)), then over rankings.
+  per_ranking = [np.mean([np.log1p(np.exp(-(r[a] - r[b])))
+                          for a, b in ((0, 1), (0, 2), (1, 2))])
+                 for r in rewards]
+  np.testing.assert_allclose(loss, np.mean(per_ranking), rtol=1e-5)
+  assert "pairwise_accuracy" in metrics

@@ -61,8 +61,10 @@ def output_features(kind, vocabulary: seqio.Vocabulary,
   for field in kind.completion_fields:
     features[field] = seqio.Feature(vocabulary, add_eos=True,
                                     rank=2 if kind.ranked else 1)
-  for field in kind.scalar_fields:
-    features[field] = seqio.ContinuousFeature(dtype=tf.float32, rank=0)
+  for field, default in kind.scalar_defaults.items():
+    # A scalar with a default may be absent; the converters fill it in.
+    features[field] = seqio.ContinuousFeature(
+        dtype=tf.float32, rank=0, required=default is None)
   return features
 
 

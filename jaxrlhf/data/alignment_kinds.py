@@ -5,7 +5,8 @@ is a prompt, one or more completions, and scalar labels:
 
 | kind       | text features                | scalar features (float32)    |
 | ---------- | ---------------------------- | ---------------------------- |
-| pairs      | prompt, chosen, rejected     | margin (0), confidence (1)   |
+| pairs      | prompt, chosen, rejected     | margin (0), confidence (1),  |
+|            |                              | prompt_weight (1)            |
 | ranking    | prompt, completions (K, best | -                            |
 |            | first)                       |                              |
 | trajectory | prompt, completion           | reward (required)            |
@@ -15,6 +16,13 @@ The numbers in brackets are the defaults a source fills in when a file has no
 such column. `margin` is how much better the chosen completion is rated
 (e.g. an UltraFeedback score difference), `confidence` the rater's confidence
 scaled so that 1 means certain; losses may use them or not.
+`prompt_weight` is the pair's share in a loss that counts every prompt once
+however many pairs it has (InstructGPT; RLHF book eq. 6): the file sources
+set it to (#pairs / #prompts) / (#pairs of this prompt) over the split, so
+that it averages 1 (`file_sources.equal_prompt_weights`).
+
+A scalar with a default is optional in a task's examples: the feature
+converters fill the default when a source does not give it.
 
 In a seqio task of a kind, text features are tokenized with the task's
 vocabulary; every completion ends with EOS. `ranking` stores its completions
@@ -60,7 +68,7 @@ class DataKind:
 
 
 PAIRS = DataKind("pairs", ("chosen", "rejected"),
-                 {"margin": 0.0, "confidence": 1.0})
+                 {"margin": 0.0, "confidence": 1.0, "prompt_weight": 1.0})
 RANKING = DataKind("ranking", ("completions",), {}, ranked=True)
 TRAJECTORY = DataKind("trajectory", ("completion",), {"reward": None})
 THUMBS = DataKind("thumbs", ("completion",), {"label": None})

@@ -40,6 +40,11 @@ Scalars of the kind (`margin`, `confidence`, `reward`, `label`) come out as
 float32 scalars ([batch] after batching). They are rank 0, so seqio does not
 check their length; `get_model_feature_lengths` lists them with length 1.
 Packing is not supported: the completions of one example must stay aligned.
+
+SFT tasks (seqio `inputs`/`targets`) get the same decoder-only layout under
+unprefixed names (`tokens`, `loss_weights`, ...) from `sft_feature_converter`
+(`DecoderSFTFeatureConverter`); encoder-decoder SFT uses seqio's own
+EncDecFeatureConverter.
 """
 
 from typing import Dict, Mapping, Optional
@@ -150,8 +155,9 @@ class _AlignmentFeatureConverter(seqio.FeatureConverter):
     super().__init__(pack=False, **kwargs)
 
   def _check_scalars_present(self, ds: tf.data.Dataset):
-    for name in self.KIND.scalar_fields:
-      if name not in ds.element_spec:
+    for name, default in self.KIND.scalar_defaults.items():
+      # A scalar with a default is optional; `_scalars` fills it in.
+      if default is None and name not in ds.element_spec:
         raise ValueError(
             f"{type(self).__name__}: the task's examples have no {name!r} "
             f"feature, which kind {self.KIND.name!r} needs. Register the task "
@@ -184,8 +190,9 @@ class _AlignmentFeatureConverter(seqio.FeatureConverter):
     return rows
 
   def _scalars(self, features) -> Dict[str, tf.Tensor]:
-    return {name: tf.cast(features[name], tf.float32)
-            for name in self.KIND.scalar_fields}
+    return {name: (tf.cast(features[name], tf.float32) if name in features
+                   else tf.constant(default, tf.float32))
+            for name, default in self.KIND.scalar_defaults.items()}
 
   def _mask(self, rows: tf.RaggedTensor) -> Dict[str, tf.Tensor]:
     if not self.KIND.ranked:
@@ -267,6 +274,9 @@ class _DecoderConverter(_AlignmentFeatureConverter):
       the prompt length grows by one.
   """
 
+  # The task feature holding the prompt; SFT tasks call it "inputs".
+  PROMPT_FEATURE = kinds_lib.PROMPT
+
   def __init__(self, strip_prompt_eos: bool = True, eos_id: int = 1,
                prompt_bos_id: Optional[int] = None, **kwargs):
     self.strip_prompt_eos = strip_prompt_eos
@@ -276,7 +286,11 @@ class _DecoderConverter(_AlignmentFeatureConverter):
 
   def _prompt_length(self, task_feature_lengths) -> int:
     extra = 0 if self.prompt_bos_id is None else 1
-    return task_feature_lengths[kinds_lib.PROMPT] + extra
+    return task_feature_lengths[self.PROMPT_FEATURE] + extra
+
+  def _output_key(self, field: str, suffix: str) -> str:
+    """The model feature name of a completion field's sequence feature."""
+    return f"{field}_{suffix}"
 
   def _prompt(self, prompt: tf.Tensor) -> tf.Tensor:
     if self.strip_prompt_eos:
@@ -290,7 +304,7 @@ class _DecoderConverter(_AlignmentFeatureConverter):
 
   def _convert_example(self, features, lengths):
     prompt_length = self._prompt_length(lengths)
-    prompt = self._prompt(features[kinds_lib.PROMPT])
+    prompt = self._prompt(features[self.PROMPT_FEATURE])
     prompt = prompt[:prompt_length]
     num_prompt = tf.size(prompt)
     pad = prompt_length - num_prompt
@@ -320,7 +334,7 @@ class _DecoderConverter(_AlignmentFeatureConverter):
       for suffix, value in (("tokens", sequences), ("loss_weights", weights),
                             ("positions", positions),
                             ("attention_mask", mask)):
-        out[f"{field}_{suffix}"] = self._finish(
+        out[self._output_key(field, suffix)] = self._finish(
             value.to_tensor(default_value=0, shape=shape))
       out.update(self._mask(rows))
     out.update(self._scalars(features))
@@ -333,7 +347,8 @@ class _DecoderConverter(_AlignmentFeatureConverter):
     out = {name: prompt_length for name in DECODER_PROMPT_FEATURES}
     for field in self.KIND.completion_fields:
       for suffix in DECODER_SUFFIXES:
-        out[f"{field}_{suffix}"] = prompt_length + task_feature_lengths[field]
+        out[self._output_key(field, suffix)] = (
+            prompt_length + task_feature_lengths[field])
     out.update(self._scalar_and_mask_lengths())
     out.update({k: task_feature_lengths[k] for k in self._passthrough_features})
     return out
@@ -410,3 +425,64 @@ def feature_converter_for(kind, architecture: str, **kwargs
     raise ValueError(f"unknown architecture {architecture!r}; expected one of "
                      f"{ARCHITECTURES}.")
   return _CONVERTERS[(architecture, kind.name)](**kwargs)
+
+
+# --- SFT: seqio tasks with `inputs` and `targets` -----------------------------
+
+# The layout of an SFT example: the prompt is `inputs`, one completion
+# `targets`. Not an alignment kind (there is no file source for it).
+_SFT_KIND = kinds_lib.DataKind("sft", ("targets",), {})
+
+
+class DecoderSFTFeatureConverter(_DecoderConverter):
+  """Decoder-only SFT features of a seqio task with `inputs` and `targets`.
+
+  The same layout as the alignment kinds' completions, under the unprefixed
+  names the scoring API reads with `name=None`:
+    tokens          [Li+Lt]  inputs (trailing EOS dropped) then targets (with
+                             their EOS), right-padded
+    loss_weights    [Li+Lt]  1 on target tokens, EOS included; 0 on the prompt
+                             and PAD (the logits at t-1 score token t)
+    positions       [Li+Lt]  0, 1, ... on real tokens; 0 on PAD
+    attention_mask  [Li+Lt]  1 on real tokens
+    prompt_tokens, prompt_attention_mask, prompt_positions  [Li]  the
+                             prompt left-padded, for sampling
+  (Li grows by one with `prompt_bos_id`.)
+
+  seqio.PrefixLMFeatureConverter is not used: it keeps the prompt's EOS
+  between prompt and target (so the model would read EOS before every
+  completion, against PPO-paper detail 3), uses t5x's shifted
+  decoder_input/decoder_target pair instead of the one sequence our
+  decoder-only scoring adapter reads, and emits positions only when packing.
+  """
+
+  KIND = _SFT_KIND
+  PROMPT_FEATURE = "inputs"
+  TASK_FEATURES = {"inputs": FeatureSpec(dtype=tf.int32),
+                   "targets": FeatureSpec(dtype=tf.int32)}
+  MODEL_FEATURES = {name: FeatureSpec(dtype=tf.int32)
+                    for name in DECODER_SUFFIXES + DECODER_PROMPT_FEATURES}
+
+  def _output_key(self, field: str, suffix: str) -> str:
+    del field  # one completion: the scoring API's unprefixed features
+    return suffix
+
+
+def sft_feature_converter(architecture: str, **kwargs
+                          ) -> seqio.FeatureConverter:
+  """The SFT converter of an architecture for `inputs`/`targets` tasks.
+
+  Args:
+    architecture: "encoder_decoder" (seqio.EncDecFeatureConverter, t5x's own
+      features) or "decoder_only" (DecoderSFTFeatureConverter).
+    **kwargs: for decoder-only: strip_prompt_eos, eos_id, prompt_bos_id.
+  """
+  if architecture == "encoder_decoder":
+    if kwargs:
+      raise ValueError(f"sft_feature_converter: {sorted(kwargs)} only apply "
+                       "to decoder-only models.")
+    return seqio.EncDecFeatureConverter(pack=False)
+  if architecture == "decoder_only":
+    return DecoderSFTFeatureConverter(**kwargs)
+  raise ValueError(f"unknown architecture {architecture!r}; expected one of "
+                   f"{ARCHITECTURES}.")

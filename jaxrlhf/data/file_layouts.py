@@ -11,8 +11,9 @@ Layouts (what a row looks like):
   "rejected": "bad", "margin": "score_gap"}. Unmapped fields use their own
   name; a dotted column ("info.post") reads a nested object. For rankings the
   `completions` column is a list of strings, best first. Scalars missing from
-  a row take the kind's default (`margin` 0, `confidence` 1); `reward` and
-  `label` are required; a label is true/false or 1/0.
+  a row take the kind's default (`margin` 0, `confidence` 1, `prompt_weight`
+  1, which the source then replaces by per-prompt weights unless told not
+  to); `reward` and `label` are required; a label is true/false or 1/0.
 * "ultrafeedback" (trajectory, pairs, ranking): openbmb/UltraFeedback rows,
   {"instruction": str, "completions": [{"response": str, "overall_score":
   float, "fine-grained_score": float, "annotations": {aspect: {"Rating": "4",

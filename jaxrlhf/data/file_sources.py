@@ -18,6 +18,10 @@ never dropped silently; it raises `BadRowError` with its file and row
 (`bad_row_counts(split)`), kept with its message (`bad_rows(split)`) and
 summarised in a log line when the split is loaded
 (`on_bad_row="skip_and_report"`).
+
+Pairs get a `prompt_weight` per pair (`equal_prompt_weights`) under which
+every prompt of a split weighs the same in a weighted mean, however many
+pairs it has (InstructGPT; RLHF book section 7.4.2, eq. 6).
 """
 
 import dataclasses
@@ -156,6 +160,33 @@ class RewardStats:
   split: str
 
 
+def equal_prompt_weights(prompts: Sequence[str]) -> np.ndarray:
+  """Per-pair weights under which every prompt counts once, averaging 1.
+
+  InstructGPT weighs the C(K, 2) comparisons of a prompt ranked over K
+  completions by 1 / C(K, 2), so that prompts with many comparisons do not
+  dominate (and over-fit; RLHF book section 7.4.2, eq. 6). Over a whole split,
+  pair i of prompt p gets
+
+    w_i = (num_pairs / num_prompts) / (pairs of p),
+
+  so a weighted mean of per-pair losses, sum_i w_i l_i / sum_i w_i, is the
+  mean over prompts of each prompt's mean pair loss, and the weights average
+  1 (a batch's weighted mean keeps the usual scale).
+
+  Args:
+    prompts: [num_pairs] the prompt text of each pair; equal strings are the
+      same prompt.
+  Returns:
+    [num_pairs] float64 weights.
+  """
+  if not len(prompts):
+    return np.zeros((0,), np.float64)
+  _, prompt_index, counts = np.unique(np.asarray(prompts, dtype=object),
+                                      return_inverse=True, return_counts=True)
+  return (len(prompts) / len(counts)) / counts[prompt_index].astype(np.float64)
+
+
 def _normalize_splits(paths) -> Dict[str, Union[str, Sequence[str]]]:
   if isinstance(paths, Mapping):
     if not paths:
@@ -187,6 +218,10 @@ class AlignmentFileSource(seqio.DataSource):
       statistics from the "train" split if there is one (applied to every
       split) and from the split itself otherwise. None: the layout's default
       (on for UltraFeedback trajectories, off otherwise).
+    prompt_weights: kind pairs: set each pair's `prompt_weight` with
+      `equal_prompt_weights` over its split, so every prompt counts once in
+      a loss weighted by it. False keeps the file's `prompt_weight` column
+      (layout "columns"), or 1 where there is none.
     on_bad_row: "raise" or "skip_and_report".
     seed: seed of the layouts' random choices (UltraFeedback pairs) and of
       the default shuffle.
@@ -204,7 +239,8 @@ class AlignmentFileSource(seqio.DataSource):
                max_completions: Optional[int] = None,
                normalize_rewards: Optional[bool] = None,
                on_bad_row: str = "raise", seed: int = 0,
-               file_format: Optional[str] = None):
+               file_format: Optional[str] = None,
+               prompt_weights: bool = True):
     self.kind = kinds_lib.get_kind(kind)
     if layout not in LAYOUTS:
       raise ValueError(f"unknown layout {layout!r}; expected one of "
@@ -238,6 +274,8 @@ class AlignmentFileSource(seqio.DataSource):
       raise ValueError(f"normalize_rewards applies to kind 'trajectory', not "
                        f"{self.kind.name!r}.")
     self.normalize_rewards = normalize_rewards
+    self.prompt_weights = (prompt_weights
+                           and "prompt_weight" in self.kind.scalar_fields)
     self.on_bad_row = on_bad_row
     self.seed = seed
     self.file_format = file_format
@@ -365,7 +403,8 @@ class AlignmentFileSource(seqio.DataSource):
                        count=int(rewards.size), split=split)
 
   def load(self, split: str) -> SplitData:
-    """The checked (and normalised) examples of a split; read once."""
+    """The checked (and normalised, and prompt-weighted) examples of a split;
+    read once."""
     if split not in self._loaded:
       data = self._raw_split(split)
       if self.normalize_rewards:
@@ -373,6 +412,12 @@ class AlignmentFileSource(seqio.DataSource):
         rewards = np.asarray(data.columns["reward"], np.float64)
         data = dataclasses.replace(data, columns={
             **data.columns, "reward": list((rewards - stats.mean) / stats.std)})
+      if self.prompt_weights:
+        # Counted after bad rows are dropped: the weights are over the pairs
+        # training will see.
+        weights = equal_prompt_weights(data.columns["prompt"])
+        data = dataclasses.replace(data, columns={
+            **data.columns, "prompt_weight": [float(w) for w in weights]})
       self._loaded[split] = data
     return self._loaded[split]
 

@@ -58,12 +58,16 @@ class BatchIterator:
     shuffle: shuffle examples (training) or keep their order (evaluation).
     num_epochs: None repeats forever.
     position: batches already consumed (to resume).
+    drop_remainder: drop a last batch smaller than the batch size (training
+      needs fixed shapes); False keeps it, for passes that must see every
+      example once (precomputed reference log-probs).
   """
 
   def __init__(self, task: str, split: str, feature_lengths: Mapping[str, int],
                feature_converter: seqio.FeatureConverter,
                global_batch_size: int, seed: int, shuffle: bool = True,
-               num_epochs: Optional[int] = None, position: int = 0):
+               num_epochs: Optional[int] = None, position: int = 0,
+               drop_remainder: bool = True):
     get_task(task)
     self.position = position
     shard = seqio.ShardInfo(index=jax.process_index(),
@@ -72,7 +76,8 @@ class BatchIterator:
         task, dict(feature_lengths), feature_converter, dataset_split=split,
         shuffle=shuffle, num_epochs=num_epochs, shard_info=shard, seed=seed,
         verbose=False)
-    ds = ds.batch(local_batch_size(global_batch_size), drop_remainder=True)
+    ds = ds.batch(local_batch_size(global_batch_size),
+                  drop_remainder=drop_remainder)
     self._iterator = ds.skip(position).as_numpy_iterator()
 
   def __iter__(self) -> Iterator[Dict[str, np.ndarray]]:

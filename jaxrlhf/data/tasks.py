@@ -20,7 +20,9 @@ GoldReward = Callable[[str, str, bool], float]
 _GOLD_REWARDS: Dict[str, GoldReward] = {}
 
 SYNTHETIC_SUMMARIZE = "synthetic_summarize"
-SYNTHETIC_SPLIT_SIZES = {"train": 20000, "validation": 512}
+# "test" holds prompts no run trains or selects on, for experiments that
+# judge policies on more held-out prompts than "validation" has.
+SYNTHETIC_SPLIT_SIZES = {"train": 20000, "validation": 512, "test": 2000}
 
 
 def register_gold_reward(task_name: str, fn: GoldReward) -> None:

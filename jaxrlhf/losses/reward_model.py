@@ -1,4 +1,5 @@
-"""Reward-model losses: Bradley–Terry pairs and Plackett–Luce rankings.
+"""Reward-model losses: Bradley–Terry pairs, and rankings by Plackett–Luce or
+by Bradley–Terry over all their pairs (InstructGPT).
 
 Every loss is a pure function of per-sequence rewards (the scalar the reward
 head gives at the EOS token, PPO implementation-details paper detail 12) and
@@ -7,7 +8,8 @@ returns `(loss, metrics)`; it knows nothing about the network that made them.
 References (../shared/papers/):
   rlhf_book_lambert_2025.txt, chapter 7: the Bradley–Terry loss (eq. 3), the
     Llama 2 margin (eq. 5), InstructGPT's per-prompt balancing of the C(K, 2)
-    comparisons of one prompt (eq. 6), the K-wise Plackett–Luce loss (7.4.3).
+    comparisons of one prompt (eq. 6; `prompt_balanced_weights`,
+    `all_pairs_ranking_loss`), the K-wise Plackett–Luce loss (7.4.3).
   n_plus_implementation_details_rlhf_ppo.txt, details 15 (bias that makes the
     reference rewards mean 0) and 18 (calibration: accuracy vs. confidence).
 """
@@ -28,14 +30,6 @@ def _rank(name, x, rank, where):
                     "pass one value per example (reduce per-token values "
                     "with `sequence_logprob` or take the reward at the EOS "
                     "token first).")
-
-
-
-
-
-
-
-
 
 
 def prompt_balanced_weights(prompt_ids: Array,
@@ -176,23 +170,82 @@ def plackett_luce_loss(ranked_rewards: Array,
   stage_logprob = jnp.where(present, rewards - log_denominator, 0.0)
   nll = -jnp.sum(stage_logprob, axis=-1)
 
-  # Metrics: ordered pairs (k above j) among present items.
-  pair_present = (present[:, :, None] & present[:, None, :]
-                  & (index[:, None] < index[None, :])[None])
+  loss = common.masked_mean(nll, weights)
+  return loss, dict(_ranking_metrics(rewards, present, weights), loss=loss)
+
+
+def _ordered_pairs(present: Array) -> Array:
+  """[batch, K, K] bool: (k, j) with k ranked above j, both present."""
+  index = jnp.arange(present.shape[-1])
+  return (present[:, :, None] & present[:, None, :]
+          & (index[:, None] < index[None, :])[None])
+
+
+def _ranking_metrics(rewards: Array, present: Array, weights: Array) -> Metrics:
+  """`top1_accuracy` and `pairwise_accuracy` of [batch, K] ranked rewards."""
+  pair_present = _ordered_pairs(present)
   pair_wins = common.win_indicator(rewards[:, :, None], rewards[:, None, :])
   pairwise = jnp.sum(jnp.where(pair_present, pair_wins, 0.0), axis=(1, 2))
   num_pairs = jnp.sum(pair_present, axis=(1, 2))
   pairwise_accuracy = pairwise / jnp.maximum(num_pairs, 1)
+  index = jnp.arange(rewards.shape[-1])
   best_other = jnp.max(jnp.where(present & (index[None] > 0), rewards,
                                  -jnp.inf), axis=-1)
   top1 = common.win_indicator(rewards[:, 0], best_other)
-  loss = common.masked_mean(nll, weights)
-  metrics = {
-      "loss": loss,
+  return {
       "top1_accuracy": common.masked_mean(top1, weights),
       "pairwise_accuracy": common.masked_mean(pairwise_accuracy, weights),
   }
-  return loss, metrics
+
+
+def all_pairs_ranking_loss(ranked_rewards: Array,
+                           mask: Optional[Array] = None,
+                           *,
+                           weights: Optional[Array] = None
+                           ) -> tuple[Array, Metrics]:
+  """Bradley–Terry on all C(K, 2) pairs of each ranking (InstructGPT).
+
+  InstructGPT trains on every comparison a K-wise ranking implies, the pairs
+  of one prompt in one batch element, each weighted 1 / C(K, 2) so that every
+  prompt counts once (RLHF book section 7.4.2, eq. 6):
+
+    loss_b = -1/C(K_b, 2) sum_{k ranked above j} log sigmoid(r_bk - r_bj)
+    loss   = sum_b w_b loss_b / sum_b w_b
+
+  Unlike Plackett–Luce (`plackett_luce_loss`), which models the ranking as a
+  sequence of choices, this uses only its pairwise orderings; for K = 2 both
+  are Bradley–Terry.
+
+  Args:
+    ranked_rewards: [batch, K] rewards in rank order, column 0 the most
+      preferred completion.
+    mask: optional [batch, K], 1 for completions that take part (K_b of
+      them); a ranking with fewer than 2 has no pair and adds 0 (give it
+      weight 0).
+    weights: optional [batch] per-ranking weights (0 for padding rankings).
+  Returns:
+    (loss, metrics) with `loss`, `top1_accuracy` and `pairwise_accuracy`
+    (ties count 1/2), averaged over rankings with `weights`.
+  """
+  where = "all_pairs_ranking_loss"
+  _rank("ranked_rewards", ranked_rewards, 2, where)
+  if mask is None:
+    mask = jnp.ones(jnp.shape(ranked_rewards), jnp.float32)
+  common.check_same_shape(where, ranked_rewards=ranked_rewards, mask=mask)
+  if weights is None:
+    weights = jnp.ones(jnp.shape(ranked_rewards)[:1], jnp.float32)
+  common.check_same_shape(where, ranked_rewards_batch=ranked_rewards[:, 0],
+                          weights=weights)
+  present = mask > 0
+  rewards = jnp.where(present, ranked_rewards, 0.0)
+  pair_present = _ordered_pairs(present)
+  # -log sigmoid(r_k - r_j) = softplus(r_j - r_k), stable for large gaps.
+  pair_loss = jax.nn.softplus(rewards[:, None, :] - rewards[:, :, None])
+  num_pairs = jnp.sum(pair_present, axis=(1, 2))
+  per_ranking = (jnp.sum(jnp.where(pair_present, pair_loss, 0.0), axis=(1, 2))
+                 / jnp.maximum(num_pairs, 1))
+  loss = common.masked_mean(per_ranking, weights)
+  return loss, dict(_ranking_metrics(rewards, present, weights), loss=loss)
 
 
 def calibration_table(chosen_rewards: Array,

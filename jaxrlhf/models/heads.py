@@ -35,12 +35,18 @@ def init_from_backbone(rng, backbone_params, emb_dim: int):
   return {"backbone": backbone_params, "head": init_scalar_head(rng, emb_dim)}
 
 
-def set_bias_for_mean(params, reference_rewards, target_mean=0.0):
-  """Shifts the head bias so `reference_rewards` (computed with `params`)
-  would have mean `target_mean`."""
-  shift = target_mean - jnp.mean(reference_rewards)
-  head = dict(params["head"], bias=params["head"]["bias"] + shift)
+def shift_bias(params, shift):
+  """Params whose head bias is `shift` (a scalar) higher: every score the
+  model gives moves by exactly `shift`, so reward differences stay the same."""
+  bias = params["head"]["bias"]
+  head = dict(params["head"], bias=bias + jnp.asarray(shift, bias.dtype))
   return dict(params, head=head)
+
+
+def set_bias_for_mean(params, reference_rewards, target_mean=0.0):
+  """Shifts the head bias so `reference_rewards` (computed with `params`,
+  any shape) would have mean `target_mean` (PPO details, detail 15)."""
+  return shift_bias(params, target_mean - jnp.mean(reference_rewards))
 
 
 def sequence_rewards(lm, params, batch, name=None, rng=None):

@@ -28,7 +28,7 @@ drives it.
 import dataclasses
 import functools
 import operator
-from typing import Any, Optional, Sequence
+from typing import Any, Sequence
 
 import flax.linen as nn
 import jax

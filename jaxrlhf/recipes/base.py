@@ -11,7 +11,7 @@ name), their optimizer states, the frozen networks (`frozen`), the step and
 the RNG; all of it is checkpointed.
 """
 
-from typing import Dict, Optional
+from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -34,6 +34,9 @@ class Recipe:
 
   # hook: the alignment data kind ("pairs", "trajectory", ...); None = SFT.
   data_kind: Optional[str] = None
+  # The run's workdir, for recipes that keep files beside the checkpoints
+  # (precomputed reference log-probs); the training loop sets it.
+  workdir: Optional[str] = None
 
   def __init__(self, config, mesh):
     self.config = config
@@ -187,6 +190,11 @@ class Recipe:
             self.config.optimizer, self.config.train.num_steps)(state.step)))
     return state.replace(step=state.step + 1, params=params,
                          opt_state=opt_state, rng=rng), out
+
+  def finish_training(self, state) -> Tuple[Any, Dict[str, float]]:
+    """hook: (the state the final checkpoint holds, metrics logged with the
+    last step); the loop calls it once, after the last train step."""
+    return state, {}
 
   def evaluate(self, state) -> Dict[str, float]:
     """hook: evaluation metrics ("eval/..." keys)."""

@@ -1,5 +1,7 @@
 """DPO and its family (cDPO, robust DPO, IPO, SLiC, DPO+NLL) on preference
-pairs; the loss is jaxrlhf.losses.preference.direct_preference_loss."""
+pairs; the loss is jaxrlhf.losses.preference.direct_preference_loss. The
+reference log-probs come from a frozen reference in the step, or precomputed
+once over the data (config.reference_logprobs; jaxrlhf.recipes.policy)."""
 
 from jaxrlhf.losses import preference
 from jaxrlhf.recipes import policy
@@ -7,6 +9,7 @@ from jaxrlhf.recipes import policy
 
 class DirectPreferenceRecipe(policy.PolicyRecipe):
   data_kind = "pairs"
+  supports_precomputed_reference = True
 
   def loss(self, params, frozen, batch, rng):
     cfg = self.config.dpo

@@ -6,7 +6,9 @@ output through a scalar head), each with its own optimizer and learning rate
 (`config.dro.value_learning_rate`). `config.dro.shared_network` instead puts
 the value head on the policy's own encoder. The losses are
 jaxrlhf.losses.dro.dro_v_losses: the policy receives equation 8 rescaled by
-1/tau and the value equation 7.
+1/tau and the value equation 7. The reference log-probs log pi_ref(y|x) of
+equation 4 may be precomputed once over the data (config.reference_logprobs;
+jaxrlhf.recipes.policy).
 """
 
 import copy
@@ -20,6 +22,7 @@ from jaxrlhf.recipes import policy
 
 class DROVRecipe(policy.PolicyRecipe):
   data_kind = "trajectory"
+  supports_precomputed_reference = True
 
   def init_trainable(self, rng):
     a, b, c = jax.random.split(rng, 3)

@@ -47,6 +47,14 @@ class _GroupRecipe(online.OnlineRecipe):
     o = self.config.online
     return o.clip_eps, o.clip_eps, o.pg_reduction, None
 
+  def loss_count(self, minibatch):
+    """A token mean counts tokens; the other reductions are means over
+    responses (with a per-response or constant normaliser inside)."""
+    reduction = self.loss_settings()[2]
+    if reduction == "token_mean":
+      return super().loss_count(minibatch)
+    return jnp.asarray(minibatch["response_mask"].shape[0], jnp.float32)
+
   def penalized_rewards(self, rollout, kl_coef):
     """[rows] score - beta * KL(response) with the configured estimator."""
     return kl_lib.kl_penalized_sequence_rewards(
@@ -73,7 +81,8 @@ class _GroupRecipe(online.OnlineRecipe):
       return loss, metrics
 
     data = dict(rollout.features, old_logprobs=rollout.logprobs,
-                ref_logprobs=rollout.ref_logprobs, advantages=advantages)
+                ref_logprobs=rollout.ref_logprobs, advantages=advantages,
+                response_mask=rollout.mask)
     params, opt_state, metrics = self.run_updates(state, data, loss_fn, rng)
     metrics.update(rollout_lib.rollout_metrics(
         rollout, kl_coef, self.config.online.kl_estimator))

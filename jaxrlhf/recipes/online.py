@@ -7,6 +7,21 @@ of the rollouts (`run_updates`, a `lax.scan` of guarded updates). Subclasses
 (PPO, RLOO, GRPO, REINFORCE, rejection sampling) say which networks they
 train and what one update's loss is.
 
+Both architectures: the policy and the reward model may each be T5 or
+decoder-only (the reward model's architecture is its run's); prompts are
+served encoder-style and `jaxrlhf.rl.rollout` left-pads them inside the step
+for decoder-only models. Rollout arrays are [rows, L] over response tokens
+either way, so the algorithms never branch on architecture.
+
+Micro-batching (`train.num_microbatches` = M): each minibatch update
+accumulates gradients over M micro-batches (`steps.accumulate_gradients`),
+so activation memory scales with minibatch / M rows while the update stays
+that of the whole minibatch. Each micro-batch's loss is weighted by its
+share of what the loss averages over (`loss_count`: response tokens for a
+token mean, responses for a per-response mean), so the weighted sum equals
+the minibatch loss; an unweighted mean of micro-batch token means would
+not (micro-batches hold different numbers of tokens).
+
 The frozen reward model is a jaxrlhf reward_model run
 (`config.online.reward_model_checkpoint`), built with that run's own model
 config, so it may be larger than the policy; its vocabulary must be the
@@ -307,11 +322,6 @@ class OnlineRecipe(policy.PolicyRecipe):
   def __init__(self, config, mesh):
     self.config = config
     o = config.online
-    if config.model.arch != "t5":
-      raise ValueError(
-          f"config.model.arch: {config.algorithm} samples from "
-          f"encoder-decoder (T5) policies; {config.model.arch!r} is "
-          "decoder-only, which jaxrlhf.rl.rollout does not assemble yet.")
     if not o.reward_model_checkpoint:
       raise ValueError(
           f"config.online.reward_model_checkpoint: {config.algorithm} scores "
@@ -335,6 +345,18 @@ class OnlineRecipe(policy.PolicyRecipe):
           f"(train.batch_size {config.train.batch_size} x "
           f"{self.samples_per_prompt} per prompt) do not split into "
           f"{self.num_minibatches} equal minibatches.")
+    self._check_microbatches(config, rows)
+
+  def _check_microbatches(self, config, update_rows: int):
+    micro = config.train.num_microbatches
+    per_minibatch = update_rows // self.num_minibatches
+    if per_minibatch % micro:
+      raise ValueError(
+          f"config.train.num_microbatches: each minibatch update of "
+          f"{config.algorithm} has {per_minibatch} responses ({update_rows} "
+          f"per step / online.num_minibatches {self.num_minibatches}), which "
+          f"do not split into {micro} equal micro-batches; choose a divisor "
+          f"of {per_minibatch}.")
 
   def rollout_rows(self, num_prompts: int) -> int:
     return num_prompts * self.samples_per_prompt
@@ -384,14 +406,13 @@ class OnlineRecipe(policy.PolicyRecipe):
           "the policy's vocabulary.")
     model_config = self.config.model
     if run and "model" in run:
+      # The reward model's own architecture and size: it may be T5 for a
+      # decoder-only policy or the reverse (`rollout.response_features`
+      # lays the responses out for each).
       model_config = ml_collections.ConfigDict(run["model"])
-      arch = model_config.get("arch", "t5")
-      if arch != self.config.model.arch:
-        raise ValueError(
-            f"config.online.reward_model_checkpoint: the reward model "
-            f"{path!r} is a {arch!r} model and the policy a "
-            f"{self.config.model.arch!r} model; they must share an "
-            "architecture (they score the same features).")
+      if "arch" not in model_config:
+        with model_config.unlocked():
+          model_config.arch = "t5"  # runs from before decoder-only models
     module, module_config = build_model(model_config, self.vocabulary.vocab_size)
     self.reward_model_config = module_config
     return scoring.adapter_for(module)
@@ -399,9 +420,17 @@ class OnlineRecipe(policy.PolicyRecipe):
   def init_reward_net(self, rng):
     """Fresh (boxed) reward-model-shaped params {"backbone", "head"}."""
     a, b = jax.random.split(rng)
-    enc = jnp.ones((1, self.config.data.inputs_length), jnp.int32)
-    dec = jnp.ones((1, self.config.data.targets_length), jnp.int32)
-    backbone = self.reward_lm.module.init(a, enc, dec, dec)["params"]
+    module = self.reward_lm.module
+    inputs = self.config.data.inputs_length
+    targets = self.config.data.targets_length
+    if self.reward_lm.is_encoder_decoder:
+      enc = jnp.ones((1, inputs), jnp.int32)
+      dec = jnp.ones((1, targets), jnp.int32)
+      backbone = module.init(a, enc, dec, dec)["params"]
+    else:
+      tokens = jnp.ones((1, inputs + targets), jnp.int32)
+      backbone = module.init(a, tokens, jnp.arange(inputs + targets)[None],
+                             tokens)["params"]
     return heads.init_from_backbone(b, backbone,
                                     self.reward_model_config.emb_dim)
 
@@ -536,8 +565,21 @@ class OnlineRecipe(policy.PolicyRecipe):
     return state.replace(step=state.step + 1, params=params,
                          opt_state=opt_state, rl=rl, rng=next_rng), metrics
 
-  def run_updates(self, state, data, loss_fn, rng):
+  def loss_count(self, minibatch):
+    """hook: what the update's loss is a mean over, in a (micro-)batch: the
+    number of response tokens (token means, the default) or of responses.
+    Micro-batch m's loss is weighted by count_m / count(minibatch)."""
+    return jnp.sum(minibatch["response_mask"].astype(jnp.float32))
+
+  def run_updates(self, state, data, loss_fn, rng, loss_count=None):
     """`num_epochs` passes of `num_minibatches` guarded updates over `data`.
+
+    With `train.num_microbatches` M > 1 each update's gradient is
+    accumulated over M micro-batches of its minibatch, each loss and metric
+    weighted by `loss_count(micro) / loss_count(minibatch)`: the update is
+    the minibatch's, to float rounding, whenever the loss is a mean over
+    what `loss_count` counts (metrics that are not such means, e.g.
+    explained variance, become weighted means of the micro-batches').
 
     Args:
       state: the train state (its params and opt_state are the start).
@@ -545,6 +587,7 @@ class OnlineRecipe(policy.PolicyRecipe):
         the rows.
       loss_fn: (params, minibatch) -> (scalar loss, {metric: scalar}).
       rng: shuffling key.
+      loss_count: (minibatch) -> scalar; default `self.loss_count`.
 
     Returns:
       (params, opt_state, metrics): metrics are means over the updates, with
@@ -554,12 +597,29 @@ class OnlineRecipe(policy.PolicyRecipe):
     indices = rollout_lib.minibatch_indices(rng, rows, self.num_epochs,
                                             self.num_minibatches)
     grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+    micro = self.config.train.num_microbatches
+    loss_count = loss_count or self.loss_count
+
+    def minibatch_gradients(params, minibatch):
+      if micro == 1:
+        (loss, metrics), grads = grad_fn(params, minibatch)
+        return loss, metrics, grads
+      total = loss_count(minibatch)
+
+      def weighted_loss(p, micro_batch, unused_rng):
+        loss, metrics = loss_fn(p, micro_batch)
+        share = loss_count(micro_batch) / jnp.where(total > 0, total, 1.0)
+        return loss * share, jax.tree.map(lambda m: m * share, metrics)
+
+      # Nothing is random in a loss here; the key only feeds the signature.
+      return steps.accumulate_gradients(weighted_loss, params, minibatch,
+                                        jax.random.PRNGKey(0), micro)
 
     def one_update(carry, minibatch_rows):
       params, opt_state = carry
       minibatch = jax.tree.map(lambda x: jnp.take(x, minibatch_rows, axis=0),
                                data)
-      (loss, metrics), grads = grad_fn(params, minibatch)
+      loss, metrics, grads = minibatch_gradients(params, minibatch)
       params, opt_state, out = steps.guarded_update(
           state.replace(params=params, opt_state=opt_state), grads, loss,
           self.tx, metrics)
@@ -589,7 +649,7 @@ class OnlineRecipe(policy.PolicyRecipe):
     under the policy being trained, at the sampling temperature."""
     return rollout_lib.logprobs_and_entropy(
         self.lm, params["policy"], minibatch, None,
-        self.config.online.temperature)
+        self.config.online.temperature, self.max_new_tokens)
 
   # --- evaluation ------------------------------------------------------------------------
 
@@ -598,7 +658,12 @@ class OnlineRecipe(policy.PolicyRecipe):
     """Reward-model scores of sampled completions (host arrays), with the
     EOS trick as in training. [n]."""
     reward_fn = _reward_fn(self.reward_lm.module)
-    features = evaluation.scoring_features(self, prompt_tokens, samples)
+    # Laid out for the reward model's architecture, which may not be the
+    # policy's.
+    features = jax.tree.map(np.asarray, rollout_lib.response_features(
+        self.reward_lm, jnp.asarray(prompt_tokens),
+        jnp.asarray(samples.tokens), jnp.asarray(samples.mask),
+        self.vocabulary.eos_id))
     n = len(prompt_tokens)
     scores = np.concatenate([
         evaluation.local_rows(reward_fn(reward_params, b))

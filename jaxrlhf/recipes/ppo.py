@@ -36,7 +36,6 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.losses import common
-from jaxrlhf.models import heads
 from jaxrlhf.recipes import online
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import ppo as ppo_lib
@@ -64,16 +63,20 @@ class PPORecipe(online.OnlineRecipe):
     return {"policy": self.config.optimizer, "value": value}
 
   def values(self, value_params, features):
-    """V(s_t) [rows, L]: the value head at every response position (state t
-    has read the prompt and response tokens < t)."""
-    return heads.token_values(self.reward_lm, value_params, features)
+    """V(s_t) [rows, L] at every response token t: the value head at the
+    state that produced t, which has read the prompt and response tokens
+    < t (for a decoder-only value network, the position before t;
+    `rollout.response_values`). `features` are laid out for the value
+    network, which has the reward model's architecture (detail 22)."""
+    return rollout_lib.response_values(self.reward_lm, value_params, features,
+                                       self.max_new_tokens)
 
   def rollout_targets(self, value_params, rollout, kl_coef):
     """Old values and the PPO targets (rewards, advantages, returns) of a
     rollout; every entry [rows, L]."""
     cfg = self.config
     old_values = jax.lax.stop_gradient(
-        self.values(value_params, rollout.features))
+        self.values(value_params, rollout.reward_features))
     targets = ppo_lib.ppo_rollout_targets(
         rollout.scores, rollout.logprobs, rollout.ref_logprobs, old_values,
         rollout.mask, kl_coef, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam,
@@ -96,14 +99,20 @@ class PPORecipe(online.OnlineRecipe):
         vf_coef=cfg.ppo.vf_coef, entropy=entropy,
         entropy_coef=cfg.ppo.entropy_coef)
 
+  def update_data(self, rollout, targets):
+    """The rows PPO's epochs and minibatches train on: the policy's features
+    and the value network's (the same keys when the architectures agree,
+    disjoint keys when they do not), with the rollout's targets."""
+    return dict(rollout.reward_features, **rollout.features,
+                old_logprobs=rollout.logprobs, response_mask=rollout.mask,
+                old_values=targets["old_values"],
+                advantages=targets["advantages"], returns=targets["returns"])
+
   def update(self, state, rollout, rng):
     kl_coef = state.rl["kl_coef"]
     targets = self.rollout_targets(state.params["value"], rollout, kl_coef)
-    data = dict(rollout.features, old_logprobs=rollout.logprobs,
-                old_values=targets["old_values"],
-                advantages=targets["advantages"], returns=targets["returns"])
-    params, opt_state, metrics = self.run_updates(state, data,
-                                                  self.minibatch_loss, rng)
+    params, opt_state, metrics = self.run_updates(
+        state, self.update_data(rollout, targets), self.minibatch_loss, rng)
     mask = rollout.mask
     count = jnp.maximum(jnp.sum(mask), 1.0)
     metrics.update(rollout_lib.rollout_metrics(

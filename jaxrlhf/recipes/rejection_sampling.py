@@ -53,6 +53,7 @@ class RejectionSamplingRecipe(online.OnlineRecipe):
           f"config.online.num_minibatches: the {rows} selected responses "
           f"per step do not split into {self.num_minibatches} equal "
           "minibatches.")
+    self._check_microbatches(config, rows)
 
   def sampling_params(self, params, frozen):
     if self.config.rejection_sampling.sample_from == "reference":
@@ -73,10 +74,12 @@ class RejectionSamplingRecipe(online.OnlineRecipe):
   def update(self, state, rollout, rng):
     rows = self.selected_rows(rollout.scores)
     selected = jax.tree.map(lambda x: jnp.take(x, rows, axis=0),
-                            rollout.features)
+                            dict(rollout.features,
+                                 response_mask=rollout.mask))
 
     def loss_fn(params, minibatch):
-      # SFT on the selection: mean token NLL at temperature 1.
+      # SFT on the selection: mean token NLL at temperature 1 (a token
+      # mean: micro-batches weigh by tokens, the default `loss_count`).
       logprobs, mask = self.lm.completion_logprobs(params["policy"],
                                                    minibatch)
       nll = -common.masked_mean(logprobs, mask)

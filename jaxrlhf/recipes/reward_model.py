@@ -1,17 +1,28 @@
-"""Reward modelling: Bradley-Terry on preference pairs (optional margin and
-reward centring) and Plackett-Luce on K-wise rankings
-(jaxrlhf.losses.reward_model).
+"""Reward modelling: Bradley-Terry on preference pairs (optional margin,
+reward centring, and every prompt weighted once) and, on K-wise rankings,
+Plackett-Luce or Bradley-Terry over all pairs (jaxrlhf.losses.reward_model).
 
 The reward model is a copy of the policy backbone (`init.policy_checkpoint`)
 with a scalar head read at the completion's EOS (jaxrlhf.models.heads).
+
+With `reward_model.normalize_on_task` set, the end of training
+(`finish_training`) shifts the head's bias so that the reference
+completions (the task's `targets`) score mean 0 ("N+ implementation details
+of RLHF with PPO", detail 15); the loop then saves that state as the final
+checkpoint through its usual atomic save, so PPO and the other online
+recipes that read this run get normalised rewards. The mean before and after is logged with the
+last step's metrics (`reward_normalization/...`).
 """
 
-from typing import Dict
+from typing import Dict, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
+import seqio
+import tensorflow as tf
 
+from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import pipeline
 from jaxrlhf.eval import evaluation
@@ -21,8 +32,19 @@ from jaxrlhf.models import scoring
 from jaxrlhf.recipes import base
 
 
+def _log(message: str) -> None:
+  if jax.process_index() == 0:
+    print(message, flush=True)
+
+
 class RewardModelRecipe(base.Recipe):
   data_kind = "pairs"
+
+  def __init__(self, config, mesh):
+    super().__init__(config, mesh)
+    self._reference = None
+    if config.reward_model.normalize_on_task:
+      self._check_normalize_task()
 
   def init_trainable(self, rng):
     a, b = jax.random.split(rng)
@@ -43,7 +65,13 @@ class RewardModelRecipe(base.Recipe):
     cfg = self.config.reward_model
     chosen, rejected = self.pair_rewards(params["reward"], batch)
     margin = batch["margin"] if cfg.use_margin and "margin" in batch else None
+    # The file sources' per-pair prompt weights average 1 over the data, so
+    # the weighted batch mean estimates the mean over prompts of each
+    # prompt's mean pair loss (InstructGPT; RLHF book eq. 6).
+    weights = (batch.get("prompt_weight") if cfg.weight_prompts_equally
+               else None)
     return rm_losses.bradley_terry_loss(chosen, rejected, margin=margin,
+                                        weights=weights,
                                         centering_coef=cfg.centering_coef)
 
   def evaluate(self, state) -> Dict[str, float]:
@@ -60,7 +88,7 @@ class RewardModelRecipe(base.Recipe):
       self._pair_fn = jax.jit(self.pair_rewards)
     if self._eval_pairs is None:
       return {}
-    n = len(self._eval_pairs["encoder_input_tokens"])
+    n = len(next(iter(self._eval_pairs.values())))
     chosen, rejected = [], []
     for batch in evaluation.global_batches(self._eval_pairs,
                                            cfg.eval.batch_size, self.mesh,
@@ -80,10 +108,150 @@ class RewardModelRecipe(base.Recipe):
             "eval/expected_calibration_error":
                 float(table["expected_calibration_error"])}
 
+  # --- reward normalisation (PPO details, detail 15) -----------------------------
+
+  def _check_normalize_task(self):
+    """Fails at start-up, naming the field, if the task cannot be scored."""
+    rm = self.config.reward_model
+    name = rm.normalize_on_task
+    field = "config.reward_model.normalize_on_task"
+    if name not in seqio.TaskRegistry.names() and (
+        name not in seqio.MixtureRegistry.names()):
+      raise ValueError(
+          f"{field}: no seqio task or mixture named {name!r} is registered. "
+          "Use the SFT task whose targets are the reference completions "
+          "(e.g. 'synthetic_summarize'), register it first or list its "
+          "module in config.data.task_modules, or set it to '' to skip "
+          "reward normalisation.")
+    features = seqio.get_mixture_or_task(name).output_features
+    missing = [k for k in ("inputs", "targets") if k not in features]
+    if missing:
+      raise ValueError(
+          f"{field}: task {name!r} has no {missing} feature(s) (it has "
+          f"{sorted(features)}); reward normalisation scores each prompt "
+          "('inputs') with its reference completion ('targets'), as an SFT "
+          "task holds them.")
+    from jaxrlhf.recipes import online  # pylint: disable=g-import-not-at-top
+    vocabulary = features["targets"].vocabulary
+    if (online.vocabulary_fingerprint(vocabulary)
+        != online.vocabulary_fingerprint(self.vocabulary)):
+      raise ValueError(
+          f"{field}: task {name!r} uses vocabulary "
+          f"{online.describe_vocabulary(vocabulary)}, but the reward model "
+          f"reads {online.describe_vocabulary(self.vocabulary)}; its scores "
+          "of the other vocabulary's token ids would be meaningless. Use a "
+          "task with the reward model's vocabulary.")
+
+  def reference_features(self) -> Dict[str, np.ndarray]:
+    """This process's share of the normalisation task's (prompt, reference
+    completion) pairs, as features of one completion named "completion"
+    ([n, ...] numpy arrays, the task's order); read once."""
+    if self._reference is not None:
+      return self._reference
+    cfg = self.config
+    rm = cfg.reward_model
+    task = seqio.get_mixture_or_task(rm.normalize_on_task)
+    shard = seqio.ShardInfo(index=jax.process_index(),
+                            num_shards=jax.process_count())
+    try:
+      ds = task.get_dataset({"inputs": cfg.data.inputs_length,
+                             "targets": cfg.data.targets_length},
+                            split=rm.normalize_split, shuffle=False,
+                            shard_info=shard, num_epochs=1)
+    except (ValueError, KeyError) as e:
+      raise ValueError(
+          f"config.reward_model.normalize_split: cannot read split "
+          f"{rm.normalize_split!r} of task {rm.normalize_on_task!r} ({e}).")
+    # A reference completion is a trajectory's completion; its converter
+    # lays it out like the pairs' completions for either architecture.
+    ds = ds.map(lambda ex: {"prompt": ex["inputs"],
+                            "completion": ex["targets"],
+                            "reward": tf.constant(0.0, tf.float32)})
+    kwargs = ({} if self.lm.is_encoder_decoder
+              else {"eos_id": self.vocabulary.eos_id})
+    converter = alignment_data.feature_converter_for(
+        "trajectory", self.architecture, **kwargs)
+    ds = converter(ds, {"prompt": cfg.data.inputs_length,
+                        "completion": cfg.data.targets_length})
+    if rm.normalize_num_examples:
+      ds = ds.take(pipeline.local_batch_size(rm.normalize_num_examples))
+    rows = list(ds.as_numpy_iterator())
+    if not rows:
+      raise ValueError(
+          f"config.reward_model.normalize_on_task: split "
+          f"{rm.normalize_split!r} of task {rm.normalize_on_task!r} gave no "
+          "example to normalise the rewards with.")
+    keys = [k for k in rows[0] if k != "reward"]
+    self._reference = {k: np.stack([r[k] for r in rows]) for k in keys}
+    return self._reference
+
+  def reference_rewards(self, reward_params) -> np.ndarray:
+    """[n] rewards of this process's reference completions."""
+    features = self.reference_features()
+    if not hasattr(self, "_reference_fn"):
+      self._reference_fn = jax.jit(
+          lambda p, b: heads.sequence_rewards(self.lm, p, b, "completion"))
+    n = len(next(iter(features.values())))
+    rewards = [evaluation.local_rows(self._reference_fn(reward_params, b))
+               for b in evaluation.global_batches(
+                   features, self.config.eval.batch_size, self.mesh,
+                   self.rules)]
+    return np.concatenate(rewards)[:n]
+
+  def mean_reference_reward(self, reward_params) -> Tuple[float, int]:
+    """(mean reward of the reference completions over all processes, their
+    number)."""
+    rewards = self.reference_rewards(reward_params).astype(np.float64)
+    if not np.all(np.isfinite(rewards)):
+      raise FloatingPointError(
+          "reward normalisation: the reward model gives non-finite rewards "
+          f"to {int(np.sum(~np.isfinite(rewards)))} reference completions.")
+    total, count = float(rewards.sum()), float(rewards.size)
+    if jax.process_count() > 1:
+      from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+      sums = np.asarray(multihost_utils.process_allgather(
+          np.array([total, count], np.float64))).reshape(-1, 2).sum(0)
+      total, count = float(sums[0]), float(sums[1])
+    return total / count, int(count)
+
+  def normalize_reward_bias(self, state):
+    """(state whose reward head's bias makes the reference completions score
+    mean 0, {"reward_normalization/...": before/after means, shift, count}).
+
+    Only the bias moves, so every reward moves by the same amount and reward
+    differences (and pair accuracy) are unchanged.
+    """
+    rm = self.config.reward_model
+    before, count = self.mean_reference_reward(state.params["reward"])
+    if not hasattr(self, "_shift_bias_fn"):
+      self._shift_bias_fn = jax.jit(
+          lambda s, shift: s.replace(params=dict(
+              s.params, reward=heads.shift_bias(s.params["reward"], shift))),
+          in_shardings=(self.state_shardings, sharding.replicated(self.mesh)),
+          out_shardings=self.state_shardings, donate_argnums=0)
+    state = self._shift_bias_fn(state, np.float32(-before))
+    after, _ = self.mean_reference_reward(state.params["reward"])
+    _log(f"Reward normalisation: mean reward of {count} reference "
+         f"completions ({rm.normalize_on_task!r}, split "
+         f"{rm.normalize_split!r}) {before:.6f} -> {after:.6f} (head bias "
+         f"shifted by {-before:.6f}).")
+    return state, {"reward_normalization/mean_before": before,
+                   "reward_normalization/mean_after": after,
+                   "reward_normalization/bias_shift": -before,
+                   "reward_normalization/num_examples": float(count)}
+
+  def finish_training(self, state):
+    """The final checkpoint holds the normalised head (the loop saves after
+    this hook, atomically)."""
+    if not self.config.reward_model.normalize_on_task:
+      return state, {}
+    return self.normalize_reward_bias(state)
+
 
 class RankingRewardModelRecipe(RewardModelRecipe):
-  """K-wise rankings (best first) with the Plackett-Luce loss; K is
-  `config.reward_model.num_completions`."""
+  """K-wise rankings (best first); K is `config.reward_model.num_completions`.
+  The loss is `config.reward_model.ranking_loss`: Plackett-Luce, or
+  Bradley-Terry on all C(K, 2) pairs of each ranking (InstructGPT)."""
   data_kind = "ranking"
 
   def make_feature_lengths(self):
@@ -112,6 +280,9 @@ class RankingRewardModelRecipe(RewardModelRecipe):
 
   def loss(self, params, frozen, batch, rng):
     rewards = self.ranked_rewards(params["reward"], batch)
+    if self.config.reward_model.ranking_loss == "all_pairs":
+      return rm_losses.all_pairs_ranking_loss(rewards,
+                                              batch["completions_mask"])
     return rm_losses.plackett_luce_loss(rewards, batch["completions_mask"])
 
   def evaluate(self, state):

@@ -12,7 +12,6 @@ and token-level mean, Dr. GRPO's constant-length normaliser (with
 """
 
 import jax
-import jax.numpy as jnp
 
 from jaxrlhf.losses import common
 from jaxrlhf.rl import _checks

@@ -14,9 +14,22 @@ One rollout batch is assembled from the pure functions of `jaxrlhf.rl`, as
      those of the distribution that was sampled.
 
 Everything here is a jittable function of arrays; models enter through the
-scoring API (`jaxrlhf.models.scoring`). The architecture shows only in
-`sample_responses` and `response_features` (encoder-decoder so far) and in
-the position shift of `logprobs_and_entropy`.
+scoring API (`jaxrlhf.models.scoring`), so the policy and the reward model
+may each be encoder-decoder (T5) or decoder-only (Llama, GPT-NeoX, t5x
+decoder-only). Prompts always arrive encoder-style (right-padded, ending in
+EOS); `response_features` lays them out for each architecture:
+
+  encoder-decoder  the prompt feeds the encoder; the response is the decoder
+                   target, every per-token array is [batch, L] as sampled.
+  decoder-only     the prompt loses its EOS and is left-padded (detail 5),
+                   inside the jitted step, so the response starts at the same
+                   column Lp in every row; the scored sequence is
+                   [prompt | response] with positions counted from the first
+                   real token (left padding shifts no RoPE/learned position).
+                   Per-token log-probs, values and masks are returned for the
+                   response columns only, so every Rollout array is [batch,
+                   L] for both architectures and the losses never see the
+                   layout.
 """
 
 from typing import Dict, Optional
@@ -27,6 +40,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.losses.sft import token_logprobs
 from jaxrlhf.models import heads
+from jaxrlhf.models import layers
 from jaxrlhf.models import sampling
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import ppo as ppo_lib
@@ -37,9 +51,14 @@ from jaxrlhf.rl import rollout_rewards
 class Rollout:
   """One scored batch of sampled responses.
 
-  `features` holds the scoring API's features of the truncated responses
-  (for T5: encoder_input_tokens [batch, Lp] and decoder_target_tokens,
-  decoder_input_tokens, decoder_loss_weights [batch, L]).
+  `features` holds the policy's scoring-API features of the truncated
+  responses (T5: encoder_input_tokens [batch, Lp] and decoder_target_tokens,
+  decoder_input_tokens, decoder_loss_weights [batch, L]; decoder-only:
+  tokens, positions, attention_mask, loss_weights [batch, Lp + L] of the
+  left-padded prompt followed by the response). `reward_features` are the
+  same responses laid out for the reward model's architecture (the same
+  dict when it is the policy's). Keys of the two layouts never collide, so
+  `dict(reward_features, **features)` carries both into a minibatch.
   """
   features: Dict[str, jax.Array]
   logprobs: jax.Array      # [batch, L] log pi_old at the sampling temperature
@@ -49,6 +68,44 @@ class Rollout:
   has_eos: jax.Array       # [batch] bool
   raw_scores: jax.Array    # [batch] reward model output at the last token
   scores: jax.Array        # [batch] raw_scores with the EOS trick applied
+  reward_features: Dict[str, jax.Array] = None
+
+
+def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):
+  """Encoder-style prompts as decoder-only prompts, traceable inside jit.
+
+  The trailing EOS is dropped (a decoder-only model must not read EOS
+  between prompt and response) and each row is shifted right so that its
+  last token sits in the last column ("N+ implementation details", detail
+  5: left-pad the queries for generation). The same layout as
+  `jaxrlhf.eval.evaluation.left_pad_prompts`, at a fixed shape.
+
+  Args:
+    prompt_tokens: [batch, Lp] int, right-padded with `pad_id`.
+    eos_id: the EOS id a prompt may end with.
+    pad_id: the padding id.
+
+  Returns:
+    (tokens [batch, Lp] int32 left-padded, attention_mask [batch, Lp] int32,
+    1 on prompt tokens).
+  """
+  tokens = jnp.asarray(prompt_tokens).astype(jnp.int32)
+  if tokens.ndim != 2:
+    raise ValueError(f"left_pad_prompts: prompt_tokens must be [batch, "
+                     f"length], got shape {tokens.shape}.")
+  width = tokens.shape[1]
+  columns = jnp.arange(width, dtype=jnp.int32)
+  # Real length: one past the last non-pad token (right padding).
+  length = jnp.max(jnp.where(tokens != pad_id, columns + 1, 0), axis=-1)
+  last = jnp.take_along_axis(tokens, jnp.maximum(length - 1, 0)[:, None],
+                             axis=-1)[:, 0]
+  length = length - ((length > 0) & (last == eos_id)).astype(jnp.int32)
+  # Column j of the result is column j - (Lp - length) of the input.
+  source = columns[None, :] - (width - length)[:, None]
+  real = source >= 0
+  gathered = jnp.take_along_axis(tokens, jnp.maximum(source, 0), axis=-1)
+  return (jnp.where(real, gathered, jnp.int32(pad_id)),
+          real.astype(jnp.int32))
 
 
 def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
@@ -56,44 +113,75 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
   """[batch, max_new_tokens] sampled tokens (EOS kept, zeros after it).
 
   Args:
-    lm: a scoring adapter (`scoring.EncoderDecoderLM`).
+    lm: a scoring adapter (`scoring.EncoderDecoderLM` or `DecoderOnlyLM`).
     params: the policy's parameters.
-    prompt_tokens: [batch, Lp] int prompts, right-padded with 0.
+    prompt_tokens: [batch, Lp] int prompts, right-padded with 0
+      (encoder-style; decoder-only policies see them left-padded without
+      their EOS, see `left_pad_prompts`).
     rng: PRNG key.
   """
-  if not lm.is_encoder_decoder:
-    raise NotImplementedError(
-        "online RL samples from encoder-decoder (T5) policies; decoder-only "
-        "policies need left-padded prompts and `sampling.sample_decoder_only` "
-        "here, and prompt+response features in `response_features`.")
-  samples = sampling.sample_encoder_decoder(
-      lm.module, params, prompt_tokens, rng, max_new_tokens,
-      temperature=temperature, eos_id=eos_id)
+  if lm.is_encoder_decoder:
+    samples = sampling.sample_encoder_decoder(
+        lm.module, params, prompt_tokens, rng, max_new_tokens,
+        temperature=temperature, eos_id=eos_id)
+  else:
+    tokens, mask = left_pad_prompts(prompt_tokens, eos_id)
+    samples = sampling.sample_decoder_only(
+        lm.module, params, tokens, mask, rng, max_new_tokens,
+        temperature=temperature, eos_id=eos_id)
   return samples.tokens
 
 
-def response_features(lm, prompt_tokens, response_tokens, response_mask):
+def response_features(lm, prompt_tokens, response_tokens, response_mask,
+                      eos_id: int = 1):
   """Teacher-forcing features of responses to prompts (scoring API names).
 
   Args:
-    prompt_tokens: [batch, Lp] int.
+    lm: the scoring adapter the features are for.
+    prompt_tokens: [batch, Lp] int, encoder-style (right-padded).
     response_tokens: [batch, L] int, truncated after the EOS.
     response_mask: [batch, L], 1 on real response tokens.
+    eos_id: the EOS a prompt may end with (dropped for decoder-only).
+
+  Returns:
+    encoder-decoder: encoder_input_tokens [batch, Lp], decoder_target_tokens,
+      decoder_input_tokens, decoder_loss_weights [batch, L].
+    decoder-only: tokens, positions, attention_mask, loss_weights
+      [batch, Lp + L]; the response occupies the last L columns.
   """
-  if not lm.is_encoder_decoder:
-    raise NotImplementedError("decoder-only response features: see "
-                              "`sample_responses`.")
   targets = response_tokens.astype(jnp.int32)
-  # Decoder input t is target t - 1 (position 0 reads BOS = 0).
-  inputs = jnp.pad(targets[:, :-1], ((0, 0), (1, 0)))
-  return {"encoder_input_tokens": prompt_tokens.astype(jnp.int32),
-          "decoder_target_tokens": targets,
-          "decoder_input_tokens": inputs,
-          "decoder_loss_weights": response_mask.astype(jnp.int32)}
+  weights = response_mask.astype(jnp.int32)
+  if lm.is_encoder_decoder:
+    # Decoder input t is target t - 1 (position 0 reads BOS = 0).
+    inputs = jnp.pad(targets[:, :-1], ((0, 0), (1, 0)))
+    return {"encoder_input_tokens": prompt_tokens.astype(jnp.int32),
+            "decoder_target_tokens": targets,
+            "decoder_input_tokens": inputs,
+            "decoder_loss_weights": weights}
+  prompt, prompt_mask = left_pad_prompts(prompt_tokens, eos_id)
+  attention_mask = jnp.concatenate([prompt_mask, weights], axis=1)
+  return {"tokens": jnp.concatenate([prompt, targets], axis=1),
+          # From the mask: the first real token is position 0 however much
+          # left padding precedes it (the RM and SFT saw right-padded rows
+          # starting at 0; detail 14).
+          "positions": layers.positions_from_mask(attention_mask),
+          "attention_mask": attention_mask,
+          "loss_weights": jnp.concatenate([jnp.zeros_like(prompt_mask),
+                                           weights], axis=1)}
+
+
+def response_columns(lm, x, response_length: Optional[int]):
+  """The response part of a per-token array: all of it for encoder-decoder
+  models, the last `response_length` columns for decoder-only ones (None
+  keeps every column). x: [batch, T, ...]."""
+  if lm.is_encoder_decoder or response_length is None:
+    return x
+  return x[:, x.shape[1] - response_length:]
 
 
 def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
-                         temperature: float = 1.0):
+                         temperature: float = 1.0,
+                         response_length: Optional[int] = None):
   """Per-token log-probs and entropies of the completions, one forward pass.
 
   The log-probs equal `lm.completion_logprobs(params, batch, name,
@@ -102,9 +190,13 @@ def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
   bonus). Dropout is always off (detail 7: PPO ratios must be exactly 1
   before the first update).
 
+  Args:
+    response_length: for decoder-only models, keep only the last this many
+      columns (the response of `response_features`); None keeps all.
+
   Returns:
     (logprobs [batch, L], entropy [batch, L], mask [batch, L]), zero where
-    the mask is 0.
+    the mask is 0; L is the whole feature length unless `response_length`.
   """
   key = (lambda s: s) if name is None else (lambda s: f"{name}_{s}")
   logits = lm.completion_logits(params, batch, name).astype(jnp.float32)
@@ -118,10 +210,45 @@ def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
     # Position t predicts token t + 1; entry t scores token t.
     tokens = batch[key("tokens")]
     mask = batch[key("loss_weights")].astype(jnp.float32)
+    if response_length is not None:
+      # Only the logits that score response tokens: the position before
+      # each of them (saves the entropy's softmax over the prompt).
+      start = tokens.shape[1] - response_length
+      logits = logits[:, start - 1:-1]
+      tokens, mask = tokens[:, start:], mask[:, start:]
+      logprobs = token_logprobs(logits, tokens)
+      entropy = ppo_lib.entropy_from_logits(logits)
+      return logprobs * mask, entropy * mask, mask
     pad = ((0, 0), (1, 0))
     logprobs = jnp.pad(token_logprobs(logits[:, :-1], tokens[:, 1:]), pad)
     entropy = jnp.pad(ppo_lib.entropy_from_logits(logits[:, :-1]), pad)
   return logprobs * mask, entropy * mask, mask
+
+
+def response_values(lm, value_params, features, response_length: int):
+  """V(s_t) of every response token t, from a value network (PPO). [batch, L].
+
+  s_t is the state that produced token t: it has read the prompt and the
+  response tokens before t. An encoder-decoder's decoder state t has read
+  exactly that (its input is the target shifted right). A decoder-only
+  state at column c has read tokens <= c, so the value of the response
+  token at column Lp + t is read at column Lp + t - 1, one position before
+  it (for t = 0 the last prompt token); as `values[:, context_length - 1:
+  -1]` in the PPO implementation-details reference code.
+
+  Args:
+    lm: the value network's scoring adapter (the reward model's
+      architecture: it is initialised from the reward model, detail 22).
+    value_params: {"backbone", "head"}.
+    features: `response_features` for `lm`.
+    response_length: L.
+  """
+  if lm.is_encoder_decoder:
+    return heads.token_values(lm, value_params, features)
+  hidden, mask = lm.completion_hidden(value_params["backbone"], features)
+  start = hidden.shape[1] - response_length
+  states = hidden[:, start - 1:-1]
+  return heads.apply_scalar_head(value_params["head"], states) * mask[:, start:]
 
 
 def assemble_rollout(lm, policy_params, reference_params, reward_lm,
@@ -133,9 +260,9 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
   Args:
     lm: the policy's scoring adapter (the reference shares it).
     policy_params, reference_params: parameters of pi_old and pi_ref.
-    reward_lm: the reward model's scoring adapter.
+    reward_lm: the reward model's scoring adapter (either architecture).
     reward_params: {"backbone", "head"} of the reward model.
-    prompt_tokens: [batch, Lp] int.
+    prompt_tokens: [batch, Lp] int, encoder-style (right-padded).
     response_tokens: [batch, L] int, possibly with tokens after an EOS
       (they are replaced by `pad_id`, detail 23 step 2).
     temperature: the sampling temperature; both log-probs use it.
@@ -143,17 +270,25 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
       -1); None keeps the reward model's score at the last token.
 
   Returns:
-    A `Rollout`; every array is a constant (no gradient flows into it).
+    A `Rollout` whose per-token arrays are [batch, L]; every array is a
+    constant (no gradient flows into it).
   """
   tokens, mask, has_eos = rollout_rewards.truncate_after_eos(
       response_tokens, eos_id, pad_id)
-  features = response_features(lm, prompt_tokens, tokens, mask)
+  length = tokens.shape[1]
+  features = response_features(lm, prompt_tokens, tokens, mask, eos_id)
+  if reward_lm.is_encoder_decoder == lm.is_encoder_decoder:
+    reward_features = features
+  else:
+    reward_features = response_features(reward_lm, prompt_tokens, tokens, mask,
+                                        eos_id)
   logprobs, entropy, fmask = logprobs_and_entropy(lm, policy_params, features,
-                                                  None, temperature)
+                                                  None, temperature, length)
   ref_logprobs, _, _ = logprobs_and_entropy(lm, reference_params, features,
-                                            None, temperature)
+                                            None, temperature, length)
   # The reward head at the last real token: the EOS when there is one.
-  raw_scores = heads.sequence_rewards(reward_lm, reward_params, features)
+  raw_scores = heads.sequence_rewards(reward_lm, reward_params,
+                                      reward_features)
   if missing_eos_penalty is None:
     scores = raw_scores
   else:
@@ -162,7 +297,7 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
   return jax.lax.stop_gradient(Rollout(
       features=features, logprobs=logprobs, ref_logprobs=ref_logprobs,
       entropy=entropy, mask=fmask, has_eos=has_eos, raw_scores=raw_scores,
-      scores=scores))
+      scores=scores, reward_features=reward_features))
 
 
 def rollout_metrics(rollout: Rollout, kl_coef, kl_estimator="k1"):

@@ -100,6 +100,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
   rules = sharding.as_rules(config.sharding.logical_axis_rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     recipe = _recipes()[config.algorithm](config, mesh)
+    recipe.workdir = workdir
     return _run(config, workdir, recipe)
 
 
@@ -129,7 +130,8 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
     logger.write(0, before)
     summary.update({k.replace("eval/", "eval_before/"): v
                     for k, v in before.items()})
-    _log("Before training: " + _format(before))
+    if before:
+      _log("Before training: " + _format(before))
   step = int(jax.device_get(state.step))
   if step >= total:
     _log(f"Already at step {step} of {total}; nothing to train.")
@@ -164,6 +166,10 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
         batch = sharding.global_batch(local, recipe.mesh, recipe.rules)
         state, step_metrics = recipe.train_step(state, batch)
         step += 1
+        if step == total:
+          # Before the final save, so the last checkpoint holds the result.
+          state, final_metrics = recipe.finish_training(state)
+          step_metrics = dict(step_metrics, **final_metrics)
         pending.append((step, step_metrics, recipe.tokens_in(local)))
         stopping = stop.requested()
         save_now = stopping or step == total or (
@@ -182,7 +188,8 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
     after = recipe.evaluate(state)
     logger.write(step, after)
     summary.update(after)
-    _log(f"After training (step {step}): " + _format(after))
+    if after:
+      _log(f"After training (step {step}): " + _format(after))
     return summary
   finally:
     logger.close()

@@ -47,6 +47,16 @@ def _orbax_state_dir(path: str) -> str:
   return os.path.join(path, str(max(steps)), "state")
 
 
+def resolve_checkpoint(path: str) -> str:
+  """The directory `load_lm_params(path, ...)` reads: for a T5X model
+  directory or a jaxrlhf workdir, its latest step (which moves on as the run
+  that writes it goes on)."""
+  path = os.fspath(path)
+  if _is_t5x(path):
+    return t5x_checkpoint.find_t5x_checkpoint(path)
+  return _orbax_state_dir(path)
+
+
 def _check_same_tree(loaded, target, path):
   flat_l = dict(jax.tree_util.tree_flatten_with_path(loaded)[0])
   flat_t = dict(jax.tree_util.tree_flatten_with_path(target)[0])

@@ -1,0 +1,80 @@
+"""What the benchmark scripts share: model and batch-shape flags, the
+config they make, and timing.
+
+Each benchmark builds its recipe from `config_from_flags(args, algorithm)`
+so that a flag means the same in every script.
+"""
+
+import argparse
+import time
+
+import jax
+
+from jaxrlhf import defaults
+
+# Dense bf16 peak per device, for MFU when --peak_tflops is not given.
+PEAK_TFLOPS = {"cpu": None, "gpu": 989.0, "tpu": 197.0}  # H100, v5e
+
+
+def add_shape_flags(p: argparse.ArgumentParser, *, optimizer: str,
+                    steps: int) -> None:
+  """Model, batch and mesh flags, with the script's defaults."""
+  p.add_argument("--arch", default="t5",
+                 help="t5, llama, gpt_neox or t5x_decoder_only")
+  p.add_argument("--size", default="tiny", help="the arch's size preset")
+  p.add_argument("--batch_size", type=int, default=32)
+  p.add_argument("--inputs_length", type=int, default=64)
+  p.add_argument("--targets_length", type=int, default=64)
+  p.add_argument("--vocab_size", type=int, default=32128)
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--remat_policy", default="none")
+  p.add_argument("--num_microbatches", type=int, default=1)
+  p.add_argument("--optimizer", default=optimizer)
+  p.add_argument("--mesh", default="-1,1", help="data,model mesh shape")
+  p.add_argument("--steps", type=int, default=steps,
+                 help="timed repetitions")
+
+
+def config_from_flags(args, algorithm: str):
+  """A validated config with the flags' model, shapes, optimizer and mesh."""
+  c = defaults.base_config()
+  defaults.apply_overrides(c, {
+      "algorithm": algorithm,
+      "model.arch": args.arch,
+      "model.size": args.size,
+      "model.vocab_size": args.vocab_size,
+      "model.dtype": args.dtype,
+      "model.remat_policy": args.remat_policy,
+      "optimizer.name": args.optimizer,
+      "train.batch_size": args.batch_size,
+      "train.num_microbatches": args.num_microbatches,
+      "data.inputs_length": args.inputs_length,
+      "data.targets_length": args.targets_length,
+      "mesh.shape": tuple(int(x) for x in args.mesh.split(",")),
+  })
+  defaults.validate(c)
+  return c
+
+
+def timed(fn, *args, repeats: int):
+  """(mean seconds per call after one compiling call, the last output)."""
+  out = fn(*args)
+  jax.block_until_ready(out)
+  start = time.perf_counter()
+  for _ in range(repeats):
+    out = fn(*args)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / repeats, out
+
+
+def device_line(mesh) -> str:
+  d = jax.devices()[0]
+  return (f"device: {d.device_kind} x{jax.device_count()} ({d.platform}); "
+          f"mesh {dict(mesh.shape)}")
+
+
+def peak_memory_line():
+  stats = jax.devices()[0].memory_stats() or {}
+  if "peak_bytes_in_use" in stats:
+    return f"peak device memory: {stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
+  return None

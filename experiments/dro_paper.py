@@ -1,0 +1,448 @@
+r"""The DRO paper's comparisons and ablations, in miniature.
+
+  pip install matplotlib   # for the plots only; not a library dependency
+  python experiments/dro_paper.py --workdir=/tmp/dro_paper \
+      --out=experiments/results/dro_paper
+
+"Offline Regularised Reinforcement Learning for Large Language Models
+Alignment" (Richemond et al. 2024) trains DRO-V and KTO on UltraFeedback
+single trajectories (prompt, completion, reward) and judges the policies
+side by side. Here the task is the built-in synthetic summarisation task,
+whose gold reward is a program, with the quickstart's tiny T5:
+
+  1. the quickstart's SFT and data stages run once: 2,000 training prompts
+     x 4 SFT samples, each scored by the gold reward, normalised to mean 0
+     and variance 1 over the dataset (the paper's section 4);
+  2. every variant below trains from the SFT policy on those trajectories,
+     once per seed (the seed changes the data order, the value head's
+     initialisation and the evaluation samples; SFT and the data are shared,
+     as the paper's SFT checkpoint and dataset are):
+       dro_v            tau 1, two networks, one value per prompt, policy and
+                        value learning rate L (the paper's defaults);
+       kto_tau_*        KTO with tau (its beta) 0.1, 1, 5; desirable = reward
+                        above the batch mean (the paper's KTO baseline);
+       dro_v_tau_*      DRO-V with tau 0.1 and 5 (Figure 4);
+       dro_v_lr_x*      policy and value learning rate L x 0.1, 0.5, 5
+                        (Figure 3, top; the paper's 1e-5, 5e-5, 5e-4 around
+                        its 1e-4);
+       dro_v_vlr_x*     the value's learning rate alone (Figure 3, bottom);
+       dro_v_single_*   one shared network and/or one value per batch
+                        (Figure 5);
+  3. each policy's final checkpoint samples one completion (temperature 1)
+     for each of `--eval_prompts` prompts of the task's "test" split, which
+     no stage has seen; the gold reward decides each side-by-side
+     comparison (ties count 1/2). A win rate is the mean over seeds; its
+     +- is the standard error over seeds (the paper: over 5 folds of 1,000
+     prompts); "s.e. per run" is the binomial standard error over prompts.
+
+The paper keeps the best of its checkpoints (every 2,000 steps) by win rate
+against SFT; here each run's last checkpoint is judged. The script writes
+`results.md` / `results.json` and `dro_paper.png` into --out. Every stage
+and run resumes, and every evaluation is cached in the workdir, so an
+interrupted run continues.
+"""
+
+import argparse
+import copy
+import json
+import os
+import pathlib
+import time
+
+import numpy as np
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+# The paper's numbers (T5-L; Figures 1 and 3-5) beside ours.
+PAPER = {
+    "dro_v": 0.789, "kto": 0.675, "dro_v_vs_kto": 0.634,
+    "kto_tau_0.1": 0.635, "kto_tau_1": 0.619, "kto_tau_5": 0.675,
+    "dro_v_tau_0.1": 0.705, "dro_v_tau_5": 0.766,
+    "dro_v_lr_x0.1": 0.737, "dro_v_lr_x0.5": 0.787, "dro_v_lr_x5": 0.784,
+    "dro_v_vlr_x0.1": 0.768, "dro_v_vlr_x0.5": 0.780, "dro_v_vlr_x5": 0.791,
+    # Figure 5 (10,000 steps).
+    "dro_v_double_net": 0.766, "dro_v_single_value": 0.721,
+    "dro_v_single_net_single_value": 0.576, "dro_v_single_net": 0.555,
+    "dro_v_vs_single_value": 0.549,
+}
+MULTIPLIERS = (0.1, 0.5, 5)
+TAUS = (0.1, 1, 5)
+
+
+def variants(learning_rate: float):
+  """name -> (algorithm, config overrides on top of the DRO-V defaults)."""
+  out = {"dro_v": ("dro_v", {})}
+  for tau in TAUS:
+    out[f"kto_tau_{tau:g}"] = ("kto", {"kto.beta": float(tau)})
+    if tau != 1:
+      out[f"dro_v_tau_{tau:g}"] = ("dro_v", {"dro.tau": float(tau)})
+  for m in MULTIPLIERS:
+    out[f"dro_v_lr_x{m:g}"] = ("dro_v", {
+        "optimizer.learning_rate": learning_rate * m,
+        "dro.value_learning_rate": learning_rate * m})
+    out[f"dro_v_vlr_x{m:g}"] = ("dro_v", {
+        "dro.value_learning_rate": learning_rate * m})
+  out["dro_v_single_value"] = ("dro_v", {"dro.single_value_per_batch": True})
+  out["dro_v_single_net"] = ("dro_v", {"dro.shared_network": True})
+  out["dro_v_single_net_single_value"] = ("dro_v", {
+      "dro.shared_network": True, "dro.single_value_per_batch": True})
+  return out
+
+
+def run_config(config, algorithm, overrides, sft_dir, seed):
+  from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
+  p = config.pipeline
+  rate = p.policy_learning_rate
+  return offline_pipeline.stage_config(config, algorithm, **{
+      "seed": seed,
+      "data.task": offline_pipeline.TRAJECTORY_TASK,
+      "train.num_steps": p.policy_steps,
+      "init.policy_checkpoint": sft_dir,
+      "optimizer.learning_rate": rate,
+      "optimizer.warmup_steps": min(config.optimizer.warmup_steps,
+                                    p.policy_steps // 4),
+      # The paper's default: one learning rate for policy and value.
+      "dro.value_learning_rate": rate,
+      # No evaluation inside the run (the trajectories task has no gold
+      # reward); this script judges every run itself on the test split.
+      "eval.task": offline_pipeline.TRAJECTORY_TASK,
+      **overrides,
+  })
+
+
+class Judge:
+  """Samples policies on the test prompts and caches per-prompt outcomes."""
+
+  def __init__(self, config, sft_dir, workdir, num_prompts):
+    import flax.linen as nn  # pylint: disable=g-import-not-at-top
+    import jax  # pylint: disable=g-import-not-at-top
+    import seqio  # pylint: disable=g-import-not-at-top
+    from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
+    from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.recipes import sft  # pylint: disable=g-import-not-at-top
+    c = offline_pipeline.stage_config(config, "sft", **{
+        "init.policy_checkpoint": sft_dir, "eval.batch_size": 250})
+    self.mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
+    self.rules = sharding.as_rules(c.sharding.logical_axis_rules)
+    self._context = lambda: (jax.set_mesh(self.mesh),
+                             nn.logical_axis_rules(self.rules))
+    a, b = self._context()
+    with a, b:
+      self.recipe = sft.SFTRecipe(c, self.mesh)
+      self.sft_params = self.recipe.init_state().params["policy"]
+    features, texts = pipeline.eval_examples(
+        c.data.task, "test", self.recipe.feature_lengths,
+        seqio.EncDecFeatureConverter(pack=False), num_prompts)
+    if len(texts) < num_prompts:
+      raise ValueError(f"The test split has {len(texts)} prompts; "
+                       f"--eval_prompts asked for {num_prompts}.")
+    self.tokens = features["encoder_input_tokens"]
+    self.prompts = [t["inputs"] for t in texts]
+    self.gold = tasks.gold_reward_for(c.data.task)
+    self.cache = os.path.join(workdir, "judged")
+    os.makedirs(self.cache, exist_ok=True)
+
+  def _path(self, name: str, seed: int) -> str:
+    return os.path.join(self.cache, f"{name}_seed{seed}.npz")
+
+  def has(self, name: str, seed: int) -> bool:
+    return os.path.exists(self._path(name, seed))
+
+  def outcomes(self, name: str, run_dir, seed: int):
+    """{gold, kl, length, eos} per test prompt for one policy sample."""
+    from jaxrlhf.eval import evaluation  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.train import pretrained  # pylint: disable=g-import-not-at-top
+    path = self._path(name, seed)
+    if os.path.exists(path):
+      with np.load(path) as f:
+        return dict(f)
+    a, b = self._context()
+    with a, b:
+      params = (self.sft_params if run_dir is None else
+                pretrained.load_lm_params(run_dir, self.sft_params))
+      s = evaluation.sample(self.recipe, params, self.tokens, greedy=False,
+                            temperature=1.0, seed=7919 * seed + 1)
+      texts = evaluation.completion_texts(self.recipe.vocabulary, s)
+      out = {
+          "gold": evaluation.gold_rewards(self.gold, self.prompts, texts,
+                                          s.has_eos),
+          # k1 on the policy's own samples: unbiased for KL(pi || SFT).
+          "kl": np.sum(s.logprobs, -1) - evaluation.sequence_logprobs(
+              self.recipe, self.sft_params, self.tokens, s),
+          "length": np.sum(s.mask, -1).astype(np.float64),
+          "eos": np.asarray(s.has_eos, np.float64),
+      }
+    tmp = path + ".tmp.npz"
+    np.savez(tmp, **out)
+    os.replace(tmp, path)
+    return out
+
+
+def optimum_kl(trajectory_file: str, tau: float) -> float:
+  """KL(pi* || SFT) of DRO-V's regularised optimum pi* ∝ pi_SFT exp(r/tau)
+  (the paper's equation 2) on the training data, averaged over prompts.
+
+  Each prompt's SFT samples stand for pi_SFT, so pi* weights them by
+  softmax(r/tau) and KL = sum_i w_i log(n w_i), with the rewards normalised
+  over the file as the training task normalises them.
+  """
+  by_prompt = {}
+  with open(trajectory_file) as f:
+    for line in f:
+      row = json.loads(line)
+      by_prompt.setdefault(row["prompt"], []).append(row["reward"])
+  rewards = np.concatenate([np.asarray(v, np.float64)
+                            for v in by_prompt.values()])
+  mean, std = rewards.mean(), rewards.std()
+  kls = []
+  for values in by_prompt.values():
+    z = (np.asarray(values) - mean) / std / tau
+    w = np.exp(z - z.max())
+    w /= w.sum()
+    kls.append(float(np.sum(w * np.log(np.maximum(w * len(w), 1e-300)))))
+  return float(np.mean(kls))
+
+
+def win_rate(a, b):
+  """Side-by-side win rate of a over b per prompt (ties 1/2) and its
+  binomial standard error."""
+  won = (a > b) + 0.5 * (a == b)
+  return float(np.mean(won)), float(np.std(won) / np.sqrt(len(won)))
+
+
+def over_seeds(values):
+  v = np.asarray(values, np.float64)
+  se = float(np.std(v, ddof=1) / np.sqrt(len(v))) if len(v) > 1 else 0.0
+  return float(np.mean(v)), se
+
+
+def summarise(judged, seeds, sft_by_seed, kto_best):
+  """Every variant against SFT, and the paper's head-to-head comparisons."""
+  rows = {}
+
+  def add(row_name, first, second_by_seed):
+    wins, ses = zip(*(win_rate(judged[first][s]["gold"], second_by_seed(s))
+                      for s in seeds))
+    mean, se = over_seeds(wins)
+    rows[row_name] = {
+        "win_rate": mean, "win_rate_se_over_seeds": se,
+        "win_rate_se_per_run": float(np.mean(ses)),
+        "per_seed": list(wins),
+        "gold_reward": float(np.mean([judged[first][s]["gold"].mean()
+                                      for s in seeds])),
+        "kl_to_sft": float(np.mean([judged[first][s]["kl"].mean()
+                                    for s in seeds])),
+        "length": float(np.mean([judged[first][s]["length"].mean()
+                                 for s in seeds])),
+        "paper": PAPER.get(row_name),
+    }
+
+  sft = lambda s: sft_by_seed[s]["gold"]
+  for name in judged:
+    add(name, name, sft)
+  dro_v_best = max((n for n in judged
+                    if n == "dro_v" or n.startswith("dro_v_tau_")),
+                   key=lambda n: rows[n]["win_rate"])
+  add("dro_v_vs_kto", "dro_v", lambda s: judged[kto_best][s]["gold"])
+  add("best_dro_v_vs_best_kto", dro_v_best,
+      lambda s: judged[kto_best][s]["gold"])
+  add("dro_v_vs_single_value", "dro_v",
+      lambda s: judged["dro_v_single_value"][s]["gold"])
+  rows["kto"] = dict(rows[kto_best], paper=PAPER["kto"], variant=kto_best)
+  rows["best_dro_v_vs_best_kto"]["variant"] = dro_v_best
+  rows["dro_v_double_net"] = dict(rows["dro_v"],
+                                  paper=PAPER["dro_v_double_net"])
+  rows["sft"] = {
+      "gold_reward": float(np.mean([sft_by_seed[s]["gold"].mean()
+                                    for s in seeds])),
+      "length": float(np.mean([sft_by_seed[s]["length"].mean()
+                               for s in seeds])),
+      "kl_to_sft": 0.0}
+  return rows
+
+
+def tau_of(variant: str) -> str:
+  """"1" for dro_v (the default), else the variant name's tau suffix."""
+  return "1" if variant == "dro_v" else variant.split("_")[-1]
+
+
+# (title, rows, labels); {kto_tau} and {dro_tau} are the best taus.
+SECTIONS = (
+    ("Figures 1-2: DRO-V (tau 1), KTO (its best tau) and SFT",
+     ("dro_v", "kto", "dro_v_vs_kto", "best_dro_v_vs_best_kto"),
+     ("DRO-V vs SFT", "KTO (tau {kto_tau}) vs SFT",
+      "DRO-V vs KTO (tau {kto_tau})",
+      "DRO-V (tau {dro_tau}) vs KTO (tau {kto_tau})")),
+    ("Figure 4: tau",
+     ("dro_v_tau_0.1", "dro_v", "dro_v_tau_5", "kto_tau_0.1", "kto_tau_1",
+      "kto_tau_5"),
+     ("DRO-V tau 0.1 vs SFT", "DRO-V tau 1 vs SFT", "DRO-V tau 5 vs SFT",
+      "KTO tau 0.1 vs SFT", "KTO tau 1 vs SFT", "KTO tau 5 vs SFT")),
+    ("Figure 3: learning rates (L = policy and value rate of dro_v)",
+     ("dro_v_lr_x0.1", "dro_v_lr_x0.5", "dro_v", "dro_v_lr_x5",
+      "dro_v_vlr_x0.1", "dro_v_vlr_x0.5", "dro_v_vlr_x5"),
+     ("joint 0.1 L vs SFT", "joint 0.5 L vs SFT", "joint L vs SFT",
+      "joint 5 L vs SFT", "value only 0.1 L vs SFT",
+      "value only 0.5 L vs SFT", "value only 5 L vs SFT")),
+    ("Figure 5: parameter sharing",
+     ("dro_v_single_value", "dro_v_single_net_single_value",
+      "dro_v_single_net", "dro_v_double_net", "dro_v_vs_single_value"),
+     ("double net, single value vs SFT", "single net, single value vs SFT",
+      "single net, multiple values vs SFT",
+      "double net, multiple values vs SFT",
+      "double/multiple vs double/single")),
+)
+
+
+def format_markdown(rows, seeds, num_prompts):
+  taus = {"kto_tau": tau_of(rows["kto"]["variant"]),
+          "dro_tau": tau_of(rows["best_dro_v_vs_best_kto"]["variant"])}
+  lines = []
+  for title, names, labels in SECTIONS:
+    lines += [f"### {title}", "",
+              "| comparison | win rate (first over second) | s.e. per run | "
+              "paper (T5-L) | gold reward | KL(pi‖SFT) | length |",
+              "|---|---|---|---|---|---|---|"]
+    for name, label in zip(names, labels):
+      r = rows[name]
+      paper = f"{r['paper']:.1%}" if r.get("paper") else "-"
+      lines.append(
+          f"| {label.format(**taus)} | {r['win_rate']:.1%} ± "
+          f"{r['win_rate_se_over_seeds']:.1%} | "
+          f"{r['win_rate_se_per_run']:.1%} | {paper} | "
+          f"{r['gold_reward']:.3f} | {r['kl_to_sft']:.2f} | "
+          f"{r['length']:.2f} |")
+    lines.append("")
+  lines.append(
+      f"SFT: gold reward {rows['sft']['gold_reward']:.3f}, length "
+      f"{rows['sft']['length']:.2f}. Win rates: one sample per prompt on "
+      f"{num_prompts} test prompts, mean over seeds {list(seeds)} ± the "
+      "standard error over seeds; 's.e. per run' is the binomial standard "
+      "error over prompts of one run. Gold reward, KL (k1, nats per "
+      "response) and length (tokens, EOS included) are those of the first "
+      "policy of the row, on its own samples. The best tau of each method "
+      "is picked by its win rate against SFT, as the paper picks KTO's.")
+  kl = rows["optimum_kl"]
+  lines += ["", "KL(pi* || SFT) of DRO-V's regularised optimum on the training "
+            "data (each prompt's SFT samples weighted by softmax(r / tau)) "
+            "against the DRO-V policies' measured KL:", "",
+            "| tau | optimum | DRO-V |", "|---|---|---|"]
+  for tau in TAUS:
+    name = "dro_v" if tau == 1 else f"dro_v_tau_{tau:g}"
+    lines.append(f"| {tau:g} | {kl[f'{tau:g}']:.3f} | "
+                 f"{rows[name]['kl_to_sft']:.3f} |")
+  return "\n".join(lines) + "\n"
+
+
+def plot(rows, out):
+  import matplotlib  # pylint: disable=g-import-not-at-top
+  matplotlib.use("Agg")
+  import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
+
+  def bars(ax, names, labels, title):
+    ours = [rows[n]["win_rate"] for n in names]
+    err = [rows[n]["win_rate_se_over_seeds"] for n in names]
+    paper = [rows[n].get("paper") or np.nan for n in names]
+    x = np.arange(len(names))
+    ax.bar(x - 0.2, ours, 0.4, yerr=err, capsize=3, label="miniature")
+    ax.bar(x + 0.2, paper, 0.4, label="paper (T5-L)", alpha=0.6)
+    ax.axhline(0.5, color="gray", ls="--", lw=1)
+    ax.set_xticks(x)
+    ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
+    ax.set_ylim(0.3, 0.9)
+    ax.set_title(title, fontsize=10)
+
+  fig, axes = plt.subplots(1, 4, figsize=(18, 4.4))
+  bars(axes[0], ("dro_v", "kto", "dro_v_vs_kto", "best_dro_v_vs_best_kto"),
+       ("DRO-V vs SFT", "KTO vs SFT", "DRO-V vs KTO",
+        "best DRO-V vs KTO"), "Figures 1-2")
+  bars(axes[1], ("dro_v_tau_0.1", "dro_v", "dro_v_tau_5", "kto_tau_0.1",
+                 "kto_tau_1", "kto_tau_5"),
+       ("DRO-V 0.1", "DRO-V 1", "DRO-V 5", "KTO 0.1", "KTO 1", "KTO 5"),
+       "Figure 4: tau (win rate vs SFT)")
+  bars(axes[2], ("dro_v_lr_x0.1", "dro_v_lr_x0.5", "dro_v", "dro_v_lr_x5",
+                 "dro_v_vlr_x0.1", "dro_v_vlr_x0.5", "dro_v_vlr_x5"),
+       ("joint 0.1L", "joint 0.5L", "joint L", "joint 5L", "V 0.1L", "V 0.5L",
+        "V 5L"), "Figure 3: learning rate (win rate vs SFT)")
+  bars(axes[3], ("dro_v_single_value", "dro_v_single_net_single_value",
+                 "dro_v_single_net", "dro_v_double_net"),
+       ("double/single", "single/single", "single/multiple",
+        "double/multiple"), "Figure 5: networks/values (vs SFT)")
+  axes[0].legend(fontsize=8)
+  fig.tight_layout()
+  fig.savefig(os.path.join(out, "dro_paper.png"), dpi=110)
+  plt.close(fig)
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__,
+                              formatter_class=argparse.RawTextHelpFormatter)
+  p.add_argument("--workdir", required=True)
+  p.add_argument("--out", default=str(REPO / "experiments" / "results"
+                                      / "dro_paper"))
+  p.add_argument("--seeds", default="0,1,2")
+  p.add_argument("--steps", type=int, default=300,
+                 help="training steps of every variant")
+  p.add_argument("--eval_prompts", type=int, default=1000)
+  p.add_argument("--only", default="",
+                 help="comma-separated variants (no table or plot)")
+  args = p.parse_args()
+
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.train import loop  # pylint: disable=g-import-not-at-top
+
+  started = time.time()
+  seeds = [int(s) for s in args.seeds.split(",")]
+  config = defaults.load_config_file(REPO / "configs" / "quickstart.py")
+  config.pipeline.stages = "sft,data"
+  config.pipeline.policy_steps = args.steps
+  offline_pipeline.run(config, args.workdir)
+  offline_pipeline.register_data_tasks(config, args.workdir)
+  sft_dir = os.path.join(args.workdir, "sft")
+  judge = Judge(config, sft_dir, args.workdir, args.eval_prompts)
+
+  all_variants = variants(config.pipeline.policy_learning_rate)
+  selected = [s for s in args.only.split(",") if s]
+  unknown = set(selected) - set(all_variants)
+  if unknown:
+    raise SystemExit(f"--only: unknown variants {sorted(unknown)}; choose "
+                     f"from {sorted(all_variants)}.")
+  judged = {}
+  for name, (algorithm, overrides) in all_variants.items():
+    if selected and name not in selected:
+      continue
+    judged[name] = {}
+    for seed in seeds:
+      run_dir = os.path.join(args.workdir, "runs", f"{name}_seed{seed}")
+      if not judge.has(name, seed):  # judged only once its run has finished
+        print(f"=== {name}, seed {seed} ({(time.time() - started) / 60:.1f} "
+              "min)", flush=True)
+        loop.train(copy.deepcopy(run_config(config, algorithm, overrides,
+                                            sft_dir, seed)), run_dir)
+      judged[name][seed] = judge.outcomes(name, run_dir, seed)
+  if selected:
+    return
+  sft_by_seed = {s: judge.outcomes("sft", None, s) for s in seeds}
+  kto_best = max((n for n in judged if n.startswith("kto_")),
+                 key=lambda n: np.mean([win_rate(judged[n][s]["gold"],
+                                                 sft_by_seed[s]["gold"])[0]
+                                        for s in seeds]))
+  rows = summarise(judged, seeds, sft_by_seed, kto_best)
+  data_file = offline_pipeline.data_paths(args.workdir)["trajectory"]["train"]
+  rows["optimum_kl"] = {f"{tau:g}": optimum_kl(data_file, tau) for tau in TAUS}
+  os.makedirs(args.out, exist_ok=True)
+  with open(os.path.join(args.out, "results.json"), "w") as f:
+    json.dump(rows, f, indent=2, sort_keys=True)
+  markdown = format_markdown(rows, seeds, args.eval_prompts)
+  with open(os.path.join(args.out, "results.md"), "w") as f:
+    f.write(markdown)
+  print(markdown)
+  plot(rows, args.out)
+  print(f"Done in {(time.time() - started) / 60:.1f} min; results in "
+        f"{args.out}")
+
+
+if __name__ == "__main__":
+  main()
