@@ -27,7 +27,6 @@ sampled to full length) and prompts are random token ids.
 import argparse
 import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 
@@ -55,14 +54,13 @@ def main():
       "online.reward_model_checkpoint": "unused",
   })
   defaults.validate(c)
-  mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
   rules = sharding.as_rules(c.sharding.logical_axis_rules)
   b, lp, lt = args.batch_size, args.inputs_length, args.targets_length
   rng = np.random.default_rng(0)
   prompts = rng.integers(3, 100, size=(b, lp)).astype(np.int32)
   prompts[:, -1] = 1
 
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with sharding.activate(c) as mesh:
     recipe = ppo.PPORecipe(c, mesh)
     # Random networks in their shardings (init_state would load the
     # checkpoints).

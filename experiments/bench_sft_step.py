@@ -17,7 +17,6 @@ loss on the target.
 import argparse
 import time
 
-import flax.linen as nn
 import jax
 import numpy as np
 
@@ -57,10 +56,9 @@ def main():
   args = p.parse_args()
 
   c = bench_common.config_from_flags(args, "sft")
-  mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
   rules = sharding.as_rules(c.sharding.logical_axis_rules)
   b, li, lt = args.batch_size, args.inputs_length, args.targets_length
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with sharding.activate(c) as mesh:
     recipe = sft.SFTRecipe(c, mesh)
     state = recipe.init_state()
     batch = sharding.global_batch(

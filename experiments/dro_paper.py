@@ -113,8 +113,6 @@ class Judge:
   """Samples policies on the test prompts and caches per-prompt outcomes."""
 
   def __init__(self, config, sft_dir, workdir, num_prompts):
-    import flax.linen as nn  # pylint: disable=g-import-not-at-top
-    import jax  # pylint: disable=g-import-not-at-top
     import seqio  # pylint: disable=g-import-not-at-top
     from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
     from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
@@ -123,13 +121,9 @@ class Judge:
     from jaxrlhf.recipes import sft  # pylint: disable=g-import-not-at-top
     c = offline_pipeline.stage_config(config, "sft", **{
         "init.policy_checkpoint": sft_dir, "eval.batch_size": 250})
-    self.mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
-    self.rules = sharding.as_rules(c.sharding.logical_axis_rules)
-    self._context = lambda: (jax.set_mesh(self.mesh),
-                             nn.logical_axis_rules(self.rules))
-    a, b = self._context()
-    with a, b:
-      self.recipe = sft.SFTRecipe(c, self.mesh)
+    self._context = lambda: sharding.activate(c)
+    with self._context() as mesh:
+      self.recipe = sft.SFTRecipe(c, mesh)
       self.sft_params = self.recipe.init_state().params["policy"]
     features, texts = pipeline.eval_examples(
         c.data.task, "test", self.recipe.feature_lengths,
@@ -157,8 +151,7 @@ class Judge:
     if os.path.exists(path):
       with np.load(path) as f:
         return dict(f)
-    a, b = self._context()
-    with a, b:
+    with self._context():
       params = (self.sft_params if run_dir is None else
                 pretrained.load_lm_params(run_dir, self.sft_params))
       s = evaluation.sample(self.recipe, params, self.tokens, greedy=False,

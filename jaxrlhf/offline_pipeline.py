@@ -26,7 +26,6 @@ import json
 import os
 from typing import Dict, List
 
-import flax.linen as nn
 import jax
 import ml_collections
 
@@ -105,11 +104,9 @@ def make_data(config, workdir: str, sft_workdir: str) -> None:
     return
   p = config.pipeline
   c = stage_config(config, "sft", **{"init.policy_checkpoint": sft_workdir})
-  mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
-  rules = sharding.as_rules(c.sharding.logical_axis_rules)
   os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
   gold = tasks.gold_reward_for(c.data.task)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with sharding.activate(c) as mesh:
     recipe = sft.SFTRecipe(c, mesh)
     params = recipe.init_state().params["policy"]
     for split, num_prompts in (("train", p.num_prompts),
@@ -257,9 +254,7 @@ def best_of_n_stage(config, workdir, sft_dir, rm_dir) -> Dict[str, float]:
     with open(path) as f:
       return json.load(f)
   c = online_stage_config(config, "rejection_sampling", sft_dir, rm_dir)
-  mesh = sharding.create_mesh(c.mesh.shape, c.mesh.axis_names)
-  rules = sharding.as_rules(c.sharding.logical_axis_rules)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with sharding.activate(c) as mesh:
     recipe = rejection_sampling.RejectionSamplingRecipe(c, mesh)
     metrics = rejection_sampling.best_of_n_evaluation(
         recipe, recipe.init_state(), config.pipeline.best_of_n)

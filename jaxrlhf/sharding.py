@@ -7,8 +7,9 @@ None (replicated), as in t5x and MaxText. Changing the plan is a config
 change; no model code changes.
 """
 
+import contextlib
 import math
-from typing import Any, Sequence, Tuple
+from typing import Any, Iterator, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -75,6 +76,20 @@ def create_mesh(shape: Sequence[int], axis_names: Sequence[str],
   return jax.make_mesh(tuple(shape), tuple(axis_names),
                        axis_types=(jax.sharding.AxisType.Auto,) * len(shape),
                        devices=devices)
+
+
+@contextlib.contextmanager
+def activate(config, devices=None) -> Iterator[Mesh]:
+  """Makes `config.mesh`'s mesh (over all or the given devices) and
+  `config.sharding`'s logical-axis rules current; yields the mesh.
+
+  Recipes, samplers and train steps built inside see both, which is how
+  every run, script and test enters a config's mesh.
+  """
+  mesh = create_mesh(config.mesh.shape, config.mesh.axis_names, devices)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(
+      as_rules(config.sharding.logical_axis_rules)):
+    yield mesh
 
 
 def logical_to_spec(logical_axes, rules) -> PartitionSpec:

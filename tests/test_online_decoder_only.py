@@ -10,7 +10,6 @@ update accumulated over micro-batches against the same update on the whole
 minibatch. Networks are tiny and random, written into workdirs by hand.
 """
 
-import contextlib
 import functools
 import json
 import os
@@ -51,12 +50,8 @@ def _arch_overrides(arch):
           "model__num_encoder_layers": None}
 
 
-@contextlib.contextmanager
 def _mesh_context(config):
-  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
-  rules = sharding.as_rules(config.sharding.logical_axis_rules)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    yield mesh
+  return sharding.activate(config, jax.devices()[:1])
 
 
 def _init_lm_params(config, seed):
@@ -301,7 +296,8 @@ def _metrics(workdir):
     return [r for r in map(json.loads, f) if "loss" in r]
 
 
-@pytest.mark.parametrize("algorithm", ["ppo", "rloo", "grpo"])
+@pytest.mark.parametrize("algorithm", ["ppo", "rloo", "grpo", "reinforce",
+                                       "rejection_sampling"])
 def test_decoder_only_online_recipes_train_end_to_end(
     llama_workdirs, tmp_path, monkeypatch, algorithm):
   """Two RL iterations through the shared loop: sampling from a Llama

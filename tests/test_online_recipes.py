@@ -9,7 +9,6 @@ check of the reward model's vocabulary. Policy and reward model are tiny,
 randomly initialised networks written into workdirs by hand.
 """
 
-import contextlib
 import json
 import os
 import shutil
@@ -40,12 +39,8 @@ from jaxrlhf.train import state as state_lib
 LR = 0.05
 
 
-@contextlib.contextmanager
 def _mesh_context(config):
-  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
-  rules = sharding.as_rules(config.sharding.logical_axis_rules)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    yield mesh
+  return sharding.activate(config, jax.devices()[:1])
 
 
 def _write_workdir(path, config, state):

@@ -11,7 +11,6 @@ import os
 import signal
 from typing import Dict, List, Optional
 
-import flax.linen as nn
 import jax
 import ml_collections
 import numpy as np
@@ -96,9 +95,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
   """
   defaults.validate(config)
   prepare_workdir(workdir, config)
-  mesh = sharding.create_mesh(config.mesh.shape, config.mesh.axis_names)
-  rules = sharding.as_rules(config.sharding.logical_axis_rules)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with sharding.activate(config) as mesh:
     recipe = _recipes()[config.algorithm](config, mesh)
     recipe.workdir = workdir
     return _run(config, workdir, recipe)
