@@ -6,8 +6,9 @@ policy checkpoint (`init_from_backbone`) and train on its own.
 
 PPO implementation details (Huang et al. 2024): the head is initialised
 N(0, 1/sqrt(d_model + 1)) with bias 0 (detail 11); the reward is read at the
-completion's last real token, the EOS (detail 12); the bias can be set so
-that SFT reference completions score mean 0 (detail 15, `set_bias_for_mean`).
+completion's last real token, the EOS (detail 12); `shift_bias` moves
+the bias so that SFT reference completions score mean 0 (detail 15; the
+reward-model recipe's `reward_model.normalize_on_task`).
 """
 
 import flax.linen as nn
@@ -41,12 +42,6 @@ def shift_bias(params, shift):
   bias = params["head"]["bias"]
   head = dict(params["head"], bias=bias + jnp.asarray(shift, bias.dtype))
   return dict(params, head=head)
-
-
-def set_bias_for_mean(params, reference_rewards, target_mean=0.0):
-  """Shifts the head bias so `reference_rewards` (computed with `params`,
-  any shape) would have mean `target_mean` (PPO details, detail 15)."""
-  return shift_bias(params, target_mean - jnp.mean(reference_rewards))
 
 
 def sequence_rewards(lm, params, batch, name=None, rng=None):
