@@ -3,6 +3,9 @@ r"""The DRO paper's comparisons and ablations, in miniature.
   pip install matplotlib   # for the plots only; not a library dependency
   python experiments/dro_paper.py --workdir=/tmp/dro_paper \
       --out=experiments/results/dro_paper
+  python experiments/dro_paper.py --workdir=/tmp/dro_paper \
+      --labels=reward_model \
+      --out=experiments/results/dro_paper/reward_model_labels
 
 "Offline Regularised Reinforcement Learning for Large Language Models
 Alignment" (Richemond et al. 2024) trains DRO-V and KTO on UltraFeedback
@@ -34,6 +37,13 @@ whose gold reward is a program, with the quickstart's tiny T5:
      comparison (ties count 1/2). A win rate is the mean over seeds; its
      +- is the standard error over seeds (the paper: over 5 folds of 1,000
      prompts); "s.e. per run" is the binomial standard error over prompts.
+
+With `--labels=reward_model` the trajectories' rewards are instead the
+scores of the quickstart pipeline's reward model (trained on Bradley-Terry
+pairs of the same SFT samples; its head centred on the SFT demonstrations),
+normalised the same way, while the gold reward still judges: the training
+signal then differs from the judge, as UltraFeedback's ratings differ from
+the paper's PaLM 2 judge. Only the variants of Figures 1-2 and 4 run.
 
 The paper keeps the best of its checkpoints (every 2,000 steps) by win rate
 against SFT; here each run's last checkpoint is judged. The script writes
@@ -88,13 +98,13 @@ def variants(learning_rate: float):
   return out
 
 
-def run_config(config, algorithm, overrides, sft_dir, seed):
+def run_config(config, algorithm, overrides, sft_dir, seed, task):
   from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
   p = config.pipeline
   rate = p.policy_learning_rate
   return offline_pipeline.stage_config(config, algorithm, **{
       "seed": seed,
-      "data.task": offline_pipeline.TRAJECTORY_TASK,
+      "data.task": task,
       "train.num_steps": p.policy_steps,
       "init.policy_checkpoint": sft_dir,
       "optimizer.learning_rate": rate,
@@ -107,6 +117,82 @@ def run_config(config, algorithm, overrides, sft_dir, seed):
       "eval.task": offline_pipeline.TRAJECTORY_TASK,
       **overrides,
   })
+
+
+RM_TASK = "dro_paper_reward_model_trajectories"
+# What --labels=reward_model runs: the comparisons of Figures 1-2 and 4.
+REWARD_MODEL_VARIANTS = ("dro_v", "dro_v_tau_0.1", "dro_v_tau_5",
+                         "kto_tau_0.1", "kto_tau_1", "kto_tau_5")
+
+
+def relabel_with_reward_model(config, workdir: str):
+  """The trajectory files again, each reward replaced by the pipeline reward
+  model's score of the completion; registered as RM_TASK (normalised like
+  the gold-labelled task). Returns {split: path}; written once."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import alignment_data  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.eval import evaluation  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import heads  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.recipes import reward_model  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.train import pretrained  # pylint: disable=g-import-not-at-top
+  gold_paths = offline_pipeline.data_paths(workdir)["trajectory"]
+  paths = {split: path.replace(".jsonl", "_reward_model.jsonl")
+           for split, path in gold_paths.items()}
+  if not all(os.path.exists(p) for p in paths.values()):
+    c = offline_pipeline.stage_config(config, "reward_model", **{
+        "data.task": offline_pipeline.PAIRS_TASK,
+        "init.policy_checkpoint": os.path.join(workdir, "sft"),
+        "eval.batch_size": 250})
+    li, lt = c.data.inputs_length, c.data.targets_length
+    with sharding.activate(c) as mesh:
+      recipe = reward_model.RewardModelRecipe(c, mesh)
+      params = pretrained.load_network_params(
+          os.path.join(workdir, "reward_model"),
+          recipe.init_state().params["reward"], "reward")
+      score = jax.jit(lambda p, b: heads.sequence_rewards(
+          recipe.lm, p, b, "completion"))
+      eos = recipe.vocabulary.eos_id
+      ids = lambda text, n: np.asarray(
+          recipe.vocabulary.encode(text)[:n - 1] + [eos], np.int32)
+      for split, gold_path in gold_paths.items():
+        with open(gold_path) as f:
+          rows = [json.loads(line) for line in f]
+        ds = tf.data.Dataset.from_generator(
+            lambda: ({"prompt": ids(r["prompt"], li),
+                      "completion": ids(r["completion"], lt),
+                      "reward": np.float32(0)} for r in rows),
+            output_signature={
+                "prompt": tf.TensorSpec([None], tf.int32),
+                "completion": tf.TensorSpec([None], tf.int32),
+                "reward": tf.TensorSpec([], tf.float32)})
+        converted = list(alignment_data.feature_converter_for(
+            "trajectory", "encoder_decoder")(
+                ds, {"prompt": li, "completion": lt}).as_numpy_iterator())
+        features = {k: np.stack([x[k] for x in converted])
+                    for k in converted[0] if k != "reward"}
+        scores = np.concatenate([
+            evaluation.local_rows(score(params, b))
+            for b in evaluation.global_batches(features, 250, mesh,
+                                               recipe.rules)])[:len(rows)]
+        tmp = paths[split] + ".tmp"
+        with open(tmp, "w") as f:
+          for r, reward in zip(rows, scores):
+            f.write(json.dumps(dict(r, reward=float(reward))) + "\n")
+        os.replace(tmp, paths[split])
+        print(f"relabelled {len(rows)} {split} trajectories with the reward "
+              f"model (score mean {scores.mean():.3f}, std "
+              f"{scores.std():.3f})", flush=True)
+  alignment_data.register_file_task(
+      RM_TASK, paths, kind="trajectory",
+      vocabulary=tasks.synthetic_vocabulary(),
+      layout="columns", normalize_rewards=True, overwrite=True,
+      max_completion_tokens=config.data.targets_length - 1,
+      on_bad_row="skip_and_report")
+  return paths
 
 
 class Judge:
@@ -240,12 +326,13 @@ def summarise(judged, seeds, sft_by_seed, kto_best):
   add("dro_v_vs_kto", "dro_v", lambda s: judged[kto_best][s]["gold"])
   add("best_dro_v_vs_best_kto", dro_v_best,
       lambda s: judged[kto_best][s]["gold"])
-  add("dro_v_vs_single_value", "dro_v",
-      lambda s: judged["dro_v_single_value"][s]["gold"])
   rows["kto"] = dict(rows[kto_best], paper=PAPER["kto"], variant=kto_best)
   rows["best_dro_v_vs_best_kto"]["variant"] = dro_v_best
-  rows["dro_v_double_net"] = dict(rows["dro_v"],
-                                  paper=PAPER["dro_v_double_net"])
+  if "dro_v_single_value" in judged:
+    add("dro_v_vs_single_value", "dro_v",
+        lambda s: judged["dro_v_single_value"][s]["gold"])
+    rows["dro_v_double_net"] = dict(rows["dro_v"],
+                                    paper=PAPER["dro_v_double_net"])
   rows["sft"] = {
       "gold_reward": float(np.mean([sft_by_seed[s]["gold"].mean()
                                     for s in seeds])),
@@ -293,6 +380,8 @@ def format_markdown(rows, seeds, num_prompts):
           "dro_tau": tau_of(rows["best_dro_v_vs_best_kto"]["variant"])}
   lines = []
   for title, names, labels in SECTIONS:
+    if not all(n in rows for n in names):
+      continue  # a section whose variants did not run
     lines += [f"### {title}", "",
               "| comparison | win rate (first over second) | s.e. per run | "
               "paper (T5-L) | gold reward | KL(pi‖SFT) | length |",
@@ -334,6 +423,9 @@ def plot(rows, out):
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
   def bars(ax, names, labels, title):
+    if not all(n in rows for n in names):
+      ax.set_axis_off()  # variants that did not run
+      return
     ours = [rows[n]["win_rate"] for n in names]
     err = [rows[n]["win_rate_se_over_seeds"] for n in names]
     paper = [rows[n].get("paper") or np.nan for n in names]
@@ -380,6 +472,11 @@ def main():
   p.add_argument("--eval_prompts", type=int, default=1000)
   p.add_argument("--only", default="",
                  help="comma-separated variants (no table or plot)")
+  p.add_argument("--labels", default="gold",
+                 choices=("gold", "reward_model"),
+                 help="train on the gold reward (the judge itself), or on "
+                      "the pipeline reward model's scores of the same "
+                      "trajectories (Figures 1-2 and 4's variants only)")
   args = p.parse_args()
 
   from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
@@ -389,14 +486,26 @@ def main():
   started = time.time()
   seeds = [int(s) for s in args.seeds.split(",")]
   config = defaults.load_config_file(REPO / "configs" / "quickstart.py")
-  config.pipeline.stages = "sft,data"
+  learned = args.labels == "reward_model"
+  config.pipeline.stages = "sft,data,reward_model" if learned else "sft,data"
   config.pipeline.policy_steps = args.steps
   offline_pipeline.run(config, args.workdir)
   offline_pipeline.register_data_tasks(config, args.workdir)
   sft_dir = os.path.join(args.workdir, "sft")
+  if learned:
+    task = RM_TASK
+    data_file = relabel_with_reward_model(config, args.workdir)["train"]
+  else:
+    task = offline_pipeline.TRAJECTORY_TASK
+    data_file = offline_pipeline.data_paths(args.workdir)["trajectory"][
+        "train"]
+  # Runs and their judged samples of each labelling apart.
+  prefix = "rm_" if learned else ""
   judge = Judge(config, sft_dir, args.workdir, args.eval_prompts)
 
   all_variants = variants(config.pipeline.policy_learning_rate)
+  if learned:
+    all_variants = {n: all_variants[n] for n in REWARD_MODEL_VARIANTS}
   selected = [s for s in args.only.split(",") if s]
   unknown = set(selected) - set(all_variants)
   if unknown:
@@ -408,13 +517,15 @@ def main():
       continue
     judged[name] = {}
     for seed in seeds:
-      run_dir = os.path.join(args.workdir, "runs", f"{name}_seed{seed}")
-      if not judge.has(name, seed):  # judged only once its run has finished
-        print(f"=== {name}, seed {seed} ({(time.time() - started) / 60:.1f} "
-              "min)", flush=True)
+      run_dir = os.path.join(args.workdir, "runs",
+                             f"{prefix}{name}_seed{seed}")
+      # Judged only once its run has finished.
+      if not judge.has(prefix + name, seed):
+        print(f"=== {prefix}{name}, seed {seed} "
+              f"({(time.time() - started) / 60:.1f} min)", flush=True)
         loop.train(copy.deepcopy(run_config(config, algorithm, overrides,
-                                            sft_dir, seed)), run_dir)
-      judged[name][seed] = judge.outcomes(name, run_dir, seed)
+                                            sft_dir, seed, task)), run_dir)
+      judged[name][seed] = judge.outcomes(prefix + name, run_dir, seed)
   if selected:
     return
   sft_by_seed = {s: judge.outcomes("sft", None, s) for s in seeds}
@@ -423,7 +534,6 @@ def main():
                                                  sft_by_seed[s]["gold"])[0]
                                         for s in seeds]))
   rows = summarise(judged, seeds, sft_by_seed, kto_best)
-  data_file = offline_pipeline.data_paths(args.workdir)["trajectory"]["train"]
   rows["optimum_kl"] = {f"{tau:g}": optimum_kl(data_file, tau) for tau in TAUS}
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
