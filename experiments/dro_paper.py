@@ -435,7 +435,7 @@ def plot(rows, out):
     ax.axhline(0.5, color="gray", ls="--", lw=1)
     ax.set_xticks(x)
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
-    ax.set_ylim(0.3, 0.9)
+    ax.set_ylim(min([0.3] + [v - 0.05 for v in ours]), 0.9)
     ax.set_title(title, fontsize=10)
 
   fig, axes = plt.subplots(1, 4, figsize=(18, 4.4))
