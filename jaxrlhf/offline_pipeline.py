@@ -37,6 +37,7 @@ from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation
 from jaxrlhf.recipes import sft
 from jaxrlhf.train import loop
+from jaxrlhf.train import metrics as metrics_lib
 
 PAIRS_TASK = "offline_pipeline_pairs"
 TRAJECTORY_TASK = "offline_pipeline_trajectories"
@@ -62,11 +63,6 @@ BEST_OF_N = "best_of_n"
 ALL_STAGES = (("sft", "data", "reward_model") + tuple(POLICY_STAGES)
               + ONLINE_STAGES + (BEST_OF_N,))
 TABLE_METHODS = tuple(POLICY_STAGES) + ONLINE_STAGES + (BEST_OF_N,)
-
-
-def _log(message: str) -> None:
-  if jax.process_index() == 0:
-    print(message, flush=True)
 
 
 def stages_of(config) -> List[str]:
@@ -131,8 +127,9 @@ def make_data(config, workdir: str, sft_workdir: str) -> None:
           beta=p.annotator_beta, seed=config.seed)
       n_traj = synthetic_feedback.write_synthetic_feedback(
           paths["trajectory"][split], "trajectory", prompts, completions, gold)
-      _log(f"data: {split}: {len(prompts)} prompts x {p.samples_per_prompt} "
-           f"SFT samples -> {n_pairs} pairs, {n_traj} trajectories")
+      metrics_lib.log(
+          f"data: {split}: {len(prompts)} prompts x {p.samples_per_prompt} "
+          f"SFT samples -> {n_pairs} pairs, {n_traj} trajectories")
   with open(done, "w") as f:
     f.write("ok\n")
 
@@ -174,17 +171,17 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   sft_dir = os.path.join(workdir, "sft")
   results: Dict[str, Dict[str, float]] = {}
   if "sft" in stages:
-    _log("=== stage sft ===")
+    metrics_lib.log("=== stage sft ===")
     summary = loop.train(stage_config(config, "sft"), sft_dir)
     results["sft"] = summary
-    _log(loop.gold_reward_line(summary) or "")
+    metrics_lib.log(loop.gold_reward_line(summary) or "")
   if "data" in stages:
-    _log("=== stage data ===")
+    metrics_lib.log("=== stage data ===")
     make_data(config, workdir, sft_dir)
   if any(s in stages for s in ("reward_model",) + TABLE_METHODS):
     register_data_tasks(config, workdir)
   if "reward_model" in stages:
-    _log("=== stage reward_model ===")
+    metrics_lib.log("=== stage reward_model ===")
     results["reward_model"] = loop.train(stage_config(
         config, "reward_model", **{
             "data.task": PAIRS_TASK, "train.num_steps": p.reward_model_steps,
@@ -198,7 +195,7 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   for stage, (algorithm, task) in POLICY_STAGES.items():
     if stage not in stages:
       continue
-    _log(f"=== stage {stage} ===")
+    metrics_lib.log(f"=== stage {stage} ===")
     results[stage] = loop.train(stage_config(
         config, algorithm, **{
             "data.task": task, "train.num_steps": p.policy_steps,
@@ -213,19 +210,19 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   for stage in ONLINE_STAGES:
     if stage not in stages:
       continue
-    _log(f"=== stage {stage} ===")
+    metrics_lib.log(f"=== stage {stage} ===")
     results[stage] = loop.train(online_stage_config(config, stage, sft_dir,
                                                     rm_dir),
                                 os.path.join(workdir, stage))
   if BEST_OF_N in stages:
-    _log(f"=== stage {BEST_OF_N} ===")
+    metrics_lib.log(f"=== stage {BEST_OF_N} ===")
     results[BEST_OF_N] = best_of_n_stage(config, workdir, sft_dir, rm_dir)
   table = results_table(results)
   if table:
     if jax.process_index() == 0:
       with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(table, f, indent=2, sort_keys=True)
-    _log(format_table(table))
+    metrics_lib.log(format_table(table))
   return results
 
 
@@ -263,9 +260,9 @@ def best_of_n_stage(config, workdir, sft_dir, rm_dir) -> Dict[str, float]:
     os.makedirs(out_dir, exist_ok=True)
     with open(path, "w") as f:
       json.dump(metrics, f, indent=2, sort_keys=True)
-  _log(f"best-of-{config.pipeline.best_of_n}: gold reward "
-       f"{metrics['eval/gold_reward']:.4f}, win rate vs SFT "
-       f"{metrics['eval/win_rate']:.3f}")
+  metrics_lib.log(f"best-of-{config.pipeline.best_of_n}: gold reward "
+                  f"{metrics['eval/gold_reward']:.4f}, win rate vs SFT "
+                  f"{metrics['eval/win_rate']:.3f}")
   return metrics
 
 

@@ -30,6 +30,7 @@ from jaxrlhf.eval import evaluation
 from jaxrlhf.models import scoring
 from jaxrlhf.recipes import base
 from jaxrlhf.recipes import reference_cache
+from jaxrlhf.train import metrics as metrics_lib
 from jaxrlhf.train import pretrained
 
 
@@ -199,11 +200,12 @@ class PolicyRecipe(base.Recipe):
     except reference_cache.CacheMismatchError as e:
       if not new_run:
         raise
-      _log(f"{e} This is a new run, so it recomputes them.")
+      metrics_lib.log(f"{e} This is a new run, so it recomputes them.")
       table = None
     if table is not None:
-      _log(f"Using {len(table)} precomputed reference log-probs from "
-           f"{directory}")
+      metrics_lib.log(
+          f"Using {len(table)} precomputed reference log-probs from "
+          f"{directory}")
       return table
     return self._build_reference_table(reference_params(), directory,
                                        fingerprint)
@@ -236,8 +238,8 @@ class PolicyRecipe(base.Recipe):
     # Only for progress lines; a source may not know its size.
     total = pipeline.get_task(cfg.data.task).num_input_examples(
         cfg.data.train_split)
-    _log(f"Precomputing reference log-probs of {cfg.data.task}:"
-         f"{cfg.data.train_split} into {directory}")
+    metrics_lib.log(f"Precomputing reference log-probs of {cfg.data.task}:"
+                    f"{cfg.data.train_split} into {directory}")
     keys, logprobs = reference_cache.compute(
         batches, pipeline.local_batch_size(global_size), score,
         {f: reference_cache.scoring_features(self.lm, f) for f in fields},
@@ -279,8 +281,3 @@ def checkpoint_fingerprint(path: str) -> Dict[str, str]:
   path = os.path.abspath(os.fspath(path))
   return {"path": path,
           "resolved": os.path.abspath(pretrained.resolve_checkpoint(path))}
-
-
-def _log(message: str) -> None:
-  if jax.process_index() == 0:
-    print(message, flush=True)

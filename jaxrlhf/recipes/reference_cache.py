@@ -46,6 +46,8 @@ import jax
 import numpy as np
 import tensorflow as tf
 
+from jaxrlhf.train import metrics as metrics_lib
+
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
 FEATURE_PREFIX = "reference_logp_"
@@ -267,11 +269,6 @@ def _rows_over_processes(rows: int) -> int:
       np.array([rows], np.int64))))
 
 
-def _log(message: str) -> None:
-  if jax.process_index() == 0:
-    print(message, flush=True)
-
-
 def _pad_rows(batch: Mapping[str, np.ndarray], rows: int
               ) -> Dict[str, np.ndarray]:
   """Pads (with zeros) or builds a batch of exactly `rows` rows."""
@@ -334,10 +331,10 @@ def compute(batches: Iterator[Mapping[str, np.ndarray]], local_batch_size: int,
     if time.time() - last_log >= log_every_seconds:
       last_log = time.time()
       of = f" of {total_examples}" if total_examples else ""
-      _log(f"Reference log-probs: {done}{of} examples scored, "
-           f"{done / (last_log - start):.1f} examples/s")
-  _log(f"Reference log-probs: {done} examples scored in "
-       f"{time.time() - start:.1f}s")
+      metrics_lib.log(f"Reference log-probs: {done}{of} examples scored, "
+                      f"{done / (last_log - start):.1f} examples/s")
+  metrics_lib.log(f"Reference log-probs: {done} examples scored in "
+                  f"{time.time() - start:.1f}s")
   if not keys:
     return np.zeros([0], np.uint64), np.zeros([0], np.float32)
   return np.concatenate(keys), np.concatenate(values)

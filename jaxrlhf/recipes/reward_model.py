@@ -30,11 +30,7 @@ from jaxrlhf.losses import reward_model as rm_losses
 from jaxrlhf.models import heads
 from jaxrlhf.models import scoring
 from jaxrlhf.recipes import base
-
-
-def _log(message: str) -> None:
-  if jax.process_index() == 0:
-    print(message, flush=True)
+from jaxrlhf.train import metrics as metrics_lib
 
 
 class RewardModelRecipe(base.Recipe):
@@ -231,10 +227,10 @@ class RewardModelRecipe(base.Recipe):
           out_shardings=self.state_shardings, donate_argnums=0)
     state = self._shift_bias_fn(state, np.float32(-before))
     after, _ = self.mean_reference_reward(state.params["reward"])
-    _log(f"Reward normalisation: mean reward of {count} reference "
-         f"completions ({rm.normalize_on_task!r}, split "
-         f"{rm.normalize_split!r}) {before:.6f} -> {after:.6f} (head bias "
-         f"shifted by {-before:.6f}).")
+    metrics_lib.log(
+        f"Reward normalisation: mean reward of {count} reference completions "
+        f"({rm.normalize_on_task!r}, split {rm.normalize_split!r}) "
+        f"{before:.6f} -> {after:.6f} (head bias shifted by {-before:.6f}).")
     return state, {"reward_normalization/mean_before": before,
                    "reward_normalization/mean_after": after,
                    "reward_normalization/bias_shift": -before,

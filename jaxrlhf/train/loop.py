@@ -101,11 +101,6 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
     return _run(config, workdir, recipe)
 
 
-def _log(message: str) -> None:
-  if jax.process_index() == 0:
-    print(message, flush=True)
-
-
 def _run(config, workdir, recipe) -> Dict[str, float]:
   checkpointer = checkpointing.Checkpointer(
       os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
@@ -120,7 +115,8 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
         recipe.abstract_state, recipe.state_shardings)
     state, position = checkpointer.restore(latest, abstract)
     summary.update(logger.eval_before())
-    _log(f"Resumed from checkpoint at step {latest} in {checkpointer.directory}")
+    metrics_lib.log(f"Resumed from checkpoint at step {latest} in "
+                    f"{checkpointer.directory}")
   else:
     state, position = recipe.init_state(), 0
     before = recipe.evaluate(state)
@@ -128,10 +124,10 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
     summary.update({k.replace("eval/", "eval_before/"): v
                     for k, v in before.items()})
     if before:
-      _log("Before training: " + _format(before))
+      metrics_lib.log("Before training: " + _format(before))
   step = int(jax.device_get(state.step))
   if step >= total:
-    _log(f"Already at step {step} of {total}; nothing to train.")
+    metrics_lib.log(f"Already at step {step} of {total}; nothing to train.")
   batches = recipe.train_batches(position)
   progress = metrics_lib.Progress(total, step)
   pending: List = []  # (step, device metrics, tokens) not yet written
@@ -153,7 +149,7 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
       logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
     if host:
       s, m = host[-1]
-      _log(progress.line(s, m["loss"], tokens))
+      metrics_lib.log(progress.line(s, m["loss"], tokens))
     pending.clear()
 
   try:
@@ -176,9 +172,10 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
         if save_now:
           checkpointer.save(step, state, batches.position)
         if stopping:
-          _log(f"Received {stop.signal_name or 'a stop request'}: saved a "
-               f"checkpoint at step {step} and stopped. Run the same command "
-               "again to resume.")
+          metrics_lib.log(
+              f"Received {stop.signal_name or 'a stop request'}: saved a "
+              f"checkpoint at step {step} and stopped. Run the same command "
+              "again to resume.")
           return summary
         if eval_every and step % eval_every == 0 and step < total:
           logger.write(step, recipe.evaluate(state))
@@ -186,7 +183,7 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
     logger.write(step, after)
     summary.update(after)
     if after:
-      _log(f"After training (step {step}): " + _format(after))
+      metrics_lib.log(f"After training (step {step}): " + _format(after))
     return summary
   finally:
     logger.close()
