@@ -144,10 +144,11 @@ def _prompt_feature(task) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-def _load_prompts(task_name: str, task_id: int, split: str, max_tokens: int,
-                  on_long: str, suffix: str) -> Prompts:
-  del task_id  # part of the cache key: a re-registered task is re-read
-  task = pipeline.get_task(task_name)
+def _load_prompts(task, split: str, max_tokens: int, on_long: str,
+                  suffix: str) -> Prompts:
+  # The task object itself is the cache key (not its name or id(): the cache
+  # keeps it alive, so a re-registered task is a new key and is re-read).
+  task_name = task.name
   name = _prompt_feature(task)
   feature = task.output_features[name]
   vocabulary = feature.vocabulary
@@ -195,7 +196,7 @@ def load_prompts(config) -> Prompts:
   """The training prompts of `config.data.task` (cached per process)."""
   task = pipeline.get_task(config.data.task)
   o = config.online
-  return _load_prompts(config.data.task, id(task), config.data.train_split,
+  return _load_prompts(task, config.data.train_split,
                        config.data.inputs_length, o.long_prompts,
                        o.prompt_suffix)
 
