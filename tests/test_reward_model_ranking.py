@@ -8,6 +8,7 @@ from conftest import tiny_config
 from jaxrlhf import sharding
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
+from jaxrlhf.models import heads
 from jaxrlhf.recipes import reward_model
 
 
@@ -86,3 +87,57 @@ def test_all_pairs_ranking_loss_option_is_instructgpt_loss(tmp_path):
                  for r in rewards]
   np.testing.assert_allclose(loss, np.mean(per_ranking), rtol=1e-5)
   assert "pairwise_accuracy" in metrics
+
+
+def test_decoder_only_ranking_reward_model_evaluates_on_its_rankings(
+    tmp_path):
+  """A Llama ranking RM: evaluation's loss and accuracies equal plain-Python
+  ones over rewards read by hand at each completion's EOS."""
+  examples = synthetic.make_examples("train", 8)
+  rankings = [[e["ideal"], f"{e['ideal']} red", "red blue"] for e in examples]
+  rankings[1] = rankings[1][:2]  # a ranking of 2 in a K = 3 batch
+  paths = {}
+  for split in ("train", "validation"):
+    paths[split] = str(tmp_path / f"{split}.jsonl")
+    synthetic_feedback.write_jsonl(
+        [{"prompt": e["inputs"], "completions": c}
+         for e, c in zip(examples, rankings)], paths[split])
+  config = tiny_config(algorithm="reward_model_ranking",
+                       data__task="llama_rankings", model__arch="llama",
+                       model__size="tiny", model__num_encoder_layers=None,
+                       reward_model__num_completions=3, eval__num_examples=8,
+                       eval__batch_size=4)
+  config.data.files.train = paths["train"]
+  config.data.files.validation = paths["validation"]
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    recipe = _FromScratch(config, mesh)
+    state = recipe.init_state()
+    metrics = recipe.evaluate(state)
+  params = jax.device_get(state.params["reward"])
+  vocabulary = recipe.vocabulary
+
+  def reward(prompt, completion):
+    # Decoder-only layout by hand: prompt (its EOS dropped), completion,
+    # EOS; the head reads the state at that EOS.
+    tokens = (list(vocabulary.encode(prompt))
+              + list(vocabulary.encode(completion)) + [vocabulary.eos_id])
+    tokens = np.asarray(tokens, np.int32)[None]
+    hidden = recipe.model.apply(
+        {"params": params["backbone"]}, tokens,
+        np.arange(tokens.shape[1])[None], np.ones_like(tokens),
+        method=recipe.model.hidden_states)
+    return float(heads.apply_scalar_head(params["head"], hidden[0, -1]))
+
+  losses, top1, pairwise = [], [], []
+  for e, ranked in zip(examples, rankings):
+    r = [reward(e["inputs"], c) for c in ranked]
+    losses.append(-sum(r[k] - np.log(np.sum(np.exp(r[k:])))
+                       for k in range(len(r))))
+    top1.append(float(r[0] > max(r[1:])))
+    pairs = [(a, b) for a in range(len(r)) for b in range(a + 1, len(r))]
+    pairwise.append(np.mean([r[a] > r[b] for a, b in pairs]))
+  np.testing.assert_allclose(metrics["eval/loss"], np.mean(losses),
+                             rtol=1e-4)
+  np.testing.assert_allclose(metrics["eval/top1_accuracy"], np.mean(top1))
+  np.testing.assert_allclose(metrics["eval/pairwise_accuracy"],
+                             np.mean(pairwise))

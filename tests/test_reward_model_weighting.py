@@ -264,6 +264,43 @@ def test_reward_model_run_saves_normalised_head(tmp_path, recipe_and_mesh):
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
 
 
+def test_evaluation_scores_every_eval_pair(tmp_path):
+  """eval/accuracy and eval/loss over 40 pairs (eval batches of 16, the last
+  one padded) equal plain Python over rewards scored one by one from
+  features laid out by hand."""
+  config = _config(tmp_path, data__eval_split="train", eval__num_examples=40,
+                   eval__batch_size=16)
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    recipe = _FromScratch(config, mesh)
+    state = recipe.init_state()
+    metrics = recipe.evaluate(state)
+    params = jax.device_get(state.params["reward"])
+  vocabulary, eos = recipe.vocabulary, recipe.vocabulary.eos_id
+  lp, lc = config.data.inputs_length, config.data.targets_length
+
+  def padded(ids, length):
+    return np.pad(ids, (0, length - len(ids)))[None]
+
+  def reward(prompt, completion):
+    target = list(vocabulary.encode(completion)) + [eos]
+    features = {
+        "encoder_input_tokens": padded(
+            list(vocabulary.encode(prompt)) + [eos], lp),
+        "decoder_target_tokens": padded(target, lc),
+        "decoder_input_tokens": padded([0] + target[:-1], lc),
+        "decoder_loss_weights": padded([1] * len(target), lc)}
+    return float(_reference_scorer(recipe)(params, features)[0])
+
+  rows = _synthetic_pair_rows(24)[:40]
+  margins = np.array([reward(r["prompt"], r["chosen"])
+                      - reward(r["prompt"], r["rejected"]) for r in rows])
+  np.testing.assert_allclose(metrics["eval/accuracy"], np.mean(margins > 0))
+  np.testing.assert_allclose(metrics["eval/loss"],
+                             np.mean(np.log1p(np.exp(-margins))), rtol=1e-4)
+  np.testing.assert_allclose(metrics["eval/margin"], np.mean(margins),
+                             rtol=1e-4, atol=1e-6)
+
+
 def test_unknown_normalisation_task_names_the_field(tmp_path):
   config = _config(tmp_path)
   config.reward_model.normalize_on_task = "no_such_task"

@@ -70,34 +70,39 @@ class RewardModelRecipe(base.Recipe):
                                         weights=weights,
                                         centering_coef=cfg.centering_coef)
 
-  def evaluate(self, state) -> Dict[str, float]:
-    """Accuracy, loss and calibration on the eval split's pairs."""
+  def eval_rewards(self, state, reward_fn):
+    """reward_fn(reward params, batch) over the eval split's first
+    `eval.num_examples` examples: (this process's rewards as numpy arrays
+    [n, ...], their features), or None when the task has no such split."""
     cfg = self.config
-    if not hasattr(self, "_eval_pairs"):
+    if not hasattr(self, "_eval_features"):
       try:
         features, _ = pipeline.eval_examples(
             cfg.data.task, cfg.data.eval_split, self.feature_lengths,
             self.feature_converter, cfg.eval.num_examples)
       except (ValueError, KeyError, StopIteration):
         features = None
-      self._eval_pairs = features
-      self._pair_fn = jax.jit(self.pair_rewards)
-    if self._eval_pairs is None:
+      self._eval_features = features
+      self._eval_reward_fn = jax.jit(reward_fn)
+    if self._eval_features is None:
+      return None
+    n = len(next(iter(self._eval_features.values())))
+    outputs = [jax.tree.map(evaluation.local_rows,
+                            self._eval_reward_fn(state.params["reward"], b))
+               for b in evaluation.global_batches(
+                   self._eval_features, cfg.eval.batch_size, self.mesh,
+                   self.rules)]
+    rewards = jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *outputs)
+    return rewards, self._eval_features
+
+  def evaluate(self, state) -> Dict[str, float]:
+    """Accuracy, loss and calibration on the eval split's pairs."""
+    evaluated = self.eval_rewards(state, self.pair_rewards)
+    if evaluated is None:
       return {}
-    n = len(next(iter(self._eval_pairs.values())))
-    chosen, rejected = [], []
-    for batch in evaluation.global_batches(self._eval_pairs,
-                                           cfg.eval.batch_size, self.mesh,
-                                           self.rules):
-      c, r = self._pair_fn(state.params["reward"], batch)
-      chosen.append(evaluation.local_rows(c))
-      rejected.append(evaluation.local_rows(r))
-    chosen = np.concatenate(chosen)[:n]
-    rejected = np.concatenate(rejected)[:n]
-    _, m = rm_losses.bradley_terry_loss(jnp.asarray(chosen),
-                                        jnp.asarray(rejected))
-    table = rm_losses.calibration_table(jnp.asarray(chosen),
-                                        jnp.asarray(rejected), num_bins=5)
+    chosen, rejected = (jnp.asarray(r) for r in evaluated[0])
+    _, m = rm_losses.bradley_terry_loss(chosen, rejected)
+    table = rm_losses.calibration_table(chosen, rejected, num_bins=5)
     return {"eval/accuracy": float(m["accuracy"]),
             "eval/loss": float(m["bt_loss"]),
             "eval/margin": float(m["margin"]),
@@ -258,28 +263,40 @@ class RankingRewardModelRecipe(RewardModelRecipe):
                                self.config.reward_model.num_completions)}
 
   def make_feature_converter(self):
+    kwargs = ({} if self.lm.is_encoder_decoder
+              else {"eos_id": self.vocabulary.eos_id})
     return alignment_data.feature_converter_for(
-        "ranking", "encoder_decoder",
-        num_completions=self.config.reward_model.num_completions)
+        "ranking", self.architecture,
+        num_completions=self.config.reward_model.num_completions, **kwargs)
 
   def ranked_rewards(self, reward_params, batch):
-    """[batch, K] rewards of each example's K completions (one pass)."""
+    """[batch, K] rewards of each example's K completions (one pass over
+    the batch's K * batch (prompt, completion) rows)."""
     b, k = batch["completions_mask"].shape
-    flat = {"encoder_input_tokens": jnp.repeat(batch["encoder_input_tokens"],
-                                               k, axis=0)}
-    for suffix in ("decoder_target_tokens", "decoder_input_tokens",
-                   "decoder_loss_weights"):
-      x = batch[f"completions_{suffix}"]
-      flat[f"completions_{suffix}"] = x.reshape((b * k,) + x.shape[2:])
-    rewards = heads.sequence_rewards(self.lm, reward_params, flat, "completions")
+    flat = {key: jnp.repeat(batch[key], k, axis=0)
+            for key in self.lm.prompt_keys if key in batch}
+    for key in self.lm.completion_keys("completions"):
+      flat[key] = batch[key].reshape((b * k,) + batch[key].shape[2:])
+    rewards = heads.sequence_rewards(self.lm, reward_params, flat,
+                                     "completions")
     return rewards.reshape(b, k)
+
+  def ranking_loss(self, rewards, mask):
+    if self.config.reward_model.ranking_loss == "all_pairs":
+      return rm_losses.all_pairs_ranking_loss(rewards, mask)
+    return rm_losses.plackett_luce_loss(rewards, mask)
 
   def loss(self, params, frozen, batch, rng):
     rewards = self.ranked_rewards(params["reward"], batch)
-    if self.config.reward_model.ranking_loss == "all_pairs":
-      return rm_losses.all_pairs_ranking_loss(rewards,
-                                              batch["completions_mask"])
-    return rm_losses.plackett_luce_loss(rewards, batch["completions_mask"])
+    return self.ranking_loss(rewards, batch["completions_mask"])
 
-  def evaluate(self, state):
-    return {}
+  def evaluate(self, state) -> Dict[str, float]:
+    """The ranking loss, top-1 and pairwise accuracy on the eval split."""
+    evaluated = self.eval_rewards(state, self.ranked_rewards)
+    if evaluated is None:
+      return {}
+    rewards, features = evaluated
+    _, m = self.ranking_loss(jnp.asarray(rewards),
+                             jnp.asarray(features["completions_mask"]))
+    return {f"eval/{name}": float(m[name])
+            for name in ("loss", "top1_accuracy", "pairwise_accuracy")}
