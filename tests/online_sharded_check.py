@@ -1,7 +1,9 @@
 """Three PPO iterations from random networks; for tests/test_online_sharded.py.
 
-Usage: python online_sharded_check.py MESH_SHAPE
-Prints one JSON line: per-step metrics and the parameters' sum. Sampling,
+Usage: python online_sharded_check.py MESH_SHAPE [NUM_MICROBATCHES]
+Prints one JSON line: per-step metrics, the parameters' sum, and the error a
+config with micro-batches of 2 responses gives (only on several data
+shards, where 2 does not split evenly). Sampling,
 scoring and the scan of minibatch updates all run under the mesh, so the
 numbers depend on nothing but the mesh.
 """
@@ -20,16 +22,31 @@ from jaxrlhf import sharding  # noqa: E402
 from jaxrlhf.recipes import ppo  # noqa: E402
 
 shape = tuple(int(x) for x in sys.argv[1].split(","))
-# No checkpoint is read: the networks are the seeded random initialisation.
-config = tiny_config(algorithm="ppo", mesh__shape=shape, train__batch_size=8,
+micro = int(sys.argv[2]) if len(sys.argv) > 2 else 1
+
+
+def ppo_config(batch_size, num_microbatches):
+  # No checkpoint is read: the networks are the seeded random initialisation.
+  return tiny_config(algorithm="ppo", mesh__shape=shape,
+                     train__batch_size=batch_size,
+                     train__num_microbatches=num_microbatches,
                      init__policy_checkpoint="unused",
                      online__reward_model_checkpoint="unused",
                      online__num_epochs=2, online__num_minibatches=2,
                      optimizer__warmup_steps=0)
+
+
+config = ppo_config(16, micro)
 mesh = sharding.create_mesh(shape, config.mesh.axis_names)
 rules = sharding.as_rules(config.sharding.logical_axis_rules)
 
 with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  uneven_error = None
+  if shape[0] > 2:  # 8 responses / 2 minibatches / 2 micro-batches = 2 rows
+    try:
+      ppo.PPORecipe(ppo_config(8, 2), mesh)
+    except ValueError as e:
+      uneven_error = str(e)
   recipe = ppo.PPORecipe(config, mesh)
   state = recipe._init(jax.random.PRNGKey(config.seed))  # pylint: disable=protected-access
   batches = recipe.train_batches(0)
@@ -47,4 +64,5 @@ with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
                               for x in jax.tree.leaves(state.params))),
       "kernel_spec": [str(s) for s in kernel.sharding.spec],
       "kernel_shards": len({s.device for s in kernel.addressable_shards}),
+      "uneven_error": uneven_error,
   }))

@@ -334,8 +334,7 @@ class OnlineRecipe(policy.PolicyRecipe):
     self.num_minibatches = o.num_minibatches
     self.max_new_tokens = _resolve(o.max_new_tokens, config.data.targets_length)
     self.reward_run = pretrained.run_config(o.reward_model_checkpoint)
-    self._check_rollout_rows(config)
-    super().__init__(config, mesh)
+    super().__init__(config, mesh)  # checks the rows (_check_batch_size)
     self._add_rl_state()
 
   def _check_rollout_rows(self, config):
@@ -358,6 +357,33 @@ class OnlineRecipe(policy.PolicyRecipe):
           f"per step / online.num_minibatches {self.num_minibatches}), which "
           f"do not split into {micro} equal micro-batches; choose a divisor "
           f"of {per_minibatch}.")
+    # Each gradient is taken over one micro-batch (the minibatch when M = 1)
+    # gathered inside the step. Its rows must split evenly over the data
+    # shards: with uneven shards on a mesh with a model axis, XLA's
+    # partitioned backward pass gave NaN gradients (so every update was
+    # skipped as non-finite) while the loss itself was right.
+    dp = sharding.data_parallel_size(self.mesh, self.rules)
+    per_micro = per_minibatch // micro
+    if per_micro % dp:
+      raise ValueError(
+          f"config.online.num_minibatches / config.train.num_microbatches: "
+          f"each gradient of {config.algorithm} is taken over {per_micro} "
+          f"responses ({update_rows} per step / {self.num_minibatches} "
+          f"minibatches / {micro} micro-batches), which cannot be split "
+          f"evenly over {dp} data-parallel shards. Use fewer minibatches or "
+          f"micro-batches, or a larger train.batch_size, so that each holds "
+          f"a multiple of {dp} responses.")
+
+  def _check_batch_size(self):
+    # Replaces the offline check: a step's batch is its prompts; the
+    # responses its updates train on are checked by _check_rollout_rows.
+    dp = sharding.data_parallel_size(self.mesh, self.rules)
+    if self.config.train.batch_size % dp:
+      raise ValueError(
+          f"config.train.batch_size: {self.config.train.batch_size} prompts "
+          f"per step cannot be split over {dp} data-parallel shards; use a "
+          f"multiple of {dp}.")
+    self._check_rollout_rows(self.config)
 
   def rollout_rows(self, num_prompts: int) -> int:
     return num_prompts * self.samples_per_prompt
