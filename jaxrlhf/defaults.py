@@ -362,7 +362,8 @@ def base_config() -> ml_collections.ConfigDict:
   c.eval.batch_size = 64
   # Policy recipes: the task whose `eval.split` prompts and gold reward judge
   # the policy against its reference ("" = data.task), how many samples per
-  # prompt, and the sampling temperature (1.0 keeps the KL estimate exact).
+  # prompt, and the sampling temperature (eval/kl is then the KL between
+  # policy and reference both sampled at that temperature; 0 if they agree).
   c.eval.task = ""
   c.eval.split = "validation"
   c.eval.num_samples = 1

@@ -9,6 +9,7 @@ overridden with `--config.a.b=value`. Running the same command again resumes
 from the latest checkpoint in the workdir.
 """
 
+import re
 import sys
 
 from absl import app
@@ -77,7 +78,15 @@ def main(argv):
 
 def _unknown_field_message(argv, error) -> str:
   """Names the --config.* override that refers to a missing field."""
-  missing = str(error).strip("\"'")
+  # ml_collections may append 'Did you mean "other" instead of "name"?' to
+  # the missing name (inside a repr, so with escaped quotes and newline).
+  text = str(error)
+  suggestion = re.search(r'Did you mean "(\w+)" instead of "(\w+)"\?', text)
+  if suggestion:
+    missing = suggestion.group(2)
+    hint = f' Did you mean "{suggestion.group(1)}"?'
+  else:
+    missing, hint = text.strip("\"' "), ""
   for arg in argv:
     if arg.startswith("--config."):
       path = arg[len("--config."):].split("=", 1)[0]
@@ -85,9 +94,9 @@ def _unknown_field_message(argv, error) -> str:
       if missing in parts:
         parent = ".".join(parts[:parts.index(missing)]) or "config"
         return (f"error: unknown config field '{path}' (from {arg}): "
-                f"'{parent}' has no field '{missing}'. The fields and their "
-                "documentation are in jaxrlhf/defaults.py.")
-  return f"error: bad config override: {error}"
+                f"'{parent}' has no field '{missing}'.{hint} The fields and "
+                "their documentation are in jaxrlhf/defaults.py.")
+  return f"error: bad config override: {missing}.{hint}"
 
 
 def _parse_flags(argv):

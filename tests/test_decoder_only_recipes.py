@@ -7,6 +7,7 @@ import pytest
 
 from conftest import tiny_config
 from jaxrlhf import sharding
+from jaxrlhf.eval import evaluation
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
 from jaxrlhf.recipes import registry
@@ -59,3 +60,18 @@ def test_llama_policy_trains_and_is_evaluated(tmp_path, algorithm, kind):
   assert 0.0 <= result["eval/win_rate"] <= 1.0
   assert result["eval/kl"] > 0.0
   assert 0 < result["eval/length"] <= config.data.targets_length
+
+
+def test_eval_kl_of_the_reference_against_itself_is_zero_at_any_temperature(
+    tmp_path):
+  """Policy = reference: every sequence's log-ratio is 0 when both log-probs
+  are taken at the sampling temperature (scoring the reference at 1 instead
+  gave about 0.5 here at temperature 0.7)."""
+  recipe_cls, config, mesh, rules = _recipe(tmp_path, "dpo", "pairs")
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    recipe = recipe_cls(config, mesh)
+    params = recipe.init_state().params["policy"]
+    tokens, texts, gold = recipe._eval_prompts()  # pylint: disable=protected-access
+    result = evaluation.compare_with_reference(
+        recipe, params, params, tokens, texts, gold, temperature=0.7)
+  np.testing.assert_allclose(result["eval/kl"], 0.0, atol=1e-4)

@@ -175,6 +175,8 @@ def test_microbatches_give_the_full_batch_gradient():
 @pytest.mark.parametrize("flags,message", [
     (["--config.model.no_such_field=1"],
      "unknown config field 'model.no_such_field'"),
+    (["--config.dpo.los_type=ipo"],  # with ml_collections' suggestion
+     "'dpo' has no field 'los_type'. Did you mean \"loss_type\""),
     (["--config.train.num_steps=many"], "--config.train.num_steps=many"),
     (["--config.data.task=no_such_task"],
      "no seqio task or mixture named 'no_such_task'"),

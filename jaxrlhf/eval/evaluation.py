@@ -163,14 +163,17 @@ def scoring_features(recipe, prompt_tokens, samples) -> Dict[str, np.ndarray]:
           "loss_weights": np.concatenate([np.zeros_like(prompt), weights], 1)}
 
 
-def sequence_logprobs(recipe, params, prompt_tokens, samples) -> np.ndarray:
-  """log p(completion | prompt) under `params` for sampled completions."""
-  if not hasattr(recipe, "_score_fn"):
-    recipe._score_fn = jax.jit(lambda p, b: jnp.sum(
-        recipe.lm.completion_logprobs(p, b)[0], axis=-1))
+def sequence_logprobs(recipe, params, prompt_tokens, samples,
+                      temperature: float = 1.0) -> np.ndarray:
+  """log p(completion | prompt) under `params` at `temperature` for sampled
+  completions."""
+  fns = recipe.__dict__.setdefault("_score_fns", {})
+  if temperature not in fns:
+    fns[temperature] = jax.jit(lambda p, b: jnp.sum(
+        recipe.lm.completion_logprobs(p, b, None, temperature)[0], axis=-1))
   features = scoring_features(recipe, prompt_tokens, samples)
   n = len(prompt_tokens)
-  out = [local_rows(recipe._score_fn(params, b)) for b in global_batches(
+  out = [local_rows(fns[temperature](params, b)) for b in global_batches(
       features, recipe.config.eval.batch_size, recipe.mesh, recipe.rules)]
   return np.concatenate(out)[:n]
 
@@ -184,8 +187,9 @@ def compare_with_reference(recipe, policy, reference, prompt_tokens,
   For each prompt and each of `num_samples` draws, the policy's completion
   wins over an independent reference completion if its gold reward is
   higher (ties count 1/2). KL(policy || reference) is estimated per sequence
-  as log pi(y) - log pi_ref(y) on policy samples y (an unbiased estimator at
-  temperature 1).
+  as log pi(y) - log pi_ref(y) on policy samples y, both at the sampling
+  temperature (the distributions the samples come from, as in the online
+  recipes' KL penalty): unbiased, and 0 when the policy is the reference.
   """
   outcomes, rewards, ref_rewards, kls, lengths, ends = [], [], [], [], [], []
   for k in range(num_samples):
@@ -201,8 +205,10 @@ def compare_with_reference(recipe, policy, reference, prompt_tokens,
     outcomes.append((r > r_ref) + 0.5 * (r == r_ref))
     rewards.append(r)
     ref_rewards.append(r_ref)
+    # The sampler's log-probs are at `temperature`; so must the reference's.
     kls.append(np.sum(mine.logprobs, -1)
-               - sequence_logprobs(recipe, reference, prompt_tokens, mine))
+               - sequence_logprobs(recipe, reference, prompt_tokens, mine,
+                                   temperature))
     lengths.append(np.sum(mine.mask, -1))
     ends.append(mine.has_eos)
   cat = lambda xs: np.concatenate(xs).astype(np.float64)

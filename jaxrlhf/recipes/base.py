@@ -17,9 +17,11 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import optax
+import seqio
 
 from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
+from jaxrlhf.data import file_sources
 from jaxrlhf.data import pipeline
 from jaxrlhf.models import build_model
 from jaxrlhf.models import scoring
@@ -224,8 +226,17 @@ def register_task_from_files(config, kind: Optional[str]) -> None:
         f"config.data.files: {config.algorithm} reads a registered seqio "
         "task (config.data.task); file sources are for the offline "
         "alignment data kinds (pairs, rankings, trajectories, thumbs).")
+  name = config.data.task
+  if name in seqio.MixtureRegistry.names() or (
+      name in seqio.TaskRegistry.names() and not isinstance(
+          seqio.get_mixture_or_task(name).source,
+          file_sources.AlignmentFileSource)):
+    raise ValueError(
+        f"config.data.task: {name!r} is already a registered seqio task, and "
+        "config.data.files.train registers the files as a task under that "
+        "name. Give your data its own name, e.g. --config.data.task=my_prefs "
+        "(files registered by an earlier run of this process are replaced).")
   if files.vocabulary:
-    import seqio
     vocabulary = seqio.SentencePieceVocabulary(files.vocabulary)
   else:
     from jaxrlhf.data import tasks
@@ -238,7 +249,8 @@ def register_task_from_files(config, kind: Optional[str]) -> None:
       layout=files.layout, column_mapping=parse_column_mapping(
           files.column_mapping),
       max_prompt_tokens=config.data.inputs_length,
-      max_completion_tokens=config.data.targets_length - 1,
+      # Both lengths count the EOS the task appends.
+      max_completion_tokens=config.data.targets_length,
       normalize_rewards=files.normalize_rewards and kind == "trajectory",
       on_bad_row=files.on_bad_row, seed=config.seed, overwrite=True)
 
