@@ -16,7 +16,9 @@ import pytest
 
 from conftest import REPO, cli_args, quiet_env, tiny_config
 from jaxrlhf import sharding
+from jaxrlhf.data import file_sources
 from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.recipes import reward_model
 from jaxrlhf.recipes import sft
 from jaxrlhf.train import loop
 from jaxrlhf.train import steps
@@ -145,6 +147,48 @@ def test_half_written_checkpoint_is_never_restored(tmp_path, capsys):
   assert "Resumed from checkpoint at step 8" in capsys.readouterr().out
   assert sorted(int(d) for d in os.listdir(ckpts) if d.isdigit()) == [8, 12]
   assert not partial.exists()
+
+
+def test_finished_run_is_not_evaluated_again_and_refused_run_keeps_config(
+    tmp_path, capsys):
+  config = tiny_config(train__num_steps=2)
+  first = loop.train(config, str(tmp_path))
+  metrics = (tmp_path / "metrics.jsonl").read_text()
+  run_config = (tmp_path / "config.json").read_text()
+  last = json.loads(metrics.splitlines()[-1])
+  assert last["step"] == 2 and "eval/gold_reward" in last
+  # Run again: nothing to train, nothing logged twice, the same summary.
+  again = loop.train(config, str(tmp_path))
+  assert "Already at step 2 of 2" in capsys.readouterr().out
+  assert (tmp_path / "metrics.jsonl").read_text() == metrics
+  assert {k: v for k, v in again.items() if k.startswith("eval/")} == {
+      k: v for k, v in last.items() if k.startswith("eval/")}
+  assert again["eval_before/gold_reward"] == first["eval_before/gold_reward"]
+  # A run that cannot restore the workdir's checkpoint (another model
+  # shape) fails at start-up and leaves the config of the checkpoints.
+  other = tiny_config(train__num_steps=4, model__mlp_dim=48)
+  with pytest.raises(Exception):
+    loop.train(other, str(tmp_path))
+  assert (tmp_path / "config.json").read_text() == run_config
+
+
+def test_bad_data_stops_the_run_before_the_first_evaluation(tmp_path,
+                                                            monkeypatch):
+  path = tmp_path / "pairs.jsonl"
+  path.write_text(json.dumps({"prompt": "summarize: red", "chosen": "red",
+                              "rejected": ""}) + "\n")  # empty completion
+  config = tiny_config(algorithm="reward_model", data__task="bad_rm_pairs",
+                       init__policy_checkpoint="")
+  config.data.files.train = str(path)
+  evaluated = []
+  monkeypatch.setattr(reward_model.RewardModelRecipe, "pretrained_paths",
+                      lambda self: {})
+  monkeypatch.setattr(reward_model.RewardModelRecipe, "evaluate",
+                      lambda self, state: evaluated.append(1) or {})
+  with pytest.raises(file_sources.BadRowError, match="row 1: empty_completion"):
+    loop.train(config, str(tmp_path / "run"))
+  assert not evaluated
+  assert not (tmp_path / "run" / "config.json").exists()
 
 
 def test_microbatches_give_the_full_batch_gradient():

@@ -69,6 +69,12 @@ class _StopFlag:
 
 def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
   """Creates the workdir and writes the resolved config into it."""
+  check_workdir(workdir)
+  write_run_config(workdir, config)
+
+
+def check_workdir(workdir: str) -> None:
+  """Creates the workdir; a one-line WorkdirError if it is not writable."""
   if not workdir:
     raise WorkdirError("--workdir is required: a directory for checkpoints, "
                        "metrics and the resolved config.")
@@ -82,9 +88,15 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
     raise WorkdirError(
         f"--workdir {workdir!r} is not a writable directory ({e.strerror}); "
         "choose a path you can write to.") from e
+
+
+def write_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
+  """Writes the resolved config as `config.json` (atomically, process 0)."""
   if jax.process_index() == 0:
-    with open(os.path.join(workdir, "config.json"), "w") as f:
+    path = os.path.join(workdir, "config.json")
+    with open(path + ".tmp", "w") as f:
       f.write(config.to_json_best_effort(indent=2, sort_keys=True))
+    os.replace(path + ".tmp", path)
 
 
 def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
@@ -94,7 +106,10 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
   this call started from step 0.
   """
   defaults.validate(config)
-  prepare_workdir(workdir, config)
+  # config.json is written once the run has started (its state restored or
+  # initialised, its data readable): a run refused at start-up leaves the
+  # config of the run that made the workdir's checkpoints in place.
+  check_workdir(workdir)
   with sharding.activate(config) as mesh:
     recipe = _recipes()[config.algorithm](config, mesh)
     recipe.workdir = workdir
@@ -119,16 +134,27 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
                     f"{checkpointer.directory}")
   else:
     state, position = recipe.init_state(), 0
+  step = int(jax.device_get(state.step))
+  batches = recipe.train_batches(position)
+  # The first batch is read now, so that bad data stops the run before the
+  # first evaluation (which can take minutes) rather than after it.
+  first_batch = next(batches) if step < total else None
+  write_run_config(workdir, config)
+  if latest is None:
     before = recipe.evaluate(state)
-    logger.write(0, before)
+    if before:
+      logger.write(0, before)
+      metrics_lib.log("Before training: " + _format(before))
     summary.update({k.replace("eval/", "eval_before/"): v
                     for k, v in before.items()})
-    if before:
-      metrics_lib.log("Before training: " + _format(before))
-  step = int(jax.device_get(state.step))
-  if step >= total:
+    final = before  # the evaluation at step `step` (0 here)
+  else:
+    final = logger.eval_at(step)
+  if step >= total and _all_processes_agree(bool(final) or latest is None):
+    # A finished run: its final evaluation is in metrics.jsonl already.
+    summary.update(final)
     metrics_lib.log(f"Already at step {step} of {total}; nothing to train.")
-  batches = recipe.train_batches(position)
+    return summary
   progress = metrics_lib.Progress(total, step)
   pending: List = []  # (step, device metrics, tokens) not yet written
   eval_every = config.eval.every_steps
@@ -155,7 +181,10 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
   try:
     with _StopFlag() as stop:
       while step < total:
-        local = next(batches)
+        if first_batch is None:
+          local = next(batches)
+        else:
+          local, first_batch = first_batch, None
         batch = sharding.global_batch(local, recipe.mesh, recipe.rules)
         state, step_metrics = recipe.train_step(state, batch)
         step += 1
@@ -178,9 +207,14 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
               "again to resume.")
           return summary
         if eval_every and step % eval_every == 0 and step < total:
-          logger.write(step, recipe.evaluate(state))
+          evaluated = recipe.evaluate(state)
+          if evaluated:
+            logger.write(step, evaluated)
+            metrics_lib.log(f"Evaluation (step {step}): "
+                            + _format(evaluated))
     after = recipe.evaluate(state)
-    logger.write(step, after)
+    if after:
+      logger.write(step, after)
     summary.update(after)
     if after:
       metrics_lib.log(f"After training (step {step}): " + _format(after))
@@ -188,6 +222,15 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
   finally:
     logger.close()
     checkpointer.close()
+
+
+def _all_processes_agree(local: bool) -> bool:
+  """`local` as process 0 sees it, on every process (control flow that
+  leads to collectives must not differ between processes)."""
+  if jax.process_count() == 1:
+    return local
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  return bool(multihost_utils.broadcast_one_to_all(np.int32(local)))
 
 
 def gold_reward_line(summary: Dict[str, float]) -> Optional[str]:

@@ -49,6 +49,13 @@ class MetricsLogger:
                 if k.startswith("eval/")}
     return {}
 
+  def eval_at(self, step: int):
+    """The "eval/..." scalars logged at `step` (the last such row), or {}."""
+    for row in reversed(self._rows):
+      if row["step"] == step and any(k.startswith("eval/") for k in row):
+        return {k: v for k, v in row.items() if k.startswith("eval/")}
+    return {}
+
   def write(self, step: int, scalars: Mapping[str, float]) -> None:
     scalars = {k: float(v) for k, v in scalars.items()}
     self._writer.write_scalars(step, scalars)
