@@ -112,9 +112,9 @@ def run_config(config, algorithm, overrides, sft_dir, seed, task):
                                     p.policy_steps // 4),
       # The paper's default: one learning rate for policy and value.
       "dro.value_learning_rate": rate,
-      # No evaluation inside the run (the trajectories task has no gold
-      # reward); this script judges every run itself on the test split.
-      "eval.task": offline_pipeline.TRAJECTORY_TASK,
+      # No evaluation inside the run (its data task has no gold reward);
+      # this script judges every run itself on the test split.
+      "eval.task": "",
       **overrides,
   })
 

@@ -1,15 +1,22 @@
 """config.data.files registers the run's task: under its own name, with the
-configured lengths as the limits of good rows."""
+configured lengths as the limits of good rows; config.eval.task must name a
+task the policy can be judged on; a checkpoint trained on another
+vocabulary is refused."""
 
 import json
 
+import jax
 import pytest
 import seqio
 
 from conftest import tiny_config
+from jaxrlhf import sharding
 from jaxrlhf.data import file_sources
-from jaxrlhf.data import tasks  # noqa: F401  (registers the built-in tasks)
+from jaxrlhf.data import tasks
+from jaxrlhf.data import vocab
 from jaxrlhf.recipes import base
+from jaxrlhf.recipes import direct_preference
+from jaxrlhf.train import loop
 
 
 def _pairs_file(path, completions):
@@ -47,3 +54,39 @@ def test_completions_may_fill_targets_length_eos_included(tmp_path):
   assert [e["chosen"] for e in source.examples()] == ["red blue green gold",
                                                        "red"]
   assert source.bad_row_counts() == {"completion_too_long": 1}
+
+
+@pytest.mark.parametrize("eval_task,message", [
+    ("synthetic_summarise", r"config.eval.task: no seqio task or mixture "
+     r"named 'synthetic_summarise'"),
+    ("files_no_gold", r"config.eval.task: 'files_no_gold' has no gold "
+     r"reward"),
+])
+def test_eval_task_must_exist_and_have_a_gold_reward(tmp_path, eval_task,
+                                                     message):
+  config = tiny_config(algorithm="dpo", data__task="files_no_gold",
+                       eval__task=eval_task)
+  config.data.files.train = _pairs_file(tmp_path / "p.jsonl", ["red blue"])
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    with pytest.raises(ValueError, match=message):
+      direct_preference.DirectPreferenceRecipe(config, mesh)
+
+
+def test_checkpoint_of_another_vocabulary_is_refused(tmp_path):
+  # An SFT run on the synthetic task (only its config.json is needed: the
+  # check comes before any parameter is read).
+  loop.prepare_workdir(str(tmp_path / "sft"), tiny_config(algorithm="sft"))
+  other = vocab.word_vocabulary(["summarize:", "red", "blue", "fox"])
+  config = tiny_config(algorithm="dpo", data__task="files_other_vocab",
+                       init__policy_checkpoint=str(tmp_path / "sft"),
+                       eval__task="synthetic_summarize")
+  config.data.files.train = _pairs_file(tmp_path / "p.jsonl", ["red blue"])
+  config.data.files.vocabulary = other.sentencepiece_model_file
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    recipe = direct_preference.DirectPreferenceRecipe(config, mesh)
+    with pytest.raises(ValueError) as error:
+      recipe.init_state()
+  message = str(error.value)
+  assert "was trained with vocabulary" in message
+  assert vocab.describe(tasks.synthetic_vocabulary()) in message
+  assert vocab.describe(other) in message

@@ -399,13 +399,13 @@ def test_reward_model_with_another_vocabulary_fails_at_start_up(workdirs,
   run["data"]["files"]["vocabulary"] = other.sentencepiece_model_file
   (rm / "config.json").write_text(json.dumps(run))
   config = _config(workdirs, online__reward_model_checkpoint=str(rm))
-  policy_vocabulary = online.describe_vocabulary(tasks.synthetic_vocabulary())
+  policy_vocabulary = vocab.describe(tasks.synthetic_vocabulary())
   with _mesh_context(config) as mesh:
     with pytest.raises(ValueError) as error:
       ppo.PPORecipe(config, mesh)
   message = str(error.value)
   assert "config.online.reward_model_checkpoint" in message
-  assert online.describe_vocabulary(other) in message
+  assert vocab.describe(other) in message
   assert policy_vocabulary in message and str(rm) in message
 
 

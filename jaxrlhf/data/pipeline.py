@@ -24,14 +24,15 @@ def import_task_modules(modules) -> None:
     importlib.import_module(name)
 
 
-def get_task(name: str):
-  """The registered seqio task or mixture, or a one-line error to fix it."""
+def get_task(name: str, field: str = "config.data.task"):
+  """The registered seqio task or mixture, or a one-line error to fix
+  `field`, the config field that named it."""
   try:
     return seqio.get_mixture_or_task(name)
   except (ValueError, KeyError) as e:
     known = sorted(seqio.TaskRegistry.names())
     raise ValueError(
-        f"config.data.task: no seqio task or mixture named {name!r} is "
+        f"{field}: no seqio task or mixture named {name!r} is "
         f"registered. Known tasks: {known}. Register it before training, or "
         "list the module that registers it in config.data.task_modules."
     ) from e

@@ -33,6 +33,24 @@ def gold_reward_for(task_name: str) -> Optional[GoldReward]:
   return _GOLD_REWARDS.get(task_name)
 
 
+def run_vocabulary(run: dict) -> Optional[seqio.Vocabulary]:
+  """The vocabulary a jaxrlhf run (its config.json, as a dict) used, or
+  None when it cannot be told (its task is not registered here)."""
+  data = run.get("data", {})
+  files = data.get("files", {})
+  if files.get("vocabulary"):
+    return seqio.SentencePieceVocabulary(files["vocabulary"])
+  task = data.get("task")
+  if task in seqio.TaskRegistry.names() or task in seqio.MixtureRegistry.names():
+    features = seqio.get_mixture_or_task(task).output_features
+    feature = (features.get("targets") or features.get("prompt")
+               or next(iter(features.values())))
+    return feature.vocabulary
+  if files.get("train"):  # a file task with the default vocabulary
+    return synthetic_vocabulary()
+  return None
+
+
 def synthetic_vocabulary() -> seqio.SentencePieceVocabulary:
   return vocab.word_vocabulary([synthetic.PROMPT_PREFIX] + synthetic.WORDS)
 

@@ -60,3 +60,22 @@ def word_vocabulary(words: Sequence[str]) -> seqio.SentencePieceVocabulary:
       f.write(proto)
     os.replace(tmp, path)
   return seqio.SentencePieceVocabulary(str(path))
+
+
+def fingerprint(vocabulary: seqio.Vocabulary) -> str:
+  """Identifies a vocabulary by content: its SentencePiece model, or else
+  the text of every id."""
+  sp_model = getattr(vocabulary, "sp_model", None)
+  if sp_model:
+    return hashlib.sha256(sp_model).hexdigest()
+  digest = hashlib.sha256(str(vocabulary.vocab_size).encode())
+  for i in range(vocabulary.vocab_size):
+    digest.update(vocabulary.decode([i]).encode() + b"\0")
+  return digest.hexdigest()
+
+
+def describe(vocabulary: seqio.Vocabulary) -> str:
+  """"SentencePieceVocabulary ('path', N ids)", for error messages."""
+  path = getattr(vocabulary, "sentencepiece_model_file", None)
+  where = f"SentencePiece model {path!r}, " if path else ""
+  return f"{type(vocabulary).__name__} ({where}{vocabulary.vocab_size} ids)"

@@ -23,6 +23,8 @@ from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import pipeline
+from jaxrlhf.data import tasks
+from jaxrlhf.data import vocab
 from jaxrlhf.models import build_model
 from jaxrlhf.models import scoring
 from jaxrlhf.train import optimizers
@@ -145,6 +147,7 @@ class Recipe:
     for target, path in self.pretrained_paths().items():
       if not path:
         continue
+      self._check_checkpoint_vocabulary(target, path)
       group, name, *sub = target.split("/")
       tree = getattr(state, group)
       node = tree[name]
@@ -154,6 +157,25 @@ class Recipe:
       tree = _replace_subtree(tree, [name] + sub, loaded)
       state = state.replace(**{group: tree})
     return state
+
+  def _check_checkpoint_vocabulary(self, target: str, path: str):
+    """A jaxrlhf checkpoint must have been trained on this run's vocabulary:
+    otherwise its shapes may still fit (vocabularies are padded to the same
+    size) while every token id means another token. T5X checkpoints carry
+    no run config and are not checked."""
+    run = pretrained.run_config(path)
+    trained = tasks.run_vocabulary(run) if run else None
+    if trained is None or vocab.fingerprint(trained) == vocab.fingerprint(
+        self.vocabulary):
+      return
+    raise ValueError(
+        f"The checkpoint {path!r} (loaded into {target}) was trained with "
+        f"vocabulary {vocab.describe(trained)}, but this run's data "
+        f"(config.data.task {self.config.data.task!r}) uses "
+        f"{vocab.describe(self.vocabulary)}, so its token ids would be read "
+        "as other tokens. Use data with the checkpoint's vocabulary "
+        "(config.data.files.vocabulary for files) or a checkpoint trained "
+        "on this one.")
 
   # --- optimisation --------------------------------------------------------------
 
@@ -239,7 +261,6 @@ def register_task_from_files(config, kind: Optional[str]) -> None:
   if files.vocabulary:
     vocabulary = seqio.SentencePieceVocabulary(files.vocabulary)
   else:
-    from jaxrlhf.data import tasks
     vocabulary = tasks.synthetic_vocabulary()
   paths = {"train": files.train}
   if files.validation:

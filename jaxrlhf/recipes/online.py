@@ -43,7 +43,6 @@ mix at their boundaries: of the first 3,000 examples served from a
 import copy
 import dataclasses
 import functools
-import hashlib
 from typing import Any, Callable, Dict, List, Tuple
 
 import flax
@@ -58,6 +57,7 @@ import tensorflow as tf
 from jaxrlhf import sharding
 from jaxrlhf.data import pipeline
 from jaxrlhf.data import tasks as tasks_lib
+from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import build_model
 from jaxrlhf.models import heads
@@ -246,45 +246,6 @@ class PromptBatches:
     return {"encoder_input_tokens": self.prompts[local]}
 
 
-# --- the reward model's vocabulary ------------------------------------------------
-
-
-def vocabulary_fingerprint(vocabulary) -> str:
-  """Identifies a vocabulary by content: its SentencePiece model, or else
-  the text of every id."""
-  sp_model = getattr(vocabulary, "sp_model", None)
-  if sp_model:
-    return hashlib.sha256(sp_model).hexdigest()
-  digest = hashlib.sha256(str(vocabulary.vocab_size).encode())
-  for i in range(vocabulary.vocab_size):
-    digest.update(vocabulary.decode([i]).encode() + b"\0")
-  return digest.hexdigest()
-
-
-def describe_vocabulary(vocabulary) -> str:
-  path = getattr(vocabulary, "sentencepiece_model_file", None)
-  where = f"SentencePiece model {path!r}, " if path else ""
-  return f"{type(vocabulary).__name__} ({where}{vocabulary.vocab_size} ids)"
-
-
-def run_vocabulary(run: dict):
-  """The vocabulary a jaxrlhf run (its config.json, as a dict) used, or
-  None when it cannot be told (its task is not registered here)."""
-  data = run.get("data", {})
-  files = data.get("files", {})
-  if files.get("vocabulary"):
-    return seqio.SentencePieceVocabulary(files["vocabulary"])
-  task = data.get("task")
-  if task in seqio.TaskRegistry.names() or task in seqio.MixtureRegistry.names():
-    features = seqio.get_mixture_or_task(task).output_features
-    feature = (features.get("targets") or features.get("prompt")
-               or next(iter(features.values())))
-    return feature.vocabulary
-  if files.get("train"):  # a file task with the default vocabulary
-    return tasks_lib.synthetic_vocabulary()
-  return None
-
-
 @functools.lru_cache(maxsize=None)
 def _reward_fn(module):
   """Jitted reward-model scoring, shared by recipes with the same module (the
@@ -421,14 +382,14 @@ class OnlineRecipe(policy.PolicyRecipe):
     checks that it reads the policy's vocabulary."""
     run = self.reward_run
     path = self.config.online.reward_model_checkpoint
-    vocabulary = run_vocabulary(run) if run else None
-    if vocabulary is not None and (vocabulary_fingerprint(vocabulary)
-                                   != vocabulary_fingerprint(self.vocabulary)):
+    vocabulary = tasks_lib.run_vocabulary(run) if run else None
+    if vocabulary is not None and (vocab.fingerprint(vocabulary)
+                                   != vocab.fingerprint(self.vocabulary)):
       raise ValueError(
           f"config.online.reward_model_checkpoint: the reward model {path!r} "
-          f"was trained with vocabulary {describe_vocabulary(vocabulary)}, "
+          f"was trained with vocabulary {vocab.describe(vocabulary)}, "
           f"but the policy (config.data.task {self.config.data.task!r}) uses "
-          f"{describe_vocabulary(self.vocabulary)}. Its scores of the "
+          f"{vocab.describe(self.vocabulary)}. Its scores of the "
           "policy's token ids would be meaningless: train a reward model on "
           "the policy's vocabulary.")
     model_config = self.config.model

@@ -60,6 +60,26 @@ class PolicyRecipe(base.Recipe):
           "precomputed reference log-probs need one pass that sees every "
           "training example, which a mixture's sampling does not promise. "
           "Train on a task, or use reference_logprobs.mode='in_step'.")
+    self._check_eval_task()
+
+  def _check_eval_task(self):
+    """A named eval task must exist and have a gold reward; without one the
+    run says once that it will not judge the policy."""
+    cfg = self.config
+    if cfg.eval.task:
+      pipeline.get_task(cfg.eval.task, field="config.eval.task")
+      if tasks.gold_reward_for(cfg.eval.task) is None:
+        raise ValueError(
+            f"config.eval.task: {cfg.eval.task!r} has no gold reward, which "
+            "policy evaluation judges samples with. Register one with "
+            "jaxrlhf.data.tasks.register_gold_reward, use a task that has "
+            "one (e.g. 'synthetic_summarize'), or set it to '' to train "
+            "without evaluation.")
+    elif tasks.gold_reward_for(cfg.data.task) is None:
+      metrics_lib.log(
+          f"No evaluation: config.data.task {cfg.data.task!r} has no gold "
+          "reward to judge the policy with; set config.eval.task to a task "
+          "that has one (e.g. 'synthetic_summarize') to evaluate.")
 
   @property
   def precomputed_reference(self) -> bool:

@@ -25,6 +25,7 @@ import tensorflow as tf
 from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import pipeline
+from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation
 from jaxrlhf.losses import reward_model as rm_losses
 from jaxrlhf.models import heads
@@ -132,14 +133,12 @@ class RewardModelRecipe(base.Recipe):
           f"{sorted(features)}); reward normalisation scores each prompt "
           "('inputs') with its reference completion ('targets'), as an SFT "
           "task holds them.")
-    from jaxrlhf.recipes import online  # pylint: disable=g-import-not-at-top
     vocabulary = features["targets"].vocabulary
-    if (online.vocabulary_fingerprint(vocabulary)
-        != online.vocabulary_fingerprint(self.vocabulary)):
+    if vocab.fingerprint(vocabulary) != vocab.fingerprint(self.vocabulary):
       raise ValueError(
           f"{field}: task {name!r} uses vocabulary "
-          f"{online.describe_vocabulary(vocabulary)}, but the reward model "
-          f"reads {online.describe_vocabulary(self.vocabulary)}; its scores "
+          f"{vocab.describe(vocabulary)}, but the reward model "
+          f"reads {vocab.describe(self.vocabulary)}; its scores "
           "of the other vocabulary's token ids would be meaningless. Use a "
           "task with the reward model's vocabulary.")
 
