@@ -85,7 +85,11 @@ def base_config() -> ml_collections.ConfigDict:
   # task named data.task is registered from these files at start-up.
   c.data.files = ml_collections.ConfigDict()
   # Path or glob of training / held-out files (JSONL or Parquet; local or
-  # any tf.io.gfile path such as gs://).
+  # any tf.io.gfile path such as gs://). Held-out files are the "validation"
+  # split: the reward models evaluate on it (data.eval_split); the policy
+  # recipes are judged on config.eval.task's prompts instead and do not
+  # read it. config.data.task names the task these files become; it must
+  # not be an already registered task such as the default.
   c.data.files.train = ""
   c.data.files.validation = ""
   # "columns" (with column_mapping), "ultrafeedback", "hh_rlhf", "tldr".
@@ -137,6 +141,8 @@ def base_config() -> ml_collections.ConfigDict:
 
   c.reward_model = ml_collections.ConfigDict()
   # Use the pairs' "margin" feature in the Bradley-Terry loss (Llama 2).
+  # The training loss then includes it; eval/loss is the plain
+  # Bradley-Terry loss, so the two are not comparable.
   c.reward_model.use_margin = False
   # Weight of the reward-centring term (r_chosen + r_rejected)^2.
   c.reward_model.centering_coef = 0.0
@@ -240,12 +246,15 @@ def base_config() -> ml_collections.ConfigDict:
   # in the loss instead, with grpo.kl_coef.
   c.online.kl_coef = 0.05
   # Per-token KL estimator of the penalty: "k1" (log ratio), "k2", "k3"
-  # (jaxrlhf/rl/kl.py).
+  # (jaxrlhf/rl/kl.py). It shapes the reward of ppo, rloo and reinforce;
+  # GRPO's loss always uses k3, so for grpo and rejection_sampling it only
+  # changes the logged rlhf_reward.
   c.online.kl_estimator = "k1"
   # Adaptive KL coefficient (Ziegler et al. 2019): beta moves towards
   # keeping the mean per-response KL at kl_target, by at most 20% of
   # (responses per step / kl_horizon) per step. The coefficient is part of
-  # the checkpointed train state.
+  # the checkpointed train state. With grpo it adapts grpo.kl_coef (the
+  # loss's KL weight); rejection_sampling has no KL term and ignores it.
   c.online.adaptive_kl = False
   c.online.kl_target = 6.0
   c.online.kl_horizon = 10000
@@ -399,8 +408,9 @@ def validate(c: ml_collections.ConfigDict) -> None:
   """Checks values and combinations; the error names the offending field."""
   _require(c.algorithm in ALGORITHMS, "algorithm",
            f"{c.algorithm!r} is not one of {ALGORITHMS}.")
-  _require(c.dpo.loss_type in ("dpo", "cdpo", "robust_dpo", "ipo", "slic"),
-           "dpo.loss_type", f"{c.dpo.loss_type!r} is not a known loss type.")
+  dpo_losses = ("dpo", "cdpo", "robust_dpo", "ipo", "slic")
+  _require(c.dpo.loss_type in dpo_losses, "dpo.loss_type",
+           f"{c.dpo.loss_type!r} is not one of {dpo_losses}.")
   _require(c.reward_model.ranking_loss in ("plackett_luce", "all_pairs"),
            "reward_model.ranking_loss", f"{c.reward_model.ranking_loss!r}: "
            "use 'plackett_luce' or 'all_pairs'.")

@@ -87,6 +87,7 @@ def test_checkpoint_of_another_vocabulary_is_refused(tmp_path):
     with pytest.raises(ValueError) as error:
       recipe.init_state()
   message = str(error.value)
+  assert message.startswith("config.init.policy_checkpoint: ")
   assert "was trained with vocabulary" in message
   assert vocab.describe(tasks.synthetic_vocabulary()) in message
   assert vocab.describe(other) in message

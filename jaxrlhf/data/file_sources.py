@@ -340,8 +340,9 @@ class AlignmentFileSource(seqio.DataSource):
             if self.on_bad_row == "raise":
               raise BadRowError(
                   f"{record_} Fix the file, or pass "
-                  "on_bad_row='skip_and_report' to skip such rows and count "
-                  "them.")
+                  "on_bad_row='skip_and_report' (on the command line: "
+                  "--config.data.files.on_bad_row=skip_and_report) to skip "
+                  "such rows and count them.")
             counts[item.reason] = counts.get(item.reason, 0) + 1
             if len(kept) < MAX_KEPT_BAD_ROWS:
               kept.append(record_)
@@ -398,7 +399,9 @@ class AlignmentFileSource(seqio.DataSource):
     if not std > 0:
       raise ValueError(f"normalize_rewards: the rewards of split {split!r} "
                        f"all equal {rewards[0]:g}; they cannot be scaled to "
-                       "variance 1. Pass normalize_rewards=False.")
+                       "variance 1. Pass normalize_rewards=False (on the "
+                       "command line: --config.data.files.normalize_rewards="
+                       "False).")
     return RewardStats(mean=float(rewards.mean()), std=std,
                        count=int(rewards.size), split=split)
 

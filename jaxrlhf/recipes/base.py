@@ -147,16 +147,34 @@ class Recipe:
     for target, path in self.pretrained_paths().items():
       if not path:
         continue
-      self._check_checkpoint_vocabulary(target, path)
       group, name, *sub = target.split("/")
       tree = getattr(state, group)
       node = tree[name]
       for key in sub:
         node = node[key]
-      loaded = pretrained.load_lm_params(path, node)
+      try:
+        self._check_checkpoint_vocabulary(target, path)
+        loaded = pretrained.load_lm_params(path, node)
+      except ValueError as e:
+        raise ValueError(f"{self._config_field_of(path)}: {e}") from None
       tree = _replace_subtree(tree, [name] + sub, loaded)
       state = state.replace(**{group: tree})
     return state
+
+  def _config_field_of(self, path: str) -> str:
+    """The config field ("config.init.policy_checkpoint", ...) that holds
+    the checkpoint `path`, for error messages."""
+    fields = []
+
+    def visit(node, prefix):
+      for key, value in node.items():
+        if hasattr(value, "items"):
+          visit(value, f"{prefix}{key}.")
+        elif value == path and key.endswith("checkpoint"):
+          fields.append(f"config.{prefix}{key}")
+
+    visit(self.config, "")
+    return " / ".join(fields) or f"checkpoint {path!r}"
 
   def _check_checkpoint_vocabulary(self, target: str, path: str):
     """A jaxrlhf checkpoint must have been trained on this run's vocabulary:

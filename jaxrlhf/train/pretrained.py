@@ -43,7 +43,7 @@ def _orbax_state_dir(path: str) -> str:
   if not steps:
     raise ValueError(
         f"{path!r} is neither a T5X checkpoint nor a jaxrlhf workdir with "
-        "checkpoints; point the init path at one of those.")
+        "checkpoints; point it at one of those.")
   return os.path.join(path, str(max(steps)), "state")
 
 
@@ -69,7 +69,10 @@ def _check_same_tree(loaded, target, path):
       raise ValueError(
           f"Checkpoint {path!r}: parameter {jax.tree_util.keystr(k)} has "
           f"shape {tuple(flat_l[k].shape)}, the model expects "
-          f"{tuple(t.shape)}. Set config.model to the checkpoint's size.")
+          f"{tuple(t.shape)}. Set config.model to the checkpoint's "
+          "architecture and size; a different vocabulary axis means "
+          "another vocabulary size (config.model.vocab_size, or the data's "
+          "vocabulary when it is unset).")
 
 
 def _restore_as_numpy(state_dir: str):
