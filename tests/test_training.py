@@ -167,7 +167,9 @@ def test_finished_run_is_not_evaluated_again_and_refused_run_keeps_config(
   # A run that cannot restore the workdir's checkpoint (another model
   # shape) fails at start-up and leaves the config of the checkpoints.
   other = tiny_config(train__num_steps=4, model__mlp_dim=48)
-  with pytest.raises(Exception):
+  with pytest.raises(ValueError, match=r"Checkpoint step 2 in .* was written "
+                     r"for another model: \['params'\]\['policy'\].*"
+                     r"\(32, 64\) there, \(32, 48\) here"):
     loop.train(other, str(tmp_path))
   assert (tmp_path / "config.json").read_text() == run_config
 

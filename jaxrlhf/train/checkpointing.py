@@ -9,8 +9,10 @@ is complete.
 """
 
 import logging
+import os
 from typing import Any, Optional, Tuple
 
+from flax import serialization
 import jax
 import orbax.checkpoint as ocp
 
@@ -55,6 +57,7 @@ class Checkpointer:
       abstract_state: a pytree of jax.ShapeDtypeStruct with `sharding` set,
         the same structure as the saved state.
     """
+    self._check_parameter_shapes(step, abstract_state)
     try:
       restored = self._manager.restore(
           step,
@@ -67,6 +70,36 @@ class Checkpointer:
           f"run's model or optimizer ({e}). Use a fresh --workdir, or the "
           "config the checkpoint was written with.") from e
     return restored["state"], int(restored["data"]["position"])
+
+  def _check_parameter_shapes(self, step: int, abstract_state: Any) -> None:
+    """A one-line error naming the parameters whose saved shapes differ
+    from this run's (a changed model config), instead of the storage
+    layer's failure partway through reading them."""
+    try:
+      saved = ocp.PyTreeCheckpointer().metadata(
+          os.path.join(str(self.directory), str(step), "state")
+      ).item_metadata.tree
+      saved = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
+               jax.tree_util.tree_flatten_with_path(saved)[0]
+               if hasattr(v, "shape")}
+    except Exception:  # pylint: disable=broad-except
+      return  # no readable metadata: the restore itself will say what
+    expected = serialization.to_state_dict(abstract_state)
+    differ = []
+    for group in ("params", "frozen"):
+      for k, v in jax.tree_util.tree_flatten_with_path(
+          expected.get(group, {}))[0]:
+        key = f"['{group}']" + jax.tree_util.keystr(k)
+        if key in saved and saved[key] != tuple(v.shape):
+          differ.append(f"{key} is {saved[key]} there, {tuple(v.shape)} "
+                        "here")
+    if differ:
+      raise ValueError(
+          f"Checkpoint step {step} in {self.directory} was written for "
+          f"another model: {'; '.join(differ[:3])}"
+          f"{f' (and {len(differ) - 3} more)' if len(differ) > 3 else ''}. "
+          "Resume with the config it was written with (config.json in the "
+          "workdir), or use a fresh --workdir.")
 
   def close(self):
     self._manager.close()
