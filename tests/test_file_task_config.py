@@ -91,3 +91,13 @@ def test_checkpoint_of_another_vocabulary_is_refused(tmp_path):
   assert "was trained with vocabulary" in message
   assert vocab.describe(tasks.synthetic_vocabulary()) in message
   assert vocab.describe(other) in message
+
+
+@pytest.mark.parametrize("field", ["train", "validation", "vocabulary"])
+def test_missing_files_name_their_field(tmp_path, field):
+  config = tiny_config(algorithm="dpo", data__task="files_missing")
+  config.data.files.train = _pairs_file(tmp_path / "p.jsonl", ["red blue"])
+  config.data.files[field] = str(tmp_path / "nope" / "*.jsonl")
+  with pytest.raises(ValueError, match=rf"config.data.files.{field}: no file "
+                     "matches"):
+    base.register_task_from_files(config, "pairs")

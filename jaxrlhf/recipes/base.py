@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import optax
 import seqio
+import tensorflow as tf
 
 from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
@@ -276,6 +277,11 @@ def register_task_from_files(config, kind: Optional[str]) -> None:
         "config.data.files.train registers the files as a task under that "
         "name. Give your data its own name, e.g. --config.data.task=my_prefs "
         "(files registered by an earlier run of this process are replaced).")
+  for field in ("train", "validation", "vocabulary"):
+    pattern = files[field]
+    if pattern and not tf.io.gfile.glob(pattern):
+      raise ValueError(f"config.data.files.{field}: no file matches "
+                       f"{pattern!r}.")
   if files.vocabulary:
     vocabulary = seqio.SentencePieceVocabulary(files.vocabulary)
   else:
