@@ -2,6 +2,7 @@
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from conftest import tiny_config
@@ -115,6 +116,9 @@ def test_decoder_only_ranking_reward_model_evaluates_on_its_rankings(
     metrics = recipe.evaluate(state)
   params = jax.device_get(state.params["reward"])
   vocabulary = recipe.vocabulary
+  hidden_states = jax.jit(lambda p, t: recipe.model.apply(
+      {"params": p}, t, jnp.arange(t.shape[1])[None], jnp.ones_like(t),
+      method=recipe.model.hidden_states))
 
   def reward(prompt, completion):
     # Decoder-only layout by hand: prompt (its EOS dropped), completion,
@@ -122,10 +126,7 @@ def test_decoder_only_ranking_reward_model_evaluates_on_its_rankings(
     tokens = (list(vocabulary.encode(prompt))
               + list(vocabulary.encode(completion)) + [vocabulary.eos_id])
     tokens = np.asarray(tokens, np.int32)[None]
-    hidden = recipe.model.apply(
-        {"params": params["backbone"]}, tokens,
-        np.arange(tokens.shape[1])[None], np.ones_like(tokens),
-        method=recipe.model.hidden_states)
+    hidden = hidden_states(params["backbone"], tokens)
     return float(heads.apply_scalar_head(params["head"], hidden[0, -1]))
 
   losses, top1, pairwise = [], [], []
