@@ -1,6 +1,5 @@
 """A Plackett-Luce reward model learns K-wise rankings from files."""
 
-import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -37,10 +36,9 @@ def test_plackett_luce_reward_model_learns_gold_rankings(tmp_path):
   with config.unlocked():
     config.reward_model.num_completions = 3
   config.data.files.train = path
-  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
-  rules = sharding.as_rules(config.sharding.logical_axis_rules)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
     recipe = _FromScratch(config, mesh)
+    rules = recipe.rules
     state = recipe.init_state()
     batches = recipe.train_batches(0)
     first = None
@@ -69,10 +67,9 @@ def test_all_pairs_ranking_loss_option_is_instructgpt_loss(tmp_path):
                        reward_model__ranking_loss="all_pairs",
                        reward_model__num_completions=3)
   config.data.files.train = path
-  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
-  rules = sharding.as_rules(config.sharding.logical_axis_rules)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
     recipe = _FromScratch(config, mesh)
+    rules = recipe.rules
     state = recipe.init_state()
     batch = sharding.global_batch(next(recipe.train_batches(0)), mesh, rules)
     # One compilation for both: the recipe's loss and the rewards it saw.
