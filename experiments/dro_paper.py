@@ -98,13 +98,14 @@ def variants(learning_rate: float):
   return out
 
 
-def run_config(config, algorithm, overrides, sft_dir, seed, task):
+def run_config(config, algorithm, overrides, sft_dir, seed, data_settings):
+  """One variant's run config; `data_settings` are the config.data fields
+  of the trajectories it trains on (`offline_pipeline.data_task_settings`)."""
   from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
   p = config.pipeline
   rate = p.policy_learning_rate
-  return offline_pipeline.stage_config(config, algorithm, **{
+  return offline_pipeline.stage_config(config, algorithm, **data_settings, **{
       "seed": seed,
-      "data.task": task,
       "train.num_steps": p.policy_steps,
       "init.policy_checkpoint": sft_dir,
       "optimizer.learning_rate": rate,
@@ -128,7 +129,8 @@ REWARD_MODEL_VARIANTS = ("dro_v", "dro_v_tau_0.1", "dro_v_tau_5",
 def relabel_with_reward_model(config, workdir: str):
   """The trajectory files again, each reward replaced by the pipeline reward
   model's score of the completion; registered as RM_TASK (normalised like
-  the gold-labelled task). Returns {split: path}; written once."""
+  the gold-labelled task). Returns the config.data fields of that task;
+  the files are written once."""
   import jax  # pylint: disable=g-import-not-at-top
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
@@ -136,15 +138,15 @@ def relabel_with_reward_model(config, workdir: str):
   from jaxrlhf.data import alignment_data  # pylint: disable=g-import-not-at-top
   from jaxrlhf.eval import evaluation  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models import heads  # pylint: disable=g-import-not-at-top
-  from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
   from jaxrlhf.recipes import reward_model  # pylint: disable=g-import-not-at-top
   from jaxrlhf.train import pretrained  # pylint: disable=g-import-not-at-top
   gold_paths = offline_pipeline.data_paths(workdir)["trajectory"]
   paths = {split: path.replace(".jsonl", "_reward_model.jsonl")
            for split, path in gold_paths.items()}
   if not all(os.path.exists(p) for p in paths.values()):
-    c = offline_pipeline.stage_config(config, "reward_model", **{
-        "data.task": offline_pipeline.PAIRS_TASK,
+    c = offline_pipeline.stage_config(
+        config, "reward_model",
+        **offline_pipeline.data_task_settings(config, workdir, "pairs"), **{
         "init.policy_checkpoint": os.path.join(workdir, "sft"),
         "eval.batch_size": 250})
     li, lt = c.data.inputs_length, c.data.targets_length
@@ -186,13 +188,10 @@ def relabel_with_reward_model(config, workdir: str):
         print(f"relabelled {len(rows)} {split} trajectories with the reward "
               f"model (score mean {scores.mean():.3f}, std "
               f"{scores.std():.3f})", flush=True)
-  alignment_data.register_file_task(
-      RM_TASK, paths, kind="trajectory",
-      vocabulary=tasks.synthetic_vocabulary(),
-      layout="columns", normalize_rewards=True, overwrite=True,
-      max_completion_tokens=config.data.targets_length - 1,
-      on_bad_row="skip_and_report")
-  return paths
+  return dict(offline_pipeline.data_task_settings(config, workdir,
+                                                  "trajectory"),
+              **{"data.task": RM_TASK, "data.files.train": paths["train"],
+                 "data.files.validation": paths["validation"]})
 
 
 class Judge:
@@ -490,15 +489,13 @@ def main():
   config.pipeline.stages = "sft,data,reward_model" if learned else "sft,data"
   config.pipeline.policy_steps = args.steps
   offline_pipeline.run(config, args.workdir)
-  offline_pipeline.register_data_tasks(config, args.workdir)
   sft_dir = os.path.join(args.workdir, "sft")
   if learned:
-    task = RM_TASK
-    data_file = relabel_with_reward_model(config, args.workdir)["train"]
+    data_settings = relabel_with_reward_model(config, args.workdir)
   else:
-    task = offline_pipeline.TRAJECTORY_TASK
-    data_file = offline_pipeline.data_paths(args.workdir)["trajectory"][
-        "train"]
+    data_settings = offline_pipeline.data_task_settings(config, args.workdir,
+                                                        "trajectory")
+  data_file = data_settings["data.files.train"]
   # Runs and their judged samples of each labelling apart.
   prefix = "rm_" if learned else ""
   judge = Judge(config, sft_dir, args.workdir, args.eval_prompts)
@@ -524,7 +521,8 @@ def main():
         print(f"=== {prefix}{name}, seed {seed} "
               f"({(time.time() - started) / 60:.1f} min)", flush=True)
         loop.train(copy.deepcopy(run_config(config, algorithm, overrides,
-                                            sft_dir, seed, task)), run_dir)
+                                            sft_dir, seed, data_settings)),
+                   run_dir)
       judged[name][seed] = judge.outcomes(prefix + name, run_dir, seed)
   if selected:
     return

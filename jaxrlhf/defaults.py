@@ -106,6 +106,9 @@ def base_config() -> ml_collections.ConfigDict:
   # "raise": a malformed row stops the run naming file and row;
   # "skip_and_report": it is counted, reported, and skipped.
   c.data.files.on_bad_row = "raise"
+  # Longest completion (EOS included) a row may have; longer ones are bad
+  # rows. Unset = data.targets_length.
+  c.data.files.max_completion_tokens = config_dict.placeholder(int)
 
   c.train = ml_collections.ConfigDict()
   c.train.num_steps = 600
@@ -456,6 +459,11 @@ def validate(c: ml_collections.ConfigDict) -> None:
   _require(c.checkpoint.keep > 0, "checkpoint.keep", "must be positive.")
   _require(c.data.inputs_length > 0 and c.data.targets_length > 0,
            "data.inputs_length", "sequence lengths must be positive.")
+  _require(c.data.files.max_completion_tokens is None
+           or 0 < c.data.files.max_completion_tokens <= c.data.targets_length,
+           "data.files.max_completion_tokens",
+           f"{c.data.files.max_completion_tokens} must be between 1 and "
+           f"data.targets_length ({c.data.targets_length}).")
   _require(c.data.files.on_bad_row in ("raise", "skip_and_report"),
            "data.files.on_bad_row", f"{c.data.files.on_bad_row!r}: use "
            "'raise' or 'skip_and_report'.")
@@ -519,6 +527,47 @@ def _validate_online(c: ml_collections.ConfigDict) -> None:
              or c.online.samples_per_prompt >= 2, "online.samples_per_prompt",
              f"{c.algorithm} compares the responses to one prompt; it needs "
              "at least 2.")
+
+
+# Fields that name files or checkpoints a run reads (globs for data files);
+# each set one must exist when a run starts (`check_paths`).
+PATH_FIELDS = ("init.policy_checkpoint", "online.reward_model_checkpoint",
+               "data.files.train", "data.files.validation",
+               "data.files.vocabulary")
+# What the paper configs put where a user's own path goes.
+PLACEHOLDER = "YOUR_BUCKET"
+
+
+def _field(c, path):
+  node = c
+  for name in path.split("."):
+    node = node[name]
+  return node
+
+
+def check_paths(c: ml_collections.ConfigDict) -> None:
+  """Every set path field matches something readable; the error names the
+  field (a placeholder, a missing file, or a remote path that cannot be
+  reached, e.g. gs:// without network or credentials)."""
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  for field in PATH_FIELDS:
+    pattern = _field(c, field)
+    if not pattern:
+      continue
+    if PLACEHOLDER in pattern:
+      raise ValueError(
+          f"config.{field}: {pattern!r} is a placeholder of the config file; "
+          f"point it at your copy, e.g. --config.{field}=/path/to/yours.")
+    try:
+      found = tf.io.gfile.glob(pattern)
+    except Exception as e:  # pylint: disable=broad-except
+      reason = str(e).strip().splitlines()[0] if str(e).strip() else ""
+      raise ValueError(
+          f"config.{field}: cannot read {pattern!r} "
+          f"({type(e).__name__}: {reason}). Check the path, and for a remote "
+          "path the network and credentials.") from None
+    if not found:
+      raise ValueError(f"config.{field}: nothing matches {pattern!r}.")
 
 
 def load_config_file(path, arg: Optional[str] = None

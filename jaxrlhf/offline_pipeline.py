@@ -31,7 +31,6 @@ import ml_collections
 
 from jaxrlhf import defaults
 from jaxrlhf import sharding
-from jaxrlhf.data import alignment_data
 from jaxrlhf.data import synthetic_feedback
 from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation
@@ -41,11 +40,11 @@ from jaxrlhf.train import metrics as metrics_lib
 
 PAIRS_TASK = "offline_pipeline_pairs"
 TRAJECTORY_TASK = "offline_pipeline_trajectories"
-# stage name -> (algorithm, data task)
+# stage name -> (algorithm, the kind of labelled data it reads)
 POLICY_STAGES = {
-    "dpo": ("dpo", PAIRS_TASK),
-    "kto": ("kto", TRAJECTORY_TASK),
-    "dro_v": ("dro_v", TRAJECTORY_TASK),
+    "dpo": ("dpo", "pairs"),
+    "kto": ("kto", "trajectory"),
+    "dro_v": ("dro_v", "trajectory"),
 }
 # Online stages: stage name = algorithm; they score samples with the
 # reward_model stage's model.
@@ -149,15 +148,28 @@ def _prompts(config, recipe, split, num_prompts):
   return tokens, texts
 
 
-def register_data_tasks(config, workdir: str) -> None:
-  paths = data_paths(workdir)
-  vocabulary = tasks.synthetic_vocabulary()
-  for name, kind in ((PAIRS_TASK, "pairs"), (TRAJECTORY_TASK, "trajectory")):
-    alignment_data.register_file_task(
-        name, paths[kind], kind=kind, vocabulary=vocabulary, layout="columns",
-        normalize_rewards=(kind == "trajectory"), overwrite=True,
-        max_completion_tokens=config.data.targets_length - 1,
-        on_bad_row="skip_and_report")
+def data_task_settings(config, workdir: str, kind: str) -> Dict[str, object]:
+  """The config fields that make a stage read the labelled data of `kind`
+  ("pairs" or "trajectory") as its file task, so that the stage's
+  config.json says exactly what it read.
+
+  A sampled completion that never ended fills all data.targets_length
+  tokens; so does one whose EOS fell on the last slot, which the limit one
+  token short of that length also skips (as the committed quickstart table
+  was made).
+  """
+  paths = data_paths(workdir)[kind]
+  return {
+      "data.task": PAIRS_TASK if kind == "pairs" else TRAJECTORY_TASK,
+      "data.files.train": paths["train"],
+      "data.files.validation": paths["validation"],
+      "data.files.layout": "columns",
+      "data.files.column_mapping": "",
+      "data.files.vocabulary": "",
+      "data.files.normalize_rewards": kind == "trajectory",
+      "data.files.on_bad_row": "skip_and_report",
+      "data.files.max_completion_tokens": config.data.targets_length - 1,
+  }
 
 
 # --- the pipeline ----------------------------------------------------------------
@@ -166,6 +178,7 @@ def register_data_tasks(config, workdir: str) -> None:
 def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   """Runs the configured stages; returns {method: results}."""
   stages = stages_of(config)
+  loop.preflight(config, workdir)
   loop.prepare_workdir(workdir, config)
   p = config.pipeline
   sft_dir = os.path.join(workdir, "sft")
@@ -178,13 +191,12 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   if "data" in stages:
     metrics_lib.log("=== stage data ===")
     make_data(config, workdir, sft_dir)
-  if any(s in stages for s in ("reward_model",) + TABLE_METHODS):
-    register_data_tasks(config, workdir)
   if "reward_model" in stages:
     metrics_lib.log("=== stage reward_model ===")
     results["reward_model"] = loop.train(stage_config(
-        config, "reward_model", **{
-            "data.task": PAIRS_TASK, "train.num_steps": p.reward_model_steps,
+        config, "reward_model", **data_task_settings(config, workdir, "pairs"),
+        **{
+            "train.num_steps": p.reward_model_steps,
             "init.policy_checkpoint": sft_dir,
             "optimizer.learning_rate": p.reward_model_learning_rate,
             # PPO detail 15: the SFT demonstrations of the data's prompts
@@ -192,13 +204,13 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
             "reward_model.normalize_on_task": config.data.task,
             "reward_model.normalize_num_examples": p.num_prompts,
         }), os.path.join(workdir, "reward_model"))
-  for stage, (algorithm, task) in POLICY_STAGES.items():
+  for stage, (algorithm, kind) in POLICY_STAGES.items():
     if stage not in stages:
       continue
     metrics_lib.log(f"=== stage {stage} ===")
     results[stage] = loop.train(stage_config(
-        config, algorithm, **{
-            "data.task": task, "train.num_steps": p.policy_steps,
+        config, algorithm, **data_task_settings(config, workdir, kind), **{
+            "train.num_steps": p.policy_steps,
             "init.policy_checkpoint": sft_dir,
             "optimizer.learning_rate": p.policy_learning_rate,
             "optimizer.warmup_steps": min(config.optimizer.warmup_steps,
@@ -222,7 +234,8 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
     if jax.process_index() == 0:
       with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(table, f, indent=2, sort_keys=True)
-    metrics_lib.log(format_table(table))
+    metrics_lib.log(format_table(
+        table, config, results.get("sft", {}).get("eval/gold_reward")))
   return results
 
 
@@ -294,7 +307,10 @@ def results_table(results) -> Dict[str, Dict[str, float]]:
   return table
 
 
-def format_table(table) -> str:
+def format_table(table, config=None, sft_greedy_gold_reward=None) -> str:
+  """The results table as printed; with the pipeline's `config`, a note
+  says how the policies were sampled (and, with it, the SFT policy's greedy
+  gold reward, which the sft stage prints and which is not the sft row's)."""
   lines = ["", "method              win rate vs SFT    gold reward   "
            "KL(pi||SFT)   length   RM score", "-" * 89]
   for method in ("sft",) + TABLE_METHODS:
@@ -315,4 +331,14 @@ def format_table(table) -> str:
   if "reward_model" in table:
     lines.append("reward model: held-out pair accuracy "
                  f"{table['reward_model']['heldout_pair_accuracy']:.3f}")
+  if config is not None and "sft" in table:
+    e = config.eval
+    note = (f"Gold reward, KL and length: {e.num_examples} held-out prompts x "
+            f"{config.pipeline.eval_samples_per_prompt} samples at temperature "
+            f"{e.temperature:g}; the sft row is the SFT policy sampled the "
+            "same way")
+    if sft_greedy_gold_reward is not None:
+      note += (f" (its greedy decodes score {sft_greedy_gold_reward:.4f}, "
+               "the sft stage's closing line)")
+    lines.append(note + ".")
   return "\n".join(lines)

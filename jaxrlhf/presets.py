@@ -22,9 +22,10 @@ def ultrafeedback_offline(algorithm: str, size: str, mesh_shape, num_steps: int)
   c.model.size = size
   c.model.dtype = "bfloat16"
   c.model.vocab_size = 32128
-  c.init.policy_checkpoint = f"gs://YOUR_BUCKET/t5x/sft_t5_1_1_{size}/checkpoint_1000000"
+  bucket = f"gs://{defaults.PLACEHOLDER}"
+  c.init.policy_checkpoint = f"{bucket}/t5x/sft_t5_1_1_{size}/checkpoint_1000000"
   c.data.task = f"ultrafeedback_{algorithm}"
-  c.data.files.train = "gs://YOUR_BUCKET/ultrafeedback/train-*.parquet"
+  c.data.files.train = f"{bucket}/ultrafeedback/train-*.parquet"
   c.data.files.layout = "ultrafeedback"
   c.data.files.vocabulary = T5_VOCABULARY
   c.data.files.on_bad_row = "skip_and_report"

@@ -4,14 +4,24 @@ import pathlib
 import pytest
 
 REPO = pathlib.Path(__file__).resolve().parents[1]
-FIXTURES = REPO.parent / "shared" / "fixtures"
+
+# One persistent XLA compilation cache for the test session: its workers and
+# the subprocesses they start (which inherit the environment) compile each
+# distinct computation once. Most tests train the same tiny models, so most
+# compilations repeat; a cached executable is the one XLA compiled for the
+# same program, so no number changes. Kept between sessions, like pytest's
+# own cache beside it.
+os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
+                      str(REPO / ".pytest_cache" / "xla"))
+os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+FIXTURES = REPO / "tests" / "fixtures"
 
 
 @pytest.fixture(scope="session")
 def t5x_fixtures():
-  path = FIXTURES / "t5x"
-  assert path.is_dir(), f"shared fixtures not found at {path}: clone next to shared/"
-  return path
+  """Checkpoints written by t5x and t5x's outputs for them (see the README
+  in that folder)."""
+  return FIXTURES / "t5x"
 
 
 # A model and run small enough for many end-to-end runs on 2 CPU cores.

@@ -7,7 +7,7 @@ ways, and prints one JSON line with the differences and the
 shardings seen.
 
   XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
-      python tests/models_sharded_check.py SHARED_FIXTURES_DIR
+      python tests/models_sharded_check.py tests/fixtures
 """
 
 import json
@@ -66,12 +66,12 @@ def check(path, make_inputs, forward, sample, mesh, rules, kernel_path):
 
 
 def main():
-  shared = pathlib.Path(sys.argv[1])
+  fixtures = pathlib.Path(sys.argv[1])
   mesh = sharding.create_mesh((4, 2), ("data", "model"))
   rules = sharding.STANDARD_RULES
   results = {"devices": jax.device_count()}
 
-  encdec = shared / "t5x" / "encdec"
+  encdec = fixtures / "t5x" / "encdec"
   e = np.load(encdec / "expected.npz")
   # 4 rows (the data axis): the fixture's 3 prompts and the first again.
   prompts = np.concatenate([e["encoder_input_tokens"],

@@ -1,7 +1,7 @@
 """Every experiment config constructs, validates and starts training.
 
 The paper configs (T5 1.1 Large/XL on TPU slices) are run with their sizes
-overridden to the tiny T5 of ../shared/fixtures/t5x/encdec, whose T5X
+overridden to the tiny T5 of tests/fixtures/t5x/encdec, whose T5X
 checkpoint stands in for the SFT checkpoint, on a small UltraFeedback file
 the test writes.
 """

@@ -1,7 +1,7 @@
 """`from_pretrained` on each checkpoint kind, `export_hf`, `build_model`.
 
 Truths: the outputs t5x and transformers computed for their fixtures
-(../shared/fixtures/t5x, tests/fixtures/hf), the parameters a test writes
+(tests/fixtures/t5x, tests/fixtures/hf), the parameters a test writes
 with orbax itself, and the published t5x gin / fixture configs.
 """
 

@@ -3,7 +3,7 @@
 The truths: (1) the models' own teacher-forced forward pass without a cache
 (each sampled token must be the argmax, or have the log-prob, that a full
 forward pass over the prompt and the tokens before it gives); (2) the greedy
-decodes t5x's predict_batch wrote into ../shared/fixtures/t5x; (3) the ids
+decodes t5x's predict_batch wrote into tests/fixtures/t5x; (3) the ids
 transformers' greedy `generate` produced for the checkpoints in
 tests/fixtures/hf (generate.npz, by experiments/make_hf_generate_fixtures.py).
 """

@@ -30,7 +30,7 @@ import zstandard
 
 from jaxrlhf.models import t5x_checkpoint as t5x_ckpt
 
-FIXTURES = pathlib.Path(__file__).resolve().parents[2] / 'shared' / 'fixtures'
+FIXTURES = pathlib.Path(__file__).resolve().parent / 'fixtures'
 FIXTURE_NAMES = ('encdec', 'encdec_bf16', 'encdec_gzip', 'decoder_only')
 # From the fixtures' README: leaves of `state` (param_states plus the step),
 # tensorstore arrays and inline msgpack leaves.

@@ -1,6 +1,6 @@
 """t5x decoder-only model against the outputs t5x itself computed.
 
-The truth is `../shared/fixtures/t5x/decoder_only/`: a checkpoint written by
+The truth is `tests/fixtures/t5x/decoder_only/`: a checkpoint written by
 t5x and the logits, scores and greedy decodes t5x's DecoderWrapper and
 DecoderOnlyModel produced from it (see that folder's README.md).
 """

@@ -43,9 +43,13 @@ def _saved_params(workdir, step=None):
 
 
 def _main(workdir, *flags):
-  return [sys.executable, "-m", "jaxrlhf.main",
-          f"--config={REPO / 'configs' / 'quickstart.py'}",
-          f"--workdir={workdir}", *flags]
+  """The command line with `flags`; a --config among them replaces the
+  quickstart's."""
+  config = [f for f in flags if f.startswith("--config=")] or [
+      f"--config={REPO / 'configs' / 'quickstart.py'}"]
+  return [sys.executable, "-m", "jaxrlhf.main", *config,
+          f"--workdir={workdir}",
+          *[f for f in flags if not f.startswith("--config=")]]
 
 
 def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path):
@@ -228,14 +232,36 @@ def test_microbatches_give_the_full_batch_gradient():
      "no seqio task or mixture named 'no_such_task'"),
     (["--config.train.num_microbatches=3"],
      "config.train.num_microbatches: 3 does not divide"),
+    (["--config=configs/nope.py"], "--config=configs/nope.py: no such file"),
+    # The README's own 8-device example, on one device.
+    (["--config.mesh.shape=(4,2)"],
+     "config.mesh.shape (4, 2) needs 8 devices but 1 are available"),
+    (["--config=configs/dro_t5xl.py", "--config.mesh.shape=(-1,1)"],
+     "config.init.policy_checkpoint: 'gs://YOUR_BUCKET/"),
+    (["--config.data.files.vocabulary=gs://no-such-bucket-jaxrlhf/v.model",
+      "--config.data.task=remote_vocabulary"],
+     "config.data.files.vocabulary: "),
 ])
 def test_bad_config_gives_one_line_error(tmp_path, flags, message):
   result = subprocess.run(_main(tmp_path / "run", *flags), env=quiet_env(),
                           capture_output=True, text=True, cwd=REPO)
-  assert result.returncode == 1
-  errors = [l for l in result.stderr.splitlines() if l.startswith("error:")]
-  assert len(errors) == 1 and message in errors[0], result.stderr
-  assert "Traceback" not in result.stderr
+  assert result.returncode == 2
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1 and lines[0].startswith("error: "), result.stderr
+  assert message in lines[0], result.stderr
+  # Refused before anything was written.
+  assert not (tmp_path / "run").exists()
+
+
+def test_help_lists_the_flags_and_exits_0():
+  result = subprocess.run([sys.executable, "-m", "jaxrlhf.main", "--help"],
+                          env=quiet_env(), capture_output=True, text=True,
+                          cwd=REPO)
+  assert result.returncode == 0, result.stderr
+  assert "--config=" in result.stdout and "--workdir=" in result.stdout
+  assert "--config.<field>=value" in result.stdout
+  assert "default: 'None'" not in result.stdout
+  assert result.stderr == ""
 
 
 def test_unwritable_workdir_gives_one_line_error(tmp_path):
@@ -243,6 +269,6 @@ def test_unwritable_workdir_gives_one_line_error(tmp_path):
   blocker.write_text("not a directory")
   result = subprocess.run(_main(blocker / "run"), env=quiet_env(),
                           capture_output=True, text=True, cwd=REPO)
-  assert result.returncode == 1
+  assert result.returncode == 2
   assert "is not a writable directory" in result.stderr
   assert "Traceback" not in result.stderr

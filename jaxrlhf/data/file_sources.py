@@ -28,7 +28,6 @@ import dataclasses
 import functools
 import gzip
 import json
-import logging
 from typing import (Any, Dict, Iterator, List, Mapping, Optional, Sequence,
                     Tuple, Union)
 
@@ -36,6 +35,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from jaxrlhf import console
 from jaxrlhf.data import alignment_kinds as kinds_lib
 from jaxrlhf.data import file_layouts
 from jaxrlhf.data import row_checks
@@ -366,15 +366,15 @@ class AlignmentFileSource(seqio.DataSource):
       reasons = ", ".join(f"{k}={v}" for k, v in
                           sorted(data.bad_row_counts.items()))
       first = f" First: {data.bad_rows[0]}" if data.bad_rows else ""
-      logging.warning(
-          "%s split %r: %d examples from %d rows of %d file(s); skipped %d "
-          "bad rows/completions (%s).%s", self.layout.name, split,
-          data.num_examples, data.num_rows, len(data.files),
-          sum(data.bad_row_counts.values()), reasons, first)
+      console.log(
+          f"Data: {self.layout.name} split {split!r}: {data.num_examples} "
+          f"examples from {data.num_rows} rows of {len(data.files)} "
+          f"file(s); skipped {sum(data.bad_row_counts.values())} bad "
+          f"rows/completions ({reasons}).{first}")
     else:
-      logging.info("%s split %r: %d examples from %d rows of %d file(s).",
-                   self.layout.name, split, data.num_examples, data.num_rows,
-                   len(data.files))
+      console.log(
+          f"Data: {self.layout.name} split {split!r}: {data.num_examples} "
+          f"examples from {data.num_rows} rows of {len(data.files)} file(s).")
 
   def _raw_split(self, split: str) -> SplitData:
     self._check_split(split)

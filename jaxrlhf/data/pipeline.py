@@ -101,15 +101,22 @@ def eval_examples(task: str, split: str, feature_lengths: Mapping[str, int],
   shard = seqio.ShardInfo(index=jax.process_index(),
                           num_shards=jax.process_count())
   task_obj = get_task(task)
-  raw = task_obj.get_dataset(dict(feature_lengths), split=split, shuffle=False,
-                             shard_info=shard, num_epochs=1)
+  options = {}
+  if isinstance(task_obj, seqio.Task):
+    # seqio caches a small split in memory on first read; reading only its
+    # first examples would make tf.data discard that cache with a warning.
+    options["try_in_mem_cache"] = False
+
+  def examples():
+    return task_obj.get_dataset(dict(feature_lengths), split=split,
+                                shuffle=False, shard_info=shard, num_epochs=1,
+                                **options)
+
   per_process = num_examples // jax.process_count()
-  raw = list(raw.take(per_process).as_numpy_iterator())
+  raw = list(examples().take(per_process).as_numpy_iterator())
   texts = [{k: ex[f"{k}_pretokenized"].decode() for k in ("inputs", "targets")
             if f"{k}_pretokenized" in ex} for ex in raw]
-  ds = seqio.get_dataset(task, dict(feature_lengths), feature_converter,
-                         dataset_split=split, shuffle=False, num_epochs=1,
-                         shard_info=shard, verbose=False)
+  ds = feature_converter(examples(), dict(feature_lengths))
   rows = list(ds.take(per_process).as_numpy_iterator())
   features = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
   return features, texts

@@ -6,16 +6,36 @@ out on every machine. The model file is cached (content-addressed) under
 $JAXRLHF_CACHE_DIR, default ~/.cache/jaxrlhf, and written atomically.
 """
 
+import base64
 import hashlib
 import os
 import pathlib
 import tempfile
+import zlib
 from typing import Sequence
 
 import seqio
 from sentencepiece import sentencepiece_model_pb2
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2  # T5's ids
+
+# SentencePiece's compiled character map for one normalisation rule, U+00A0
+# (no-break space) -> U+0020 (space), as `SentencePieceTrainer.train(...,
+# normalization_rule_tsv=f)` builds it (sentencepiece 0.2) for a rule file f
+# holding the line "A0<TAB>20"; stored zlib-compressed. The word models
+# carry it so that words separated by a no-break space still split; and
+# SentencePiece logs an INFO line every time it loads a model with no
+# character map at all, which a run would print dozens of times.
+_NBSP_TO_SPACE_CHARSMAP = zlib.decompress(base64.b64decode(
+    "eNod03MQFgYYB+DvwuKybdu2bWzLtVq2bdu2ja1WbbmtWlq2bbuer/fuud/de/f+"
+    "9bs3ECoQCEQMGdgzOkRgfuhAcPoHI7gOww+EIywRCM+PwRMiE4moRCE60YhJDGIT"
+    "i7jEIT7xSEgCEpOIpCQhOclISQpSk4q0pCE96chIBjKTiaxkITvZyEkOcpOLvOQh"
+    "P/koSAEKU4iiFKE4xShJCUpTirKUoTzlqEgFKlOJqlShOtWoSQ1qU4u61OFnfqIe"
+    "v9CA+jSiIU1oTDOa0pxf+Y0WtKIlbWhNO9rSgfZ0oiNd6Ew3utKD7vSiJ33oTT/6"
+    "MiBYOoMYyBAGM4yhjGA4oxjJGEYzjrFMYDyTmMgUJjONqcxgOrOYyRxmM4+5LGA+"
+    "i1jIEhazjKWsYDmrWMkaVrOOtWxgPZvYyBY28we/s42tbOdPdrKDv/mL3exiL3vY"
+    "zz4OcoB/+YfDHOI/jnCMo5zgOP9zktOc4ixnOM85LnKBy1ziKle4zjVucoPb3OIu"
+    "d7jPPR7ygMc84ilPeM4zXvKC17ziLW94zzs+8oHPfOIrX77/3je0koIj"))
 
 
 def cache_dir() -> pathlib.Path:
@@ -24,7 +44,8 @@ def cache_dir() -> pathlib.Path:
 
 
 def word_model_proto(words: Sequence[str]) -> bytes:
-  """A serialized SentencePiece WORD model: pad 0, EOS 1, unk 2, then words."""
+  """A serialized SentencePiece WORD model: pad 0, EOS 1, unk 2, then words;
+  text is used as it is, but for no-break spaces read as spaces."""
   if len(set(words)) != len(words):
     raise ValueError("word_model_proto: the word list has duplicates.")
   piece_type = sentencepiece_model_pb2.ModelProto.SentencePiece
@@ -33,7 +54,8 @@ def word_model_proto(words: Sequence[str]) -> bytes:
   spec.model_type = sentencepiece_model_pb2.TrainerSpec.WORD
   spec.vocab_size = len(words) + 3
   spec.pad_id, spec.eos_id, spec.unk_id, spec.bos_id = PAD_ID, EOS_ID, UNK_ID, -1
-  model.normalizer_spec.name = "identity"
+  model.normalizer_spec.name = "nbsp_to_space"
+  model.normalizer_spec.precompiled_charsmap = _NBSP_TO_SPACE_CHARSMAP
   model.normalizer_spec.add_dummy_prefix = True
   model.normalizer_spec.escape_whitespaces = True
   for text, kind in (("<pad>", piece_type.CONTROL), ("</s>", piece_type.CONTROL),

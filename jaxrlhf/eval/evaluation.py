@@ -189,7 +189,8 @@ def compare_with_reference(recipe, policy, reference, prompt_tokens,
   higher (ties count 1/2). KL(policy || reference) is estimated per sequence
   as log pi(y) - log pi_ref(y) on policy samples y, both at the sampling
   temperature (the distributions the samples come from, as in the online
-  recipes' KL penalty): unbiased, and 0 when the policy is the reference.
+  recipes' KL penalty): unbiased, and exactly 0 when the policy is the
+  reference.
   """
   outcomes, rewards, ref_rewards, kls, lengths, ends = [], [], [], [], [], []
   for k in range(num_samples):
@@ -205,8 +206,12 @@ def compare_with_reference(recipe, policy, reference, prompt_tokens,
     outcomes.append((r > r_ref) + 0.5 * (r == r_ref))
     rewards.append(r)
     ref_rewards.append(r_ref)
-    # The sampler's log-probs are at `temperature`; so must the reference's.
-    kls.append(np.sum(mine.logprobs, -1)
+    # Both sides scored by the same teacher-forced pass at the sampling
+    # temperature (the distributions the samples come from): a policy that
+    # is its reference then gets a KL of exactly 0, not the rounding
+    # difference between the sampler's incremental and a full forward pass.
+    kls.append(sequence_logprobs(recipe, policy, prompt_tokens, mine,
+                                 temperature)
                - sequence_logprobs(recipe, reference, prompt_tokens, mine,
                                    temperature))
     lengths.append(np.sum(mine.mask, -1))

@@ -1,7 +1,7 @@
 """DRO-V: Direct Reward Optimisation with a learned value (Richemond et al.).
 
 Single-trajectory data (x_i, y_i, r_i), y_i ~ mu(.|x_i) for any behaviour
-policy mu. Paper: ../shared/papers/dro_offline_regularised_rl.txt, section 3.
+policy mu. Paper: Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large Language Models Alignment", section 3.
 
 The DRO loss (equation 4), for a policy pi_theta and a value V_phi:
 

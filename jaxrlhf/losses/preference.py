@@ -36,9 +36,9 @@ Log-probabilities are per-sequence sums over completion tokens ([batch]), e.g.
 from `common.sequence_logprob`. Reference log-probabilities are treated as
 constants (stop_gradient).
 
-References (../shared/papers/): dro_offline_regularised_rl.txt section 2 (the
-general form) and section 4 "KTO baseline" (mean-reward labels);
-rlhf_book_lambert_2025.txt 8.2 (DPO + NLL).
+References: Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large Language Models Alignment",
+section 2 (the general form) and section 4 "KTO baseline" (mean-reward
+labels); Lambert, "Reinforcement Learning from Human Feedback" (the RLHF book, 2025), 8.2 (DPO + NLL).
 """
 
 from typing import Any, Optional

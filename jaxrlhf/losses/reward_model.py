@@ -5,13 +5,14 @@ Every loss is a pure function of per-sequence rewards (the scalar the reward
 head gives at the EOS token, PPO implementation-details paper detail 12) and
 returns `(loss, metrics)`; it knows nothing about the network that made them.
 
-References (../shared/papers/):
-  rlhf_book_lambert_2025.txt, chapter 7: the Bradley–Terry loss (eq. 3), the
+References:
+  Lambert, "Reinforcement Learning from Human Feedback" (the RLHF book, 2025), chapter 7: the Bradley–Terry loss (eq. 3), the
     Llama 2 margin (eq. 5), InstructGPT's per-prompt balancing of the C(K, 2)
     comparisons of one prompt (eq. 6; `prompt_balanced_weights`,
     `all_pairs_ranking_loss`), the K-wise Plackett–Luce loss (7.4.3).
-  n_plus_implementation_details_rlhf_ppo.txt, details 15 (bias that makes the
-    reference rewards mean 0) and 18 (calibration: accuracy vs. confidence).
+  Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR Summarization",
+    details 15 (bias that makes the reference rewards mean 0) and 18
+    (calibration: accuracy vs. confidence).
 """
 
 from typing import Any, Optional

@@ -52,6 +52,7 @@ import jax.numpy as jnp
 import ml_collections
 import numpy as np
 
+from jaxrlhf import checkpoint_files
 from jaxrlhf import sharding as sharding_lib
 from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import hf_io
@@ -286,29 +287,12 @@ def _is_t5x(path: pathlib.Path) -> bool:
     return False
 
 
-def _is_orbax_item(path: pathlib.Path) -> bool:
-  return path.is_dir() and ((path / "_METADATA").is_file()
-                            or (path / "manifest.ocdbt").is_file())
-
-
 def _orbax_item_dir(path: pathlib.Path, step: Optional[int]) -> pathlib.Path:
-  """The orbax item directory (`<step>/state` or a bare checkpoint)."""
-  if _is_orbax_item(path):
-    return path
-  if _is_orbax_item(path / "state"):
-    return path / "state"
-  if (path / "checkpoints").is_dir():
-    path = path / "checkpoints"
-  steps = sorted(int(d.name) for d in path.iterdir()
-                 if d.name.isdigit() and _is_orbax_item(d / "state")) \
-      if path.is_dir() else []
-  if not steps:
-    raise PretrainedError(f"{path} holds no orbax checkpoint steps.")
-  if step is None:
-    step = steps[-1]
-  elif step not in steps:
-    raise PretrainedError(f"{path} has no step {step}; it has {steps}.")
-  return path / str(step) / "state"
+  """The orbax state item (`<step>/state` or a bare checkpoint)."""
+  try:
+    return checkpoint_files.state_item_dir(path, step)
+  except checkpoint_files.NoCheckpointError as e:
+    raise PretrainedError(str(e)) from None
 
 
 def checkpoint_kind(path) -> str:
@@ -455,8 +439,7 @@ def _load_orbax(path, model_config, overrides, mesh, rules, step):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models import build_model  # pylint: disable=g-import-not-at-top
   item = _orbax_item_dir(pathlib.Path(path), step)
-  checkpointer = ocp.PyTreeCheckpointer()
-  tree = checkpointer.metadata(str(item)).item_metadata.tree
+  tree = checkpoint_files.state_metadata(item)
   keys, meta = _policy_subtree(tree)
   if model_config is None:
     config_path, model_cfg = _find_run_config(item)
@@ -492,8 +475,8 @@ def _load_orbax(path, model_config, overrides, mesh, rules, step):
         target)
   for key in reversed(keys):
     target, restore = {key: target}, {key: restore}
-  restored = checkpointer.restore(str(item), args=ocp.args.PyTreeRestore(
-      item=target, restore_args=restore, partial_restore=bool(keys)))
+  restored = checkpoint_files.restore_state(item, target, restore,
+                                           partial=bool(keys))
   for key in keys:
     restored = restored[key]
   if mesh is None or relayout:

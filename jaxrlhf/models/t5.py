@@ -6,7 +6,7 @@ relative-position bias table per stack shared by its layers, no attention
 scaling (it is folded into the query initialisation), gated-GELU MLP, a
 separate `logits_dense` output layer. T5 1.0 is the options `mlp_activations=
 ("relu",)` and `logits_via_embedding=True`. Checkpoints written by t5x load
-into this tree unchanged (see `../shared/fixtures/t5x/README.md`).
+into this tree unchanged (tests/fixtures/t5x holds checkpoints t5x wrote).
 
 Every parameter carries logical axis names and every large activation a
 logical constraint, so `jaxrlhf.sharding` maps the model onto any mesh.

@@ -13,7 +13,7 @@ output layer is not tied). A t5x checkpoint read with
                                         decoder_input_tokens,
                                         decoder_target_tokens)
 
-The numerics are t5x's (see `../shared/fixtures/t5x/README.md`): pre-norm
+The numerics are t5x's (tests/fixtures/t5x/README.md lists them): pre-norm
 RMSNorm layers with one self-attention and one MLP each, one unidirectional
 relative-position bias table shared by all layers, unscaled dot-product
 attention, masks as an additive -1e10, and, with `logits_via_embedding`,
@@ -140,7 +140,7 @@ def _gin_size(emb_dim, num_heads, num_layers, mlp_dim):
 
 
 T5X_DECODER_ONLY_PRESETS = {
-    # The dimensions of ../shared/fixtures/t5x/decoder_only.
+    # The dimensions of tests/fixtures/t5x/decoder_only.
     "tiny": T5xDecoderOnlyConfig(
         vocab_size=128, emb_dim=32, num_heads=4, num_layers=2, head_dim=8,
         mlp_dim=64, mlp_activations=("gelu", "linear"),

@@ -4,7 +4,7 @@ A recipe is an algorithm: which networks it trains (`init_trainable`), which
 it keeps frozen (`init_frozen`, e.g. the reference policy), what data it
 reads (`data_kind`), its loss (`loss`), and its evaluation. This base class
 does the rest, so adding an algorithm touches one module under
-`jaxrlhf/recipes/` and one line of the registry (DESIGN.md principle 4).
+`jaxrlhf/recipes/` and one line of the registry.
 
 The train state holds the trainable networks (`params`, a dict by network
 name), their optimizer states, the frozen networks (`frozen`), the step and
@@ -244,6 +244,10 @@ class Recipe:
     del state
     return {}
 
+  def evaluation_description(self) -> str:
+    """hook: what `evaluate` measures on, for the console lines."""
+    return f"{self.config.eval.num_examples} held-out examples"
+
 
 def parse_column_mapping(text: str) -> Optional[Dict[str, str]]:
   """"prompt=question,reward=score" -> {"prompt": "question", ...}."""
@@ -295,7 +299,8 @@ def register_task_from_files(config, kind: Optional[str]) -> None:
           files.column_mapping),
       max_prompt_tokens=config.data.inputs_length,
       # Both lengths count the EOS the task appends.
-      max_completion_tokens=config.data.targets_length,
+      max_completion_tokens=(files.max_completion_tokens
+                             or config.data.targets_length),
       normalize_rewards=files.normalize_rewards and kind == "trajectory",
       on_bad_row=files.on_bad_row, seed=config.seed, overwrite=True)
 

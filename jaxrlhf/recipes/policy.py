@@ -284,6 +284,11 @@ class PolicyRecipe(base.Recipe):
                        [t["inputs"] for t in texts], tasks.gold_reward_for(task))
     return self._prompts
 
+  def evaluation_description(self) -> str:
+    e = self.config.eval
+    return (f"{e.num_examples} held-out prompts x {e.num_samples} samples at "
+            f"temperature {e.temperature:g}, against the reference's")
+
   def evaluate(self, state) -> Dict[str, float]:
     prompts = self._eval_prompts()
     if prompts is None:

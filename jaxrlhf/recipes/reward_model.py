@@ -96,6 +96,10 @@ class RewardModelRecipe(base.Recipe):
     rewards = jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *outputs)
     return rewards, self._eval_features
 
+  def evaluation_description(self) -> str:
+    return (f"the first {self.config.eval.num_examples} examples of split "
+            f"{self.config.data.eval_split!r}")
+
   def evaluate(self, state) -> Dict[str, float]:
     """Accuracy, loss and calibration on the eval split's pairs."""
     evaluated = self.eval_rewards(state, self.pair_rewards)

@@ -109,6 +109,10 @@ class SFTRecipe(base.Recipe):
 
   # --- evaluation ----------------------------------------------------------
 
+  def evaluation_description(self) -> str:
+    return (f"{self.config.eval.num_examples} held-out examples, gold reward "
+            "of greedy decodes")
+
   def evaluate(self, state) -> Dict[str, float]:
     """Held-out loss, token accuracy and (if the task has one) the gold reward
     of greedy decodes."""

@@ -16,6 +16,8 @@ from flax import serialization
 import jax
 import orbax.checkpoint as ocp
 
+from jaxrlhf import checkpoint_files
+
 
 class Checkpointer:
   """Saves and restores (state, data position) under `directory`."""
@@ -76,9 +78,9 @@ class Checkpointer:
     from this run's (a changed model config), instead of the storage
     layer's failure partway through reading them."""
     try:
-      saved = ocp.PyTreeCheckpointer().metadata(
-          os.path.join(str(self.directory), str(step), "state")
-      ).item_metadata.tree
+      saved = checkpoint_files.state_metadata(
+          os.path.join(str(self.directory), str(step),
+                       checkpoint_files.STATE_ITEM))
       saved = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
                jax.tree_util.tree_flatten_with_path(saved)[0]
                if hasattr(v, "shape")}

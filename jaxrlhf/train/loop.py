@@ -17,6 +17,7 @@ import numpy as np
 
 from jaxrlhf import defaults
 from jaxrlhf import sharding
+from jaxrlhf.data import pipeline
 from jaxrlhf.recipes import registry
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import metrics as metrics_lib
@@ -67,6 +68,26 @@ class _StopFlag:
     return bool(np.any(flags))
 
 
+def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
+  """Everything that can refuse a run from its config alone, before anything
+  is written: the config's values, the mesh against the devices, the paths
+  it reads, the tasks it names, and that a workdir is given."""
+  if not workdir:
+    raise WorkdirError("--workdir is required: a directory for checkpoints, "
+                       "metrics and the resolved config.")
+  defaults.validate(config)
+  try:
+    sharding.create_mesh(config.mesh.shape, config.mesh.axis_names)
+  except ValueError as e:
+    raise ValueError(f"config.{e}") from None
+  defaults.check_paths(config)
+  pipeline.import_task_modules(config.data.task_modules)
+  if not config.data.files.train:  # else the run registers it from files
+    pipeline.get_task(config.data.task)
+  if config.eval.task:
+    pipeline.get_task(config.eval.task, field="config.eval.task")
+
+
 def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
   """Creates the workdir and writes the resolved config into it."""
   check_workdir(workdir)
@@ -75,9 +96,6 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
 
 def check_workdir(workdir: str) -> None:
   """Creates the workdir; a one-line WorkdirError if it is not writable."""
-  if not workdir:
-    raise WorkdirError("--workdir is required: a directory for checkpoints, "
-                       "metrics and the resolved config.")
   try:
     os.makedirs(workdir, exist_ok=True)
     probe = os.path.join(workdir, f".write_test_{jax.process_index()}")
@@ -105,7 +123,7 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
   Returns the final evaluation metrics, plus "eval_before/..." metrics when
   this call started from step 0.
   """
-  defaults.validate(config)
+  preflight(config, workdir)
   # config.json is written once the run has started (its state restored or
   # initialised, its data readable): a run refused at start-up leaves the
   # config of the run that made the workdir's checkpoints in place.
@@ -144,7 +162,8 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
     before = recipe.evaluate(state)
     if before:
       logger.write(0, before)
-      metrics_lib.log("Before training: " + _format(before))
+      metrics_lib.log(f"Before training ({recipe.evaluation_description()}): "
+                      + _format(before))
     summary.update({k.replace("eval/", "eval_before/"): v
                     for k, v in before.items()})
     final = before  # the evaluation at step `step` (0 here)
@@ -210,14 +229,16 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
           evaluated = recipe.evaluate(state)
           if evaluated:
             logger.write(step, evaluated)
-            metrics_lib.log(f"Evaluation (step {step}): "
-                            + _format(evaluated))
+            metrics_lib.log(
+                f"Evaluation (step {step}; "
+                f"{recipe.evaluation_description()}): " + _format(evaluated))
     after = recipe.evaluate(state)
     if after:
       logger.write(step, after)
     summary.update(after)
     if after:
-      metrics_lib.log(f"After training (step {step}): " + _format(after))
+      metrics_lib.log(f"After training (step {step}; "
+                      f"{recipe.evaluation_description()}): " + _format(after))
     return summary
   finally:
     logger.close()

@@ -14,14 +14,13 @@ The loaded tree must have the target's structure and shapes; a mismatch is
 an error naming the parameter.
 """
 
-import json
 import os
 from typing import Any, Optional
 
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 
+from jaxrlhf import checkpoint_files
 from jaxrlhf.models import t5x_checkpoint
 
 
@@ -32,19 +31,13 @@ def _is_t5x(path: str) -> bool:
       d.startswith("checkpoint_") for d in os.listdir(path))
 
 
-def _orbax_state_dir(path: str) -> str:
-  """The `<step>/state` directory of the latest step under `path`."""
-  if os.path.isdir(os.path.join(path, "state")):
-    return os.path.join(path, "state")
-  if os.path.isdir(os.path.join(path, "checkpoints")):
-    path = os.path.join(path, "checkpoints")
-  steps = [int(d) for d in os.listdir(path) if d.isdigit()] \
-      if os.path.isdir(path) else []
-  if not steps:
+def _state_item_dir(path: str) -> str:
+  try:
+    return str(checkpoint_files.state_item_dir(path))
+  except checkpoint_files.NoCheckpointError:
     raise ValueError(
         f"{path!r} is neither a T5X checkpoint nor a jaxrlhf workdir with "
-        "checkpoints; point it at one of those.")
-  return os.path.join(path, str(max(steps)), "state")
+        "checkpoints; point it at one of those.") from None
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -54,7 +47,7 @@ def resolve_checkpoint(path: str) -> str:
   path = os.fspath(path)
   if _is_t5x(path):
     return t5x_checkpoint.find_t5x_checkpoint(path)
-  return _orbax_state_dir(path)
+  return _state_item_dir(path)
 
 
 def _check_same_tree(loaded, target, path):
@@ -75,21 +68,6 @@ def _check_same_tree(loaded, target, path):
           "vocabulary when it is unset).")
 
 
-def _restore_as_numpy(state_dir: str):
-  """The saved state as host numpy arrays, whatever mesh wrote it.
-
-  Each process holds a full host copy of the state while loading (fine for
-  the sizes orbax checkpoints of this library hold; large pretrained models
-  come as T5X or safetensors checkpoints, which load shard by shard).
-  """
-  checkpointer = ocp.PyTreeCheckpointer()
-  tree = checkpointer.metadata(state_dir).item_metadata.tree
-  restore_args = jax.tree.map(
-      lambda _: ocp.RestoreArgs(restore_type=np.ndarray), tree)
-  return checkpointer.restore(
-      state_dir, args=ocp.args.PyTreeRestore(restore_args=restore_args))
-
-
 def load_lm_params(path: str, target: Any) -> Any:
   """Parameters from `path` shaped and sharded like `target` (jax.Arrays)."""
   path = os.fspath(path)
@@ -108,7 +86,7 @@ def load_network_params(path: str, target: Any, network: str) -> Any:
   sharded like `target` (jax.Arrays)."""
   path = os.fspath(path)
   shardings = jax.tree.map(lambda x: x.sharding, target)
-  state = _restore_as_numpy(_orbax_state_dir(path))
+  state = checkpoint_files.restore_state_as_numpy(_state_item_dir(path))
   if "params" not in state or network not in state["params"]:
     have = sorted(state.get("params", {}))
     raise ValueError(f"Checkpoint {path!r} has no params/{network} network "
@@ -121,17 +99,6 @@ def load_network_params(path: str, target: Any, network: str) -> Any:
 
 
 def run_config(path: str) -> Optional[dict]:
-  """The config.json a jaxrlhf run wrote, found from its workdir, its
-  `checkpoints/` directory or one step of it; None if there is none."""
-  path = os.path.abspath(os.fspath(path))
-  # Climb out of <workdir>/checkpoints/<step>/state, and no further: a
-  # pipeline's own config.json sits one level above its stages.
-  for name in ("state", None, "checkpoints"):
-    base = os.path.basename(path)
-    if base == name or (name is None and base.isdigit()):
-      path = os.path.dirname(path)
-  candidate = os.path.join(path, "config.json")
-  if not os.path.isfile(candidate):
-    return None
-  with open(candidate) as f:
-    return json.load(f)
+  """The config.json of the jaxrlhf run at `path` (see
+  `checkpoint_files.run_config`); None if there is none."""
+  return checkpoint_files.run_config(path)

@@ -1,0 +1,80 @@
+"""What a run prints: our own lines on process 0, and no library noise.
+
+Every line a user sees should be ours and mean something. The libraries under
+us print a good deal that a user would read as a problem: TensorFlow's C++
+start-up lines (CUDA probing on a machine without a GPU, written through absl
+before any log setting applies, and an error-level "failed call to cuInit"),
+SentencePiece's INFO line each time a model without a normaliser table is
+loaded, and absl warnings of seqio and orbax about choices we made on
+purpose. `silence_library_noise()` turns those off; importing `jaxrlhf` runs
+it, and the command line also raises the Python loggers.
+"""
+
+import contextlib
+import logging
+import os
+import sys
+import tempfile
+
+_QUIET_ENVIRONMENT = {"TF_CPP_MIN_LOG_LEVEL": "3"}
+_silenced = False
+
+
+@contextlib.contextmanager
+def _stderr_held_back():
+  """Holds back what C and C++ code write to file descriptor 2; replays it
+  only if the block raises (so a failing import still explains itself)."""
+  sys.stderr.flush()
+  saved = os.dup(2)
+  with tempfile.TemporaryFile() as held:
+    os.dup2(held.fileno(), 2)
+    try:
+      yield
+    except BaseException:
+      os.dup2(saved, 2)
+      held.seek(0)
+      sys.stderr.write(held.read().decode(errors="replace"))
+      raise
+    finally:
+      os.dup2(saved, 2)
+      os.close(saved)
+
+
+def silence_library_noise(python_loggers: bool = False) -> None:
+  """Turns off the libraries' start-up and per-call log lines.
+
+  Imports TensorFlow with its C++ start-up lines held back and hides the
+  GPUs from it: TensorFlow only reads data on the host here, and must not
+  take accelerator memory that JAX needs.
+
+  Args:
+    python_loggers: also raise the Python (absl) loggers to ERROR, so that
+      seqio's, orbax's and TensorFlow's warnings about settings we chose on
+      purpose are not printed; the command line does this, a notebook keeps
+      its own logging settings.
+  """
+  global _silenced
+  if not _silenced:
+    _silenced = True
+    for key, value in _QUIET_ENVIRONMENT.items():
+      os.environ.setdefault(key, value)
+    if "tensorflow" not in sys.modules:
+      with _stderr_held_back():
+        import tensorflow as tf  # pylint: disable=g-import-not-at-top
+        import tensorflow_text  # pylint: disable=g-import-not-at-top,unused-import
+        tf.config.set_visible_devices([], "GPU")
+    import sentencepiece  # pylint: disable=g-import-not-at-top
+    # 1 = WARNING: hides "precompiled_charsmap is empty" per model load.
+    sentencepiece.set_min_log_level(1)
+  if python_loggers:
+    from absl import logging as absl_logging  # pylint: disable=g-import-not-at-top
+    absl_logging.set_verbosity(absl_logging.ERROR)
+    for name in ("tensorflow", "jax", "orbax", "absl"):
+      logging.getLogger(name).setLevel(logging.ERROR)
+
+
+def log(message: str) -> None:
+  """Prints `message` once per run: on process 0 only."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if jax.process_index() == 0:
+    print(message, flush=True)
