@@ -1,7 +1,7 @@
 """What the benchmark scripts share: model and batch-shape flags, the
 config they make, and timing.
 
-Each benchmark builds its recipe from `config_from_flags(args, algorithm)`
+Each benchmark builds its trainer from `config_from_flags(args, algorithm)`
 so that a flag means the same in every script.
 """
 
@@ -35,8 +35,9 @@ def add_shape_flags(p: argparse.ArgumentParser, *, optimizer: str,
                  help="timed repetitions")
 
 
-def config_from_flags(args, algorithm: str):
-  """A validated config with the flags' model, shapes, optimizer and mesh."""
+def config_from_flags(args, algorithm: str, **overrides):
+  """A validated config with the flags' model, shapes, optimizer and mesh,
+  and `overrides` ({"online.num_epochs": 4}) of the script's own."""
   c = defaults.base_config()
   defaults.apply_overrides(c, {
       "algorithm": algorithm,
@@ -51,6 +52,7 @@ def config_from_flags(args, algorithm: str):
       "data.inputs_length": args.inputs_length,
       "data.targets_length": args.targets_length,
       "mesh.shape": tuple(int(x) for x in args.mesh.split(",")),
+      **overrides,
   })
   defaults.validate(c)
   return c

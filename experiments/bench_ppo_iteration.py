@@ -5,7 +5,7 @@ r"""Where one PPO iteration's time goes: rollout, scoring and update.
   python experiments/bench_ppo_iteration.py --arch=llama --size=tinyllama-1.1b \
       --dtype=bfloat16 --vocab_size=32000
 
-One PPO iteration of `jaxrlhf.recipes.ppo` is timed whole (the jitted train
+One PPO iteration of `jaxrlhf.algorithms.ppo` is timed whole (the jitted train
 step) and in its three parts, each jitted alone:
 
   rollout  sampling `targets_length` tokens per prompt at temperature 0.7
@@ -31,9 +31,10 @@ import jax
 import numpy as np
 
 import bench_common
-from jaxrlhf import defaults
+from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.recipes import ppo
+from jaxrlhf.algorithms import online
+from jaxrlhf.algorithms import ppo
 from jaxrlhf.rl import rollout as rollout_lib
 
 
@@ -45,15 +46,13 @@ def main():
   p.add_argument("--minibatches", type=int, default=1)
   args = p.parse_args()
 
-  c = bench_common.config_from_flags(args, "ppo")
-  defaults.apply_overrides(c, {
+  c = bench_common.config_from_flags(args, "ppo", **{
       "online.num_epochs": args.epochs,
       "online.num_minibatches": args.minibatches,
       # Only the shapes matter: no checkpoint is read (see init below).
       "init.policy_checkpoint": "unused",
       "online.reward_model_checkpoint": "unused",
   })
-  defaults.validate(c)
   rules = sharding.as_rules(c.sharding.logical_axis_rules)
   b, lp, lt = args.batch_size, args.inputs_length, args.targets_length
   rng = np.random.default_rng(0)
@@ -61,35 +60,39 @@ def main():
   prompts[:, -1] = 1
 
   with sharding.activate(c) as mesh:
-    recipe = ppo.PPORecipe(c, mesh)
+    trainer = algorithms.build(c, mesh)
     # Random networks in their shardings (init_state would load the
     # checkpoints).
-    state = recipe._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
+    state = trainer._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     batch = sharding.global_batch({"encoder_input_tokens": prompts}, mesh,
                                   rules)
     o = c.online
-    eos = recipe.vocabulary.eos_id
+    eos = trainer.vocabulary.eos_id
+    reward_lm = online.reward_lm(trainer)
 
-    # The two halves of `recipe.make_rollout`, jitted apart.
+    # The two halves of `online.make_rollout`, jitted apart.
     @jax.jit
     def rollout(params, prompt_tokens, key):
       return rollout_lib.sample_responses(
-          recipe.lm, params["policy"], prompt_tokens, key,
-          max_new_tokens=recipe.max_new_tokens, temperature=o.temperature,
+          trainer.lm, params["policy"], prompt_tokens, key,
+          max_new_tokens=trainer.online.max_new_tokens,
+          temperature=o.temperature,
           eos_id=eos)
 
     @jax.jit
     def scoring(params, frozen, prompt_tokens, tokens, kl_coef):
       ro = rollout_lib.assemble_rollout(
-          recipe.lm, params["policy"], frozen["reference"], recipe.reward_lm,
+          trainer.lm, params["policy"], frozen["reference"], reward_lm,
           frozen["reward"], prompt_tokens, tokens, temperature=o.temperature,
           eos_id=eos, missing_eos_penalty=o.missing_eos_penalty)
-      return ro, recipe.rollout_targets(params["value"], ro, kl_coef)
+      return ro, ppo.rollout_targets(trainer, params["value"], ro, kl_coef)
 
     @jax.jit
     def update(state, ro, targets, key):
-      return recipe.run_updates(state, recipe.update_data(ro, targets),
-                                recipe.minibatch_loss, key)
+      return online.run_updates(
+          trainer, state, ppo.update_data(ro, targets),
+          lambda params, minibatch: ppo.minibatch_loss(trainer, params,
+                                                       minibatch), key)
 
     key = jax.random.PRNGKey(1)
     prompt_tokens = batch["encoder_input_tokens"]
@@ -97,11 +100,11 @@ def main():
                                         key, repeats=args.steps)
     t_score, (ro, targets) = bench_common.timed(
         scoring, state.params, state.frozen, prompt_tokens, tokens,
-        state.rl["kl_coef"], repeats=args.steps)
+        state.algorithm_state["kl_coef"], repeats=args.steps)
     t_update, _ = bench_common.timed(update, state, ro, targets, key,
                                      repeats=args.steps)
 
-    step = recipe.train_step
+    step = trainer.train_step
     state = step(state, batch)[0]  # compile (the step donates its state)
     jax.block_until_ready(state)
     start = time.perf_counter()

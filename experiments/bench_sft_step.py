@@ -21,8 +21,8 @@ import jax
 import numpy as np
 
 import bench_common
+from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.recipes import sft
 
 
 def random_batch(is_encoder_decoder: bool, b: int, li: int, lt: int):
@@ -59,12 +59,12 @@ def main():
   rules = sharding.as_rules(c.sharding.logical_axis_rules)
   b, li, lt = args.batch_size, args.inputs_length, args.targets_length
   with sharding.activate(c) as mesh:
-    recipe = sft.SFTRecipe(c, mesh)
-    state = recipe.init_state()
+    trainer = algorithms.build(c, mesh)
+    state = trainer.init_state()
     batch = sharding.global_batch(
-        random_batch(recipe.lm.is_encoder_decoder, b, li, lt), mesh, rules)
+        random_batch(trainer.lm.is_encoder_decoder, b, li, lt), mesh, rules)
     t0 = time.perf_counter()
-    compiled = recipe.train_step.lower(state, batch).compile()
+    compiled = trainer.train_step.lower(state, batch).compile()
     compile_s = time.perf_counter() - t0
     cost = compiled.cost_analysis()
     cost = cost[0] if isinstance(cost, (list, tuple)) else cost

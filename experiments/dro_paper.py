@@ -138,8 +138,8 @@ def relabel_with_reward_model(config, workdir: str):
   from jaxrlhf.data import alignment_data  # pylint: disable=g-import-not-at-top
   from jaxrlhf.eval import evaluation  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models import heads  # pylint: disable=g-import-not-at-top
-  from jaxrlhf.recipes import reward_model  # pylint: disable=g-import-not-at-top
-  from jaxrlhf.train import pretrained  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.algorithms import pretrained  # pylint: disable=g-import-not-at-top
   gold_paths = offline_pipeline.data_paths(workdir)["trajectory"]
   paths = {split: path.replace(".jsonl", "_reward_model.jsonl")
            for split, path in gold_paths.items()}
@@ -151,15 +151,15 @@ def relabel_with_reward_model(config, workdir: str):
         "eval.batch_size": 250})
     li, lt = c.data.inputs_length, c.data.targets_length
     with sharding.activate(c) as mesh:
-      recipe = reward_model.RewardModelRecipe(c, mesh)
+      trainer = algorithms.build(c, mesh)
       params = pretrained.load_network_params(
           os.path.join(workdir, "reward_model"),
-          recipe.init_state().params["reward"], "reward")
+          trainer.init_state().params["reward"], "reward")
       score = jax.jit(lambda p, b: heads.sequence_rewards(
-          recipe.lm, p, b, "completion"))
-      eos = recipe.vocabulary.eos_id
+          trainer.lm, p, b, "completion"))
+      eos = trainer.vocabulary.eos_id
       ids = lambda text, n: np.asarray(
-          recipe.vocabulary.encode(text)[:n - 1] + [eos], np.int32)
+          trainer.vocabulary.encode(text)[:n - 1] + [eos], np.int32)
       for split, gold_path in gold_paths.items():
         with open(gold_path) as f:
           rows = [json.loads(line) for line in f]
@@ -179,7 +179,7 @@ def relabel_with_reward_model(config, workdir: str):
         scores = np.concatenate([
             evaluation.local_rows(score(params, b))
             for b in evaluation.global_batches(features, 250, mesh,
-                                               recipe.rules)])[:len(rows)]
+                                               trainer.rules)])[:len(rows)]
         tmp = paths[split] + ".tmp"
         with open(tmp, "w") as f:
           for r, reward in zip(rows, scores):
@@ -203,15 +203,15 @@ class Judge:
     from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
     from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
-    from jaxrlhf.recipes import sft  # pylint: disable=g-import-not-at-top
+    from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
     c = offline_pipeline.stage_config(config, "sft", **{
         "init.policy_checkpoint": sft_dir, "eval.batch_size": 250})
     self._context = lambda: sharding.activate(c)
     with self._context() as mesh:
-      self.recipe = sft.SFTRecipe(c, mesh)
-      self.sft_params = self.recipe.init_state().params["policy"]
+      self.trainer = algorithms.build(c, mesh)
+      self.sft_params = self.trainer.init_state().params["policy"]
     features, texts = pipeline.eval_examples(
-        c.data.task, "test", self.recipe.feature_lengths,
+        c.data.task, "test", self.trainer.feature_lengths,
         seqio.EncDecFeatureConverter(pack=False), num_prompts)
     if len(texts) < num_prompts:
       raise ValueError(f"The test split has {len(texts)} prompts; "
@@ -231,7 +231,7 @@ class Judge:
   def outcomes(self, name: str, run_dir, seed: int):
     """{gold, kl, length, eos} per test prompt for one policy sample."""
     from jaxrlhf.eval import evaluation  # pylint: disable=g-import-not-at-top
-    from jaxrlhf.train import pretrained  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.algorithms import pretrained  # pylint: disable=g-import-not-at-top
     path = self._path(name, seed)
     if os.path.exists(path):
       with np.load(path) as f:
@@ -239,15 +239,15 @@ class Judge:
     with self._context():
       params = (self.sft_params if run_dir is None else
                 pretrained.load_lm_params(run_dir, self.sft_params))
-      s = evaluation.sample(self.recipe, params, self.tokens, greedy=False,
+      s = evaluation.sample(self.trainer, params, self.tokens, greedy=False,
                             temperature=1.0, seed=7919 * seed + 1)
-      texts = evaluation.completion_texts(self.recipe.vocabulary, s)
+      texts = evaluation.completion_texts(self.trainer.vocabulary, s)
       out = {
           "gold": evaluation.gold_rewards(self.gold, self.prompts, texts,
                                           s.has_eos),
           # k1 on the policy's own samples: unbiased for KL(pi || SFT).
           "kl": np.sum(s.logprobs, -1) - evaluation.sequence_logprobs(
-              self.recipe, self.sft_params, self.tokens, s),
+              self.trainer, self.sft_params, self.tokens, s),
           "length": np.sum(s.mask, -1).astype(np.float64),
           "eos": np.asarray(s.has_eos, np.float64),
       }

@@ -29,26 +29,30 @@ from typing import Dict, List
 import jax
 import ml_collections
 
+from jaxrlhf import algorithms
+from jaxrlhf import console
 from jaxrlhf import defaults
 from jaxrlhf import sharding
+from jaxrlhf.algorithms import rejection_sampling
 from jaxrlhf.data import synthetic_feedback
 from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation
-from jaxrlhf.recipes import sft
 from jaxrlhf.train import loop
-from jaxrlhf.train import metrics as metrics_lib
 
 PAIRS_TASK = "offline_pipeline_pairs"
 TRAJECTORY_TASK = "offline_pipeline_trajectories"
-# stage name -> (algorithm, the kind of labelled data it reads)
+# The kinds of labelled data the data stage writes.
+DATA_KINDS = ("pairs", "trajectory")
+# Policy stages, from the registry: offline policy algorithms on the data
+# stage's pairs or trajectories (stage name = algorithm -> its data kind),
+# then the online ones, which score samples with the reward_model stage's
+# model.
 POLICY_STAGES = {
-    "dpo": ("dpo", "pairs"),
-    "kto": ("kto", "trajectory"),
-    "dro_v": ("dro_v", "trajectory"),
-}
-# Online stages: stage name = algorithm; they score samples with the
-# reward_model stage's model.
-ONLINE_STAGES = ("ppo", "rloo", "grpo", "reinforce", "rejection_sampling")
+    a.name: a.data for a in algorithms.REGISTRY.values()
+    if a.pipeline_stage and a.networks.reference and not a.online
+    and a.data in DATA_KINDS}
+ONLINE_STAGES = tuple(a.name for a in algorithms.REGISTRY.values()
+                      if a.pipeline_stage and a.online)
 # Settings of online stages on top of the pipeline's config. With the
 # pipeline's noisy reward model, GRPO as published (advantages divided by the
 # group std, per-response mean of token losses, beta 0.04) lengthens
@@ -102,23 +106,23 @@ def make_data(config, workdir: str, sft_workdir: str) -> None:
   os.makedirs(os.path.join(workdir, "data"), exist_ok=True)
   gold = tasks.gold_reward_for(c.data.task)
   with sharding.activate(c) as mesh:
-    recipe = sft.SFTRecipe(c, mesh)
-    params = recipe.init_state().params["policy"]
+    trainer = algorithms.build(c, mesh)
+    params = trainer.init_state().params["policy"]
     for split, num_prompts in (("train", p.num_prompts),
                                ("validation", p.num_eval_prompts)):
       # Held-out pairs come from the end of the validation split, away from
       # the prompts that judge the policies.
-      features, texts = _prompts(c, recipe, split, num_prompts)
+      features, texts = _prompts(c, trainer, split, num_prompts)
       prompts = [t["inputs"] for t in texts]
       completions = [[] for _ in prompts]
       for k in range(p.samples_per_prompt):
-        s = evaluation.sample(recipe, params, features, greedy=False,
+        s = evaluation.sample(trainer, params, features, greedy=False,
                               temperature=p.sampling_temperature,
                               seed=1000 + k)
         # A completion that never ended fills the whole length; the file
         # source reports and skips it as too long for an EOS.
         for i, text in enumerate(evaluation.completion_texts(
-            recipe.vocabulary, s)):
+            trainer.vocabulary, s)):
           completions[i].append(text)
       paths = data_paths(workdir)
       n_pairs = synthetic_feedback.write_synthetic_feedback(
@@ -126,19 +130,19 @@ def make_data(config, workdir: str, sft_workdir: str) -> None:
           beta=p.annotator_beta, seed=config.seed)
       n_traj = synthetic_feedback.write_synthetic_feedback(
           paths["trajectory"][split], "trajectory", prompts, completions, gold)
-      metrics_lib.log(
+      console.log(
           f"data: {split}: {len(prompts)} prompts x {p.samples_per_prompt} "
           f"SFT samples -> {n_pairs} pairs, {n_traj} trajectories")
   with open(done, "w") as f:
     f.write("ok\n")
 
 
-def _prompts(config, recipe, split, num_prompts):
+def _prompts(config, trainer, split, num_prompts):
   import seqio
   from jaxrlhf.data import pipeline
   features, texts = pipeline.eval_examples(
       config.data.task, "train" if split == "train" else "validation",
-      recipe.feature_lengths, seqio.EncDecFeatureConverter(pack=False),
+      trainer.feature_lengths, seqio.EncDecFeatureConverter(pack=False),
       num_prompts if split == "train" else
       num_prompts + config.eval.num_examples)
   tokens = features["encoder_input_tokens"]
@@ -184,15 +188,15 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   sft_dir = os.path.join(workdir, "sft")
   results: Dict[str, Dict[str, float]] = {}
   if "sft" in stages:
-    metrics_lib.log("=== stage sft ===")
+    console.log("=== stage sft ===")
     summary = loop.train(stage_config(config, "sft"), sft_dir)
     results["sft"] = summary
-    metrics_lib.log(loop.gold_reward_line(summary) or "")
+    console.log(loop.gold_reward_line(summary) or "")
   if "data" in stages:
-    metrics_lib.log("=== stage data ===")
+    console.log("=== stage data ===")
     make_data(config, workdir, sft_dir)
   if "reward_model" in stages:
-    metrics_lib.log("=== stage reward_model ===")
+    console.log("=== stage reward_model ===")
     results["reward_model"] = loop.train(stage_config(
         config, "reward_model", **data_task_settings(config, workdir, "pairs"),
         **{
@@ -204,12 +208,12 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
             "reward_model.normalize_on_task": config.data.task,
             "reward_model.normalize_num_examples": p.num_prompts,
         }), os.path.join(workdir, "reward_model"))
-  for stage, (algorithm, kind) in POLICY_STAGES.items():
+  for stage, kind in POLICY_STAGES.items():
     if stage not in stages:
       continue
-    metrics_lib.log(f"=== stage {stage} ===")
+    console.log(f"=== stage {stage} ===")
     results[stage] = loop.train(stage_config(
-        config, algorithm, **data_task_settings(config, workdir, kind), **{
+        config, stage, **data_task_settings(config, workdir, kind), **{
             "train.num_steps": p.policy_steps,
             "init.policy_checkpoint": sft_dir,
             "optimizer.learning_rate": p.policy_learning_rate,
@@ -222,19 +226,19 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   for stage in ONLINE_STAGES:
     if stage not in stages:
       continue
-    metrics_lib.log(f"=== stage {stage} ===")
+    console.log(f"=== stage {stage} ===")
     results[stage] = loop.train(online_stage_config(config, stage, sft_dir,
                                                     rm_dir),
                                 os.path.join(workdir, stage))
   if BEST_OF_N in stages:
-    metrics_lib.log(f"=== stage {BEST_OF_N} ===")
+    console.log(f"=== stage {BEST_OF_N} ===")
     results[BEST_OF_N] = best_of_n_stage(config, workdir, sft_dir, rm_dir)
   table = results_table(results)
   if table:
     if jax.process_index() == 0:
       with open(os.path.join(workdir, "results.json"), "w") as f:
         json.dump(table, f, indent=2, sort_keys=True)
-    metrics_lib.log(format_table(
+    console.log(format_table(
         table, config, results.get("sft", {}).get("eval/gold_reward")))
   return results
 
@@ -257,7 +261,6 @@ def online_stage_config(config, algorithm, sft_dir, rm_dir):
 def best_of_n_stage(config, workdir, sft_dir, rm_dir) -> Dict[str, float]:
   """Best-of-N of the SFT policy by the reward model, judged like the
   trained policies (once; the result is kept in best_of_n/results.json)."""
-  from jaxrlhf.recipes import rejection_sampling
   out_dir = os.path.join(workdir, BEST_OF_N)
   path = os.path.join(out_dir, "results.json")
   if os.path.exists(path):
@@ -265,15 +268,15 @@ def best_of_n_stage(config, workdir, sft_dir, rm_dir) -> Dict[str, float]:
       return json.load(f)
   c = online_stage_config(config, "rejection_sampling", sft_dir, rm_dir)
   with sharding.activate(c) as mesh:
-    recipe = rejection_sampling.RejectionSamplingRecipe(c, mesh)
+    trainer = algorithms.build(c, mesh)
     metrics = rejection_sampling.best_of_n_evaluation(
-        recipe, recipe.init_state(), config.pipeline.best_of_n)
+        trainer, trainer.init_state(), config.pipeline.best_of_n)
   metrics = {k: float(v) for k, v in metrics.items()}
   if jax.process_index() == 0:
     os.makedirs(out_dir, exist_ok=True)
     with open(path, "w") as f:
       json.dump(metrics, f, indent=2, sort_keys=True)
-  metrics_lib.log(f"best-of-{config.pipeline.best_of_n}: gold reward "
+  console.log(f"best-of-{config.pipeline.best_of_n}: gold reward "
                   f"{metrics['eval/gold_reward']:.4f}, win rate vs SFT "
                   f"{metrics['eval/win_rate']:.3f}")
   return metrics

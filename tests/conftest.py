@@ -59,3 +59,26 @@ def quiet_env(**extra):
   env.update({"TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"})
   env.update(extra)
   return env
+
+
+def from_scratch(algorithm):
+  """`algorithm` whose networks start from their seeded initialisation: no
+  checkpoint is read."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  return dataclasses.replace(algorithm, networks=dataclasses.replace(
+      algorithm.networks, checkpoints=lambda trainer: {}))
+
+
+def evaluated_by(algorithm, evaluate=lambda trainer, state: {}):
+  """`algorithm` with another evaluation (by default none)."""
+  import dataclasses  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.algorithms import base  # pylint: disable=g-import-not-at-top
+  return dataclasses.replace(algorithm, evaluation=base.Evaluation(
+      evaluate=evaluate, describe=lambda trainer: "a test's evaluation"))
+
+
+def trainer_of(algorithm, config, mesh, workdir=None):
+  """A trainer for `algorithm` (a registered one, or one changed by
+  `from_scratch` / `evaluated_by`)."""
+  from jaxrlhf.algorithms import trainer  # pylint: disable=g-import-not-at-top
+  return trainer.Trainer(algorithm, config, mesh, workdir)

@@ -25,8 +25,9 @@ import numpy as np  # noqa: E402
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import tiny_config  # noqa: E402
+from jaxrlhf import algorithms  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
-from jaxrlhf.recipes import sft  # noqa: E402
+from jaxrlhf.algorithms import state as state_lib  # noqa: E402
 from jaxrlhf.train import checkpointing, loop  # noqa: E402
 
 shape = tuple(int(x) for x in mesh_shape.split(","))
@@ -38,11 +39,11 @@ summary = loop.train(config, workdir)
 mesh = sharding.create_mesh(shape, config.mesh.axis_names)
 rules = sharding.as_rules(config.sharding.logical_axis_rules)
 with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-  recipe = sft.SFTRecipe(config, mesh)
+  trainer = algorithms.build(config, mesh)
   ckpt = checkpointing.Checkpointer(os.path.join(workdir, "checkpoints"), 2)
   state, position = ckpt.restore(
-      ckpt.latest_step(), checkpointing.abstract_with_shardings(
-          recipe.abstract_state, recipe.state_shardings))
+      ckpt.latest_step(), state_lib.abstract_with_shardings(
+          trainer.abstract_state, trainer.state_shardings))
   kernel = state.params["policy"]["decoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
   local = [np.asarray(s.data) for s in
            jax.tree.leaves(jax.tree.map(lambda a: a.addressable_shards[0],

@@ -18,8 +18,8 @@ import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import tiny_config  # noqa: E402
+from jaxrlhf import algorithms  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
-from jaxrlhf.recipes import ppo  # noqa: E402
 
 shape = tuple(int(x) for x in sys.argv[1].split(","))
 micro = int(sys.argv[2]) if len(sys.argv) > 2 else 1
@@ -44,16 +44,16 @@ with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
   uneven_error = None
   if shape[0] > 2:  # 8 responses / 2 minibatches / 2 micro-batches = 2 rows
     try:
-      ppo.PPORecipe(ppo_config(8, 2), mesh)
+      algorithms.build(ppo_config(8, 2), mesh)
     except ValueError as e:
       uneven_error = str(e)
-  recipe = ppo.PPORecipe(config, mesh)
-  state = recipe._init(jax.random.PRNGKey(config.seed))  # pylint: disable=protected-access
-  batches = recipe.train_batches(0)
+  trainer = algorithms.build(config, mesh)
+  state = trainer._init(jax.random.PRNGKey(config.seed))  # pylint: disable=protected-access
+  batches = trainer.train_batches(0)
   steps = []
   for _ in range(3):
     batch = sharding.global_batch(next(batches), mesh, rules)
-    state, metrics = recipe.train_step(state, batch)
+    state, metrics = trainer.train_step(state, batch)
     steps.append({k: float(metrics[k]) for k in (
         "loss", "value_loss", "score", "kl", "response_length",
         "clip_fraction")})

@@ -1,4 +1,4 @@
-"""Three train steps of an offline recipe; for tests/test_recipes_sharded.py.
+"""Three train steps of an offline algorithm; for tests/test_recipes_sharded.py.
 
 Usage: python recipe_sharded_check.py ALGORITHM DATA_FILE MESH_SHAPE
 Prints one JSON line: the per-step losses and the policy's parameter sum.
@@ -15,9 +15,9 @@ import jax
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import tiny_config  # noqa: E402
+from conftest import from_scratch, tiny_config, trainer_of  # noqa: E402
+from jaxrlhf import algorithms  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
-from jaxrlhf.recipes import registry  # noqa: E402
 
 algorithm, data_file, mesh_shape = sys.argv[1:4]
 shape = tuple(int(x) for x in mesh_shape.split(","))
@@ -26,23 +26,14 @@ config = tiny_config(algorithm=algorithm, data__task=f"sharded_{algorithm}",
 config.data.files.train = data_file
 mesh = sharding.create_mesh(shape, config.mesh.axis_names)
 rules = sharding.as_rules(config.sharding.logical_axis_rules)
-recipe_cls = registry.RECIPES[algorithm]
-
-
-class FromScratch(recipe_cls):
-
-  def pretrained_paths(self):
-    return {}
-
-
 with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-  recipe = FromScratch(config, mesh)
-  state = recipe.init_state()
-  batches = recipe.train_batches(0)
+  trainer = trainer_of(from_scratch(algorithms.get(algorithm)), config, mesh)
+  state = trainer.init_state()
+  batches = trainer.train_batches(0)
   losses = []
   for _ in range(3):
     batch = sharding.global_batch(next(batches), mesh, rules)
-    state, metrics = recipe.train_step(state, batch)
+    state, metrics = trainer.train_step(state, batch)
     losses.append(float(metrics["loss"]))
   kernel = state.params["policy"]["encoder"]["layers_0"]["mlp"]["wi_0"]["kernel"]
   print(json.dumps({

@@ -16,14 +16,13 @@ import pytest
 import seqio
 import tensorflow as tf
 
-from conftest import tiny_config
+from conftest import from_scratch, trainer_of, tiny_config
 from jaxrlhf import sharding
 from jaxrlhf.data import feature_converters as fc
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
-from jaxrlhf.recipes import kto
-from jaxrlhf.recipes import registry
-from jaxrlhf.recipes import sft
+from jaxrlhf import algorithms
+from jaxrlhf.algorithms import kto
 from jaxrlhf.train import loop
 
 TOKENS = tf.TensorSpec([None], tf.int32)
@@ -125,13 +124,13 @@ def test_decoder_only_sft_loss_equals_numpy_reference():
                  {"inputs": 6, "targets": 4}, SFT_SIGNATURE)
   batch = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    recipe = sft.SFTRecipe(config, mesh)
-    assert not recipe.lm.is_encoder_decoder
-    state = recipe.init_state()
+    trainer = algorithms.build(config, mesh)
+    assert not trainer.lm.is_encoder_decoder
+    state = trainer.init_state()
     params = jax.device_get(nn.meta.unbox(state.params["policy"]))
-    want_nll, want_loss = _reference_sft_loss(recipe.model, params, z_loss)
-    _, metrics = recipe.train_step(state,
-                                   sharding.global_batch(batch, mesh, rules))
+    want_nll, want_loss = _reference_sft_loss(trainer.model, params, z_loss)
+    _, metrics = trainer.train_step(state,
+                                    sharding.global_batch(batch, mesh, rules))
   assert want_loss > want_nll  # the z-loss term is there
   np.testing.assert_allclose(float(metrics["loss"]), want_loss, rtol=1e-5)
   np.testing.assert_allclose(float(metrics["nll"]), want_nll, rtol=1e-5)
@@ -211,19 +210,14 @@ def test_tiny_llama_kto_trains_with_finite_losses(tmp_path):
   mesh = one_device_mesh()
   rules = sharding.as_rules(config.sharding.logical_axis_rules)
 
-  class FromScratch(registry.RECIPES["kto"]):
-
-    def pretrained_paths(self):
-      return {}
-
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    recipe = FromScratch(config, mesh)
-    state = recipe.init_state()
-    batch = next(recipe.train_batches(0))
+    trainer = trainer_of(from_scratch(kto.ALGORITHM), config, mesh)
+    state = trainer.init_state()
+    batch = next(trainer.train_batches(0))
     assert "completion_tokens" in batch and "prompt_tokens" in batch
     losses, baselines = [], []
     for _ in range(4):
-      state, metrics = recipe.train_step(
+      state, metrics = trainer.train_step(
           state, sharding.global_batch(batch, mesh, rules))
       losses.append(float(metrics["loss"]))
       baselines.append(float(metrics["kl_baseline"]))

@@ -14,8 +14,8 @@ from jaxrlhf import sharding
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
-from jaxrlhf.recipes import base
-from jaxrlhf.recipes import direct_preference
+from jaxrlhf import algorithms
+from jaxrlhf.algorithms import trainer as trainer_lib
 from jaxrlhf.train import loop
 
 
@@ -33,7 +33,7 @@ def test_files_cannot_replace_a_registered_task(tmp_path):
   with pytest.raises(ValueError, match=r"config.data.task: "
                      r"'synthetic_summarize' is already a registered seqio "
                      r"task.*--config.data.task="):
-    base.register_task_from_files(config, "pairs")
+    trainer_lib.register_task_from_files(config, "pairs")
   # The built-in task is untouched.
   source = seqio.get_mixture_or_task("synthetic_summarize").source
   assert not isinstance(source, file_sources.AlignmentFileSource)
@@ -47,9 +47,9 @@ def test_completions_may_fill_targets_length_eos_included(tmp_path):
   config.data.files.train = _pairs_file(
       tmp_path / "p.jsonl",
       ["red blue green gold", "red blue green gold cat", "red"])
-  base.register_task_from_files(config, "pairs")
+  trainer_lib.register_task_from_files(config, "pairs")
   # A second registration by the same process replaces its own file task.
-  base.register_task_from_files(config, "pairs")
+  trainer_lib.register_task_from_files(config, "pairs")
   source = seqio.get_mixture_or_task("files_length_limit").source
   assert [e["chosen"] for e in source.examples()] == ["red blue green gold",
                                                        "red"]
@@ -69,7 +69,7 @@ def test_eval_task_must_exist_and_have_a_gold_reward(tmp_path, eval_task,
   config.data.files.train = _pairs_file(tmp_path / "p.jsonl", ["red blue"])
   with sharding.activate(config, jax.devices()[:1]) as mesh:
     with pytest.raises(ValueError, match=message):
-      direct_preference.DirectPreferenceRecipe(config, mesh)
+      algorithms.build(config, mesh)
 
 
 def test_checkpoint_of_another_vocabulary_is_refused(tmp_path):
@@ -83,9 +83,9 @@ def test_checkpoint_of_another_vocabulary_is_refused(tmp_path):
   config.data.files.train = _pairs_file(tmp_path / "p.jsonl", ["red blue"])
   config.data.files.vocabulary = other.sentencepiece_model_file
   with sharding.activate(config, jax.devices()[:1]) as mesh:
-    recipe = direct_preference.DirectPreferenceRecipe(config, mesh)
+    trainer = algorithms.build(config, mesh)
     with pytest.raises(ValueError) as error:
-      recipe.init_state()
+      trainer.init_state()
   message = str(error.value)
   assert message.startswith("config.init.policy_checkpoint: ")
   assert "was trained with vocabulary" in message
@@ -100,4 +100,4 @@ def test_missing_files_name_their_field(tmp_path, field):
   config.data.files[field] = str(tmp_path / "nope" / "*.jsonl")
   with pytest.raises(ValueError, match=rf"config.data.files.{field}: no file "
                      "matches"):
-    base.register_task_from_files(config, "pairs")
+    trainer_lib.register_task_from_files(config, "pairs")

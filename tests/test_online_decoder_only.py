@@ -5,7 +5,7 @@ and rewards of left-padded prompts against each row run alone, unpadded,
 through the networks (plain numpy on their outputs); the value of response
 token t read at the state before it ("N+ implementation details", detail
 22 / the reference code's `values[:, context_length - 1:-1]`); the in-jit
-left padding against the host-side `evaluation.left_pad_prompts`; and an
+left padding against the rows padded by hand; and an
 update accumulated over micro-batches against the same update on the whole
 minibatch. Networks are tiny and random, written into workdirs by hand.
 """
@@ -14,30 +14,31 @@ import functools
 import json
 import os
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
 import pytest
 
 from conftest import tiny_config
-from jaxrlhf import sharding
+from jaxrlhf import algorithms
+from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import online
+from jaxrlhf.algorithms import ppo
+from jaxrlhf.algorithms import state as state_lib
+from jaxrlhf.algorithms import update as update_lib
+from jaxrlhf import checkpoint_files
 from jaxrlhf.data import tasks
-from jaxrlhf.eval import evaluation
 from jaxrlhf.models import build_model
 from jaxrlhf.models import heads
 from jaxrlhf.models import sampling
 from jaxrlhf.models import scoring
-from jaxrlhf.recipes import group_rl
-from jaxrlhf.recipes import online
-from jaxrlhf.recipes import ppo
 from jaxrlhf.rl import rollout as rollout_lib
+from jaxrlhf import sharding
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import loop
-from jaxrlhf.train import state as state_lib
-from jaxrlhf.train import steps
 
 EOS = 1
 MAX_NEW = 8
@@ -55,7 +56,7 @@ def _mesh_context(config):
 
 
 def _init_lm_params(config, seed):
-  """Random params of config.model, initialised as the recipes do."""
+  """Random params of config.model, initialised as the trainer does."""
   module, model_config = build_model(
       config.model, tasks.synthetic_vocabulary().vocab_size)
   rng = jax.random.PRNGKey(seed)
@@ -77,7 +78,7 @@ def _write_workdir(path, config, params):
     return
   state = state_lib.TrainState(
       step=jnp.zeros((), jnp.int32), params=params, opt_state={}, frozen={},
-      rng=jax.random.PRNGKey(0))
+      rng=jax.random.PRNGKey(0), algorithm_state={})
   loop.prepare_workdir(str(path), config)
   ckpt = checkpointing.Checkpointer(os.path.join(path, "checkpoints"), keep=1)
   ckpt.save(1, state, 0)
@@ -86,7 +87,7 @@ def _write_workdir(path, config, params):
 
 def _make_workdirs(root, policy_arch, reward_arch, checkpoints=True):
   """A random "SFT" policy and a random reward model (own backbone); with
-  `checkpoints` False only their run configs (for recipes that start from
+  `checkpoints` False only their run configs (for runs that start from
   random networks: the reward model's architecture comes from its run)."""
   policy_config = tiny_config(algorithm="sft", **_arch_overrides(policy_arch))
   reward_config = tiny_config(algorithm="reward_model",
@@ -170,7 +171,15 @@ def test_in_jit_left_padding_matches_the_host_version():
   rng = np.random.default_rng(0)
   rows += [list(rng.integers(2, 50, n)) + [EOS] for n in (1, 4, 8)]
   prompts = _padded(rows, 9)
-  want_tokens, want_mask = evaluation.left_pad_prompts(prompts, EOS)
+  # By hand: the real tokens without a trailing EOS, moved to the right end.
+  want_tokens = np.zeros_like(prompts)
+  for i, row in enumerate(rows):
+    real = [int(t) for t in row]
+    if real and real[-1] == EOS:
+      real = real[:-1]
+    if real:
+      want_tokens[i, -len(real):] = real
+  want_mask = (want_tokens > 0).astype(np.int32)
   tokens, mask = jax.jit(rollout_lib.left_pad_prompts)(prompts)
   np.testing.assert_array_equal(tokens, want_tokens)
   np.testing.assert_array_equal(mask, want_mask)
@@ -189,28 +198,29 @@ def test_decoder_only_rollout_is_left_padding_invariant_and_values_are_shifted(
   responses = _padded(RESPONSES, MAX_NEW, fill=EOS)
   responses[2, 1:] = [4, 5, 6, 7, 8, 9, 10]  # sampled on after its EOS
   with _mesh_context(config) as mesh:
-    recipe = ppo.PPORecipe(config, mesh)
-    assert not recipe.lm.is_encoder_decoder
-    assert not recipe.reward_lm.is_encoder_decoder
-    state = recipe.init_state()
+    trainer = algorithms.build(config, mesh)
+    reward_lm = online.reward_lm(trainer)
+    assert not trainer.lm.is_encoder_decoder
+    assert not reward_lm.is_encoder_decoder
+    state = trainer.init_state()
     # Detail 22: the value network starts as the (decoder-only) reward model.
     jax.tree.map(np.testing.assert_array_equal, state.params["value"],
                  state.frozen["reward"])
     assemble = jax.jit(lambda s, r: rollout_lib.assemble_rollout(
-        recipe.lm, s.params["policy"], s.frozen["reference"],
-        recipe.reward_lm, s.frozen["reward"], prompts, r,
+        trainer.lm, s.params["policy"], s.frozen["reference"],
+        reward_lm, s.frozen["reward"], prompts, r,
         temperature=temperature, eos_id=EOS, missing_eos_penalty=-1.0))
     ro = assemble(state, jnp.asarray(responses))
-    eval_scores = recipe.reward_scores(
-        state.frozen["reward"], np.asarray(prompts), sampling.Samples(
+    eval_scores = online.reward_scores(
+        trainer, state.frozen["reward"], np.asarray(prompts), sampling.Samples(
             tokens=np.asarray(ro.features["tokens"])[:, -MAX_NEW:],
             logprobs=np.asarray(ro.logprobs), mask=np.asarray(ro.mask),
             has_eos=np.asarray(ro.has_eos)))
-    targets = jax.jit(recipe.rollout_targets)(state.params["value"], ro,
-                                              jnp.float32(0.05))
+    targets = jax.jit(lambda v, r, k: ppo.rollout_targets(trainer, v, r, k))(
+        state.params["value"], ro, jnp.float32(0.05))
     policy, value = state.params["policy"], state.params["value"]
     reward = state.frozen["reward"]
-    policy_module, value_module = recipe.model, recipe.reward_lm.module
+    policy_module, value_module = trainer.model, reward_lm.module
     hidden = value_module.hidden_states
     prompts_alone = [p[:-1] for p in PROMPTS]  # no EOS before the response
     responses_alone = [r[:r.index(EOS) + 1] if EOS in r else r
@@ -268,15 +278,16 @@ def test_t5_reward_model_scores_a_decoder_only_policy(llama_workdirs,
   prompts = jnp.asarray(_padded(PROMPTS, config.data.inputs_length))
   responses = jnp.asarray(_padded(RESPONSES, MAX_NEW))
   with _mesh_context(config) as mesh:
-    recipe = group_rl.RLOORecipe(config, mesh)
-    assert recipe.reward_lm.is_encoder_decoder
-    state = recipe._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
+    trainer = algorithms.build(config, mesh)
+    reward_lm = online.reward_lm(trainer)
+    assert reward_lm.is_encoder_decoder
+    state = trainer._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     ro = jax.jit(lambda s: rollout_lib.assemble_rollout(
-        recipe.lm, s.params["policy"], s.frozen["reference"],
-        recipe.reward_lm, s.frozen["reward"], prompts, responses,
+        trainer.lm, s.params["policy"], s.frozen["reference"],
+        reward_lm, s.frozen["reward"], prompts, responses,
         temperature=1.0, eos_id=EOS, missing_eos_penalty=None))(state)
     reward = state.frozen["reward"]
-    module = recipe.reward_lm.module
+    module = reward_lm.module
     # T5 reads the prompt with its EOS; the decoder reads BOS + r[:-1].
     cut = [r[:r.index(EOS) + 1] if EOS in r else r for r in RESPONSES]
     states = jax.jit(functools.partial(
@@ -298,7 +309,7 @@ def _metrics(workdir):
 
 @pytest.mark.parametrize("algorithm", ["ppo", "rloo", "grpo", "reinforce",
                                        "rejection_sampling"])
-def test_decoder_only_online_recipes_train_end_to_end(
+def test_decoder_only_online_algorithms_train_end_to_end(
     llama_workdirs, tmp_path, monkeypatch, algorithm):
   """Two RL iterations through the shared loop: sampling from a Llama
   policy, a Llama reward model, updates; losses finite, weights moved."""
@@ -310,9 +321,15 @@ def test_decoder_only_online_recipes_train_end_to_end(
                    # EOS trick every score would be -1 and the group
                    # advantages 0.
                    online__eos_trick=False)
-  # Evaluation's decoder-only sampling is the offline recipes' (tested
+  # Evaluation's decoder-only sampling is the offline algorithms' (tested
   # there); its reward-model scores are checked in the rollout test.
-  monkeypatch.setattr(online.OnlineRecipe, "evaluate", lambda self, s: {})
+  unevaluated = dataclasses.replace(
+      algorithms.get(algorithm), evaluation=base.Evaluation(
+          evaluate=lambda trainer, state: {}, describe=lambda trainer: ""))
+  monkeypatch.setattr(
+      algorithms, "build",
+      lambda c, mesh, workdir=None: algorithms.trainer.Trainer(
+          unevaluated, c, mesh, workdir))
   workdir = str(tmp_path / algorithm)
   loop.train(config, workdir)
   rows = _metrics(workdir)
@@ -321,40 +338,22 @@ def test_decoder_only_online_recipes_train_end_to_end(
     assert np.isfinite(row["loss"])
     assert 0 < row["response_length"] <= MAX_NEW
     assert np.isfinite(row["score"])
-  saved = ocp.PyTreeCheckpointer().restore(
+  saved = checkpoint_files.restore_state_as_numpy(
       os.path.join(workdir, "checkpoints", "2", "state"))
   moved = jax.tree.map(lambda a, b: float(np.abs(np.asarray(a) - b).max()),
                        saved["params"]["policy"], llama_workdirs["policy"])
   assert max(jax.tree.leaves(moved)) > 1e-4
 
 
-class _SGD:
-  """Plain SGD, so that an update is -lr * gradient: a gradient scaled by
-  a wrong micro-batch weight shows (Adam-style optimizers would hide a
-  constant factor)."""
-
-  def make_optimizer(self):
-    names = list(self.optimizer_configs())
-    return optax.multi_transform({n: optax.sgd(0.1) for n in names},
-                                 {n: n for n in names})
-
-
-class _SGDPPO(_SGD, ppo.PPORecipe):
-  pass
-
-
-class _SGDGRPO(_SGD, group_rl.GRPORecipe):
-  pass
-
-
-_SGD_RECIPES = {"ppo": _SGDPPO, "grpo": _SGDGRPO}
-
-
 def _update_with_microbatches(algorithm, workdirs, micro, state=None,
                               **overrides):
+  # Plain SGD without clipping, so that an update is -lr * gradient: a
+  # gradient scaled by a wrong micro-batch weight shows (Adam-style
+  # optimizers would hide a constant factor).
   config = _config(workdirs, algorithm=algorithm, train__batch_size=8,
                    train__num_microbatches=micro, online__num_minibatches=2,
-                   **overrides)
+                   optimizer__name="sgd", optimizer__learning_rate=0.1,
+                   optimizer__grad_clip_norm=0.0, **overrides)
   # Responses of 1 to 8 tokens, so micro-batches hold different numbers of
   # tokens and a token mean is not a mean of micro-batch means.
   lengths = [1, 8, 2, 8, 3, 1, 8, 5]
@@ -369,28 +368,30 @@ def _update_with_microbatches(algorithm, workdirs, micro, state=None,
     if n < MAX_NEW:
       responses[i, n - 1] = EOS
   with _mesh_context(config) as mesh:
-    recipe = _SGD_RECIPES[algorithm](config, mesh)
+    trainer = algorithms.build(config, mesh)
     if state is None:
       # Random networks (no checkpoints to read): the comparison only needs
       # the same start for both runs.
-      state = recipe._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
+      state = trainer._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
       # The reference starts as the policy, as from an SFT checkpoint (a
       # random reference far from the policy makes GRPO's k3 term explode).
       state = state.replace(frozen=dict(
           state.frozen, reference=jax.tree.map(jnp.copy,
                                                state.params["policy"])))
     ro = jax.jit(lambda s: rollout_lib.assemble_rollout(
-        recipe.lm, s.params["policy"], s.frozen["reference"],
-        recipe.reward_lm, s.frozen["reward"], jnp.asarray(prompts),
+        trainer.lm, s.params["policy"], s.frozen["reference"],
+        online.reward_lm(trainer), s.frozen["reward"], jnp.asarray(prompts),
         jnp.asarray(responses), temperature=config.online.temperature,
         eos_id=EOS))(state)
     rng = jax.random.PRNGKey(5)
-    params, _, _, metrics = jax.jit(recipe.update)(state, ro, rng)
+    params, _, _, metrics = jax.jit(
+        lambda s, r, k: online.update(trainer, s, r, k))(state, ro, rng)
   # The micro-batches of the first update hold different token counts (else
   # the weighting would not be tested).
-  first = rollout_lib.minibatch_indices(rng, rows, recipe.num_epochs, 2)[0]
+  first = rollout_lib.minibatch_indices(rng, rows, trainer.online.num_epochs,
+                                        2)[0]
   tokens = np.asarray(ro.mask).sum(-1)[np.asarray(first)]
-  micro_tokens = np.asarray(steps.split_microbatches(tokens, 2)).sum(-1)
+  micro_tokens = np.asarray(update_lib.split_microbatches(tokens, 2)).sum(-1)
   assert micro_tokens[0] != micro_tokens[1]
   return state, params, metrics
 

@@ -1,4 +1,5 @@
-"""Recipe-level behaviour of the online RL recipes (PPO, RLOO, GRPO, ...).
+"""Algorithm-level behaviour of the online RL algorithms (PPO, RLOO, GRPO,
+...).
 
 The pure functions of jaxrlhf.rl have their own tests; here they are
 checked as assembled: a real rollout through the EOS trick, the PPO update
@@ -13,28 +14,32 @@ import json
 import os
 import shutil
 
+import dataclasses
+
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
-import optax
-import orbax.checkpoint as ocp
 import pytest
 import seqio
 import tensorflow as tf
 
 from conftest import tiny_config
-from jaxrlhf import sharding
+from jaxrlhf import algorithms
+from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import online
+from jaxrlhf.algorithms import rejection_sampling
+from jaxrlhf.algorithms import state as state_lib
+from jaxrlhf import checkpoint_files
+from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
+from jaxrlhf import defaults
 from jaxrlhf.models import heads
-from jaxrlhf.recipes import online
-from jaxrlhf.recipes import ppo
-from jaxrlhf.recipes import rejection_sampling
 from jaxrlhf.rl import rollout as rollout_lib
+from jaxrlhf import sharding
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import loop
-from jaxrlhf.train import state as state_lib
 
 LR = 0.05
 
@@ -53,19 +58,18 @@ def _write_workdir(path, config, state):
 @pytest.fixture(scope="module")
 def workdirs(tmp_path_factory):
   """A random tiny "SFT" policy and a reward model on its backbone."""
-  from jaxrlhf.recipes import sft
   root = tmp_path_factory.mktemp("online")
   config = tiny_config(algorithm="sft")
   with _mesh_context(config) as mesh:
-    recipe = sft.SFTRecipe(config, mesh)
-    state = recipe.init_state()
+    trainer = algorithms.build(config, mesh)
+    state = trainer.init_state()
   _write_workdir(root / "sft", config, state)
   reward = nn.unbox(heads.init_from_backbone(
       jax.random.PRNGKey(7), state.params["policy"],
-      recipe.model_config.emb_dim))
+      trainer.model_config.emb_dim))
   reward_state = state_lib.TrainState(
       step=jnp.zeros((), jnp.int32), params={"reward": reward}, opt_state={},
-      frozen={}, rng=jax.random.PRNGKey(0))
+      frozen={}, rng=jax.random.PRNGKey(0), algorithm_state={})
   _write_workdir(root / "rm", tiny_config(algorithm="reward_model"),
                  reward_state)
   return {"sft": str(root / "sft"), "rm": str(root / "rm"), "root": root}
@@ -79,24 +83,19 @@ def _config(workdirs, algorithm="ppo", **overrides):
   return tiny_config(**base)
 
 
-class _SGDPPO(ppo.PPORecipe):
-  """PPO with plain SGD, so an update is -LR * gradient exactly."""
-
-  def make_optimizer(self):
-    return optax.multi_transform(
-        {"policy": optax.sgd(LR), "value": optax.sgd(LR)},
-        {"policy": "policy", "value": "value"})
-
-
 @pytest.fixture(scope="module")
 def sgd_ppo(workdirs):
-  config = _config(workdirs, online__num_epochs=1, online__num_minibatches=1)
+  """PPO with plain SGD and no clipping, so an update is -LR * gradient
+  exactly."""
+  config = _config(workdirs, online__num_epochs=1, online__num_minibatches=1,
+                   optimizer__name="sgd", optimizer__learning_rate=LR,
+                   optimizer__grad_clip_norm=0.0)
   with _mesh_context(config) as mesh:
-    recipe = _SGDPPO(config, mesh)
-    state = recipe.init_state()
-    batch = sharding.global_batch(next(recipe.train_batches(0)), mesh,
-                                  recipe.rules)
-  return recipe, state, batch
+    trainer = algorithms.build(config, mesh)
+    state = trainer.init_state()
+    batch = sharding.global_batch(next(trainer.train_batches(0)), mesh,
+                                  trainer.rules)
+  return trainer, state, batch
 
 
 def _numpy_gae(rewards, values, mask, gamma, lam):
@@ -117,12 +116,14 @@ def test_ppo_with_one_epoch_and_minibatch_is_the_policy_gradient_step(sgd_ppo):
   """K = 1, N_mb = 1: the ratio is 1, so the clipped objective's gradient is
   -A grad log pi (token mean) and the value loss's is that of 1/2 (V - R)^2:
   the step must equal SGD on those, with A and R from a plain-Python GAE."""
-  recipe, state, batch = sgd_ppo
-  cfg = recipe.config
+  trainer, state, batch = sgd_ppo
+  cfg = trainer.config
+  reward_lm = online.reward_lm(trainer)
   with _mesh_context(cfg):
-    rollout = jax.jit(recipe.rollout_for_step)(state, batch)
+    rollout = jax.jit(lambda s, b: online.rollout_for_step(trainer, s, b))(
+        state, batch)
     values = np.asarray(heads.token_values(
-        recipe.reward_lm, state.params["value"], rollout.features))
+        reward_lm, state.params["value"], rollout.features))
     mask = np.asarray(rollout.mask, np.float64)
     logprobs = np.asarray(rollout.logprobs, np.float64)
     ref = np.asarray(rollout.ref_logprobs, np.float64)
@@ -138,12 +139,12 @@ def test_ppo_with_one_epoch_and_minibatch_is_the_policy_gradient_step(sgd_ppo):
 
     features = rollout.features
     def pg_loss(policy_params):
-      lp, _ = recipe.lm.completion_logprobs(policy_params, features,
-                                            temperature=cfg.online.temperature)
+      lp, _ = trainer.lm.completion_logprobs(
+          policy_params, features, temperature=cfg.online.temperature)
       return -jnp.sum(jnp.asarray(whitened, jnp.float32) * lp) / mask.sum()
 
     def value_loss(value_params):
-      v = heads.token_values(recipe.reward_lm, value_params, features)
+      v = heads.token_values(reward_lm, value_params, features)
       return cfg.ppo.vf_coef * 0.5 * jnp.sum(
           jnp.square(v - jnp.asarray(returns, jnp.float32)) * mask) / mask.sum()
 
@@ -154,7 +155,7 @@ def test_ppo_with_one_epoch_and_minibatch_is_the_policy_gradient_step(sgd_ppo):
                               jax.grad(value_loss)(state.params["value"])),
     }
     copy = jax.tree.map(jnp.copy, state)
-    new_state, metrics = recipe.train_step(copy, batch)
+    new_state, metrics = trainer.train_step(copy, batch)
   for name in ("policy", "value"):
     moved = jax.tree.map(lambda a, b: float(np.abs(a - b).max()),
                          new_state.params[name], state.params[name])
@@ -172,11 +173,12 @@ def test_ppo_with_one_epoch_and_minibatch_is_the_policy_gradient_step(sgd_ppo):
 
 def test_rollout_truncates_after_eos_scores_at_eos_and_penalises_no_eos(
     sgd_ppo):
-  recipe, state, batch = sgd_ppo
-  cfg = recipe.config
-  length = recipe.max_new_tokens
+  trainer, state, batch = sgd_ppo
+  cfg = trainer.config
+  reward_lm = online.reward_lm(trainer)
+  length = trainer.online.max_new_tokens
   prompts = np.asarray(batch["encoder_input_tokens"])[:3]
-  eos = recipe.vocabulary.eos_id
+  eos = trainer.vocabulary.eos_id
   # Row 0 ends at position 2 and keeps sampling; row 1 ends at 1; row 2
   # never ends.
   responses = np.full((3, length), 9, np.int32)
@@ -184,8 +186,8 @@ def test_rollout_truncates_after_eos_scores_at_eos_and_penalises_no_eos(
   responses[1, :2] = [5, eos]
   responses[2, :4] = [5, 6, 7, 8]
   assemble = jax.jit(lambda tokens, penalty: rollout_lib.assemble_rollout(
-      recipe.lm, state.params["policy"], state.frozen["reference"],
-      recipe.reward_lm, state.frozen["reward"], jnp.asarray(prompts), tokens,
+      trainer.lm, state.params["policy"], state.frozen["reference"],
+      reward_lm, state.frozen["reward"], jnp.asarray(prompts), tokens,
       temperature=cfg.online.temperature, eos_id=eos,
       missing_eos_penalty=penalty), static_argnums=1)
   with _mesh_context(cfg):
@@ -209,13 +211,13 @@ def test_rollout_truncates_after_eos_scores_at_eos_and_penalises_no_eos(
                    np.pad(targets[:, :-1], ((0, 0), (1, 0)))),
                "decoder_loss_weights": jnp.asarray(weights)}
     reward = state.frozen["reward"]
-    hidden, _ = recipe.reward_lm.completion_hidden(reward["backbone"], by_hand)
+    hidden, _ = reward_lm.completion_hidden(reward["backbone"], by_hand)
     at_end = np.asarray(hidden)[np.arange(3), ends]
     expected_raw = at_end @ np.asarray(reward["head"]["kernel"]) + float(
         reward["head"]["bias"])
-    expected_lp, _ = recipe.lm.completion_logprobs(
+    expected_lp, _ = trainer.lm.completion_logprobs(
         state.params["policy"], by_hand, temperature=cfg.online.temperature)
-    expected_ref, _ = recipe.lm.completion_logprobs(
+    expected_ref, _ = trainer.lm.completion_logprobs(
         state.frozen["reference"], by_hand,
         temperature=cfg.online.temperature)
 
@@ -241,7 +243,7 @@ def _metrics(workdir):
 
 
 def _saved_state(workdir, step):
-  return ocp.PyTreeCheckpointer().restore(
+  return checkpoint_files.restore_state_as_numpy(
       os.path.join(workdir, "checkpoints", str(step), "state"))
 
 
@@ -256,17 +258,14 @@ def test_adaptive_kl_state_is_checkpointed_and_resume_is_bit_exact(
                    train__batch_size=batch, train__num_steps=4,
                    checkpoint__every_steps=2, optimizer__name="adamw",
                    optimizer__learning_rate=3e-3)
-  # One recipe object serves every run (a fresh one per run would only
-  # recompile the same step); evaluation is not what is tested here.
-  made = {}
-
-  def recipe_factory(c, mesh):
-    if "recipe" not in made:
-      made["recipe"] = ppo.PPORecipe(c, mesh)
-    return made["recipe"]
-
-  monkeypatch.setattr(loop, "_recipes", lambda: {"ppo": recipe_factory})
-  monkeypatch.setattr(online.OnlineRecipe, "evaluate", lambda self, s: {})
+  # Evaluation is not what is tested here.
+  unevaluated = dataclasses.replace(
+      algorithms.get("ppo"), evaluation=base.Evaluation(
+          evaluate=lambda trainer, state: {}, describe=lambda trainer: ""))
+  monkeypatch.setattr(
+      algorithms, "build",
+      lambda c, mesh, workdir=None: algorithms.trainer.Trainer(
+          unevaluated, c, mesh, workdir))
   straight, resumed = tmp_path / "straight", tmp_path / "resumed"
   loop.train(config, str(straight))
   first = config.copy_and_resolve_references()
@@ -281,7 +280,8 @@ def test_adaptive_kl_state_is_checkpointed_and_resume_is_bit_exact(
   a, b = _saved_state(straight, 4), _saved_state(resumed, 4)
   jax.tree.map(np.testing.assert_array_equal, a["params"], b["params"])
   jax.tree.map(np.testing.assert_array_equal, a["opt_state"], b["opt_state"])
-  np.testing.assert_array_equal(a["rl"]["kl_coef"], b["rl"]["kl_coef"])
+  np.testing.assert_array_equal(a["algorithm_state"]["kl_coef"],
+                                b["algorithm_state"]["kl_coef"])
 
   # beta <- beta (1 + clip((KL - target) / target, +-0.2) n / horizon), n =
   # responses per step; the logged coefficient is the one the step used.
@@ -290,7 +290,8 @@ def test_adaptive_kl_state_is_checkpointed_and_resume_is_bit_exact(
     np.testing.assert_allclose(expected[step]["kl_coef"], beta, rtol=1e-5)
     error = np.clip((expected[step]["kl"] - target) / target, -0.2, 0.2)
     beta = beta * (1 + error * batch / horizon)
-  np.testing.assert_allclose(float(a["rl"]["kl_coef"]), beta, rtol=1e-5)
+  np.testing.assert_allclose(float(a["algorithm_state"]["kl_coef"]), beta,
+                             rtol=1e-5)
   assert abs(beta - config.online.kl_coef) > 1e-3
 
 
@@ -298,22 +299,22 @@ def test_fit_prompt_drops_trailing_paragraphs():
   encode = lambda text: text.split() + ["</s>"]
   text = "SUBREDDIT: r/x\n\nPOST: one two\nthree four five\nsix seven\n\nTL;DR:"
   # Fits: unchanged.
-  assert online.fit_prompt(text, encode, 100) == (encode(text), 0)
+  assert prompts_lib.fit_prompt(text, encode, 100) == (encode(text), 0)
   # Keeping "\n\nTL;DR:", the post loses "six seven", then "three four five".
-  tokens, cuts = online.fit_prompt(text, encode, 9, suffix="\n\nTL;DR:")
+  tokens, cuts = prompts_lib.fit_prompt(text, encode, 9, suffix="\n\nTL;DR:")
   assert tokens == encode("SUBREDDIT: r/x\n\nPOST: one two\n\nTL;DR:")
   assert cuts == 2
-  tokens, cuts = online.fit_prompt(text, encode, 11, suffix="\n\nTL;DR:")
+  tokens, cuts = prompts_lib.fit_prompt(text, encode, 11, suffix="\n\nTL;DR:")
   assert tokens == encode(
       "SUBREDDIT: r/x\n\nPOST: one two\nthree four five\n\nTL;DR:")
   assert cuts == 1
   # No suffix: cut at the last newline of the whole text.
-  tokens, _ = online.fit_prompt(text, encode, 10)
+  tokens, _ = prompts_lib.fit_prompt(text, encode, 10)
   assert tokens == encode("SUBREDDIT: r/x\n\nPOST: one two\nthree four five")
-  with pytest.raises(online.PromptTooLongError, match="no paragraph break"):
-    online.fit_prompt("a b c d e f", encode, 3)
-  with pytest.raises(online.PromptTooLongError, match="more than 3"):
-    online.fit_prompt(text, encode, 3, on_long="raise")
+  with pytest.raises(prompts_lib.PromptTooLongError, match="no paragraph break"):
+    prompts_lib.fit_prompt("a b c d e f", encode, 3)
+  with pytest.raises(prompts_lib.PromptTooLongError, match="more than 3"):
+    prompts_lib.fit_prompt(text, encode, 3, on_long="raise")
 
 
 @pytest.fixture
@@ -353,8 +354,10 @@ def test_long_prompts_are_cut_at_paragraphs_or_rejected_by_row(
              ) > limit
   config = tiny_config(algorithm="ppo", data__task=name,
                        data__inputs_length=limit)
+  load = lambda: prompts_lib.load_prompts(
+      name, "train", limit, on_long=config.online.long_prompts)
   register([0, 1])
-  prompts = online.load_prompts(config)
+  prompts = load()
   assert prompts.num_cut == 1
   np.testing.assert_array_equal(
       prompts.tokens[0], np.pad(encode("summarize: red blue"),
@@ -364,16 +367,16 @@ def test_long_prompts_are_cut_at_paragraphs_or_rejected_by_row(
   register([0, 1, 2])  # row 2 has no paragraph break to cut at
   with pytest.raises(ValueError, match=rf"{name}.*'train', row 2 .*no "
                      "paragraph break"):
-    online.load_prompts(config)
+    load()
   config.online.long_prompts = "raise"
   with pytest.raises(ValueError, match=r"row 1 .*more than .*long_prompts="
                      "'cut_paragraph'"):
-    online.load_prompts(config)
+    load()
 
 
 def test_prompt_batches_reshuffle_every_pass_without_replacement():
   prompts = np.arange(10)[:, None]
-  batches = online.PromptBatches(prompts, global_batch_size=4, seed=3)
+  batches = prompts_lib.PromptBatches(prompts, global_batch_size=4, seed=3)
   served = np.concatenate([next(batches)["encoder_input_tokens"][:, 0]
                            for _ in range(10)])  # 40 = four passes
   passes = served.reshape(4, 10)
@@ -381,11 +384,11 @@ def test_prompt_batches_reshuffle_every_pass_without_replacement():
     assert sorted(p) == list(range(10))  # each prompt once per pass
   assert len({tuple(p) for p in passes}) == 4  # a new order every pass
   assert batches.position == 10
-  resumed = online.PromptBatches(prompts, global_batch_size=4, seed=3,
+  resumed = prompts_lib.PromptBatches(prompts, global_batch_size=4, seed=3,
                                  position=7)
   np.testing.assert_array_equal(next(resumed)["encoder_input_tokens"][:, 0],
                                 served[28:32])
-  other_seed = online.PromptBatches(prompts, global_batch_size=4, seed=4)
+  other_seed = prompts_lib.PromptBatches(prompts, global_batch_size=4, seed=4)
   assert not np.array_equal(next(other_seed)["encoder_input_tokens"][:, 0],
                             served[:4])
 
@@ -402,7 +405,7 @@ def test_reward_model_with_another_vocabulary_fails_at_start_up(workdirs,
   policy_vocabulary = vocab.describe(tasks.synthetic_vocabulary())
   with _mesh_context(config) as mesh:
     with pytest.raises(ValueError) as error:
-      ppo.PPORecipe(config, mesh)
+      algorithms.build(config, mesh)
   message = str(error.value)
   assert "config.online.reward_model_checkpoint" in message
   assert vocab.describe(other) in message
@@ -411,9 +414,11 @@ def test_reward_model_with_another_vocabulary_fails_at_start_up(workdirs,
 
 def test_missing_reward_model_is_a_config_error(workdirs):
   config = _config(workdirs, online__reward_model_checkpoint="")
+  with pytest.raises(ValueError, match="config.online.reward_model_checkpoint"):
+    defaults.validate(config)
   with _mesh_context(config) as mesh:
     with pytest.raises(ValueError, match="reward_model_checkpoint"):
-      ppo.PPORecipe(config, mesh)
+      algorithms.build(config, mesh)
 
 
 @pytest.mark.parametrize("selection,top_k", [("top_per_prompt", None),
@@ -426,8 +431,9 @@ def test_rejection_sampling_keeps_the_best_rows(workdirs, selection, top_k):
   rng = np.random.default_rng(0)
   scores = rng.normal(size=(8, 3)).astype(np.float32)
   with _mesh_context(config) as mesh:
-    recipe = rejection_sampling.RejectionSamplingRecipe(config, mesh)
-    rows = np.asarray(recipe.selected_rows(jnp.asarray(scores.reshape(-1))))
+    trainer = algorithms.build(config, mesh)
+    rows = np.asarray(rejection_sampling.selected_rows(
+        trainer, jnp.asarray(scores.reshape(-1))))
   flat = scores.reshape(-1)
   if selection == "top_per_prompt":
     expected = [3 * i + int(np.argmax(scores[i])) for i in range(8)]
@@ -438,7 +444,6 @@ def test_rejection_sampling_keeps_the_best_rows(workdirs, selection, top_k):
 
 
 def test_bad_online_configs_name_the_field(workdirs):
-  from jaxrlhf import defaults
   for overrides, field in (
       ({"algorithm": "rloo", "online__samples_per_prompt": 1},
        "online.samples_per_prompt"),
@@ -450,12 +455,12 @@ def test_bad_online_configs_name_the_field(workdirs):
   config = _config(workdirs, online__num_minibatches=3)
   with _mesh_context(config) as mesh:
     with pytest.raises(ValueError, match="num_minibatches: 8 responses"):
-      ppo.PPORecipe(config, mesh)
+      algorithms.build(config, mesh)
   # 12 responses / 2 minibatches = 6 rows per update: 4 micro-batches cannot
   # split them (though they divide train.batch_size).
   config = _config(workdirs, online__num_minibatches=2,
                    train__num_microbatches=4, train__batch_size=12)
   with _mesh_context(config) as mesh:
-    with pytest.raises(ValueError, match="num_microbatches: each minibatch "
-                       r"update of ppo has 6 responses .* 4 equal"):
-      ppo.PPORecipe(config, mesh)
+    with pytest.raises(ValueError, match="num_microbatches: 4 does not divide "
+                       r"each minibatch update of ppo \(6 responses"):
+      algorithms.build(config, mesh)

@@ -12,17 +12,17 @@ import os
 import flax.linen as nn
 import jax
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
-from conftest import tiny_config
-from jaxrlhf import defaults
-from jaxrlhf import sharding
+from conftest import from_scratch, tiny_config, trainer_of
+from jaxrlhf import algorithms
+from jaxrlhf.algorithms import reference as reference_lib
+from jaxrlhf.algorithms import reference_cache
+from jaxrlhf import checkpoint_files
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
-from jaxrlhf.recipes import policy
-from jaxrlhf.recipes import reference_cache
-from jaxrlhf.recipes import registry
+from jaxrlhf import defaults
+from jaxrlhf import sharding
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import loop
 
@@ -63,13 +63,9 @@ def _save_reference(directory, data_path, arch):
   config = _config(data_path, "", arch=arch)
   mesh, rules = _mesh_and_rules(config)
 
-  class FromScratch(registry.RECIPES["dpo"]):
-
-    def pretrained_paths(self):
-      return {}
-
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    state = FromScratch(config, mesh).init_state()
+    state = trainer_of(from_scratch(algorithms.get("dpo")), config,
+                       mesh).init_state()
   checkpointer = checkpointing.Checkpointer(
       os.path.join(directory, "checkpoints"), keep=1)
   checkpointer.save(0, state, 0)
@@ -88,7 +84,7 @@ def setup(tmp_path_factory):
 def _saved_policy(workdir):
   ckpt_dir = os.path.join(workdir, "checkpoints")
   step = max(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
-  state = ocp.PyTreeCheckpointer().restore(
+  state = checkpoint_files.restore_state_as_numpy(
       os.path.join(ckpt_dir, str(step), "state"))
   return step, state
 
@@ -154,7 +150,7 @@ def test_precomputed_run_equals_in_step_run_and_cache_is_reused_or_caught(
   mtime = os.path.getmtime(manifest)
   mesh, rules = _mesh_and_rules(same)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    batch = next(registry.RECIPES["dpo"](same, mesh).train_batches(6))
+    batch = next(algorithms.build(same, mesh).train_batches(6))
   assert builds.count == 1 and os.path.getmtime(manifest) == mtime
   assert batch["reference_logp_rejected"].shape == (same.train.batch_size,)
 
@@ -166,11 +162,12 @@ def test_precomputed_run_equals_in_step_run_and_cache_is_reused_or_caught(
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     with pytest.raises(reference_cache.CacheMismatchError,
                        match="feature_lengths"):
-      registry.RECIPES["dpo"](changed, mesh).train_batches(6)
+      algorithms.build(changed, mesh).train_batches(6)
     assert builds.count == 1
     # A new run pointed at that stale cache recomputes it instead.
-    registry.RECIPES["dpo"](changed, mesh).prepare_reference_logprobs(
-        new_run=True)
+    trainer = algorithms.build(changed, mesh)
+    reference_lib.prepare_table(trainer, trainer.initial_policy_params,
+                                new_run=True)
   assert builds.count == 2
   manifest = reference_cache.read_manifest(str(cache))
   assert manifest["fingerprint"]["feature_lengths"]["chosen"] == 12
@@ -229,7 +226,7 @@ def _logits(model, params, arch, features):
 def test_cached_values_are_the_references_log_probs(setup, tmp_path, arch,
                                                     algorithm):
   _, data_path, reference = setup
-  recipe_cls = registry.RECIPES[algorithm]
+  algorithm_value = algorithms.get(algorithm)
   columns = ("chosen", "rejected")
   if arch != "t5":
     # DRO-V's single trajectories on a decoder-only policy, with no
@@ -238,13 +235,7 @@ def test_cached_values_are_the_references_log_probs(setup, tmp_path, arch,
     data_path = _feedback_file(str(tmp_path), "trajectory")
     columns = ("completion",)
     reference = ""
-
-    class FromScratch(recipe_cls):
-
-      def pretrained_paths(self):
-        return {}
-
-    recipe_cls = FromScratch
+    algorithm_value = from_scratch(algorithm_value)
   config = _config(data_path, reference, arch=arch, algorithm=algorithm,
                    reference_logprobs__mode="precomputed",
                    reference_logprobs__batch_size=8)
@@ -252,16 +243,16 @@ def test_cached_values_are_the_references_log_probs(setup, tmp_path, arch,
   defaults.validate(config)
   mesh, rules = _mesh_and_rules(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    recipe = recipe_cls(config, mesh)
-    state = recipe.init_state()
+    trainer = trainer_of(algorithm_value, config, mesh)
+    state = trainer.init_state()
     assert state.frozen == {}
-    table = recipe._reference_table  # pylint: disable=protected-access
+    table = trainer._reference_table  # pylint: disable=protected-access
   if reference:
-    ref_params = ocp.PyTreeCheckpointer().restore(os.path.join(
+    ref_params = checkpoint_files.restore_state_as_numpy(os.path.join(
         reference, "checkpoints", "0", "state"))["params"]["policy"]
     # Evaluation reloads the reference, which the train state lacks.
     jax.tree.map(np.testing.assert_array_equal,
-                 jax.device_get(recipe.reference_params(state)), ref_params)
+                 jax.device_get(trainer.reference_params(state)), ref_params)
   else:
     ref_params = jax.device_get(state.params["policy"])
   with open(data_path) as f:
@@ -273,21 +264,21 @@ def test_cached_values_are_the_references_log_probs(setup, tmp_path, arch,
 
   make = _features_t5 if arch == "t5" else _features_decoder
   lp, lc = config.data.inputs_length, config.data.targets_length
-  examples = [make(recipe.vocabulary, row["prompt"], row[column], lp, lc)
+  examples = [make(trainer.vocabulary, row["prompt"], row[column], lp, lc)
               for row in rows[:4] for column in columns]
   features = {k: np.asarray([f[k] for f, _ in examples], np.int32)
               for k in examples[0][0]}
-  logp = _log_softmax(_logits(recipe.model, ref_params, arch, features))
+  logp = _log_softmax(_logits(trainer.model, ref_params, arch, features))
   expected = [sum(logp[i, t, token] for t, token in scored)
               for i, (_, scored) in enumerate(examples)]
   keys = reference_cache.row_keys(
-      features, reference_cache.scoring_features(recipe.lm, "x"))
+      features, reference_cache.scoring_features(trainer.lm, "x"))
   np.testing.assert_allclose(table.lookup(keys), expected, rtol=1e-4,
                              atol=1e-4)
 
   # Training batches carry the values, looked up for their own rows.
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    batch = next(recipe.train_batches(0))
+    batch = next(trainer.train_batches(0))
   for column in columns:
     values = batch[reference_cache.feature_name(column)]
     assert values.shape == (config.train.batch_size,) and np.all(values < 0)
@@ -333,10 +324,16 @@ def test_half_written_cache_is_never_read(tmp_path):
 
 def test_fingerprint_follows_the_checkpoint_step(tmp_path):
   workdir = tmp_path / "sft"
-  (workdir / "checkpoints" / "100" / "state").mkdir(parents=True)
-  first = policy.checkpoint_fingerprint(str(workdir))
-  (workdir / "checkpoints" / "200" / "state").mkdir(parents=True)
-  second = policy.checkpoint_fingerprint(str(workdir))
+
+  def complete_step(step):  # the file orbax writes into a finished item
+    state = workdir / "checkpoints" / str(step) / "state"
+    state.mkdir(parents=True)
+    (state / "_METADATA").write_text("{}")
+
+  complete_step(100)
+  first = reference_lib.checkpoint_fingerprint(str(workdir))
+  complete_step(200)
+  second = reference_lib.checkpoint_fingerprint(str(workdir))
   assert first["path"] == second["path"]
   assert first["resolved"].endswith(os.path.join("100", "state"))
   assert second["resolved"].endswith(os.path.join("200", "state"))

@@ -4,18 +4,14 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from conftest import tiny_config
+from conftest import from_scratch, tiny_config, trainer_of
 from jaxrlhf import sharding
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
 from jaxrlhf.models import heads
-from jaxrlhf.recipes import reward_model
+from jaxrlhf.algorithms import reward_model
 
-
-class _FromScratch(reward_model.RankingRewardModelRecipe):
-
-  def pretrained_paths(self):
-    return {}
+RANKING = from_scratch(reward_model.RANKING)
 
 
 def test_plackett_luce_reward_model_learns_gold_rankings(tmp_path):
@@ -31,23 +27,24 @@ def test_plackett_luce_reward_model_learns_gold_rankings(tmp_path):
       path, "ranking", [e["inputs"] for e in examples],
       [completions(e) for e in examples], synthetic.gold_reward,
       beta=float("inf"))
-  config = tiny_config(algorithm="reward_model", data__task="pl_rankings",
+  config = tiny_config(algorithm="reward_model_ranking",
+                       data__task="pl_rankings",
                        optimizer__warmup_steps=0)
   with config.unlocked():
     config.reward_model.num_completions = 3
   config.data.files.train = path
   with sharding.activate(config, jax.devices()[:1]) as mesh:
-    recipe = _FromScratch(config, mesh)
-    rules = recipe.rules
-    state = recipe.init_state()
-    batches = recipe.train_batches(0)
+    trainer = trainer_of(RANKING, config, mesh)
+    rules = trainer.rules
+    state = trainer.init_state()
+    batches = trainer.train_batches(0)
     first = None
     for _ in range(60):
       batch = sharding.global_batch(next(batches), mesh, rules)
-      state, metrics = recipe.train_step(state, batch)
+      state, metrics = trainer.train_step(state, batch)
       first = first or jax.device_get(metrics)
     last = jax.device_get(metrics)
-    rewards = np.asarray(recipe.ranked_rewards(state.params["reward"], batch))
+    rewards = np.asarray(reward_model.ranked_rewards(trainer, state.params["reward"], batch))
   assert last["loss"] < first["loss"]
   assert last["pairwise_accuracy"] > 0.8 > first["pairwise_accuracy"]
   # Rewards follow the labelled order on most rows of the last batch.
@@ -68,14 +65,14 @@ def test_all_pairs_ranking_loss_option_is_instructgpt_loss(tmp_path):
                        reward_model__num_completions=3)
   config.data.files.train = path
   with sharding.activate(config, jax.devices()[:1]) as mesh:
-    recipe = _FromScratch(config, mesh)
-    rules = recipe.rules
-    state = recipe.init_state()
-    batch = sharding.global_batch(next(recipe.train_batches(0)), mesh, rules)
-    # One compilation for both: the recipe's loss and the rewards it saw.
+    trainer = trainer_of(RANKING, config, mesh)
+    rules = trainer.rules
+    state = trainer.init_state()
+    batch = sharding.global_batch(next(trainer.train_batches(0)), mesh, rules)
+    # One compilation for both: the algorithm's loss and the rewards it saw.
     (loss, metrics), rewards = jax.jit(lambda params, frozen, b: (
-        recipe.loss(params, frozen, b, None),
-        recipe.ranked_rewards(params["reward"], b)))(
+        reward_model.rankings_loss(trainer, params, frozen, b, None),
+        reward_model.ranked_rewards(trainer, params["reward"], b)))(
             state.params, state.frozen, batch)
     rewards = np.asarray(rewards, np.float64)
   # Plain Python: -log sigmoid over the 3 ordered pairs of each ranking,
@@ -108,14 +105,14 @@ def test_decoder_only_ranking_reward_model_evaluates_on_its_rankings(
   config.data.files.train = paths["train"]
   config.data.files.validation = paths["validation"]
   with sharding.activate(config, jax.devices()[:1]) as mesh:
-    recipe = _FromScratch(config, mesh)
-    state = recipe.init_state()
-    metrics = recipe.evaluate(state)
+    trainer = trainer_of(RANKING, config, mesh)
+    state = trainer.init_state()
+    metrics = trainer.evaluate(state)
   params = jax.device_get(state.params["reward"])
-  vocabulary = recipe.vocabulary
-  hidden_states = jax.jit(lambda p, t: recipe.model.apply(
+  vocabulary = trainer.vocabulary
+  hidden_states = jax.jit(lambda p, t: trainer.model.apply(
       {"params": p}, t, jnp.arange(t.shape[1])[None], jnp.ones_like(t),
-      method=recipe.model.hidden_states))
+      method=trainer.model.hidden_states))
 
   def reward(prompt, completion):
     # Decoder-only layout by hand: prompt (its EOS dropped), completion,

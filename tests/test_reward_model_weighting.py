@@ -4,7 +4,7 @@ the SFT reference completions score mean 0 (PPO details, detail 15).
 Truths used: weights worked out by hand for prompts with 1, 2 and 3 pairs; a
 plain-Python loss that averages each prompt's pairs first and then the
 prompts; reference rewards scored through seqio's own EncDecFeatureConverter
-(not the recipe's feature path) with the saved parameters.
+(not the algorithm's feature path) with the saved parameters.
 """
 
 import functools
@@ -18,16 +18,16 @@ import numpy as np
 import pytest
 import seqio
 
-from conftest import tiny_config
+from conftest import from_scratch, tiny_config, trainer_of
 from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import synthetic
 from jaxrlhf.losses import reward_model as rm_losses
 from jaxrlhf.models import heads
-from jaxrlhf.recipes import reward_model
+from jaxrlhf.algorithms import pretrained
+from jaxrlhf.algorithms import reward_model
 from jaxrlhf.train import loop
-from jaxrlhf.train import pretrained
 
 NORMALIZE_TASK = "synthetic_summarize"
 NUM_REFERENCES = 32
@@ -121,13 +121,9 @@ def test_weighted_loss_is_the_mean_over_prompts_of_per_prompt_means():
   assert abs(float(plain) - expected) > 1e-3
 
 
-# --- the recipe -----------------------------------------------------------------
+# --- the algorithm --------------------------------------------------------------
 
-
-class _FromScratch(reward_model.RewardModelRecipe):
-
-  def pretrained_paths(self):
-    return {}
+REWARD_MODEL = from_scratch(reward_model.ALGORITHM)
 
 
 def _synthetic_pair_rows(num_prompts):
@@ -154,19 +150,19 @@ def _config(tmp_path, **overrides):
 
 
 @pytest.fixture(scope="module")
-def recipe_and_mesh(tmp_path_factory):
+def trainer_and_mesh(tmp_path_factory):
   config = _config(tmp_path_factory.mktemp("rm"))
   mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
   rules = sharding.as_rules(config.sharding.logical_axis_rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    recipe = _FromScratch(config, mesh)
-  return recipe, mesh, rules
+    trainer = trainer_of(REWARD_MODEL, config, mesh)
+  return trainer, mesh, rules
 
 
-def _all_pairs_batch(recipe):
+def _all_pairs_batch(trainer):
   """Every pair of the training file, in file order, as one batch."""
-  ds = seqio.get_dataset(recipe.config.data.task, recipe.feature_lengths,
-                         recipe.feature_converter, dataset_split="train",
+  ds = seqio.get_dataset(trainer.config.data.task, trainer.feature_lengths,
+                         trainer.feature_converter, dataset_split="train",
                          shuffle=False, num_epochs=1)
   rows = list(ds.as_numpy_iterator())
   return {k: np.stack([r[k] for r in rows]) for k in rows[0]}
@@ -183,30 +179,30 @@ def _reference_features(num):
 
 
 @functools.lru_cache(maxsize=None)
-def _loss_and_pair_rewards(recipe):
-  """One compilation for both: the recipe's loss and the rewards it saw."""
+def _loss_and_pair_rewards(trainer):
+  """One compilation for both: the algorithm's loss and the rewards it saw."""
   return jax.jit(lambda params, frozen, b: (
-      recipe.loss(params, frozen, b, None),
-      recipe.pair_rewards(params["reward"], b)))
+      reward_model.pairs_loss(trainer, params, frozen, b, None),
+      reward_model.pair_rewards(trainer, params["reward"], b)))
 
 
 @functools.lru_cache(maxsize=None)
-def _reference_scorer(recipe):
-  return jax.jit(lambda p, b: heads.sequence_rewards(recipe.lm, p, b))
+def _reference_scorer(trainer):
+  return jax.jit(lambda p, b: heads.sequence_rewards(trainer.lm, p, b))
 
 
-def _reference_mean(recipe, reward_params):
+def _reference_mean(trainer, reward_params):
   features = _reference_features(NUM_REFERENCES)
-  rewards = _reference_scorer(recipe)(reward_params, features)
+  rewards = _reference_scorer(trainer)(reward_params, features)
   return float(np.mean(np.asarray(rewards, np.float64)))
 
 
-def test_recipe_loss_weighs_prompts_equally(recipe_and_mesh):
-  recipe, mesh, rules = recipe_and_mesh
+def test_reward_model_loss_weighs_prompts_equally(trainer_and_mesh):
+  trainer, mesh, rules = trainer_and_mesh
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    state = recipe.init_state()
-    batch = _all_pairs_batch(recipe)
-    (loss, _), (chosen, rejected) = _loss_and_pair_rewards(recipe)(
+    state = trainer.init_state()
+    batch = _all_pairs_batch(trainer)
+    (loss, _), (chosen, rejected) = _loss_and_pair_rewards(trainer)(
         state.params, state.frozen, batch)
   prompts = [tuple(p) for p in batch["encoder_input_tokens"]]
   assert sorted(np.unique(np.unique(prompts, axis=0, return_counts=True)[1])
@@ -217,21 +213,21 @@ def test_recipe_loss_weighs_prompts_equally(recipe_and_mesh):
 
 
 def test_normalisation_centres_reference_rewards_and_keeps_differences(
-    recipe_and_mesh):
-  recipe, mesh, rules = recipe_and_mesh
+    trainer_and_mesh):
+  trainer, mesh, rules = trainer_and_mesh
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    state = recipe.init_state()
+    state = trainer.init_state()
     # Start far from mean 0 whatever the initial head gives.
     state = state.replace(params=dict(
         state.params, reward=heads.shift_bias(state.params["reward"], 3.0)))
-    batch = _all_pairs_batch(recipe)
-    pair_rewards = lambda s: map(np.asarray, _loss_and_pair_rewards(recipe)(
+    batch = _all_pairs_batch(trainer)
+    pair_rewards = lambda s: map(np.asarray, _loss_and_pair_rewards(trainer)(
         s.params, s.frozen, batch)[1])
     chosen, rejected = pair_rewards(state)
-    before = _reference_mean(recipe, state.params["reward"])
-    state, info = recipe.normalize_reward_bias(state)
+    before = _reference_mean(trainer, state.params["reward"])
+    state, info = reward_model.normalize_reward_bias(trainer, state)
     chosen_after, rejected_after = pair_rewards(state)
-    after = _reference_mean(recipe, state.params["reward"])
+    after = _reference_mean(trainer, state.params["reward"])
   assert abs(before) > 1.0
   np.testing.assert_allclose(info["reward_normalization/mean_before"], before,
                              rtol=1e-4)
@@ -246,8 +242,8 @@ def test_normalisation_centres_reference_rewards_and_keeps_differences(
                                 chosen > rejected)
 
 
-def test_reward_model_run_saves_normalised_head(tmp_path, recipe_and_mesh):
-  recipe, mesh, rules = recipe_and_mesh
+def test_reward_model_run_saves_normalised_head(tmp_path, trainer_and_mesh):
+  trainer, mesh, rules = trainer_and_mesh
   config = _config(tmp_path, train__num_steps=3)
   workdir = str(tmp_path / "run")
   loop.train(config, workdir)
@@ -256,9 +252,9 @@ def test_reward_model_run_saves_normalised_head(tmp_path, recipe_and_mesh):
   assert last["step"] == 3
   assert abs(last["reward_normalization/mean_after"]) < 1e-4
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    target = recipe.init_state().params["reward"]
+    target = trainer.init_state().params["reward"]
     saved = pretrained.load_network_params(workdir, target, "reward")
-    np.testing.assert_allclose(_reference_mean(recipe, saved), 0.0,
+    np.testing.assert_allclose(_reference_mean(trainer, saved), 0.0,
                                atol=1e-4)
   # The normalised state is the run's one final checkpoint (no extra step).
   assert sorted(os.listdir(os.path.join(workdir, "checkpoints"))) == ["3"]
@@ -271,11 +267,11 @@ def test_evaluation_scores_every_eval_pair(tmp_path):
   config = _config(tmp_path, data__eval_split="train", eval__num_examples=40,
                    eval__batch_size=16)
   with sharding.activate(config, jax.devices()[:1]) as mesh:
-    recipe = _FromScratch(config, mesh)
-    state = recipe.init_state()
-    metrics = recipe.evaluate(state)
+    trainer = trainer_of(REWARD_MODEL, config, mesh)
+    state = trainer.init_state()
+    metrics = trainer.evaluate(state)
     params = jax.device_get(state.params["reward"])
-  vocabulary, eos = recipe.vocabulary, recipe.vocabulary.eos_id
+  vocabulary, eos = trainer.vocabulary, trainer.vocabulary.eos_id
   lp, lc = config.data.inputs_length, config.data.targets_length
 
   def padded(ids, length):
@@ -289,7 +285,7 @@ def test_evaluation_scores_every_eval_pair(tmp_path):
         "decoder_target_tokens": padded(target, lc),
         "decoder_input_tokens": padded([0] + target[:-1], lc),
         "decoder_loss_weights": padded([1] * len(target), lc)}
-    return float(_reference_scorer(recipe)(params, features)[0])
+    return float(_reference_scorer(trainer)(params, features)[0])
 
   rows = _synthetic_pair_rows(24)[:40]
   margins = np.array([reward(r["prompt"], r["chosen"])
@@ -309,4 +305,4 @@ def test_unknown_normalisation_task_names_the_field(tmp_path):
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     with pytest.raises(ValueError,
                        match="config.reward_model.normalize_on_task"):
-      _FromScratch(config, mesh)
+      trainer_of(REWARD_MODEL, config, mesh)

@@ -242,7 +242,7 @@ def test_policy_gradient_loss_sequence_sum():
 
 
 def test_bad_shapes_and_options_are_clear_errors():
-  with pytest.raises(ValueError, match="shapes differ"):
+  with pytest.raises(ValueError, match="shapes must match"):
     rl.ppo_policy_loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)),
                        jnp.zeros((2, 4)), jnp.ones((2, 3)))
   with pytest.raises(ValueError, match="reduction='mean'"):

@@ -1,5 +1,6 @@
 """End-to-end behaviour of the SFT run: resume, preemption, faults, config."""
 
+import dataclasses
 import json
 import os
 import shutil
@@ -11,17 +12,19 @@ import time
 import jax
 import jax.numpy as jnp
 import numpy as np
-import orbax.checkpoint as ocp
 import pytest
 
-from conftest import REPO, cli_args, quiet_env, tiny_config
-from jaxrlhf import sharding
+from conftest import REPO, cli_args, evaluated_by, from_scratch, quiet_env
+from conftest import tiny_config
+from jaxrlhf import algorithms
+from jaxrlhf.algorithms import sft
+from jaxrlhf.algorithms import trainer as trainer_lib
+from jaxrlhf.algorithms import update
+from jaxrlhf import checkpoint_files
 from jaxrlhf.data import file_sources
 from jaxrlhf.losses import sft as sft_losses
-from jaxrlhf.recipes import reward_model
-from jaxrlhf.recipes import sft
+from jaxrlhf import sharding
 from jaxrlhf.train import loop
-from jaxrlhf.train import steps
 
 
 def _metrics(workdir):
@@ -37,7 +40,7 @@ def _saved_params(workdir, step=None):
   ckpt_dir = os.path.join(workdir, "checkpoints")
   if step is None:
     step = max(int(d) for d in os.listdir(ckpt_dir) if d.isdigit())
-  state = ocp.PyTreeCheckpointer().restore(
+  state = checkpoint_files.restore_state_as_numpy(
       os.path.join(ckpt_dir, str(step), "state"))
   return step, state["params"]["policy"]
 
@@ -96,19 +99,40 @@ def test_sigterm_then_resume_equals_uninterrupted_run(tmp_path):
   assert written["model"]["emb_dim"] == 32
 
 
-class _PoisonedRecipe(sft.SFTRecipe):
-  """SFT whose loss weights turn NaN from step 6 on."""
+class _PoisonedBatches:
+  """SFT batches that carry a "poison" factor: NaN from the 6th batch on."""
 
-  def _train_step(self, state, batch):
-    poison = jnp.where(state.step >= 5, jnp.nan, 1.0)
-    batch = dict(batch, decoder_loss_weights=batch["decoder_loss_weights"]
-                 * poison)
-    return super()._train_step(state, batch)
+  def __init__(self, batches):
+    self._batches = batches
+
+  @property
+  def position(self):
+    return self._batches.position
+
+  def __iter__(self):
+    return self
+
+  def __next__(self):
+    batch = next(self._batches)
+    rows = len(batch["decoder_loss_weights"])
+    poison = np.nan if self._batches.position >= 6 else 1.0
+    return dict(batch, poison=np.full((rows,), poison, np.float32))
+
+
+def _poisoned_sft_loss(trainer, params, frozen, batch, rng):
+  loss, metrics = sft.loss(trainer, params, frozen, batch, rng)
+  return loss * jnp.mean(batch["poison"]), metrics
 
 
 def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path,
                                                              monkeypatch):
-  monkeypatch.setattr(loop, "_recipes", lambda: {"sft": _PoisonedRecipe})
+  train_batches = trainer_lib.Trainer.train_batches
+  monkeypatch.setattr(
+      trainer_lib.Trainer, "train_batches",
+      lambda self, position: _PoisonedBatches(train_batches(self, position)))
+  monkeypatch.setitem(algorithms.REGISTRY, "sft", dataclasses.replace(
+      sft.ALGORITHM, training=dataclasses.replace(
+          sft.ALGORITHM.training, loss=_poisoned_sft_loss)))
   config = tiny_config(train__num_steps=12, checkpoint__every_steps=2,
                        train__log_every=4)
   with pytest.raises(loop.NonFiniteError, match=r"Step 6 .*non-finite.*step 4"):
@@ -122,17 +146,16 @@ def test_nonfinite_loss_stops_and_keeps_last_good_checkpoint(tmp_path,
 
 def test_guarded_update_skips_nonfinite_gradients():
   import optax
-  from jaxrlhf.train import state as state_lib
   tx = optax.sgd(0.1)
   params = {"w": jnp.ones(3)}
-  state = state_lib.TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                               opt_state=tx.init(params), frozen={},
-                               rng=jax.random.PRNGKey(0))
-  good = steps.guarded_update(state, {"w": jnp.ones(3)}, jnp.float32(1.0), tx, {})
+  opt_state = tx.init(params)
+  good = update.guarded_update(params, opt_state, {"w": jnp.ones(3)},
+                               jnp.float32(1.0), tx, {})
   np.testing.assert_allclose(good[0]["w"], 0.9)
   assert good[2]["nonfinite"] == 0
-  bad = steps.guarded_update(state, {"w": jnp.array([1.0, jnp.inf, 0.0])},
-                             jnp.float32(1.0), tx, {})
+  bad = update.guarded_update(params, opt_state,
+                              {"w": jnp.array([1.0, jnp.inf, 0.0])},
+                              jnp.float32(1.0), tx, {})
   np.testing.assert_array_equal(bad[0]["w"], 1.0)
   assert bad[2]["nonfinite"] == 1
 
@@ -187,10 +210,9 @@ def test_bad_data_stops_the_run_before_the_first_evaluation(tmp_path,
                        init__policy_checkpoint="")
   config.data.files.train = str(path)
   evaluated = []
-  monkeypatch.setattr(reward_model.RewardModelRecipe, "pretrained_paths",
-                      lambda self: {})
-  monkeypatch.setattr(reward_model.RewardModelRecipe, "evaluate",
-                      lambda self, state: evaluated.append(1) or {})
+  monkeypatch.setitem(algorithms.REGISTRY, "reward_model", evaluated_by(
+      from_scratch(algorithms.get("reward_model")),
+      lambda trainer, state: evaluated.append(1) or {}))
   with pytest.raises(file_sources.BadRowError, match="row 1: empty_completion"):
     loop.train(config, str(tmp_path / "run"))
   assert not evaluated
@@ -201,20 +223,20 @@ def test_microbatches_give_the_full_batch_gradient():
   config = tiny_config()
   mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
   with jax.set_mesh(mesh):
-    recipe = sft.SFTRecipe(config, mesh)
-    state = recipe.init_state()
-  batch = next(recipe.train_batches(0))
+    trainer = algorithms.build(config, mesh)
+    state = trainer.init_state()
+  batch = next(trainer.train_batches(0))
   denom = float(np.maximum(batch["decoder_loss_weights"].sum(), 1))
 
   def loss_fn(params, mb, rng):
-    logits = recipe.lm.completion_logits(params["policy"], mb)
+    logits = trainer.lm.completion_logits(params["policy"], mb)
     loss, m = sft_losses.cross_entropy_loss(
         logits, mb["decoder_target_tokens"], mb["decoder_loss_weights"])
     return loss * jnp.maximum(m["weight_sum"], 1.0) / denom, m
 
   rng = jax.random.PRNGKey(0)
-  full = steps.accumulate_gradients(loss_fn, state.params, batch, rng, 1)
-  micro = steps.accumulate_gradients(loss_fn, state.params, batch, rng, 4)
+  full = update.accumulate_gradients(loss_fn, state.params, batch, rng, 1)
+  micro = update.accumulate_gradients(loss_fn, state.params, batch, rng, 4)
   np.testing.assert_allclose(micro[0], full[0], rtol=1e-5)
   np.testing.assert_allclose(micro[1]["weight_sum"], full[1]["weight_sum"])
   jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,

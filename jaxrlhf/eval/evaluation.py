@@ -16,6 +16,7 @@ import numpy as np
 
 from jaxrlhf import sharding
 from jaxrlhf.models import sampling
+from jaxrlhf.rl import rollout
 
 
 def pad_rows(x: np.ndarray, rows: int) -> np.ndarray:
@@ -65,20 +66,6 @@ def global_batches(features: Dict[str, np.ndarray], batch_size: int, mesh,
     yield sharding.global_batch(local, mesh, rules)
 
 
-def left_pad_prompts(prompt_tokens: np.ndarray, eos_id: int):
-  """Encoder-style prompts (right-padded, ending in EOS) as decoder-only
-  prompts: the EOS dropped (it must not sit between prompt and completion)
-  and left-padded. Returns (tokens, attention_mask), both [n, Lp]."""
-  tokens = np.zeros_like(prompt_tokens)
-  for i, row in enumerate(prompt_tokens):
-    real = [int(t) for t in row if t != 0]
-    if real and real[-1] == eos_id:
-      real = real[:-1]
-    if real:
-      tokens[i, -len(real):] = real
-  return tokens, (tokens > 0).astype(np.int32)
-
-
 @functools.lru_cache(maxsize=None)
 def _sampler(lm, max_new_tokens, greedy, temperature, eos_id):
   if lm.is_encoder_decoder:
@@ -90,25 +77,29 @@ def _sampler(lm, max_new_tokens, greedy, temperature, eos_id):
       temperature=temperature, greedy=greedy, eos_id=eos_id))
 
 
-def _prompt_features(recipe, prompt_tokens):
-  if recipe.lm.is_encoder_decoder:
+def _prompt_features(trainer, prompt_tokens):
+  if trainer.lm.is_encoder_decoder:
     return {"tokens": prompt_tokens}
-  tokens, mask = left_pad_prompts(prompt_tokens, recipe.vocabulary.eos_id)
+  tokens, mask = jax.tree.map(np.asarray, rollout.left_pad_prompts(
+      prompt_tokens, trainer.vocabulary.eos_id))
   return {"tokens": tokens, "mask": mask}
 
 
-def sample(recipe, params, prompt_tokens: np.ndarray, *, greedy: bool,
+def sample(trainer, params, prompt_tokens: np.ndarray, *, greedy: bool,
            temperature: float = 1.0, seed: int = 0) -> sampling.Samples:
   """Completions for this process's prompts [n, Lp] (encoder-style: right-
-  padded, ending in EOS; re-padded for decoder-only models), as numpy."""
-  cfg = recipe.config
-  fn = _sampler(recipe.lm, cfg.data.targets_length, greedy, temperature,
-                recipe.vocabulary.eos_id)
+  padded, ending in EOS; re-padded for decoder-only models), as numpy.
+
+  `trainer` is any object with the run's `config`, `lm`, `vocabulary`,
+  `mesh` and `rules` (a `jaxrlhf.algorithms.trainer.Trainer`)."""
+  cfg = trainer.config
+  fn = _sampler(trainer.lm, cfg.data.targets_length, greedy, temperature,
+                trainer.vocabulary.eos_id)
   n = len(prompt_tokens)
   parts = []
   for i, batch in enumerate(global_batches(
-      _prompt_features(recipe, prompt_tokens), cfg.eval.batch_size,
-      recipe.mesh, recipe.rules)):
+      _prompt_features(trainer, prompt_tokens), cfg.eval.batch_size,
+      trainer.mesh, trainer.rules)):
     out = fn(params, batch, jax.random.PRNGKey(seed * 100003 + i))
     parts.append(jax.tree.map(local_rows, out))
   merged = jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
@@ -126,59 +117,41 @@ def gold_rewards(gold: Callable, prompts: Sequence[str],
                    for p, c, f in zip(prompts, completions, finished)])
 
 
-def gold_reward_of_samples(recipe, params, prompt_tokens, prompts, gold, *,
+def gold_reward_of_samples(trainer, params, prompt_tokens, prompts, gold, *,
                            greedy: bool, temperature: float = 1.0,
                            seed: int = 0) -> Dict[str, float]:
   """Mean gold reward, EOS rate and length of the policy's completions."""
-  s = sample(recipe, params, prompt_tokens, greedy=greedy,
+  s = sample(trainer, params, prompt_tokens, greedy=greedy,
              temperature=temperature, seed=seed)
-  rewards = gold_rewards(gold, prompts, completion_texts(recipe.vocabulary, s),
-                         s.has_eos)
+  rewards = gold_rewards(gold, prompts,
+                         completion_texts(trainer.vocabulary, s), s.has_eos)
   n = len(rewards)
   return {"eval/gold_reward": global_mean(rewards.sum(), n),
           "eval/eos_rate": global_mean(float(np.sum(s.has_eos)), n),
           "eval/length": global_mean(float(np.sum(s.mask)), n)}
 
 
-def decoder_features(samples: sampling.Samples) -> Dict[str, np.ndarray]:
-  """Encoder-decoder teacher-forcing features of sampled completions."""
-  targets = np.asarray(samples.tokens, np.int32)
-  inputs = np.concatenate([np.zeros_like(targets[:, :1]), targets[:, :-1]], 1)
-  return {"decoder_target_tokens": targets, "decoder_input_tokens": inputs,
-          "decoder_loss_weights": np.asarray(samples.mask, np.int32)}
+@functools.lru_cache(maxsize=None)
+def _scorer(lm, temperature: float):
+  return jax.jit(lambda p, b: jnp.sum(
+      lm.completion_logprobs(p, b, None, temperature)[0], axis=-1))
 
 
-def scoring_features(recipe, prompt_tokens, samples) -> Dict[str, np.ndarray]:
-  """Teacher-forcing features (unprefixed scoring-API names) of sampled
-  completions of encoder-style prompts, for either architecture."""
-  if recipe.lm.is_encoder_decoder:
-    return dict(decoder_features(samples), encoder_input_tokens=prompt_tokens)
-  completion = np.asarray(samples.tokens, np.int32)
-  weights = np.asarray(samples.mask, np.int32)
-  prompt, prompt_mask = left_pad_prompts(prompt_tokens, recipe.vocabulary.eos_id)
-  mask = np.concatenate([prompt_mask, weights], 1)
-  return {"tokens": np.concatenate([prompt, completion], 1),
-          "attention_mask": mask,
-          "positions": np.maximum(np.cumsum(mask, -1) - 1, 0).astype(np.int32),
-          "loss_weights": np.concatenate([np.zeros_like(prompt), weights], 1)}
-
-
-def sequence_logprobs(recipe, params, prompt_tokens, samples,
+def sequence_logprobs(trainer, params, prompt_tokens, samples,
                       temperature: float = 1.0) -> np.ndarray:
   """log p(completion | prompt) under `params` at `temperature` for sampled
-  completions."""
-  fns = recipe.__dict__.setdefault("_score_fns", {})
-  if temperature not in fns:
-    fns[temperature] = jax.jit(lambda p, b: jnp.sum(
-        recipe.lm.completion_logprobs(p, b, None, temperature)[0], axis=-1))
-  features = scoring_features(recipe, prompt_tokens, samples)
+  completions (teacher forcing), as numpy [n]."""
+  features = jax.tree.map(np.asarray, rollout.response_features(
+      trainer.lm, jnp.asarray(prompt_tokens), jnp.asarray(samples.tokens),
+      jnp.asarray(samples.mask), trainer.vocabulary.eos_id))
   n = len(prompt_tokens)
-  out = [local_rows(fns[temperature](params, b)) for b in global_batches(
-      features, recipe.config.eval.batch_size, recipe.mesh, recipe.rules)]
+  score = _scorer(trainer.lm, temperature)
+  out = [local_rows(score(params, b)) for b in global_batches(
+      features, trainer.config.eval.batch_size, trainer.mesh, trainer.rules)]
   return np.concatenate(out)[:n]
 
 
-def compare_with_reference(recipe, policy, reference, prompt_tokens,
+def compare_with_reference(trainer, policy, reference, prompt_tokens,
                            prompts: Sequence[str], gold, *,
                            num_samples: int = 1, temperature: float = 1.0,
                            seed: int = 0) -> Dict[str, float]:
@@ -189,19 +162,19 @@ def compare_with_reference(recipe, policy, reference, prompt_tokens,
   higher (ties count 1/2). KL(policy || reference) is estimated per sequence
   as log pi(y) - log pi_ref(y) on policy samples y, both at the sampling
   temperature (the distributions the samples come from, as in the online
-  recipes' KL penalty): unbiased, and exactly 0 when the policy is the
+  trainers' KL penalty): unbiased, and exactly 0 when the policy is the
   reference.
   """
   outcomes, rewards, ref_rewards, kls, lengths, ends = [], [], [], [], [], []
   for k in range(num_samples):
-    mine = sample(recipe, policy, prompt_tokens, greedy=False,
+    mine = sample(trainer, policy, prompt_tokens, greedy=False,
                   temperature=temperature, seed=seed + 2 * k)
-    theirs = sample(recipe, reference, prompt_tokens, greedy=False,
+    theirs = sample(trainer, reference, prompt_tokens, greedy=False,
                     temperature=temperature, seed=seed + 2 * k + 1)
-    r = gold_rewards(gold, prompts, completion_texts(recipe.vocabulary, mine),
+    r = gold_rewards(gold, prompts, completion_texts(trainer.vocabulary, mine),
                      mine.has_eos)
     r_ref = gold_rewards(gold, prompts,
-                         completion_texts(recipe.vocabulary, theirs),
+                         completion_texts(trainer.vocabulary, theirs),
                          theirs.has_eos)
     outcomes.append((r > r_ref) + 0.5 * (r == r_ref))
     rewards.append(r)
@@ -210,9 +183,9 @@ def compare_with_reference(recipe, policy, reference, prompt_tokens,
     # temperature (the distributions the samples come from): a policy that
     # is its reference then gets a KL of exactly 0, not the rounding
     # difference between the sampler's incremental and a full forward pass.
-    kls.append(sequence_logprobs(recipe, policy, prompt_tokens, mine,
+    kls.append(sequence_logprobs(trainer, policy, prompt_tokens, mine,
                                  temperature)
-               - sequence_logprobs(recipe, reference, prompt_tokens, mine,
+               - sequence_logprobs(trainer, reference, prompt_tokens, mine,
                                    temperature))
     lengths.append(np.sum(mine.mask, -1))
     ends.append(mine.has_eos)

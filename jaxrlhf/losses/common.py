@@ -56,21 +56,6 @@ def sequence_logprob(token_logprobs, mask):
   return masked_sum(token_logprobs, mask, axis=-1)
 
 
-def check_rank(where: str, name: str, x, rank: int, hint: str = ""):
-  """Raises a ValueError naming `where` and `name` unless x has `rank`."""
-  if jnp.ndim(x) != rank:
-    raise ValueError(f"{where}: `{name}` must have rank {rank}, got shape "
-                     f"{jnp.shape(x)}" + (f"; {hint}" if hint else "."))
-
-
-def check_same_shape(where: str, **arrays):
-  """Raises a ValueError listing the shapes unless all (non-None) agree."""
-  shapes = {name: jnp.shape(x) for name, x in arrays.items() if x is not None}
-  if len(set(shapes.values())) > 1:
-    listed = ", ".join(f"{name}{list(shape)}" for name, shape in shapes.items())
-    raise ValueError(f"{where}: shapes must match, got {listed}.")
-
-
 def win_indicator(a, b):
   """1 where a > b, 0 where a < b, 1/2 for ties, so that an untrained model
   (all scores equal) reports the chance accuracy 0.5."""

@@ -1,7 +1,8 @@
 """DRO-V: Direct Reward Optimisation with a learned value (Richemond et al.).
 
 Single-trajectory data (x_i, y_i, r_i), y_i ~ mu(.|x_i) for any behaviour
-policy mu. Paper: Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large Language Models Alignment", section 3.
+policy mu. Paper: Richemond et al. 2024, "Offline Regularised Reinforcement
+Learning for Large Language Models Alignment", section 3.
 
 The DRO loss (equation 4), for a policy pi_theta and a value V_phi:
 
@@ -35,6 +36,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf import checks
 from jaxrlhf.losses import common
 
 Array = Any
@@ -98,7 +100,7 @@ def dro_v_losses(policy_logps: Array,
         f"{where}: policy_logps must be [batch] per-sequence log-probs, got "
         f"shape {jnp.shape(policy_logps)}; reduce per-token log-probs with "
         "`common.sequence_logprob(token_logprobs, mask)`.")
-  common.check_same_shape(where, policy_logps=policy_logps, ref_logps=ref_logps,
+  checks.check_same_shape(where, policy_logps=policy_logps, ref_logps=ref_logps,
                     rewards=rewards, weights=weights)
   if jnp.ndim(values) not in (0, 1) or (
       jnp.ndim(values) == 1 and jnp.shape(values) != jnp.shape(policy_logps)):
@@ -160,7 +162,7 @@ def optimal_policy_and_value(ref_logprobs: Array, rewards: Array, *,
     (log pi*(y|x) [..., num_completions], V*(x) [...]), with
     V* = tau log sum_y pi_ref(y|x) exp(r(x, y)/tau).
   """
-  common.check_same_shape("optimal_policy_and_value", ref_logprobs=ref_logprobs,
+  checks.check_same_shape("optimal_policy_and_value", ref_logprobs=ref_logprobs,
                     rewards=rewards)
   scores = ref_logprobs + rewards / tau
   log_partition = jax.nn.logsumexp(scores, axis=-1)

@@ -36,9 +36,10 @@ Log-probabilities are per-sequence sums over completion tokens ([batch]), e.g.
 from `common.sequence_logprob`. Reference log-probabilities are treated as
 constants (stop_gradient).
 
-References: Richemond et al. 2024, "Offline Regularised Reinforcement Learning for Large Language Models Alignment",
-section 2 (the general form) and section 4 "KTO baseline" (mean-reward
-labels); Lambert, "Reinforcement Learning from Human Feedback" (the RLHF book, 2025), 8.2 (DPO + NLL).
+References: Richemond et al. 2024, "Offline Regularised Reinforcement
+Learning for Large Language Models Alignment", section 2 (the general form)
+and section 4 "KTO baseline" (mean-reward labels); Lambert, "Reinforcement
+Learning from Human Feedback" (the RLHF book, 2025), 8.2 (DPO + NLL).
 """
 
 from typing import Any, Optional
@@ -46,6 +47,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf import checks
 from jaxrlhf.losses import common
 
 Array = Any
@@ -53,20 +55,13 @@ Metrics = dict
 
 
 def _rank(name, x, rank, where):
-  common.check_rank(where, name, x, rank,
+  checks.check_rank(where, name, x, rank,
                     "pass per-sequence log-probs ([batch]), e.g. "
                     "`common.sequence_logprob(token_logprobs, mask)`.")
 
+
 PAIRWISE_LOSS_TYPES = ("dpo", "cdpo", "robust_dpo", "ipo", "slic")
 _LOGISTIC_LOSS_TYPES = ("dpo", "cdpo", "robust_dpo")
-
-
-
-
-
-
-
-
 
 
 def _is_static_number(x) -> bool:
@@ -135,7 +130,7 @@ def direct_preference_loss(policy_chosen_logps: Array,
   elif ref_chosen_logps is None or ref_rejected_logps is None:
     raise ValueError(f"{where}: ref_chosen_logps and ref_rejected_logps are "
                      "required unless reference_free=True.")
-  common.check_same_shape(where, policy_chosen_logps=policy_chosen_logps,
+  checks.check_same_shape(where, policy_chosen_logps=policy_chosen_logps,
                     policy_rejected_logps=policy_rejected_logps,
                     ref_chosen_logps=ref_chosen_logps,
                     ref_rejected_logps=ref_rejected_logps,
@@ -266,9 +261,9 @@ def kto_loss(policy_logps: Array,
   where = "kto_loss"
   _rank("policy_logps", policy_logps, 1, where)
   _rank("kl_policy_logps", kl_policy_logps, 1, where)
-  common.check_same_shape(where, policy_logps=policy_logps, ref_logps=ref_logps,
+  checks.check_same_shape(where, policy_logps=policy_logps, ref_logps=ref_logps,
                     desirable=desirable, weights=weights)
-  common.check_same_shape(where, kl_policy_logps=kl_policy_logps,
+  checks.check_same_shape(where, kl_policy_logps=kl_policy_logps,
                     kl_ref_logps=kl_ref_logps, kl_weights=kl_weights)
   if weights is None:
     weights = jnp.ones(jnp.shape(policy_logps), jnp.float32)
@@ -319,7 +314,7 @@ def desirable_from_rewards(rewards: Array,
   _rank("rewards", rewards, 1, "desirable_from_rewards")
   if mask is None:
     mask = jnp.ones(jnp.shape(rewards), jnp.float32)
-  common.check_same_shape("desirable_from_rewards", rewards=rewards, mask=mask)
+  checks.check_same_shape("desirable_from_rewards", rewards=rewards, mask=mask)
   batch_mean = common.masked_mean(rewards, mask)
   return (rewards > batch_mean) & (mask > 0)
 

@@ -6,11 +6,13 @@ head gives at the EOS token, PPO implementation-details paper detail 12) and
 returns `(loss, metrics)`; it knows nothing about the network that made them.
 
 References:
-  Lambert, "Reinforcement Learning from Human Feedback" (the RLHF book, 2025), chapter 7: the Bradley–Terry loss (eq. 3), the
+  Lambert, "Reinforcement Learning from Human Feedback" (the RLHF book,
+    2025), chapter 7: the Bradley–Terry loss (eq. 3), the
     Llama 2 margin (eq. 5), InstructGPT's per-prompt balancing of the C(K, 2)
     comparisons of one prompt (eq. 6; `prompt_balanced_weights`,
     `all_pairs_ranking_loss`), the K-wise Plackett–Luce loss (7.4.3).
-  Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO: A Case Study on TL;DR Summarization",
+  Huang et al. 2024, "The N+ Implementation Details of RLHF with PPO: A Case
+    Study on TL;DR Summarization",
     details 15 (bias that makes the reference rewards mean 0) and 18
     (calibration: accuracy vs. confidence).
 """
@@ -20,6 +22,7 @@ from typing import Any, Optional
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf import checks
 from jaxrlhf.losses import common
 
 Array = Any
@@ -27,7 +30,7 @@ Metrics = dict
 
 
 def _rank(name, x, rank, where):
-  common.check_rank(where, name, x, rank,
+  checks.check_rank(where, name, x, rank,
                     "pass one value per example (reduce per-token values "
                     "with `sequence_logprob` or take the reward at the EOS "
                     "token first).")
@@ -53,7 +56,7 @@ def prompt_balanced_weights(prompt_ids: Array,
   _rank("prompt_ids", prompt_ids, 1, "prompt_balanced_weights")
   if weights is None:
     weights = jnp.ones(jnp.shape(prompt_ids), jnp.float32)
-  common.check_same_shape("prompt_balanced_weights", prompt_ids=prompt_ids,
+  checks.check_same_shape("prompt_balanced_weights", prompt_ids=prompt_ids,
                     weights=weights)
   # A [batch, batch] same-prompt matrix keeps this jit-friendly without a
   # static number of prompts; batches of pairs are small.
@@ -94,7 +97,7 @@ def bradley_terry_loss(chosen_rewards: Array,
   """
   where = "bradley_terry_loss"
   _rank("chosen_rewards", chosen_rewards, 1, where)
-  common.check_same_shape(where, chosen_rewards=chosen_rewards,
+  checks.check_same_shape(where, chosen_rewards=chosen_rewards,
                     rejected_rewards=rejected_rewards, weights=weights,
                     prompt_ids=prompt_ids)
   if weights is None:
@@ -150,11 +153,11 @@ def plackett_luce_loss(ranked_rewards: Array,
   _rank("ranked_rewards", ranked_rewards, 2, where)
   if mask is None:
     mask = jnp.ones(jnp.shape(ranked_rewards), jnp.float32)
-  common.check_same_shape(where, ranked_rewards=ranked_rewards, mask=mask)
+  checks.check_same_shape(where, ranked_rewards=ranked_rewards, mask=mask)
   batch, num_items = jnp.shape(ranked_rewards)
   if weights is None:
     weights = jnp.ones((batch,), jnp.float32)
-  common.check_same_shape(where, ranked_rewards_batch=ranked_rewards[:, 0],
+  checks.check_same_shape(where, ranked_rewards_batch=ranked_rewards[:, 0],
                     weights=weights)
   present = mask > 0
   rewards = jnp.where(present, ranked_rewards, 0.0)
@@ -232,10 +235,10 @@ def all_pairs_ranking_loss(ranked_rewards: Array,
   _rank("ranked_rewards", ranked_rewards, 2, where)
   if mask is None:
     mask = jnp.ones(jnp.shape(ranked_rewards), jnp.float32)
-  common.check_same_shape(where, ranked_rewards=ranked_rewards, mask=mask)
+  checks.check_same_shape(where, ranked_rewards=ranked_rewards, mask=mask)
   if weights is None:
     weights = jnp.ones(jnp.shape(ranked_rewards)[:1], jnp.float32)
-  common.check_same_shape(where, ranked_rewards_batch=ranked_rewards[:, 0],
+  checks.check_same_shape(where, ranked_rewards_batch=ranked_rewards[:, 0],
                           weights=weights)
   present = mask > 0
   rewards = jnp.where(present, ranked_rewards, 0.0)
@@ -277,7 +280,7 @@ def calibration_table(chosen_rewards: Array,
   """
   where = "calibration_table"
   _rank("chosen_rewards", chosen_rewards, 1, where)
-  common.check_same_shape(where, chosen_rewards=chosen_rewards,
+  checks.check_same_shape(where, chosen_rewards=chosen_rewards,
                     rejected_rewards=rejected_rewards, weights=weights)
   if not isinstance(num_bins, int) or num_bins < 1:
     raise ValueError(f"{where}: num_bins must be a positive int, got "
@@ -324,7 +327,7 @@ def zero_mean_reward_bias(reference_rewards: Array,
   """
   if mask is None:
     mask = jnp.ones(jnp.shape(reference_rewards), jnp.float32)
-  common.check_same_shape("zero_mean_reward_bias",
+  checks.check_same_shape("zero_mean_reward_bias",
                     reference_rewards=reference_rewards, mask=mask)
   return -common.masked_mean(reference_rewards, mask)
 
@@ -351,7 +354,7 @@ def reward_gain_and_bias(reference_rewards: Array,
   """
   if mask is None:
     mask = jnp.ones(jnp.shape(reference_rewards), jnp.float32)
-  common.check_same_shape("reward_gain_and_bias",
+  checks.check_same_shape("reward_gain_and_bias",
                     reference_rewards=reference_rewards, mask=mask)
   mean = common.masked_mean(reference_rewards, mask)
   var = common.masked_var(reference_rewards, mask, unbiased=False)

@@ -25,6 +25,8 @@ _T5_FIELDS = ("emb_dim", "num_heads", "num_encoder_layers",
 # Speed options that configs may carry (read only when present).
 _OPTIONAL_FIELDS = ("scan_layers", "attention_impl")
 _MLP_ACTIVATIONS = {"gated-gelu": ("gelu", "linear"), "relu": ("relu",)}
+# config.model.mlp's values.
+MLP_TYPES = tuple(_MLP_ACTIVATIONS)
 
 
 def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
@@ -111,8 +113,7 @@ def build_model(model_cfg: ml_collections.ConfigDict, task_vocab_size: int):
   overrides = {f: model_cfg[f] for f in _T5_FIELDS if model_cfg[f] is not None}
   config = t5.t5_config(
       model_cfg.size, vocab_size=vocab_size,
-      mlp_activations=(("gelu", "linear") if model_cfg.mlp == "gated-gelu"
-                       else ("relu",)),
+      mlp_activations=_MLP_ACTIVATIONS[model_cfg.mlp],
       logits_via_embedding=model_cfg.logits_via_embedding,
       dtype=model_cfg.dtype, dropout_rate=model_cfg.dropout_rate,
       remat_policy=model_cfg.remat_policy, **overrides,

@@ -29,12 +29,24 @@ def _key(name: Optional[str], suffix: str) -> str:
   return suffix if name is None else f"{name}_{suffix}"
 
 
-class EncoderDecoderLM:
-  """Scoring adapter for `jaxrlhf.models.t5.T5`."""
-  is_encoder_decoder = True
+class _Adapter:
+  """Adapters of equal modules (the same family and config) are equal, so
+  functions jitted per adapter (evaluation samplers, reward scoring) are
+  shared by every run of one model in a process, e.g. a pipeline's stages."""
 
   def __init__(self, module):
     self.module = module
+
+  def __eq__(self, other):
+    return type(other) is type(self) and other.module == self.module
+
+  def __hash__(self):
+    return hash((type(self), self.module))
+
+
+class EncoderDecoderLM(_Adapter):
+  """Scoring adapter for `jaxrlhf.models.t5.T5`."""
+  is_encoder_decoder = True
 
   def completion_keys(self, name):
     return [_key(name, s) for s in ("decoder_target_tokens",
@@ -85,13 +97,10 @@ class EncoderDecoderLM:
     return hidden, (tokens > 0).astype(jnp.float32)
 
 
-class DecoderOnlyLM:
+class DecoderOnlyLM(_Adapter):
   """Scoring adapter for decoder-only modules with `hidden_states` and
   `logits_from_hidden` (jaxrlhf.models.llama, gpt_neox, t5x_decoder_only)."""
   is_encoder_decoder = False
-
-  def __init__(self, module):
-    self.module = module
 
   def completion_keys(self, name):
     return [_key(name, s) for s in ("tokens", "positions", "attention_mask",

@@ -14,7 +14,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.losses import common
-from jaxrlhf.rl import _checks
+from jaxrlhf import checks
 
 
 def whiten_rewards(rewards, mask):
@@ -31,7 +31,7 @@ def whiten_rewards(rewards, mask):
   Returns:
     [batch, length] whitened rewards, zero outside the mask.
   """
-  _checks.check_same_shape("whiten_rewards", rewards=rewards, mask=mask)
+  checks.check_same_shape("whiten_rewards", rewards=rewards, mask=mask)
   return common.masked_whiten(rewards, mask.astype(rewards.dtype),
                               shift_mean=False)
 
@@ -46,7 +46,7 @@ def whiten_advantages(advantages, mask):
   Returns:
     [batch, length], zero outside the mask.
   """
-  _checks.check_same_shape("whiten_advantages", advantages=advantages,
+  checks.check_same_shape("whiten_advantages", advantages=advantages,
                            mask=mask)
   return common.masked_whiten(advantages, mask.astype(advantages.dtype),
                               shift_mean=True)
@@ -77,9 +77,9 @@ def generalized_advantage_estimation(rewards, values, mask, gamma=1.0,
     advantages: [batch, length].
     returns: [batch, length] advantages + values (the value-function target).
   """
-  _checks.check_same_shape("generalized_advantage_estimation",
+  checks.check_same_shape("generalized_advantage_estimation",
                            rewards=rewards, values=values, mask=mask)
-  _checks.check_rank("generalized_advantage_estimation", "rewards", rewards, 2)
+  checks.check_rank("generalized_advantage_estimation", "rewards", rewards, 2)
   mask = mask.astype(values.dtype)
   rewards = rewards * mask
   values = values * mask
@@ -103,8 +103,8 @@ def generalized_advantage_estimation(rewards, values, mask, gamma=1.0,
 
 
 def _grouped(rewards, group_size, where):
-  _checks.check_rank(where, "rewards", rewards, 1)
-  _checks.check_groups(where, rewards.shape[0], group_size)
+  checks.check_rank(where, "rewards", rewards, 1)
+  checks.check_groups(where, rewards.shape[0], group_size)
   return rewards.reshape(-1, group_size)
 
 

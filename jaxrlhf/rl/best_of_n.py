@@ -9,7 +9,7 @@ per prompt or the top K over the whole batch and fine-tunes on them (10.2.2).
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.rl import _checks
+from jaxrlhf import checks
 
 
 def top_per_prompt(scores):
@@ -21,7 +21,7 @@ def top_per_prompt(scores):
   Returns:
     [num_prompts] int32 argmax over completions (first one on ties).
   """
-  _checks.check_rank("top_per_prompt", "scores", scores, 2)
+  checks.check_rank("top_per_prompt", "scores", scores, 2)
   return jnp.argmax(scores, axis=-1).astype(jnp.int32)
 
 
@@ -54,7 +54,7 @@ def top_k_overall(scores, k):
     completion_index: [k] int32.
     top_scores: [k] in descending order.
   """
-  _checks.check_rank("top_k_overall", "scores", scores, 2)
+  checks.check_rank("top_k_overall", "scores", scores, 2)
   num_prompts, n = scores.shape
   if not 1 <= k <= num_prompts * n:
     raise ValueError(

@@ -14,7 +14,7 @@ and token-level mean, Dr. GRPO's constant-length normaliser (with
 import jax
 
 from jaxrlhf.losses import common
-from jaxrlhf.rl import _checks
+from jaxrlhf import checks
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import ppo
 from jaxrlhf.rl import reductions
@@ -42,7 +42,7 @@ def grpo_loss(logprobs, old_logprobs, ref_logprobs, advantages, mask,
     mean of k3 against the reference), "clip_fraction", "approx_kl_k1",
     "approx_kl_k3", "ratio_mean").
   """
-  _checks.check_same_shape("grpo_loss", logprobs=logprobs,
+  checks.check_same_shape("grpo_loss", logprobs=logprobs,
                            old_logprobs=old_logprobs,
                            ref_logprobs=ref_logprobs, mask=mask)
   if advantages.shape not in (mask.shape, mask.shape[:1]):

@@ -15,7 +15,7 @@ policy) and p = pi_ref, so r = pi_ref / pi and log r = ref_logprob - logprob:
 import jax.numpy as jnp
 
 from jaxrlhf.losses import common
-from jaxrlhf.rl import _checks
+from jaxrlhf import checks
 from jaxrlhf.rl import rollout_rewards
 
 KL_ESTIMATORS = ("k1", "k2", "k3")
@@ -33,8 +33,8 @@ def kl_estimate(logprobs, ref_logprobs, estimator="k1"):
     [...] per-sample estimates; their mean under pi is KL(pi || pi_ref) for
     k1 and k3, and E_pi[(log pi - log pi_ref)^2] / 2 for k2.
   """
-  _checks.check_choice("kl_estimate", "estimator", estimator, KL_ESTIMATORS)
-  _checks.check_same_shape("kl_estimate", logprobs=logprobs,
+  checks.check_choice("kl_estimate", "estimator", estimator, KL_ESTIMATORS)
+  checks.check_same_shape("kl_estimate", logprobs=logprobs,
                            ref_logprobs=ref_logprobs)
   log_pi_over_ref = logprobs - ref_logprobs  # = -log r
   if estimator == "k1":
@@ -59,7 +59,7 @@ def sequence_kl(logprobs, ref_logprobs, mask, estimator="k1"):
     [batch] sum over response tokens (the KL of the whole response, since
     the sequence log-ratio is the sum of the token log-ratios).
   """
-  _checks.check_same_shape("sequence_kl", logprobs=logprobs,
+  checks.check_same_shape("sequence_kl", logprobs=logprobs,
                            ref_logprobs=ref_logprobs, mask=mask)
   per_token = kl_estimate(logprobs, ref_logprobs, estimator)
   return common.masked_sum(per_token, mask.astype(per_token.dtype), axis=-1)
@@ -86,7 +86,7 @@ def per_token_rewards(scores, logprobs, ref_logprobs, mask, kl_coef,
     rewards: [batch, length], zero outside the mask.
     kl: [batch, length] per-token KL estimates, zero outside the mask.
   """
-  _checks.check_same_shape("per_token_rewards", logprobs=logprobs,
+  checks.check_same_shape("per_token_rewards", logprobs=logprobs,
                            ref_logprobs=ref_logprobs, mask=mask)
   if scores.shape != logprobs.shape[:1]:
     raise ValueError(

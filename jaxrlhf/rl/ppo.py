@@ -13,7 +13,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.losses import common
-from jaxrlhf.rl import _checks
+from jaxrlhf import checks
 from jaxrlhf.rl import advantages as advantages_lib
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import reductions
@@ -78,7 +78,7 @@ def clipped_surrogate(logprobs, old_logprobs, advantages, clip_eps_low=0.2,
     clipped: [batch, length] bool, where the clipped term is the larger loss
       (its gradient is then zero): the clip fraction's numerator.
   """
-  _checks.check_same_shape("clipped_surrogate", logprobs=logprobs,
+  checks.check_same_shape("clipped_surrogate", logprobs=logprobs,
                            old_logprobs=old_logprobs)
   if clip_eps_high is None:
     clip_eps_high = clip_eps_low
@@ -128,7 +128,7 @@ def ppo_policy_loss(logprobs, old_logprobs, advantages, mask, clip_eps=0.2):
     (scalar loss, metrics dict with "policy_loss", "clip_fraction",
     "approx_kl_k1", "approx_kl_k3", "ratio_mean").
   """
-  _checks.check_same_shape("ppo_policy_loss", logprobs=logprobs,
+  checks.check_same_shape("ppo_policy_loss", logprobs=logprobs,
                            old_logprobs=old_logprobs, advantages=advantages,
                            mask=mask)
   per_token_loss, clipped = clipped_surrogate(logprobs, old_logprobs,
@@ -161,7 +161,7 @@ def ppo_value_loss(values, old_values, returns, mask, clip_eps=0.2):
     (scalar loss, metrics with "value_loss", "value_clip_fraction",
     "value_error" (masked mean squared error of V), "explained_variance").
   """
-  _checks.check_same_shape("ppo_value_loss", values=values,
+  checks.check_same_shape("ppo_value_loss", values=values,
                            old_values=old_values, returns=returns, mask=mask)
   fmask = mask.astype(values.dtype)
   returns = jax.lax.stop_gradient(returns)
@@ -243,7 +243,7 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns,
   metrics.update(value_metrics)
   loss = policy_loss + vf_coef * value_loss
   if entropy is not None:
-    _checks.check_same_shape("ppo_loss", entropy=entropy, mask=mask)
+    checks.check_same_shape("ppo_loss", entropy=entropy, mask=mask)
     mean_entropy = common.masked_mean(entropy, mask.astype(entropy.dtype))
     loss = loss - entropy_coef * mean_entropy
     metrics["entropy"] = jax.lax.stop_gradient(mean_entropy)

@@ -20,7 +20,7 @@ The choice changes how much each token of a ragged batch weighs:
 import jax.numpy as jnp
 
 from jaxrlhf.losses import common
-from jaxrlhf.rl import _checks
+from jaxrlhf import checks
 
 LOSS_REDUCTIONS = ("sequence_mean", "token_mean", "constant_length",
                    "sequence_sum")
@@ -40,11 +40,11 @@ def reduce_token_losses(per_token_loss, mask, reduction="token_mean",
   Returns:
     Scalar loss.
   """
-  _checks.check_choice("reduce_token_losses", "reduction", reduction,
+  checks.check_choice("reduce_token_losses", "reduction", reduction,
                        LOSS_REDUCTIONS)
-  _checks.check_same_shape("reduce_token_losses",
+  checks.check_same_shape("reduce_token_losses",
                            per_token_loss=per_token_loss, mask=mask)
-  _checks.check_rank("reduce_token_losses", "per_token_loss", per_token_loss,
+  checks.check_rank("reduce_token_losses", "per_token_loss", per_token_loss,
                      2)
   mask = mask.astype(per_token_loss.dtype)
   if reduction == "token_mean":

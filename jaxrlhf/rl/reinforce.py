@@ -8,7 +8,7 @@ KL folded into the reward) instead: with one step both give this gradient.
 
 import jax
 
-from jaxrlhf.rl import _checks
+from jaxrlhf import checks
 from jaxrlhf.rl import reductions
 
 
@@ -28,7 +28,7 @@ def policy_gradient_loss(logprobs, advantages, mask,
   Returns:
     Scalar loss.
   """
-  _checks.check_same_shape("policy_gradient_loss", logprobs=logprobs,
+  checks.check_same_shape("policy_gradient_loss", logprobs=logprobs,
                            mask=mask)
   if advantages.shape not in (mask.shape, mask.shape[:1]):
     raise ValueError(

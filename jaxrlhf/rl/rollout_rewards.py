@@ -11,7 +11,7 @@ elsewhere is not a valid reward).
 
 import jax.numpy as jnp
 
-from jaxrlhf.rl import _checks
+from jaxrlhf import checks
 
 # Detail 23: "the EOS trick sets the reward to a constant -1".
 DEFAULT_MISSING_EOS_PENALTY = -1.0
@@ -35,7 +35,7 @@ def truncate_after_eos(tokens, eos_id=1, pad_id=0):
       before the EOS still counts as a real token.
     has_eos: [batch] bool, whether the response contains an EOS at all.
   """
-  _checks.check_rank("truncate_after_eos", "tokens", tokens, 2)
+  checks.check_rank("truncate_after_eos", "tokens", tokens, 2)
   is_eos = tokens == eos_id
   # Number of EOS strictly before position t: > 0 means t is after the first.
   eos_before = jnp.cumsum(is_eos, axis=-1) - is_eos
@@ -59,7 +59,7 @@ def last_token_index(mask):
     [batch] int32 index of the last nonzero entry; 0 for an all-zero row
     (callers that add a score there multiply by the mask, so nothing lands).
   """
-  _checks.check_rank("last_token_index", "mask", mask, 2)
+  checks.check_rank("last_token_index", "mask", mask, 2)
   positions = jnp.arange(mask.shape[-1], dtype=jnp.int32)
   last = jnp.max(jnp.where(mask > 0, positions, -1), axis=-1)
   return jnp.maximum(last, 0)
@@ -75,7 +75,7 @@ def score_at_last_token(per_token_scores, mask):
   Returns:
     [batch] the score at `last_token_index(mask)` (detail 12).
   """
-  _checks.check_same_shape("score_at_last_token",
+  checks.check_same_shape("score_at_last_token",
                            per_token_scores=per_token_scores, mask=mask)
   index = last_token_index(mask)[:, None]
   return jnp.take_along_axis(per_token_scores, index, axis=-1)[:, 0]
@@ -93,6 +93,6 @@ def replace_score_without_eos(scores, has_eos,
   Returns:
     [batch] scores, with `penalty` where `has_eos` is False.
   """
-  _checks.check_same_shape("replace_score_without_eos", scores=scores,
+  checks.check_same_shape("replace_score_without_eos", scores=scores,
                            has_eos=has_eos)
   return jnp.where(has_eos, scores, jnp.asarray(penalty, scores.dtype))

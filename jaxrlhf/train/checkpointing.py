@@ -105,10 +105,3 @@ class Checkpointer:
 
   def close(self):
     self._manager.close()
-
-
-def abstract_with_shardings(abstract_tree, shardings):
-  """ShapeDtypeStructs carrying the given shardings (for restore)."""
-  return jax.tree.map(
-      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-      abstract_tree, shardings)

@@ -1,10 +1,11 @@
-"""The training loop every recipe shares.
+"""The training loop every algorithm shares.
 
 It owns the mesh, checkpoints (save, keep, resume), preemption (SIGTERM and
 SIGINT save at the next step boundary and exit), the non-finite guard,
-metrics and console progress. A recipe provides `init_state()`,
-`abstract_state` and `state_shardings`, `train_batches(position)`,
-`train_step(state, batch)`, `tokens_in(local_batch)` and `evaluate(state)`.
+metrics and console progress. It drives a `jaxrlhf.algorithms.trainer.Trainer`
+through `init_state()` (or a restore into `abstract_state` and
+`state_shardings`), `train_batches(position)`, `train_step(state, batch)`,
+`tokens_in(local_batch)`, `evaluate(state)` and `finish_training(state)`.
 """
 
 import os
@@ -15,16 +16,14 @@ import jax
 import ml_collections
 import numpy as np
 
+from jaxrlhf import algorithms
+from jaxrlhf import console
 from jaxrlhf import defaults
 from jaxrlhf import sharding
+from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import pipeline
-from jaxrlhf.recipes import registry
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import metrics as metrics_lib
-
-
-def _recipes():
-  return registry.RECIPES
 
 
 class NonFiniteError(RuntimeError):
@@ -70,16 +69,19 @@ class _StopFlag:
 
 def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
   """Everything that can refuse a run from its config alone, before anything
-  is written: the config's values, the mesh against the devices, the paths
-  it reads, the tasks it names, and that a workdir is given."""
+  is written: the config's values, the mesh against the devices, the batch
+  splits, the paths it reads, the tasks it names, and that a workdir is
+  given."""
   if not workdir:
     raise WorkdirError("--workdir is required: a directory for checkpoints, "
                        "metrics and the resolved config.")
   defaults.validate(config)
   try:
-    sharding.create_mesh(config.mesh.shape, config.mesh.axis_names)
+    mesh = sharding.create_mesh(config.mesh.shape, config.mesh.axis_names)
   except ValueError as e:
     raise ValueError(f"config.{e}") from None
+  algorithms.check_rows(config, sharding.data_parallel_size(
+      mesh, sharding.as_rules(config.sharding.logical_axis_rules)))
   defaults.check_paths(config)
   pipeline.import_task_modules(config.data.task_modules)
   if not config.data.files.train:  # else the run registers it from files
@@ -124,17 +126,18 @@ def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
   this call started from step 0.
   """
   preflight(config, workdir)
-  # config.json is written once the run has started (its state restored or
-  # initialised, its data readable): a run refused at start-up leaves the
-  # config of the run that made the workdir's checkpoints in place.
-  check_workdir(workdir)
   with sharding.activate(config) as mesh:
-    recipe = _recipes()[config.algorithm](config, mesh)
-    recipe.workdir = workdir
-    return _run(config, workdir, recipe)
+    # Built before the workdir is touched: everything a trainer refuses
+    # (data, model, batch splits, evaluation) leaves no trace.
+    trainer = algorithms.build(config, mesh, workdir)
+    # config.json is written once the run has started (its state restored or
+    # initialised, its data readable): a run refused at start-up leaves the
+    # config of the run that made the workdir's checkpoints in place.
+    check_workdir(workdir)
+    return _run(config, workdir, trainer)
 
 
-def _run(config, workdir, recipe) -> Dict[str, float]:
+def _run(config, workdir, trainer) -> Dict[str, float]:
   checkpointer = checkpointing.Checkpointer(
       os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
   total = config.train.num_steps
@@ -144,25 +147,25 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
   logger = metrics_lib.MetricsLogger(workdir, resume_step=latest or 0)
   summary: Dict[str, float] = {}
   if latest is not None:
-    abstract = checkpointing.abstract_with_shardings(
-        recipe.abstract_state, recipe.state_shardings)
+    abstract = state_lib.abstract_with_shardings(
+        trainer.abstract_state, trainer.state_shardings)
     state, position = checkpointer.restore(latest, abstract)
     summary.update(logger.eval_before())
-    metrics_lib.log(f"Resumed from checkpoint at step {latest} in "
+    console.log(f"Resumed from checkpoint at step {latest} in "
                     f"{checkpointer.directory}")
   else:
-    state, position = recipe.init_state(), 0
+    state, position = trainer.init_state(), 0
   step = int(jax.device_get(state.step))
-  batches = recipe.train_batches(position)
+  batches = trainer.train_batches(position)
   # The first batch is read now, so that bad data stops the run before the
   # first evaluation (which can take minutes) rather than after it.
   first_batch = next(batches) if step < total else None
   write_run_config(workdir, config)
   if latest is None:
-    before = recipe.evaluate(state)
+    before = trainer.evaluate(state)
     if before:
       logger.write(0, before)
-      metrics_lib.log(f"Before training ({recipe.evaluation_description()}): "
+      console.log(f"Before training ({trainer.evaluation_description()}): "
                       + _format(before))
     summary.update({k.replace("eval/", "eval_before/"): v
                     for k, v in before.items()})
@@ -172,7 +175,7 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
   if step >= total and _all_processes_agree(bool(final) or latest is None):
     # A finished run: its final evaluation is in metrics.jsonl already.
     summary.update(final)
-    metrics_lib.log(f"Already at step {step} of {total}; nothing to train.")
+    console.log(f"Already at step {step} of {total}; nothing to train.")
     return summary
   progress = metrics_lib.Progress(total, step)
   pending: List = []  # (step, device metrics, tokens) not yet written
@@ -194,7 +197,7 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
       logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
     if host:
       s, m = host[-1]
-      metrics_lib.log(progress.line(s, m["loss"], tokens))
+      console.log(progress.line(s, m["loss"], tokens))
     pending.clear()
 
   try:
@@ -204,14 +207,14 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
           local = next(batches)
         else:
           local, first_batch = first_batch, None
-        batch = sharding.global_batch(local, recipe.mesh, recipe.rules)
-        state, step_metrics = recipe.train_step(state, batch)
+        batch = sharding.global_batch(local, trainer.mesh, trainer.rules)
+        state, step_metrics = trainer.train_step(state, batch)
         step += 1
         if step == total:
           # Before the final save, so the last checkpoint holds the result.
-          state, final_metrics = recipe.finish_training(state)
+          state, final_metrics = trainer.finish_training(state)
           step_metrics = dict(step_metrics, **final_metrics)
-        pending.append((step, step_metrics, recipe.tokens_in(local)))
+        pending.append((step, step_metrics, trainer.tokens_in(local)))
         stopping = stop.requested()
         save_now = stopping or step == total or (
             ckpt_every and step % ckpt_every == 0)
@@ -220,25 +223,25 @@ def _run(config, workdir, recipe) -> Dict[str, float]:
         if save_now:
           checkpointer.save(step, state, batches.position)
         if stopping:
-          metrics_lib.log(
+          console.log(
               f"Received {stop.signal_name or 'a stop request'}: saved a "
               f"checkpoint at step {step} and stopped. Run the same command "
               "again to resume.")
           return summary
         if eval_every and step % eval_every == 0 and step < total:
-          evaluated = recipe.evaluate(state)
+          evaluated = trainer.evaluate(state)
           if evaluated:
             logger.write(step, evaluated)
-            metrics_lib.log(
+            console.log(
                 f"Evaluation (step {step}; "
-                f"{recipe.evaluation_description()}): " + _format(evaluated))
-    after = recipe.evaluate(state)
+                f"{trainer.evaluation_description()}): " + _format(evaluated))
+    after = trainer.evaluate(state)
     if after:
       logger.write(step, after)
     summary.update(after)
     if after:
-      metrics_lib.log(f"After training (step {step}; "
-                      f"{recipe.evaluation_description()}): " + _format(after))
+      console.log(f"After training (step {step}; "
+                      f"{trainer.evaluation_description()}): " + _format(after))
     return summary
   finally:
     logger.close()
@@ -260,7 +263,7 @@ def gold_reward_line(summary: Dict[str, float]) -> Optional[str]:
     return None
   after = summary["eval/gold_reward"]
   before = summary.get("eval_before/gold_reward")
-  # SFT evaluates greedy outputs; policy recipes sample (and report a win
+  # SFT evaluates greedy outputs; policy algorithms sample (and report a win
   # rate against their reference).
   kind = "sampled" if "eval/win_rate" in summary else "greedy"
   head = f"Gold reward of {kind} outputs on held-out prompts: "

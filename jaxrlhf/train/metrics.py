@@ -10,12 +10,6 @@ import jax
 from clu import metric_writers
 
 
-def log(message: str) -> None:
-  """Prints `message` once per run: on process 0 only."""
-  if jax.process_index() == 0:
-    print(message, flush=True)
-
-
 class MetricsLogger:
   """Writes scalars to TensorBoard event files (clu) and, mirrored, to
   `<workdir>/metrics.jsonl`, one JSON object per line with its "step".

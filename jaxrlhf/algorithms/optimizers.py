@@ -1,7 +1,13 @@
 """Optax optimizers and learning-rate schedules from the config."""
 
+import copy
+from typing import Mapping
+
 import ml_collections
 import optax
+
+NAMES = ("adafactor", "adamw", "sgd")
+SCHEDULES = ("constant", "cosine", "linear")
 
 
 def learning_rate_schedule(opt: ml_collections.ConfigDict, num_steps: int):
@@ -34,8 +40,32 @@ def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int):
   elif opt.name == "adamw":
     core = optax.adamw(learning_rate=schedule, b1=opt.b1, b2=opt.b2,
                        eps=opt.eps, weight_decay=opt.weight_decay)
+  elif opt.name == "sgd":
+    # Plain gradient descent: an update is -learning_rate * gradient, the
+    # one optimizer that is not invariant to the gradient's scale.
+    core = optax.sgd(learning_rate=schedule)
   else:
     raise ValueError(f"config.optimizer.name: unknown {opt.name!r}.")
   if opt.grad_clip_norm > 0:
     return optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), core)
   return core
+
+
+def per_update_config(opt: ml_collections.ConfigDict, updates_per_step: int
+                      ) -> ml_collections.ConfigDict:
+  """`opt` with warm-up counted in optimizer updates instead of train steps,
+  for steps that make several updates (online RL's epochs x minibatches):
+  the schedule over train steps is then unchanged."""
+  opt = copy.deepcopy(opt)
+  with opt.unlocked():
+    opt.warmup_steps = opt.warmup_steps * updates_per_step
+  return opt
+
+
+def make_network_optimizers(configs: Mapping[str, ml_collections.ConfigDict],
+                            num_updates: int):
+  """One optimizer per top-level network ({"policy": cfg, "value": cfg}),
+  each on its own subtree of the params dict."""
+  transforms = {name: make_optimizer(cfg, num_updates)
+                for name, cfg in configs.items()}
+  return optax.multi_transform(transforms, {k: k for k in transforms})

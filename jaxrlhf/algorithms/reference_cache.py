@@ -46,7 +46,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 
-from jaxrlhf.train import metrics as metrics_lib
+from jaxrlhf import console
 
 FORMAT_VERSION = 1
 MANIFEST = "manifest.json"
@@ -331,9 +331,9 @@ def compute(batches: Iterator[Mapping[str, np.ndarray]], local_batch_size: int,
     if time.time() - last_log >= log_every_seconds:
       last_log = time.time()
       of = f" of {total_examples}" if total_examples else ""
-      metrics_lib.log(f"Reference log-probs: {done}{of} examples scored, "
+      console.log(f"Reference log-probs: {done}{of} examples scored, "
                       f"{done / (last_log - start):.1f} examples/s")
-  metrics_lib.log(f"Reference log-probs: {done} examples scored in "
+  console.log(f"Reference log-probs: {done} examples scored in "
                   f"{time.time() - start:.1f}s")
   if not keys:
     return np.zeros([0], np.uint64), np.zeros([0], np.float32)

@@ -1,10 +1,12 @@
 """The train state pytree and its sharded initialisation."""
 
-from typing import Any, Callable
+from typing import Any, Callable, Mapping
 
 import flax
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
+import numpy as np
 
 from jaxrlhf import sharding
 
@@ -15,13 +17,17 @@ class TrainState:
 
   `params` holds the trained networks by name ({"policy": ..., "value": ...})
   and `opt_state` their optimizer states; `frozen` holds networks the step
-  reads but never updates (a reference policy, a reward model).
+  reads but never updates (a reference policy, a reward model);
+  `algorithm_state` holds small values an algorithm carries from step to
+  step ({"kl_coef": ...} of an adaptive KL controller, REINFORCE's running
+  baseline; {} for most).
   """
   step: jax.Array
   params: Any
   opt_state: Any
   frozen: Any
   rng: jax.Array  # raw uint32[2] PRNG key
+  algorithm_state: Any
 
 
 def _dict_keys(path):
@@ -35,7 +41,8 @@ def state_shardings(abstract_boxed, abstract_state, mesh, rules):
   dict-key path ends with a parameter's path and that has the parameter's
   shape (Adam moments, unfactored Adafactor moments) shares its sharding,
   whatever optimizer wrappers sit above it; other leaves (factored Adafactor
-  rows/columns, counts) are small and replicated.
+  rows/columns, counts) are small and replicated, as are the step, the RNG
+  and the algorithm's scalars.
   """
   boxed_params, boxed_frozen = abstract_boxed
   param_shardings = sharding.tree_shardings(boxed_params, mesh, rules)
@@ -56,30 +63,45 @@ def state_shardings(abstract_boxed, abstract_state, mesh, rules):
 
   opt_shardings = jax.tree_util.tree_map_with_path(opt_sharding,
                                                    abstract_state.opt_state)
-  return TrainState(step=replicated, params=param_shardings,
-                    opt_state=opt_shardings,
-                    frozen=sharding.tree_shardings(boxed_frozen, mesh, rules),
-                    rng=replicated)
+  return TrainState(
+      step=replicated, params=param_shardings, opt_state=opt_shardings,
+      frozen=sharding.tree_shardings(boxed_frozen, mesh, rules),
+      rng=replicated,
+      algorithm_state=jax.tree.map(lambda _: replicated,
+                                   abstract_state.algorithm_state))
 
 
-def make_sharded_init(init_params: Callable, tx, mesh, rules):
+def make_sharded_init(init_params: Callable, tx, mesh, rules,
+                      algorithm_state: Mapping[str, float] = None):
   """A jitted `rng -> TrainState` whose outputs are born sharded.
 
   Args:
     init_params: rng -> (trainable params, frozen params), possibly boxed
       with logical axis names.
+    algorithm_state: {name: initial float32 scalar} the algorithm carries.
   Returns:
     (init_fn, shardings, abstract_state): parameters are created directly in
     their shardings on the devices; no full copy is ever made on one host.
   """
+  initial = {k: np.float32(v) for k, v in (algorithm_state or {}).items()}
+
   def init_state(rng):
     params_rng, state_rng = jax.random.split(rng)
     params, frozen = nn.unbox(init_params(params_rng))
-    return TrainState(step=jax.numpy.zeros((), jax.numpy.int32), params=params,
-                      opt_state=tx.init(params), frozen=frozen, rng=state_rng)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params), frozen=frozen, rng=state_rng,
+                      algorithm_state={k: jnp.asarray(v)
+                                       for k, v in initial.items()})
 
   rng = jax.random.PRNGKey(0)
   abstract_boxed = jax.eval_shape(init_params, rng)
   abstract_state = jax.eval_shape(init_state, rng)
   shardings = state_shardings(abstract_boxed, abstract_state, mesh, rules)
   return jax.jit(init_state, out_shardings=shardings), shardings, abstract_state
+
+
+def abstract_with_shardings(abstract_tree, shardings):
+  """ShapeDtypeStructs carrying the given shardings (for restore)."""
+  return jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      abstract_tree, shardings)

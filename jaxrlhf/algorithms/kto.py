@@ -11,11 +11,24 @@ from typing import Dict
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf import config_schema
+from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import reference
 from jaxrlhf.data import feature_converters
 from jaxrlhf.losses import preference
-from jaxrlhf.recipes import policy
 
 Array = jax.Array
+F = config_schema.Field
+
+GROUP = config_schema.Group(
+    "kto", "KTO (kto on trajectories, kto_thumbs on thumbs up/down).", [
+        F("beta", 0.1, "beta of the implicit reward beta * log(pi / pi_ref).",
+          bounds=">0"),
+        F("desirable_weight", 1.0, "lambda_D of the KTO paper.",
+          bounds=">=0"),
+        F("undesirable_weight", 1.0, "lambda_U of the KTO paper.",
+          bounds=">=0"),
+    ])
 
 
 def mismatched_decoder_sequences(tokens: Array, loss_weights: Array,
@@ -99,25 +112,44 @@ def with_mismatched_completions(batch):
   return out
 
 
-class KTORecipe(policy.PolicyRecipe):
-  data_kind = "trajectory"
-
-  def loss(self, params, frozen, batch, rng):
-    cfg = self.config.kto
-    batch = with_mismatched_completions(batch)
-    names = ("completion", "mismatched")
-    pi = self.sequence_logprobs(params["policy"], batch, names)
-    ref = self.reference_logprobs(frozen, batch, names)
-    if "label" in batch:
-      desirable = batch["label"] > 0.5
-    else:
-      desirable = preference.desirable_from_rewards(batch["reward"])
-    return preference.kto_loss(
-        pi["completion"], ref["completion"], desirable,
-        pi["mismatched"], ref["mismatched"], beta=cfg.beta,
-        desirable_weight=cfg.desirable_weight,
-        undesirable_weight=cfg.undesirable_weight)
+NAMES = ("completion", "mismatched")
 
 
-class KTOThumbsRecipe(KTORecipe):
-  data_kind = "thumbs"
+def loss(trainer, params, frozen, batch, rng):
+  del rng
+  cfg = trainer.config.kto
+  batch = with_mismatched_completions(batch)
+  pi = reference.sequence_logprobs(trainer, params["policy"], batch, NAMES)
+  ref = reference.reference_logprobs(trainer, frozen, batch, NAMES)
+  if "label" in batch:
+    desirable = batch["label"] > 0.5
+  else:
+    desirable = preference.desirable_from_rewards(batch["reward"])
+  return preference.kto_loss(
+      pi["completion"], ref["completion"], desirable,
+      pi["mismatched"], ref["mismatched"], beta=cfg.beta,
+      desirable_weight=cfg.desirable_weight,
+      undesirable_weight=cfg.undesirable_weight)
+
+
+ALGORITHM = base.Algorithm(
+    name="kto",
+    summary="KTO on single trajectories (desirable = reward above the batch "
+    "mean, the DRO paper's baseline).",
+    data="trajectory",
+    networks=reference.POLICY_AND_REFERENCE,
+    training=base.Offline(loss=loss),
+    evaluation=reference.AGAINST_REFERENCE,
+    config_groups=(GROUP,),
+)
+
+THUMBS = base.Algorithm(
+    name="kto_thumbs",
+    summary="KTO on thumbs up/down labels.",
+    data="thumbs",
+    networks=reference.POLICY_AND_REFERENCE,
+    training=base.Offline(loss=loss),
+    evaluation=reference.AGAINST_REFERENCE,
+    config_groups=(GROUP,),
+    pipeline_stage=False,
+)

@@ -1,0 +1,140 @@
+"""Supervised fine-tuning: token cross-entropy on a seqio `inputs`/`targets`
+task.
+
+Encoder-decoder models (T5) read seqio's EncDecFeatureConverter features.
+Decoder-only models (Llama, GPT-NeoX, t5x decoder-only) read the prompt and
+target concatenated and right-padded, with loss weights on the target tokens
+and their EOS only (`feature_converters.DecoderSFTFeatureConverter`; PPO-paper
+details 3 and 5), so the loss is -mean log p(target tokens | prompt), a mean
+over the target tokens of the whole batch.
+"""
+
+from typing import Dict
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.algorithms import base
+from jaxrlhf.data import pipeline
+from jaxrlhf.data import tasks
+from jaxrlhf.eval import evaluation
+from jaxrlhf.losses import sft as sft_losses
+
+
+def next_token_targets(lm, params, batch, rng=None):
+  """Logits aligned with the tokens they predict, for either architecture.
+
+  Encoder-decoder: decoder logits at t score `decoder_target_tokens` t.
+  Decoder-only: the logits at t score token t+1 of `tokens`, so the last
+  position is dropped from the logits and the first from the targets and
+  their weights (the first token is never predicted; it is a prompt token,
+  or BOS).
+
+  Args:
+    lm: a scoring adapter (`jaxrlhf.models.scoring`).
+    params: the model's parameters.
+    batch: SFT features of lm's architecture (unprefixed names).
+    rng: dropout RNG, or None for a deterministic pass.
+  Returns:
+    (logits [batch, T, vocab], targets [batch, T], weights [batch, T]).
+  """
+  logits = lm.completion_logits(params, batch, None, rng)
+  if lm.is_encoder_decoder:
+    return (logits, batch["decoder_target_tokens"], target_weights(lm, batch))
+  return logits[:, :-1], batch["tokens"][:, 1:], target_weights(lm, batch)
+
+
+def target_weights(lm, batch):
+  """[batch, T] loss weights of the tokens `next_token_targets` scores."""
+  if lm.is_encoder_decoder:
+    return batch["decoder_loss_weights"]
+  return batch["loss_weights"][:, 1:]
+
+
+def loss(trainer, params, frozen, batch, rng):
+  """Mean token cross-entropy of one (micro-)batch, and its token sums."""
+  del frozen
+  dropout_rng = rng if trainer.config.model.dropout_rate > 0 else None
+  logits, targets, weights = next_token_targets(trainer.lm, params["policy"],
+                                                batch, dropout_rng)
+  return sft_losses.cross_entropy_loss(logits, targets, weights,
+                                       trainer.config.train.z_loss)
+
+
+def token_mean_share(trainer, loss_fn, batch):
+  """Micro-batch shares of a mean over the whole batch's target tokens:
+  each micro-batch's token mean times its tokens / the batch's tokens, so
+  micro-batches of different token counts add up exactly."""
+  denom = jnp.maximum(
+      jnp.sum(target_weights(trainer.lm, batch).astype(jnp.float32)), 1.0)
+
+  def share(params, microbatch, rng):
+    mean_loss, m = loss_fn(params, microbatch, rng)
+    return (mean_loss * jnp.maximum(m["weight_sum"], 1.0) / denom,
+            {"nll": m["nll_sum"] / denom,
+             "token_accuracy": m["correct_sum"] / denom})
+  return share
+
+
+def policy(trainer, rng):
+  return {"policy": trainer.init_lm(rng)}
+
+
+def checkpoints(trainer):
+  return {"params/policy": trainer.config.init.policy_checkpoint}
+
+
+# --- evaluation ----------------------------------------------------------------
+
+
+def evaluate(trainer, state) -> Dict[str, float]:
+  """Held-out loss, token accuracy and (if the task has one) the gold reward
+  of greedy decodes."""
+  cfg = trainer.config
+
+  def prepare():
+    features, texts = pipeline.eval_examples(
+        cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
+        trainer.feature_converter, cfg.eval.num_examples)
+    loss_fn = jax.jit(lambda p, b: sft_losses.cross_entropy_loss(
+        *next_token_targets(trainer.lm, p, b))[1])
+    return features, texts, loss_fn
+
+  features, texts, loss_fn = trainer.once("sft_eval", prepare)
+  policy_params = state.params["policy"]
+  nll = correct = weight = 0.0
+  for batch in evaluation.global_batches(features, cfg.eval.batch_size,
+                                         trainer.mesh, trainer.rules):
+    m = loss_fn(policy_params, batch)
+    nll += float(m["nll_sum"])
+    correct += float(m["correct_sum"])
+    weight += float(m["weight_sum"])
+  metrics = {"eval/loss": nll / max(weight, 1.0),
+             "eval/token_accuracy": correct / max(weight, 1.0)}
+  gold = tasks.gold_reward_for(cfg.data.task)
+  if gold is not None:
+    prompts = [t["inputs"] for t in texts]
+    # Decoder-only prompts are already left-padded without their EOS;
+    # re-padding them leaves such rows unchanged.
+    prompt_tokens = features["encoder_input_tokens"
+                             if trainer.lm.is_encoder_decoder
+                             else "prompt_tokens"]
+    metrics.update(evaluation.gold_reward_of_samples(
+        trainer, policy_params, prompt_tokens, prompts, gold, greedy=True))
+  return metrics
+
+
+def describe(trainer) -> str:
+  return (f"{trainer.config.eval.num_examples} held-out examples, gold "
+          "reward of greedy decodes")
+
+
+ALGORITHM = base.Algorithm(
+    name="sft",
+    summary="Supervised fine-tuning: token cross-entropy on the targets of a "
+    "seqio task's (inputs, targets).",
+    data=base.SFT_DATA,
+    networks=base.Networks(trainable=policy, checkpoints=checkpoints),
+    training=base.Offline(loss=loss, share=token_mean_share),
+    evaluation=base.Evaluation(evaluate=evaluate, describe=describe),
+)

@@ -1,0 +1,199 @@
+"""Prompts for online RL: read once, fitted to the length, served in passes.
+
+"N+ implementation details of RLHF with PPO", details 2 and 21: the prompt
+split is read once; a prompt longer than `data.inputs_length` loses
+trailing paragraphs until it fits (or is an error, per
+`online.long_prompts`), keeping a suffix such as "\n\nTL;DR:"; batches walk
+through a fresh permutation of the split on every pass, without
+replacement within a pass. (seqio's own shuffle does not do this: it repeats
+the split, then shuffles through a 1000-example buffer, so no example comes
+more than 1000 places before its file position, and passes mix at their
+boundaries: of the first 3,000 examples served from a 3,000-example split,
+339 were repeats.)
+"""
+
+import dataclasses
+import functools
+from typing import Callable, Dict, List, Tuple
+
+import jax
+import numpy as np
+import tensorflow as tf
+
+from jaxrlhf.data import pipeline
+
+
+# What to do with a prompt longer than the limit (`fit_prompt`).
+LONG_PROMPT_POLICIES = ("cut_paragraph", "raise")
+
+
+class PromptTooLongError(ValueError):
+  """A prompt does not fit `data.inputs_length`."""
+
+
+def fit_prompt(text: str, encode: Callable[[str], List[int]], max_tokens: int,
+               *, on_long: str = "cut_paragraph", suffix: str = "",
+               separator: str = "\n") -> Tuple[List[int], int]:
+  """Tokens of `text`, with trailing paragraphs dropped until it fits.
+
+  Detail 2 of "N+ implementation details": a query over the limit is cut at
+  its last paragraph break (the last newline) rather than mid-sentence, and
+  again until it fits. A `suffix` the text ends with (e.g. "\\n\\nTL;DR:") is
+  kept after the cut.
+
+  Args:
+    text: the prompt.
+    encode: text -> token ids as the task stores them (EOS included if the
+      task appends one).
+    max_tokens: the limit.
+    on_long: "cut_paragraph" or "raise".
+    suffix: an ending kept through cuts.
+    separator: the paragraph break.
+
+  Returns:
+    (tokens, number of paragraphs removed).
+
+  Raises:
+    PromptTooLongError: on_long is "raise" and the prompt is too long, or no
+      paragraph break is left to cut at.
+  """
+  tokens = encode(text)
+  if len(tokens) <= max_tokens:
+    return tokens, 0
+  if on_long == "raise":
+    raise PromptTooLongError(f"it has {len(tokens)} tokens, more than "
+                             f"{max_tokens}")
+  if suffix and not text.endswith(suffix):
+    suffix = ""
+  body = text[:len(text) - len(suffix)]
+  cuts = 0
+  while len(tokens) > max_tokens:
+    cut = body.rfind(separator)
+    if cut <= 0:
+      raise PromptTooLongError(
+          f"it still has {len(tokens)} tokens, more than {max_tokens}, after "
+          f"dropping {cuts} trailing paragraph(s), and no paragraph break "
+          "is left to cut at")
+    body = body[:cut].rstrip()
+    cuts += 1
+    tokens = encode(body + suffix)
+  return tokens, cuts
+
+
+@dataclasses.dataclass
+class Prompts:
+  """A split's prompts, fitted and padded."""
+  tokens: np.ndarray  # [num_prompts, max_tokens] int32, 0-padded
+  num_cut: int        # prompts that lost paragraphs
+
+
+def _prompt_feature(task) -> str:
+  features = task.output_features
+  for name in ("inputs", "prompt"):
+    if name in features:
+      return name
+  raise ValueError(
+      f"config.data.task {task.name!r}: online RL reads prompts from an "
+      f"'inputs' or 'prompt' feature; the task has {sorted(features)}.")
+
+
+@functools.lru_cache(maxsize=8)
+def _load_prompts(task, split: str, max_tokens: int, on_long: str,
+                  suffix: str) -> Prompts:
+  # The task object itself is the cache key (not its name or id(): the cache
+  # keeps it alive, so a re-registered task is a new key and is re-read).
+  task_name = task.name
+  name = _prompt_feature(task)
+  feature = task.output_features[name]
+  vocabulary = feature.vocabulary
+  eos = [vocabulary.eos_id] if feature.add_eos else []
+  encode = lambda text: list(vocabulary.encode(text)) + eos
+  rows, num_cut = [], 0
+  text_key = f"{name}_pretokenized"
+  ds = task.get_dataset(None, split=split, shuffle=False, num_epochs=1)
+  ds = ds.map(lambda ex: {"tokens": ex[name], "length": tf.size(ex[name]),
+                          "text": ex.get(text_key, "")})
+  # Batched reading: per-example iteration costs more than the rest.
+  examples = (
+      (tokens[:length], text)
+      for batch in ds.padded_batch(1024).as_numpy_iterator()
+      for tokens, length, text in zip(batch["tokens"], batch["length"],
+                                      batch["text"]))
+  for index, (tokens, text) in enumerate(examples):
+    if len(tokens) > max_tokens:
+      text = text.decode()
+      try:
+        tokens, cuts = fit_prompt(text, encode, max_tokens, on_long=on_long,
+                                  suffix=suffix)
+      except PromptTooLongError as e:
+        fixes = ("shorten or drop that row, or raise config.data."
+                 "inputs_length" if on_long == "cut_paragraph" else
+                 "set config.online.long_prompts='cut_paragraph' to drop "
+                 "trailing paragraphs (detail 2), or raise "
+                 "config.data.inputs_length")
+        raise PromptTooLongError(
+            f"config.data.task {task_name!r}, split {split!r}, row {index} "
+            f"({text[:60]!r}...): {e} (config.data.inputs_length). "
+            f"To fix: {fixes}.") from None
+      num_cut += cuts > 0
+    rows.append(np.asarray(tokens, np.int32))
+  if not rows:
+    raise ValueError(f"config.data.task {task_name!r} has no prompts in split "
+                     f"{split!r}.")
+  padded = np.zeros((len(rows), max_tokens), np.int32)
+  for i, row in enumerate(rows):
+    padded[i, :len(row)] = row
+  return Prompts(padded, num_cut)
+
+
+def load_prompts(task_name: str, split: str, max_tokens: int, *,
+                 on_long: str = "cut_paragraph", suffix: str = "") -> Prompts:
+  """The prompts of a split of a registered task, fitted to `max_tokens`
+  (`fit_prompt`); read once per process and task object."""
+  return _load_prompts(pipeline.get_task(task_name), split, max_tokens,
+                       on_long, suffix)
+
+
+class PromptBatches:
+  """This process's share of consecutive global batches of prompts.
+
+  The prompts are served as one stream: pass e is the permutation of the
+  split drawn from (seed, e), and batch b is stream entries [b * B, (b + 1)
+  * B) (detail 21: sample without replacement, reshuffle once the split is
+  used up). The position is the number of batches served, so a resumed run
+  continues with exactly the next batch.
+  """
+
+  def __init__(self, prompts: np.ndarray, global_batch_size: int, seed: int,
+               position: int = 0):
+    self.prompts = prompts
+    self.global_batch_size = global_batch_size
+    self.local_batch_size = pipeline.local_batch_size(global_batch_size)
+    self.seed = seed
+    self.position = position
+    self._permutations: Dict[int, np.ndarray] = {}
+
+  def _permutation(self, epoch: int) -> np.ndarray:
+    if epoch not in self._permutations:
+      if len(self._permutations) > 4:
+        self._permutations.pop(min(self._permutations))
+      rng = np.random.default_rng([self.seed, epoch])
+      self._permutations[epoch] = rng.permutation(len(self.prompts))
+    return self._permutations[epoch]
+
+  def global_indices(self, position: int) -> np.ndarray:
+    """Prompt indices of global batch `position`."""
+    n = len(self.prompts)
+    stream = np.arange(position * self.global_batch_size,
+                       (position + 1) * self.global_batch_size)
+    return np.array([self._permutation(int(s // n))[s % n] for s in stream])
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    indices = self.global_indices(self.position)
+    start = jax.process_index() * self.local_batch_size
+    local = indices[start:start + self.local_batch_size]
+    self.position += 1
+    return {"encoder_input_tokens": self.prompts[local]}
