@@ -73,6 +73,13 @@ def silence_library_noise(python_loggers: bool = False) -> None:
       logging.getLogger(name).setLevel(logging.ERROR)
 
 
+def fixed(value: float, digits: int = 4) -> str:
+  """`value` with `digits` decimals, never "-0.0000": a value that rounds to
+  zero prints as zero whatever its sign."""
+  rounded = round(float(value), digits)
+  return f"{rounded + 0.0:.{digits}f}"
+
+
 def log(message: str) -> None:
   """Prints `message` once per run: on process 0 only."""
   import jax  # pylint: disable=g-import-not-at-top

@@ -14,6 +14,15 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
                       str(REPO / ".pytest_cache" / "xla"))
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
+# The tests' models are tiny: compiling their steps costs far more than
+# running them, so XLA skips LLVM's expensive optimisations here (a third less
+# CPU in the suite). Floating-point results may differ from an optimised build
+# in the last bits, which no test depends on: exact comparisons are between
+# two runs under the same flags, fixtures are compared with tolerances.
+TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 "
+                  "--xla_llvm_disable_expensive_passes=true")
+os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
+                           + TEST_XLA_FLAGS).strip()
 FIXTURES = REPO / "tests" / "fixtures"
 
 
@@ -55,8 +64,13 @@ def cli_args(**overrides):
 
 
 def quiet_env(**extra):
+  """The environment of a subprocess: this one's (compilation cache and XLA
+  flags included), on the CPU, with `extra`; extra XLA_FLAGS are added to
+  the suite's."""
   env = dict(os.environ)
   env.update({"TF_CPP_MIN_LOG_LEVEL": "3", "JAX_PLATFORMS": "cpu"})
+  if "XLA_FLAGS" in extra:
+    extra = dict(extra, XLA_FLAGS=f"{TEST_XLA_FLAGS} {extra['XLA_FLAGS']}")
   env.update(extra)
   return env
 
@@ -82,3 +96,24 @@ def trainer_of(algorithm, config, mesh, workdir=None):
   `from_scratch` / `evaluated_by`)."""
   from jaxrlhf.algorithms import trainer  # pylint: disable=g-import-not-at-top
   return trainer.Trainer(algorithm, config, mesh, workdir)
+
+
+# The modules of the longest tests, started first (the suite runs with
+# `--dist loadscope`: a module's tests share one worker, so its module-scoped
+# fixtures run once): two workers then finish together instead of one of
+# them starting a five-minute test when the rest is done.
+LONGEST_FIRST = ("test_quickstart.py", "test_eight_devices.py",
+                 "test_distributed.py", "test_training.py", "test_configs.py")
+
+
+def pytest_collection_modifyitems(session, config, items):
+  """Orders whole modules (a module's tests stay together and in their order,
+  or pytest would set its module fixtures up again)."""
+  del session, config
+
+  def rank(item):
+    module = item.nodeid.split("::")[0].rsplit("/", 1)[-1]
+    return (LONGEST_FIRST.index(module) if module in LONGEST_FIRST
+            else len(LONGEST_FIRST))
+
+  items.sort(key=rank)  # stable: the rest keep their order

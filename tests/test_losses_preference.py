@@ -24,7 +24,9 @@ def _sigmoid(x):
 
 
 def _minimise(loss_fn, params, steps, learning_rate):
-  optimizer = optax.adam(learning_rate)
+  # The step size decays to 0, so the iterate settles on the minimum instead
+  # of orbiting it at a distance that depends on rounding.
+  optimizer = optax.adam(optax.cosine_decay_schedule(learning_rate, steps))
 
   def step(carry, _):
     params, opt_state = carry

@@ -295,7 +295,8 @@ def normalize_reward_bias(trainer, state):
   console.log(
       f"Reward normalisation: mean reward of {count} reference completions "
       f"({rm.normalize_on_task!r}, split {rm.normalize_split!r}) "
-      f"{before:.6f} -> {after:.6f} (head bias shifted by {-before:.6f}).")
+      f"{console.fixed(before, 6)} -> {console.fixed(after, 6)} (head bias "
+      f"shifted by {console.fixed(-before, 6)}).")
   return state, {"reward_normalization/mean_before": before,
                  "reward_normalization/mean_after": after,
                  "reward_normalization/bias_shift": -before,

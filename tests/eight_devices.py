@@ -1,0 +1,270 @@
+"""Every 8-device check of the suite, in one process; run by
+tests/test_eight_devices.py.
+
+  XLA_FLAGS=--xla_force_host_platform_device_count=8 \\
+      python tests/eight_devices.py WORKDIR
+
+The same computations run on a mesh of one of the 8 devices and on a 4x2
+(data x model) mesh of all of them, in this process (one interpreter start
+and one compilation of each single-device step for all the checks):
+  models   T5 (the t5x encdec fixture) and Llama (the llama_gqa HF fixture)
+           loaded with `from_pretrained` onto one device and onto the mesh:
+           logits and greedy KV-cache decodes;
+  offline  three DPO and three DRO-V train steps from the seeded
+           initialisation;
+  online   three PPO iterations (sampling, scoring, minibatch updates), the
+           4x2 run with micro-batches, and the refusal of micro-batches whose
+           rows do not split over the data shards;
+  loop     a 12-step SFT run through the training loop (checkpoints,
+           metrics, restore).
+Prints one line "RESULT <json>".
+"""
+
+import json
+import os
+import pathlib
+import sys
+
+import flax.linen as nn
+import jax
+import numpy as np
+
+sys.path.insert(0, os.path.dirname(__file__))
+from conftest import FIXTURES, from_scratch, tiny_config, trainer_of  # noqa: E402
+from jaxrlhf import algorithms  # noqa: E402
+from jaxrlhf import sharding  # noqa: E402
+from jaxrlhf.algorithms import state as state_lib  # noqa: E402
+from jaxrlhf.data import synthetic  # noqa: E402
+from jaxrlhf.data import synthetic_feedback  # noqa: E402
+from jaxrlhf.models import from_pretrained  # noqa: E402
+from jaxrlhf.models import layers  # noqa: E402
+from jaxrlhf.models import sampling  # noqa: E402
+from jaxrlhf.train import checkpointing  # noqa: E402
+from jaxrlhf.train import loop  # noqa: E402
+
+NEW_TOKENS = 8
+ONE = jax.devices()[:1]
+
+
+def _spec(array):
+  return [None if a is None else str(a) for a in array.sharding.spec]
+
+
+def _diff(single, sharded):
+  return float(np.max(np.abs(np.asarray(single, np.float32)
+                             - np.asarray(sharded, np.float32))))
+
+
+def _norm(tree):
+  return float(np.sqrt(sum(np.sum(np.float64(x) ** 2)
+                           for x in jax.tree.leaves(tree))))
+
+
+def _sum(tree):
+  return float(sum(np.float64(np.asarray(x)).sum()
+                   for x in jax.tree.leaves(tree)))
+
+
+# --- models ---------------------------------------------------------------------
+
+
+def _model(path, make_inputs, forward, sample, mesh, rules, kernel_path):
+  out = {}
+  module, _, params = from_pretrained(path)
+  inputs = make_inputs()
+  logits = jax.jit(forward, static_argnums=0)(module, params, *inputs)
+  greedy = sample(module, params, *inputs, greedy=True)
+  module, _, sharded = from_pretrained(path, mesh=mesh, rules=rules)
+  kernel = sharded
+  for key in kernel_path:
+    kernel = kernel[key]
+  out["kernel_spec"] = _spec(kernel)
+  out["kernel_devices"] = len(kernel.sharding.device_set)
+  batch = sharding.batch_sharding(mesh, rules, 2)
+  sharded_inputs = [jax.device_put(x, batch) for x in inputs]
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    logits_8 = jax.jit(forward, static_argnums=0)(module, sharded,
+                                                  *sharded_inputs)
+    greedy_8 = sample(module, sharded, *sharded_inputs, greedy=True)
+  out["logits_spec"] = _spec(logits_8)
+  out["tokens_spec"] = _spec(greedy_8.tokens)
+  out["logits_diff"] = _diff(logits, logits_8)
+  out["greedy_equal"] = bool(np.array_equal(greedy.tokens, greedy_8.tokens))
+  out["greedy_logprob_diff"] = _diff(greedy.logprobs, greedy_8.logprobs)
+  out["greedy_has_eos"] = np.asarray(greedy.has_eos).tolist()
+  out["greedy_tokens"] = np.asarray(greedy.tokens).tolist()
+  return out
+
+
+def models():
+  mesh = sharding.create_mesh((4, 2), ("data", "model"))
+  rules = sharding.STANDARD_RULES
+  results = {}
+  encdec = FIXTURES / "t5x" / "encdec"
+  e = np.load(encdec / "expected.npz")
+  # 4 rows (the data axis): the fixture's 3 prompts and the first again.
+  prompts = np.concatenate([e["encoder_input_tokens"],
+                            e["encoder_input_tokens"][:1]])
+  decoder_inputs = np.concatenate([e["decoder_input_tokens"],
+                                   e["decoder_input_tokens"][:1]])
+  results["t5"] = _model(
+      encdec / "checkpoint_3", lambda: (prompts,),
+      lambda m, p, x: m.apply({"params": p}, x, decoder_inputs),
+      lambda m, p, x, **kw: sampling.sample_encoder_decoder(
+          m, p, x, jax.random.PRNGKey(1), NEW_TOKENS, **kw),
+      mesh, rules, ("decoder", "logits_dense", "kernel"))
+  results["t5_expected_greedy"] = e["predict_greedy"].tolist()
+  tokens = np.array([[5, 9, 12, 7, 3, 8], [0, 0, 4, 4, 11, 6],
+                     [0, 0, 0, 0, 13, 2], [0, 17, 18, 19, 20, 21]], np.int32)
+  mask = (tokens > 0).astype(np.int32)
+
+  def llama_forward(m, p, x, a):
+    return m.apply({"params": p}, x, layers.positions_from_mask(a), a)
+
+  results["llama"] = _model(
+      FIXTURES / "hf" / "llama_gqa", lambda: (tokens, mask), llama_forward,
+      lambda m, p, x, a, **kw: sampling.sample_decoder_only(
+          m, p, x, a, jax.random.PRNGKey(2), NEW_TOKENS, eos_id=47, **kw),
+      mesh, rules, ("decoder", "layers_0", "mlp", "wi_0", "kernel"))
+  return results
+
+
+# --- train steps ------------------------------------------------------------------
+
+
+def _steps(config, shape, algorithm, devices, metric_keys):
+  """Three train steps of `algorithm` from its seeded initialisation."""
+  mesh = sharding.create_mesh(shape, config.mesh.axis_names, devices)
+  rules = sharding.as_rules(config.sharding.logical_axis_rules)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    trainer = trainer_of(algorithm, config, mesh)
+    state = trainer._init(jax.random.PRNGKey(config.seed))  # pylint: disable=protected-access
+    initial = jax.device_get(state.params)
+    batches = trainer.train_batches(0)
+    steps = []
+    for _ in range(3):
+      batch = sharding.global_batch(next(batches), mesh, rules)
+      state, metrics = trainer.train_step(state, batch)
+      steps.append({k: float(metrics[k]) for k in metric_keys})
+  kernel = state.params["policy"]["encoder"]["layers_0"]["mlp"]["wi_0"][
+      "kernel"]
+  return {"steps": steps, "initial": initial,
+          "params": jax.device_get(state.params),
+          "params_sum": _sum(state.params), "kernel_spec": _spec(kernel),
+          "kernel_shards": len({s.device for s in kernel.addressable_shards})}
+
+
+def offline(workdir):
+  """DPO and DRO-V: three steps on one device and on 4x2."""
+  results = {}
+  examples = synthetic.make_examples("train", 64)
+  for algorithm, kind in (("dpo", "pairs"), ("dro_v", "trajectory")):
+    path = str(workdir / f"{kind}.jsonl")
+    synthetic_feedback.write_synthetic_feedback(
+        path, kind, [e["inputs"] for e in examples],
+        [[e["targets"], e["ideal"]] for e in examples],
+        synthetic.gold_reward, beta=10.0)
+    value = from_scratch(algorithms.get(algorithm))
+    runs = {}
+    for name, shape, devices in (("one", (1, 1), ONE),
+                                 ("eight", (4, 2), None)):
+      config = tiny_config(algorithm=algorithm,
+                           data__task=f"sharded_{algorithm}",
+                           mesh__shape=shape, train__batch_size=8)
+      config.data.files.train = path
+      runs[name] = _steps(config, shape, value, devices, ("loss",))
+    results[algorithm] = runs
+    one, eight = (runs[k].pop("params")["policy"] for k in ("one", "eight"))
+    initial = runs["one"].pop("initial")["policy"]
+    del runs["eight"]["initial"]
+    # Without the token embedding: a token used alike in a pair's two
+    # completions gets gradients that cancel to a rounding residue, which
+    # Adafactor (epsilon 1e-30) scales to a full-size step in one layout and
+    # not in the other (residue exactly 0).
+    for tree in (one, eight, initial):
+      del tree["token_embedder"]
+    runs["policy_difference"] = _norm(jax.tree.map(np.subtract, one, eight))
+    runs["policy_movement"] = _norm(jax.tree.map(np.subtract, one, initial))
+  return results
+
+
+def _ppo_config(shape, batch_size, num_microbatches):
+  # No checkpoint is read: the networks are the seeded random initialisation.
+  return tiny_config(algorithm="ppo", mesh__shape=shape,
+                     train__batch_size=batch_size,
+                     train__num_microbatches=num_microbatches,
+                     init__policy_checkpoint="unused",
+                     online__reward_model_checkpoint="unused",
+                     online__num_epochs=2, online__num_minibatches=2,
+                     optimizer__warmup_steps=0)
+
+
+def online():
+  """PPO: whole minibatches on one device; 16 responses, 2 minibatches of
+  8, 2 micro-batches of 4 (one per data shard) on 4x2."""
+  keys = ("loss", "value_loss", "score", "kl", "response_length",
+          "clip_fraction")
+  ppo = algorithms.get("ppo")
+  results = {
+      "one": _steps(_ppo_config((1, 1), 16, 1), (1, 1), ppo, ONE, keys),
+      "eight": _steps(_ppo_config((4, 2), 16, 2), (4, 2), ppo, None, keys)}
+  for run in results.values():
+    del run["params"], run["initial"]
+  # 8 responses / 2 minibatches / 2 micro-batches = 2 rows over 4 shards.
+  config = _ppo_config((4, 2), 8, 2)
+  try:
+    with sharding.activate(config) as mesh:
+      algorithms.build(config, mesh)
+    results["uneven_error"] = None
+  except ValueError as e:
+    results["uneven_error"] = str(e)
+  return results
+
+
+# --- the training loop ----------------------------------------------------------
+
+
+def _losses(workdir):
+  rows = [json.loads(l) for l in open(workdir / "metrics.jsonl")]
+  return {r["step"]: r["loss"] for r in rows if "loss" in r}
+
+
+def training_loop(workdir):
+  """12 SFT steps through the loop on one device and on 4x2; the 4x2 run's
+  final checkpoint restored the way the loop restores it."""
+  results = {}
+  for name, shape, devices in (("one", (1, 1), ONE),
+                               ("eight", (4, 2), None)):
+    config = tiny_config(train__num_steps=12, checkpoint__every_steps=3,
+                         mesh__shape=shape)
+    run = workdir / f"sft_{name}"
+    loop.train(config, str(run), devices=devices)
+    with sharding.activate(config, devices) as mesh:
+      trainer = algorithms.build(config, mesh)
+      ckpt = checkpointing.Checkpointer(str(run / "checkpoints"), 2)
+      state, position = ckpt.restore(
+          ckpt.latest_step(), state_lib.abstract_with_shardings(
+              trainer.abstract_state, trainer.state_shardings))
+      ckpt.close()
+    kernel = state.params["policy"]["decoder"]["layers_0"]["mlp"]["wi_0"][
+        "kernel"]
+    results[name] = {
+        "losses": {str(k): v for k, v in _losses(run).items()},
+        "step": int(state.step), "position": position,
+        "wi_0_spec": [str(a) for a in kernel.sharding.spec],
+        "wi_0_global_shape": list(kernel.shape),
+        "wi_0_shard_shape": list(kernel.addressable_shards[0].data.shape)}
+  return results
+
+
+def main():
+  workdir = pathlib.Path(sys.argv[1])
+  assert jax.device_count() == 8, jax.devices()
+  results = {"devices": jax.device_count(), "models": models(),
+             "offline": offline(workdir), "online": online(),
+             "loop": training_loop(workdir)}
+  print("RESULT " + json.dumps(results))
+
+
+if __name__ == "__main__":
+  main()
