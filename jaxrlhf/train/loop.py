@@ -67,7 +67,8 @@ class _StopFlag:
     return bool(np.any(flags))
 
 
-def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
+def preflight(config: ml_collections.ConfigDict, workdir: str,
+              devices=None) -> None:
   """Everything that can refuse a run from its config alone, before anything
   is written: the config's values, the mesh against the devices, the batch
   splits, the paths it reads, the tasks it names, and that a workdir is
@@ -77,7 +78,8 @@ def preflight(config: ml_collections.ConfigDict, workdir: str) -> None:
                        "metrics and the resolved config.")
   defaults.validate(config)
   try:
-    mesh = sharding.create_mesh(config.mesh.shape, config.mesh.axis_names)
+    mesh = sharding.create_mesh(config.mesh.shape, config.mesh.axis_names,
+                                devices)
   except ValueError as e:
     raise ValueError(f"config.{e}") from None
   algorithms.check_rows(config, sharding.data_parallel_size(
@@ -119,14 +121,16 @@ def write_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
     os.replace(path + ".tmp", path)
 
 
-def train(config: ml_collections.ConfigDict, workdir: str) -> Dict[str, float]:
-  """Runs (or resumes) the run `config` describes in `workdir`.
+def train(config: ml_collections.ConfigDict, workdir: str,
+          devices=None) -> Dict[str, float]:
+  """Runs (or resumes) the run `config` describes in `workdir`, on a mesh of
+  all devices (or of `devices`).
 
   Returns the final evaluation metrics, plus "eval_before/..." metrics when
   this call started from step 0.
   """
-  preflight(config, workdir)
-  with sharding.activate(config) as mesh:
+  preflight(config, workdir, devices)
+  with sharding.activate(config, devices) as mesh:
     # Built before the workdir is touched: everything a trainer refuses
     # (data, model, batch splits, evaluation) leaves no trace.
     trainer = algorithms.build(config, mesh, workdir)
@@ -141,18 +145,19 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
   checkpointer = checkpointing.Checkpointer(
       os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
   total = config.train.num_steps
-  latest = checkpointer.latest_step()
-  # Rows logged after the checkpoint we resume from (a crash between saves)
-  # are dropped, so metrics.jsonl reads as one uninterrupted run.
-  logger = metrics_lib.MetricsLogger(workdir, resume_step=latest or 0)
+  restored = checkpointer.restore_latest(state_lib.abstract_with_shardings(
+      trainer.abstract_state, trainer.state_shardings))
+  latest = restored[0] if restored else None
+  # Rows logged after the checkpoint we resume from (a crash between saves),
+  # or by a start that never saved, are dropped, so that metrics.jsonl reads
+  # as one uninterrupted run.
+  logger = metrics_lib.MetricsLogger(workdir, resume_step=latest)
   summary: Dict[str, float] = {}
-  if latest is not None:
-    abstract = state_lib.abstract_with_shardings(
-        trainer.abstract_state, trainer.state_shardings)
-    state, position = checkpointer.restore(latest, abstract)
+  if restored:
+    _, state, position = restored
     summary.update(logger.eval_before())
     console.log(f"Resumed from checkpoint at step {latest} in "
-                    f"{checkpointer.directory}")
+                f"{checkpointer.directory}")
   else:
     state, position = trainer.init_state(), 0
   step = int(jax.device_get(state.step))
@@ -273,4 +278,5 @@ def gold_reward_line(summary: Dict[str, float]) -> Optional[str]:
 
 
 def _format(metrics: Dict[str, float]) -> str:
-  return ", ".join(f"{k.split('/')[-1]} {v:.4f}" for k, v in sorted(metrics.items()))
+  return ", ".join(f"{k.split('/')[-1]} {console.fixed(v)}"
+                   for k, v in sorted(metrics.items()))

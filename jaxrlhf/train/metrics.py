@@ -4,7 +4,7 @@ import datetime
 import json
 import os
 import time
-from typing import Mapping
+from typing import Mapping, Optional
 
 import jax
 from clu import metric_writers
@@ -17,15 +17,17 @@ class MetricsLogger:
   Only process 0 writes files; every process may call it.
   """
 
-  def __init__(self, workdir: str, resume_step: int = 0):
+  def __init__(self, workdir: str, resume_step: Optional[int] = None):
     self._is_main = jax.process_index() == 0
     self._path = os.path.join(workdir, "metrics.jsonl")
     self._rows = []
     if os.path.exists(self._path):
       with open(self._path) as f:
         self._rows = [json.loads(line) for line in f if line.strip()]
-      # Steps past the resumed checkpoint will be trained (and logged) again.
-      self._rows = [r for r in self._rows if r["step"] <= resume_step]
+      # Steps past the resumed checkpoint will be trained (and logged)
+      # again; a run with no checkpoint (None) starts over.
+      self._rows = [r for r in self._rows
+                    if resume_step is not None and r["step"] <= resume_step]
     self._writer = metric_writers.create_default_writer(
         workdir, just_logging=not self._is_main, asynchronous=False)
     self._jsonl = None
