@@ -36,13 +36,15 @@ TOP = [
 MODEL = G("model", "The policy's model (and the reward model's, unless it "
           "comes from a run with its own).", [
               F("arch", "t5",
-                "Architecture: 't5' (encoder-decoder), or the decoder-only "
-                "'llama', 'gpt_neox', 't5x_decoder_only'; every algorithm "
-                "runs on both kinds.", choices=models.ARCHITECTURES),
+                "Model family (jaxrlhf/models/; every algorithm runs on "
+                "each): " + "; ".join(
+                    f"'{name}': {f.summary}"
+                    for name, f in models.FAMILIES.items()),
+                choices=models.ARCHITECTURES),
               F("size", "tiny",
-                "Size preset: for t5 tiny, small, base, large, xl, xxl (T5 "
-                "1.1 dimensions); for the others their presets (e.g. "
-                "llama3.2-1b, pythia-1b)."),
+                "Size preset of the family: " + "; ".join(
+                    f"{name}: {', '.join(f.presets)}"
+                    for name, f in models.FAMILIES.items()) + "."),
               F("vocab_size", None,
                 "Output vocabulary size; unset = the task vocabulary's size "
                 "rounded up to a multiple of 128 (t5x pads 32100 to 32128 "

@@ -136,8 +136,12 @@ def test_decoder_only_sft_loss_equals_numpy_reference():
   np.testing.assert_allclose(float(metrics["nll"]), want_nll, rtol=1e-5)
 
 
-def test_tiny_llama_sft_run_lowers_loss_and_is_evaluated(tmp_path):
-  config = tiny_config(**LLAMA, train__num_steps=30, train__log_every=1,
+# t5x's decoder-only model trains through the same common signature.
+@pytest.mark.parametrize("arch", ["llama", "t5x_decoder_only"])
+def test_tiny_decoder_only_sft_run_lowers_loss_and_is_evaluated(tmp_path,
+                                                                 arch):
+  config = tiny_config(**dict(LLAMA, model__arch=arch), train__num_steps=30,
+                       train__log_every=1,
                        optimizer__warmup_steps=0,
                        checkpoint__every_steps=30)
   summary = loop.train(config, str(tmp_path))

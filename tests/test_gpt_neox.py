@@ -173,9 +173,11 @@ def test_presets_have_published_parameter_counts(preset, published):
 def test_config_errors_name_the_field():
   with pytest.raises(ValueError, match="emb_dim"):
     gpt_neox.GPTNeoXConfig.preset("tiny", num_heads=3)
-  with pytest.raises(ValueError, match="rotary"):
-    gpt_neox.GPTNeoXConfig.preset("tiny", rotary_pct=0.1875)  # 3 of 16
+  # An odd rotary dimension rotates one channel more (as transformers):
+  # 15 channels of a 15-wide head would need 16.
+  with pytest.raises(ValueError, match="rotates 16 channels"):
+    gpt_neox.GPTNeoXConfig.preset("tiny", emb_dim=30, rotary_pct=1.0)
   with pytest.raises(ValueError, match="mlp_activation"):
     gpt_neox.GPTNeoXConfig.preset("tiny", mlp_activation="swish")
-  with pytest.raises(ValueError, match="Unknown GPT-NeoX preset"):
+  with pytest.raises(ValueError, match="Unknown gpt_neox preset"):
     gpt_neox.GPTNeoXConfig.preset("pythia-3b")

@@ -7,6 +7,7 @@ that load our files back into transformers skip when torch is not installed;
 the round trips through our own reader do not need it.
 """
 
+import dataclasses
 import functools
 import json
 import pathlib
@@ -19,6 +20,8 @@ import numpy as np
 import pytest
 from safetensors import numpy as safetensors_np
 
+from jaxrlhf import models
+from jaxrlhf.models import family
 from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import hf_io
 from jaxrlhf.models import layers
@@ -32,7 +35,7 @@ ENCODER_DECODER = ("t5_gated", "t5_relu_tied")
 
 @functools.lru_cache(maxsize=None)
 def _jitted_apply(config):
-  return jax.jit(hf_io.model_for_config(config).apply)
+  return jax.jit(models.module_for_config(config).apply)
 
 
 def _logits(config, params, inputs):
@@ -53,7 +56,7 @@ def _expected(name):
 
 
 def _equal_trees(a, b):
-  flat_a, flat_b = hf_io._flatten(a), hf_io._flatten(b)  # pylint: disable=protected-access
+  flat_a, flat_b = family.flat_paths(a), family.flat_paths(b)  # pylint: disable=protected-access
   assert sorted(flat_a) == sorted(flat_b)
   for key in flat_a:
     assert flat_a[key].dtype == flat_b[key].dtype, key
@@ -156,7 +159,7 @@ def test_t5_mapping_matches_t5x_parameter_tree(t5x_fixtures):
                "tie_word_embeddings": False}
   config = hf_io.config_from_hf(hf_config)
   config, params = hf_io.from_hf_tensors(config, tensors)
-  ours = {k: list(v.shape) for k, v in hf_io._flatten(params).items()}  # pylint: disable=protected-access
+  ours = {k: list(v.shape) for k, v in family.flat_paths(params).items()}  # pylint: disable=protected-access
   assert ours == {k: v["shape"] for k, v in t5x["params"].items()}
   # Transposes: torch [out, in] -> t5x [in, out]; relpos [buckets, heads] ->
   # [heads, buckets].
@@ -279,7 +282,7 @@ def _random_model(kind):
               "positions": np.asarray(layers.positions_from_mask(mask))}
     init_args = (inputs["tokens"], inputs["positions"],
                  inputs["attention_mask"])
-  variables = jax.jit(hf_io.model_for_config(config).init)(
+  variables = jax.jit(models.module_for_config(config).init)(
       jax.random.PRNGKey(3), *init_args)
   # Noise on every leaf: init's ones and zeros would hide swapped tensors.
   params = jax.tree.map(
@@ -432,17 +435,27 @@ def test_export_checks_params_and_refuses_to_clobber(tmp_path):
 
 
 def test_t5_output_layer_variants():
-  """transformers 5 ties T5 1.1's lm_head without scaling (file lacks it);
-  a tied, scaled config whose file has a different lm_head computes
+  """transformers 5 ties T5 1.1's lm_head without scaling (file lacks it):
+  it stays tied (one matrix, no logits_dense copy) and computes h @ E^T; a
+  tied, scaled config whose file has a different lm_head computes
   (h * d**-0.5) @ lm_head^T, which t5x expresses as a scaled logits_dense."""
   gated_config = hf_io.read_hf_config(HF_FIXTURES / "t5_gated")
   tensors = hf_io.read_safetensors(HF_FIXTURES / "t5_gated")
   del tensors["lm_head.weight"]
   config, params = hf_io.from_hf_tensors(hf_io.config_from_hf(gated_config),
                                          tensors)
-  assert not config.logits_via_embedding
-  np.testing.assert_array_equal(params["decoder"]["logits_dense"]["kernel"],
-                                tensors["shared.weight"].T)
+  assert config.logits_via_embedding and not config.scale_tied_logits
+  assert "logits_dense" not in params["decoder"]
+  # The same numbers as an untied model whose output matrix is E^T.
+  untied = dataclasses.replace(config, logits_via_embedding=False)
+  untied_params = {**params, "decoder": {
+      **params["decoder"],
+      "logits_dense": {"kernel": tensors["shared.weight"].T}}}
+  tokens = np.array([[5, 9, 3, 1]], np.int32)
+  np.testing.assert_allclose(
+      _jitted_apply(config)({"params": params}, tokens, tokens),
+      _jitted_apply(untied)({"params": untied_params}, tokens, tokens),
+      rtol=1e-6)
 
   tied_config = hf_io.read_hf_config(HF_FIXTURES / "t5_relu_tied")
   tensors = hf_io.read_safetensors(HF_FIXTURES / "t5_relu_tied")

@@ -18,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrlhf import models
 from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import hf_io
 from jaxrlhf.models import layers
@@ -220,7 +221,7 @@ def _decoder_configs():
 @functools.lru_cache(maxsize=None)
 def _decoder_setup(name):
   config = _decoder_configs()[name]
-  model = hf_io.model_for_config(config)
+  model = models.module_for_config(config)
   one = jnp.ones((1, 6), jnp.int32)
   return model, random_params(model, one, one, one, seed=1, scale=1.5)
 
@@ -310,8 +311,8 @@ def test_t5x_decoder_only_sampled_path_matches_full_forward(decoder_only):
   real = np.concatenate([mask, np.ones_like(tokens)], 1)
   # t5x's own mask with segment ids keeps the left pads apart; relative
   # positions are index differences, unchanged by the left shift.
-  logits = jax.jit(model.apply)({"params": params}, full,
-                                decoder_segment_ids=real)
+  logits = jax.jit(functools.partial(model.apply, method=model.t5x_logits))(
+      {"params": params}, full, decoder_segment_ids=real)
   p = prompts.shape[1]
   _check_against_full_forward(samples, np.asarray(logits)[:, p - 1:-1], 1,
                               False, temperature=1.5)
@@ -325,7 +326,7 @@ def test_t5x_decoder_only_sampled_path_matches_full_forward(decoder_only):
                                   "t5_relu_tied"])
 def test_greedy_matches_transformers_generate(name):
   config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / name)
-  model = hf_io.model_for_config(config)
+  model = models.module_for_config(config)
   g = dict(np.load(HF_FIXTURES / name / "generate.npz"))
   options = dict(rng=jax.random.PRNGKey(0),
                  max_new_tokens=int(g["max_new_tokens"]), greedy=True,

@@ -279,7 +279,7 @@ def test_config_errors_name_the_field():
     llama.LlamaConfig.preset("tiny", attention_impl="flash")
   with pytest.raises(ValueError, match="remat_policy"):
     llama.LlamaConfig.preset("tiny", remat_policy="some")
-  with pytest.raises(ValueError, match="Unknown Llama preset"):
+  with pytest.raises(ValueError, match="Unknown llama preset"):
     llama.LlamaConfig.preset("llama-9b")
 
 

@@ -6,6 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrlhf import models
 from jaxrlhf.models import sampling
 from jaxrlhf.models import t5
 
@@ -104,7 +105,7 @@ HF_LLAMA = __import__("pathlib").Path(__file__).resolve().parent / (
 def tiny_llama():
   from jaxrlhf.models import hf_io  # pylint: disable=g-import-not-at-top
   config, params = hf_io.load_hf_checkpoint(HF_LLAMA)
-  model = hf_io.model_for_config(config)
+  model = models.module_for_config(config)
   # Left-padded by 2: rotary positions must come from the mask.
   prompt = jnp.array([[0, 0, 5, 9, 12]], jnp.int32)
   return model, params, prompt, (prompt > 0).astype(jnp.int32)

@@ -35,7 +35,7 @@ def fixture(t5x_fixtures):
   model = t5x_do.T5xDecoderOnly(model_config)
   # Compiled once per signature: eager Flax would dispatch op by op.
   apply = jax.jit(lambda params, *args, **kwargs: model.apply(
-      {"params": params}, *args, **kwargs))
+      {"params": params}, *args, method=model.t5x_logits, **kwargs))
   jit = functools.partial(jax.jit,
                           static_argnames="inputs_bidirectional_attention")
   return dict(config=config, expected=expected, params=ckpt["params"],
@@ -62,8 +62,9 @@ def _flatten(tree, prefix=()):
 
 def _abstract_init(model, length=4):
   """Parameter shapes, dtypes and logical axes without computing anything."""
-  return jax.eval_shape(model.init, jax.random.PRNGKey(0),
-                        jnp.ones((1, length), jnp.int32))
+  return jax.eval_shape(functools.partial(model.init,
+                                          method=model.t5x_logits),
+                        jax.random.PRNGKey(0), jnp.ones((1, length), jnp.int32))
 
 
 # --- layout ------------------------------------------------------------------
@@ -104,8 +105,9 @@ def test_untied_output_layer_is_logits_dense(fixture):
       lambda a: rng.normal(size=a.shape).astype(np.float32), abstract)
   tokens = jnp.array([[0, 3, 4, 5, 6]], jnp.int32)
   hidden, logits = jax.jit(lambda p, t: (
-      model.apply({"params": p}, t, t, method=model.hidden_states),
-      model.apply({"params": p}, t, t)))(params, tokens)
+      model.apply({"params": p}, t, t, method=model.t5x_hidden_states),
+      model.apply({"params": p}, t, t, method=model.t5x_logits)))(params,
+                                                                  tokens)
   np.testing.assert_allclose(
       logits, np.asarray(hidden) @ np.asarray(
           params["decoder"]["logits_dense"]["kernel"]), rtol=1e-5, atol=1e-5)
@@ -286,13 +288,15 @@ def test_remat_and_bfloat16_variants_run(fixture):
   cfg = fixture["model_config"]
   remat = t5x_do.T5xDecoderOnly(
       t5x_do.T5xDecoderOnlyConfig(**{**cfg.__dict__, "remat_policy": "full"}))
-  logits = jax.jit(remat.apply)({"params": fixture["params"]},
+  logits = jax.jit(functools.partial(remat.apply, method=remat.t5x_logits))(
+      {"params": fixture["params"]},
                                 e["decoder_input_tokens"],
                                 e["decoder_target_tokens"])
   np.testing.assert_allclose(logits, e["logits"], rtol=0, atol=LOGITS_ATOL)
   bf16 = t5x_do.T5xDecoderOnly(
       t5x_do.T5xDecoderOnlyConfig(**{**cfg.__dict__, "dtype": "bfloat16"}))
-  logits = jax.jit(bf16.apply)({"params": fixture["params"]},
+  logits = jax.jit(functools.partial(bf16.apply, method=bf16.t5x_logits))(
+      {"params": fixture["params"]},
                                e["decoder_input_tokens"],
                                e["decoder_target_tokens"])
   assert logits.dtype == jnp.float32
@@ -312,10 +316,11 @@ def test_bad_inputs_are_named():
   model = t5x_do.T5xDecoderOnly(t5x_do.T5xDecoderOnlyConfig(
       vocab_size=8, emb_dim=4, num_heads=1, num_layers=1, head_dim=4,
       mlp_dim=4))
+  init = functools.partial(model.init, method=model.t5x_logits)
   with pytest.raises(ValueError, match=r"decoder_target_tokens has shape"):
-    model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
-               jnp.ones((1, 5), jnp.int32))
+    init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
+         jnp.ones((1, 5), jnp.int32))
   with pytest.raises(ValueError, match=r"\[batch, length\]"):
-    model.init(jax.random.PRNGKey(0), jnp.ones((4,), jnp.int32))
+    init(jax.random.PRNGKey(0), jnp.ones((4,), jnp.int32))
   with pytest.raises(ValueError, match="integer token ids"):
-    model.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.float32))
+    init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.float32))

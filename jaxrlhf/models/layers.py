@@ -28,7 +28,7 @@ then one call per new token, each with `mutable=["cache"]`.
 import dataclasses
 import functools
 import operator
-from typing import Any, Callable, Optional, Sequence
+from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
 import jax
@@ -95,14 +95,16 @@ class DenseGeneral(nn.Module):
   num_in_axes: int = 1
   use_bias: bool = False
   dtype: Any = jnp.float32
+  # None: LeCun-normal (truncated) over the input axes (`kernel_init`).
+  kernel_init: Optional[Callable] = None
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
     features = tuple(self.features)
     n_in = self.num_in_axes
+    init = self.kernel_init or kernel_init(n_in, len(features))
     kernel = self.param(
-        "kernel",
-        _boxed(kernel_init(n_in, len(features)), tuple(self.kernel_axes)),
+        "kernel", _boxed(init, tuple(self.kernel_axes)),
         x.shape[x.ndim - n_in:] + features, jnp.float32)
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
@@ -181,16 +183,27 @@ class RopeScaling:
     check_choice(self.kind, ("llama3", "linear"), "RopeScaling.kind")
 
 
+def rotated_channels(rotary_dim: int) -> int:
+  """How many channels a rotary dimension rotates: itself, or one more when
+  odd (see `rope_inverse_frequencies`)."""
+  return 2 * -(-rotary_dim // 2)
+
+
 def rope_inverse_frequencies(rotary_dim: int, theta: float,
                              scaling: Optional[RopeScaling] = None
                              ) -> np.ndarray:
   """The rotation frequency of each pair of rotated channels.
 
+  An odd `rotary_dim` d (GPT-NeoX's int(head_dim * rotary_pct), e.g. 12 *
+  0.25 = 3) gives ceil(d / 2) frequencies, still with exponents 2i / d, and
+  `apply_rotary_embedding` then rotates 2 * ceil(d / 2) = d + 1 channels:
+  what transformers computes (its inverse frequencies are
+  theta ** -(arange(0, d, 2) / d), and it rotates as many channels as its
+  cos/sin tables have, twice their count).
+
   Returns:
-    float32 [rotary_dim // 2]: theta ** (-2i / rotary_dim), rescaled.
+    float32 [ceil(rotary_dim / 2)]: theta ** (-2i / rotary_dim), rescaled.
   """
-  if rotary_dim % 2:
-    raise ValueError(f"rotary dimension {rotary_dim} must be even.")
   exponents = np.arange(0, rotary_dim, 2, dtype=np.float32) / rotary_dim
   inv_freq = (1.0 / np.float32(theta) ** exponents).astype(np.float32)
   if scaling is None:
@@ -412,6 +425,209 @@ class Attention(nn.Module):
 
 
 # ----------------------------------------------------------------------------
+# T5-style attention: relative-position bias, no scaling, joined heads.
+#
+# The t5x families (T5 and t5x's decoder-only model) use these: one
+# bucketed relative-position bias table per stack, added (with the mask, as
+# -1e10) to unscaled attention logits (1/sqrt(head_dim) is folded into the
+# query initialisation), and 2-D projection kernels [embed, heads * kv]
+# (t5x's 'joined_kv' layout).
+
+# Masked attention logits get this additive bias (t5x's value), in the
+# activation dtype.
+T5_MASK_VALUE = -1e10
+# t5x: normal (not truncated) initialisation of attention kernels.
+_t5_attention_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
+
+
+def relative_position_bucket(relative_position, bidirectional, num_buckets,
+                             max_distance):
+  """T5's bucketing of (memory - query) offsets: exact near, log-spaced far.
+
+  Args:
+    relative_position: int array of memory_position - query_position.
+  Returns:
+    int32 array of the same shape with values in [0, num_buckets).
+  """
+  bucket = 0
+  n = -relative_position
+  if bidirectional:
+    num_buckets //= 2
+    bucket += (n < 0).astype(np.int32) * num_buckets
+    n = np.abs(n)
+  else:
+    n = np.maximum(n, 0)
+  max_exact = num_buckets // 2
+  is_small = n < max_exact
+  # Offsets beyond max_exact share buckets logarithmically up to max_distance.
+  large = max_exact + (
+      np.log(n.astype(np.float32) / max_exact + np.finfo(np.float32).eps)
+      / np.log(max_distance / max_exact) * (num_buckets - max_exact)
+  ).astype(np.int32)
+  large = np.minimum(large, num_buckets - 1)
+  return (bucket + np.where(is_small, n, large)).astype(np.int32)
+
+
+class RelativePositionBias(nn.Module):
+  """Per-head additive attention bias from bucketed relative positions."""
+  num_heads: int
+  num_buckets: int
+  max_distance: int
+  bidirectional: bool
+  dtype: Any = jnp.float32
+
+  @nn.compact
+  def __call__(self, query_length: int, key_length: int, query_offset=None):
+    """Returns the bias [1, heads, query_length, key_length].
+
+    Query i sits at position i, or at `query_offset + i` when given (a traced
+    int scalar: incremental decoding, where the queries are the newest tokens
+    and the keys every cached position 0 .. key_length - 1).
+    """
+    table = self.param(
+        "rel_embedding",
+        nn.with_logical_partitioning(
+            nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
+            ("heads", "relpos_buckets")),
+        (self.num_heads, self.num_buckets), jnp.float32)
+    if query_offset is None:
+      offsets = (np.arange(key_length)[None, :]
+                 - np.arange(query_length)[:, None])
+      buckets = jnp.asarray(relative_position_bucket(
+          offsets, self.bidirectional, self.num_buckets, self.max_distance))
+    else:
+      # The bucket of every possible offset comes from the same numpy code as
+      # the static path (a float32 log computed by XLA could round a boundary
+      # offset into the neighbouring bucket), then is gathered by the traced
+      # offsets.
+      all_offsets = np.arange(-(key_length - 1), key_length)
+      bucket_of = jnp.asarray(relative_position_bucket(
+          all_offsets, self.bidirectional, self.num_buckets,
+          self.max_distance))
+      query_positions = query_offset + jnp.arange(query_length)
+      offsets = jnp.arange(key_length)[None, :] - query_positions[:, None]
+      buckets = jnp.take(bucket_of, offsets + key_length - 1, mode="clip")
+    bias = jnp.take(table, buckets, axis=1)
+    return bias[None].astype(self.dtype)
+
+
+def pairwise_mask(query_valid, key_valid, causal=False):
+  """[batch, 1, q, k] mask of allowed (query, key) pairs: both valid (and,
+  with `causal`, key <= query)."""
+  mask = query_valid[:, None, :, None] & key_valid[:, None, None, :]
+  if causal:
+    q, k = query_valid.shape[-1], key_valid.shape[-1]
+    mask = mask & (np.arange(q)[:, None] >= np.arange(k)[None, :])
+  return mask
+
+
+def mask_to_bias(mask, dtype):
+  """A boolean mask as t5x's additive bias (0 or -1e10)."""
+  return jnp.where(mask, 0.0, T5_MASK_VALUE).astype(dtype)
+
+
+class T5Attention(nn.Module):
+  """Unscaled dot-product attention with t5x's 2-D projection kernels
+  (query/key/value [embed, heads * head_dim], out [heads * head_dim,
+  embed]).
+
+  KV cache (incremental decoding), in the flax "cache" collection (apply
+  with `mutable=["cache"]`):
+  - self-attention, `cache_index` given: the keys/values of `inputs_q` are
+    written at positions [cache_index, cache_index + q_len) of
+    `cached_key`/`cached_value` [batch, T, heads, head_dim] (T = the bias's
+    key length; created as zeros on the first call) and the queries attend
+    over all T positions, the bias masking the ones not yet written;
+  - cross-attention, `cache_cross=True`: with `inputs_kv` the keys/values of
+    the encoder output are computed and stored; with `inputs_kv=None` the
+    stored ones are read (the encoder output is projected once per sample).
+  """
+  num_heads: int
+  head_dim: int
+  dtype: Any = jnp.float32
+  float32_logits: bool = False
+  dropout_rate: float = 0.0
+  attention_impl: str = "xla"
+
+  @nn.compact
+  def __call__(self, inputs_q, inputs_kv, bias, deterministic=True, *,
+               cache_index=None, cache_cross=False):
+    """inputs [batch, length, embed], bias [batch|1, heads|1, q, k]."""
+    features = self.num_heads * self.head_dim
+    # 1/sqrt(head_dim) is folded into the query initialisation, not the logits.
+    depth_scaling = np.sqrt(self.head_dim).astype(np.float32)
+    query_init = lambda *a: _t5_attention_init(*a) / depth_scaling
+    project = functools.partial(DenseGeneral, (features,),
+                                ("embed", "joined_kv"), dtype=self.dtype,
+                                kernel_init=_t5_attention_init)
+    batch, q_len = inputs_q.shape[0], inputs_q.shape[1]
+    head_axes = ("batch", "length", "heads", "kv")
+    query = project(kernel_init=query_init, name="query")(inputs_q)
+    query = query.reshape(batch, q_len, self.num_heads, self.head_dim)
+    query = nn.with_logical_constraint(query, head_axes)
+    if cache_cross and inputs_kv is None:
+      key = self.get_variable("cache", "cached_key")
+      value = self.get_variable("cache", "cached_value")
+      if key is None:
+        raise ValueError(
+            "Cross-attention cache is empty: the first decoding call must "
+            "pass the encoder output so its keys and values are cached.")
+    else:
+      k_len = inputs_kv.shape[1]
+      key = project(name="key")(inputs_kv)
+      value = project(name="value")(inputs_kv)
+      key = key.reshape(batch, k_len, self.num_heads, self.head_dim)
+      value = value.reshape(batch, k_len, self.num_heads, self.head_dim)
+      key = nn.with_logical_constraint(key, head_axes)
+      value = nn.with_logical_constraint(value, head_axes)
+      if cache_cross:
+        for name, new in (("cached_key", key), ("cached_value", value)):
+          self.variable("cache", name, lambda x: x, new).value = new
+      elif cache_index is not None:
+        key = update_kv_cache(self, "cached_key", key, cache_index,
+                              bias.shape[-1], head_axes)
+        value = update_kv_cache(self, "cached_value", value, cache_index,
+                                bias.shape[-1], head_axes)
+    use_dropout = not deterministic and self.dropout_rate > 0
+    if self.attention_impl == "dot_product" and not use_dropout:
+      # jax.nn.dot_product_attention has no attention-weight dropout; with
+      # dropout active the einsum path below computes the same thing.
+      dtype = jnp.float32 if self.float32_logits else query.dtype
+      out = jax.nn.dot_product_attention(
+          query.astype(dtype), key.astype(dtype), value.astype(dtype),
+          bias=bias.astype(dtype), scale=1.0).astype(self.dtype)
+    else:
+      if self.float32_logits:
+        query, key = query.astype(jnp.float32), key.astype(jnp.float32)
+      logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+      logits = logits + bias.astype(logits.dtype)
+      weights = jax.nn.softmax(logits).astype(self.dtype)
+      if use_dropout:
+        weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
+      out = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+    out = out.reshape(batch, q_len, features)
+    out = nn.with_logical_constraint(out, ("batch", "length", "joined_kv"))
+    return DenseGeneral((inputs_q.shape[-1],), ("joined_kv", "embed"),
+                        dtype=self.dtype, kernel_init=_t5_attention_init,
+                        name="out")(out)
+
+
+# t5x's MLP activation names -> `ACTIVATIONS` (t5x's 'gelu' is the tanh
+# approximation; ours, as Hugging Face's, is the exact erf form).
+T5_ACTIVATIONS = {"gelu": "gelu_new", "relu": "relu", "linear": "linear",
+                  "silu": "silu"}
+
+
+def t5_mlp_activations(names: Sequence[str]) -> Tuple[str, ...]:
+  """t5x activation names as `Mlp` activations."""
+  for name in names:
+    if name not in T5_ACTIVATIONS:
+      raise ValueError(f"Unknown MLP activation {name!r}; choose from "
+                       f"{sorted(T5_ACTIVATIONS)}.")
+  return tuple(T5_ACTIVATIONS[n] for n in names)
+
+
+# ----------------------------------------------------------------------------
 # MLP.
 
 def _gelu_exact(x):
@@ -435,14 +651,17 @@ class Mlp(nn.Module):
 
   ('silu', 'linear') is SwiGLU (wi_0 = gate, wi_1 = up, as t5x's gated MLP);
   a single activation gives the plain MLP with one input projection 'wi'.
+  With `dropout_rate`, the hidden units are dropped (masks shared along
+  length, as t5x) unless `deterministic`.
   """
   mlp_dim: int
   activations: Sequence[str]
   use_bias: bool = False
   dtype: Any = jnp.float32
+  dropout_rate: float = 0.0
 
   @nn.compact
-  def __call__(self, x: Array) -> Array:
+  def __call__(self, x: Array, deterministic: bool = True) -> Array:
     """x [batch, length, embed] -> [batch, length, embed]."""
     hidden = []
     for i, name in enumerate(self.activations):
@@ -452,6 +671,9 @@ class Mlp(nn.Module):
                        name="wi" if len(self.activations) == 1 else f"wi_{i}")(x)
       hidden.append(ACTIVATIONS[name](h))
     h = functools.reduce(operator.mul, hidden)
+    if self.dropout_rate:
+      h = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(
+          h, deterministic=deterministic)
     h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
     return DenseGeneral((x.shape[-1],), ("mlp", "embed"),
                         use_bias=self.use_bias, dtype=self.dtype,
@@ -466,10 +688,16 @@ class Embed(nn.Module):
   num_embeddings: int
   features: int
   dtype: Any = jnp.float32
+  # None: normal with std 1/sqrt(embed) (`default_embedding_init`).
+  embedding_init: Optional[Callable] = None
+  # The dtype of `attend`'s product (None: `dtype`); t5x computes tied
+  # logits in float32.
+  attend_dtype: Any = None
 
   def setup(self):
     self.embedding = self.param(
-        "embedding", _boxed(default_embedding_init(), ("vocab", "embed")),
+        "embedding", _boxed(self.embedding_init or default_embedding_init(),
+                            ("vocab", "embed")),
         (self.num_embeddings, self.features), jnp.float32)
 
   def __call__(self, tokens: Array) -> Array:
@@ -478,8 +706,9 @@ class Embed(nn.Module):
 
   def attend(self, x: Array) -> Array:
     """x [batch, length, embed] -> logits [batch, length, vocab]."""
-    return jnp.einsum("ble,ve->blv", x.astype(self.dtype),
-                      self.embedding.astype(self.dtype))
+    dtype = self.attend_dtype or self.dtype
+    return jnp.einsum("ble,ve->blv", x.astype(dtype),
+                      self.embedding.astype(dtype))
 
 
 class OutputDense(nn.Module):
@@ -507,41 +736,54 @@ def remat_policy(name: str):
 
 
 def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
-                     remat_policy_name: str):
-  """`num_layers` copies of `block(config)`, to create inside `setup`.
+                     remat_policy_name: str, *, num_args: int = 3,
+                     static_argnums: Sequence[int] = (),
+                     name: Optional[str] = None):
+  """`num_layers` copies of `block(config)`.
 
-  `block(config)` must be a module whose `__call__(x, positions, mask,
-  cache_index=None)` returns `(x, None)` (the scan carry signature). Returns a list of modules
-  (assigned to `self.layers` in setup they are named layers_0 ... layers_{n-1},
-  as in t5x), or, when `scan_layers`, one `nn.scan`-ned module (named `layers`)
-  whose parameters have a leading [num_layers] axis with logical name
-  'layers'. `stack_layer_params` / `unstack_layer_params` convert between the
-  two layouts. Call it with `run_layer_stack`.
+  `block(config)` must be a module called as `block(x, *args)` with
+  `num_args` further arguments (broadcast to every layer) and returning
+  `(x, None)` (the scan carry signature). Returns a list of modules, or,
+  when `scan_layers`, one `nn.scan`-ned module whose parameters (and KV
+  cache) have a leading [num_layers] axis with logical name 'layers'.
+  `stack_layer_params` / `unstack_layer_params` convert between the two
+  layouts. Call it with `run_layer_stack`.
+
+  Made inside `setup`, assign the result to `self.layers` (flax names the
+  list's modules layers_0 ... layers_{n-1}, as t5x). Made inside an
+  `nn.compact` method, pass `name="layers"` to get the same names.
+
+  Args:
+    static_argnums: positions (counting the block's `self` as 0) of
+      arguments that are Python values, e.g. a `deterministic` flag; they
+      are static for the rematerialised block.
   """
   if remat_policy_name != "none":
     # Under scan, CSE across iterations cannot happen, so prevent_cse (which
     # blocks some XLA optimisations) is only needed unrolled.
     block = nn.remat(block, policy=remat_policy(remat_policy_name),
+                     static_argnums=tuple(static_argnums),
                      prevent_cse=not scan_layers)
+  named = {} if name is None else {"name": name}
   if scan_layers:
-    # The KV cache (collection "cache") is stacked along layers too.
     scanned = nn.scan(
         block, variable_axes={"params": 0, "cache": 0},
-        split_rngs={"params": True},
-        in_axes=(nn.broadcast, nn.broadcast, nn.broadcast), length=num_layers,
+        split_rngs={"params": True, "dropout": True},
+        in_axes=(nn.broadcast,) * num_args, length=num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
-    return scanned(config)
-  return [block(config) for _ in range(num_layers)]
+    return scanned(config, **named)
+  if name is None:
+    return [block(config) for _ in range(num_layers)]
+  return [block(config, name=f"{name}_{i}") for i in range(num_layers)]
 
 
-def run_layer_stack(layers, x: Array, positions: Array, mask: Array,
-                    cache_index: Optional[Array] = None) -> Array:
+def run_layer_stack(layers, x: Array, *args) -> Array:
   """Applies what `make_layer_stack` made; x [batch, length, embed]."""
   if isinstance(layers, (list, tuple)):
     for layer in layers:
-      x, _ = layer(x, positions, mask, cache_index)
+      x, _ = layer(x, *args)
     return x
-  x, _ = layers(x, positions, mask, cache_index)
+  x, _ = layers(x, *args)
   return x
 
 
@@ -577,7 +819,8 @@ class DecoderOnly(nn.Module):
     dtype = jnp.dtype(cfg.dtype)
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype)
     self.layers = make_layer_stack(self.block, cfg, cfg.num_layers,
-                                   cfg.scan_layers, cfg.remat_policy)
+                                   cfg.scan_layers, cfg.remat_policy,
+                                   num_args=3)  # positions, mask, cache_index
     self.decoder_norm = self.final_norm()
     if not cfg.tie_embeddings:
       self.logits_dense = OutputDense(cfg.vocab_size, dtype)
@@ -596,7 +839,7 @@ class DecoderOnly(nn.Module):
     mask = causal_padding_mask(attention_mask)
     x = self.token_embedder(tokens)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
-    x = run_layer_stack(self.layers, x, positions, mask)
+    x = run_layer_stack(self.layers, x, positions, mask, None)
     x = self.decoder_norm(x)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 

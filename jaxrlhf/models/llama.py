@@ -23,7 +23,9 @@ from typing import Any, Optional
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import numpy as np
 
+from jaxrlhf.models import family
 from jaxrlhf.models import layers
 
 Array = jax.Array
@@ -58,6 +60,11 @@ class LlamaConfig:
   # 'xla' (einsum + float32 softmax) or 'dot_product'
   # (jax.nn.dot_product_attention); see layers.attend.
   attention_impl: str = "xla"
+  # Generation ids of the checkpoint's tokenizer (HF config.json), carried
+  # so that an export stops where the import did; None = not set.
+  bos_token_id: Optional[int] = None
+  eos_token_id: Optional[int] = None
+  pad_token_id: Optional[int] = None
 
   def __post_init__(self):
     if self.num_heads % self.num_kv_heads:
@@ -76,10 +83,7 @@ class LlamaConfig:
   @classmethod
   def preset(cls, name: str, **overrides) -> "LlamaConfig":
     """A published size by name (see LLAMA_PRESETS), fields overridden."""
-    if name not in LLAMA_PRESETS:
-      raise ValueError(f"Unknown Llama preset {name!r}; choose one of "
-                       f"{sorted(LLAMA_PRESETS)}.")
-    return dataclasses.replace(LLAMA_PRESETS[name], **overrides)
+    return FAMILY.preset(name, **overrides)
 
 
 def _llama3_scaling(factor):
@@ -164,3 +168,201 @@ class Llama(layers.CausalLM):
   def final_norm(self):
     return functools.partial(layers.RMSNorm, self.config.norm_epsilon,
                              jnp.dtype(self.config.dtype))
+
+
+def from_run_config(model_cfg, vocab_size: int) -> LlamaConfig:
+  """`config.model` (arch 'llama') -> LlamaConfig."""
+  family.refuse_fields(model_cfg, "llama", {
+      "mlp": ("gated-gelu", "has a fixed SwiGLU MLP; leave config.model.mlp "
+                 "at its default."),
+      "logits_via_embedding": (False, "ties per preset (tie_embeddings)."),
+      "dropout_rate": (0.0, "has no dropout.")})
+  overrides = family.decoder_only_overrides(model_cfg, vocab_size)
+  # config.model has no num_kv_heads: a preset without grouped-query
+  # attention keeps one key/value head per query head.
+  preset = LLAMA_PRESETS.get(model_cfg.size)
+  if ("num_heads" in overrides and preset is not None
+      and preset.num_kv_heads == preset.num_heads):
+    overrides["num_kv_heads"] = overrides["num_heads"]
+  return FAMILY.preset(model_cfg.size, **overrides)
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face's LlamaForCausalLM.
+
+HF_ARCHITECTURE = "LlamaForCausalLM"
+_unsupported = functools.partial(family.unsupported, HF_ARCHITECTURE)
+
+
+def config_from_hf(hf) -> LlamaConfig:
+  get = functools.partial(family.hf_get, hf)
+  if get("hidden_act", "silu") != "silu":
+    _unsupported(f"hidden_act={hf['hidden_act']!r} (only 'silu')")
+  for key in ("attention_bias", "mlp_bias"):
+    if hf.get(key):
+      _unsupported(f"{key}=true (projection biases)")
+  num_heads = get("num_attention_heads")
+  hidden = get("hidden_size")
+  rope = family.rope_parameters(hf)
+  theta = float(get("rope_theta", rope.get("rope_theta", 10000.0)))
+  rope_type = rope.get("rope_type", rope.get("type", "default"))
+  if rope_type == "default":
+    scaling = None
+  elif rope_type == "llama3":
+    scaling = layers.RopeScaling(
+        kind="llama3", factor=float(rope["factor"]),
+        low_freq_factor=float(rope["low_freq_factor"]),
+        high_freq_factor=float(rope["high_freq_factor"]),
+        original_max_length=int(rope["original_max_position_embeddings"]))
+  elif rope_type == "linear":
+    scaling = layers.RopeScaling(kind="linear", factor=float(rope["factor"]))
+  else:
+    _unsupported(f"rope type {rope_type!r} (default, llama3, linear)")
+  return LlamaConfig(
+      vocab_size=get("vocab_size"), emb_dim=hidden, num_heads=num_heads,
+      num_kv_heads=get("num_key_value_heads", num_heads),
+      num_layers=get("num_hidden_layers"),
+      head_dim=get("head_dim", hidden // num_heads),
+      mlp_dim=get("intermediate_size"), rope_theta=theta,
+      rope_scaling=scaling, norm_epsilon=float(get("rms_norm_eps", 1e-6)),
+      tie_embeddings=bool(get("tie_word_embeddings", False)),
+      max_length=get("max_position_embeddings", 2048),
+      **family.special_token_ids(hf))
+
+
+def config_to_hf(config: LlamaConfig):
+  hf = {
+      "architectures": [HF_ARCHITECTURE], "model_type": "llama",
+      "vocab_size": config.vocab_size, "hidden_size": config.emb_dim,
+      "intermediate_size": config.mlp_dim,
+      "num_hidden_layers": config.num_layers,
+      "num_attention_heads": config.num_heads,
+      "num_key_value_heads": config.num_kv_heads,
+      "head_dim": config.head_dim, "hidden_act": "silu",
+      "rms_norm_eps": config.norm_epsilon, "rope_theta": config.rope_theta,
+      "rope_scaling": None,
+      "tie_word_embeddings": config.tie_embeddings,
+      "max_position_embeddings": config.max_length,
+      "attention_bias": False, "mlp_bias": False,
+      "bos_token_id": config.bos_token_id,
+      "eos_token_id": config.eos_token_id,
+      "pad_token_id": config.pad_token_id,
+  }
+  scaling = config.rope_scaling
+  if scaling is not None and scaling.kind == "llama3":
+    hf["rope_scaling"] = {
+        "rope_type": "llama3", "factor": scaling.factor,
+        "low_freq_factor": scaling.low_freq_factor,
+        "high_freq_factor": scaling.high_freq_factor,
+        "original_max_position_embeddings": scaling.original_max_length}
+  elif scaling is not None:
+    hf["rope_scaling"] = {"rope_type": "linear", "factor": scaling.factor}
+  return hf
+
+
+def reconcile(config, tensors):
+  """As transformers does, a separate output matrix that differs from the
+  embedding unties a config that says tied."""
+  head = tensors.get("lm_head.weight")
+  if config.tie_embeddings and head is not None and not np.array_equal(
+      head, tensors.get("model.embed_tokens.weight")):
+    config = dataclasses.replace(config, tie_embeddings=False)
+  return config, tensors
+
+
+def tensor_shapes(cfg, tensors):
+  d, h = cfg.emb_dim, cfg.head_dim
+  shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d),
+            "model.norm.weight": (d,)}
+  if not cfg.tie_embeddings or "lm_head.weight" in tensors:
+    # A tied model's file may carry an equal copy of the embedding.
+    shapes["lm_head.weight"] = (cfg.vocab_size, d)
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    shapes.update({
+        p + "input_layernorm.weight": (d,),
+        p + "post_attention_layernorm.weight": (d,),
+        p + "self_attn.q_proj.weight": (cfg.num_heads * h, d),
+        p + "self_attn.k_proj.weight": (cfg.num_kv_heads * h, d),
+        p + "self_attn.v_proj.weight": (cfg.num_kv_heads * h, d),
+        p + "self_attn.o_proj.weight": (d, cfg.num_heads * h),
+        p + "mlp.gate_proj.weight": (cfg.mlp_dim, d),
+        p + "mlp.up_proj.weight": (cfg.mlp_dim, d),
+        p + "mlp.down_proj.weight": (d, cfg.mlp_dim),
+    })
+  return shapes
+
+
+def from_hf(cfg, t):
+  d, h, linear = cfg.emb_dim, cfg.head_dim, family.torch_linear
+  dec = {"token_embedder": {"embedding": t["model.embed_tokens.weight"]},
+         "decoder_norm": {"scale": t["model.norm.weight"]}}
+  if not cfg.tie_embeddings:
+    dec["logits_dense"] = {"kernel": linear(t["lm_head.weight"])}
+  for i in range(cfg.num_layers):
+    p = f"model.layers.{i}."
+    dec[f"layers_{i}"] = {
+        "pre_self_attention_layer_norm": {
+            "scale": t[p + "input_layernorm.weight"]},
+        "self_attention": {
+            "query": {"kernel": linear(t[p + "self_attn.q_proj.weight"])
+                      .reshape(d, cfg.num_heads, h)},
+            "key": {"kernel": linear(t[p + "self_attn.k_proj.weight"])
+                    .reshape(d, cfg.num_kv_heads, h)},
+            "value": {"kernel": linear(t[p + "self_attn.v_proj.weight"])
+                      .reshape(d, cfg.num_kv_heads, h)},
+            "out": {"kernel": linear(t[p + "self_attn.o_proj.weight"])
+                    .reshape(cfg.num_heads, h, d)},
+        },
+        "pre_mlp_layer_norm": {
+            "scale": t[p + "post_attention_layernorm.weight"]},
+        "mlp": {"wi_0": {"kernel": linear(t[p + "mlp.gate_proj.weight"])},
+                "wi_1": {"kernel": linear(t[p + "mlp.up_proj.weight"])},
+                "wo": {"kernel": linear(t[p + "mlp.down_proj.weight"])}},
+    }
+  return {"decoder": dec}
+
+
+def to_hf(cfg, params):
+  dec, d, linear = params["decoder"], cfg.emb_dim, family.torch_linear
+  t = {"model.embed_tokens.weight": dec["token_embedder"]["embedding"],
+       "model.norm.weight": dec["decoder_norm"]["scale"]}
+  if not cfg.tie_embeddings:
+    t["lm_head.weight"] = linear(dec["logits_dense"]["kernel"])
+  for i in range(cfg.num_layers):
+    p, layer = f"model.layers.{i}.", dec[f"layers_{i}"]
+    attn, mlp = layer["self_attention"], layer["mlp"]
+    t.update({
+        p + "input_layernorm.weight":
+            layer["pre_self_attention_layer_norm"]["scale"],
+        p + "post_attention_layernorm.weight":
+            layer["pre_mlp_layer_norm"]["scale"],
+        p + "self_attn.q_proj.weight":
+            linear(attn["query"]["kernel"].reshape(d, -1)),
+        p + "self_attn.k_proj.weight":
+            linear(attn["key"]["kernel"].reshape(d, -1)),
+        p + "self_attn.v_proj.weight":
+            linear(attn["value"]["kernel"].reshape(d, -1)),
+        p + "self_attn.o_proj.weight":
+            linear(attn["out"]["kernel"].reshape(-1, d)),
+        p + "mlp.gate_proj.weight": linear(mlp["wi_0"]["kernel"]),
+        p + "mlp.up_proj.weight": linear(mlp["wi_1"]["kernel"]),
+        p + "mlp.down_proj.weight": linear(mlp["wo"]["kernel"]),
+    })
+  return t
+
+
+FAMILY = family.Family(
+    name="llama",
+    summary="Llama 2/3-style decoder-only (RMSNorm, rotary, grouped-query "
+    "attention, SwiGLU); HF LlamaForCausalLM.",
+    config_cls=LlamaConfig, module_cls=Llama, kind=family.DECODER_ONLY,
+    presets=LLAMA_PRESETS, from_run_config=from_run_config,
+    layer_stacks=lambda c: (("decoder", c.num_layers),),
+    hf=family.HFMapping(
+        architecture=HF_ARCHITECTURE, model_type="llama",
+        config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+        tensor_shapes=tensor_shapes, from_hf=from_hf, to_hf=to_hf,
+        reconcile=reconcile,
+        ignored=(r"model\.layers\.\d+\.self_attn\.rotary_emb\.inv_freq",
+                 r"model\.rotary_emb\.inv_freq")))

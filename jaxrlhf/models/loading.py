@@ -40,7 +40,6 @@ stacked or unstacked on the host first.
 """
 
 import dataclasses
-import functools
 import json
 import pathlib
 from typing import Any, Optional, Tuple
@@ -53,11 +52,10 @@ import ml_collections
 import numpy as np
 
 from jaxrlhf import checkpoint_files
+from jaxrlhf import models as models_lib
 from jaxrlhf import sharding as sharding_lib
-from jaxrlhf.models import gpt_neox
+from jaxrlhf.models import family as family_lib
 from jaxrlhf.models import hf_io
-from jaxrlhf.models import layers
-from jaxrlhf.models import llama
 from jaxrlhf.models import t5
 from jaxrlhf.models import t5x_checkpoint
 from jaxrlhf.models import t5x_decoder_only
@@ -72,48 +70,9 @@ class PretrainedError(ValueError):
 # ----------------------------------------------------------------------------
 # Modules, configs and their abstract parameters.
 
-def module_for_config(config) -> nn.Module:
-  """The Flax module a model config describes."""
-  if isinstance(config, t5.T5Config):
-    return t5.T5(config)
-  if isinstance(config, llama.LlamaConfig):
-    return llama.Llama(config)
-  if isinstance(config, gpt_neox.GPTNeoXConfig):
-    return gpt_neox.GPTNeoX(config)
-  if isinstance(config, t5x_decoder_only.T5xDecoderOnlyConfig):
-    return t5x_decoder_only.T5xDecoderOnly(config)
-  raise TypeError(f"No model for config type {type(config).__name__}; expected "
-                  "T5Config, LlamaConfig, GPTNeoXConfig or "
-                  "T5xDecoderOnlyConfig.")
-
-
-def init_args(module: nn.Module):
-  """Smallest inputs that `module.init` accepts (shapes only matter)."""
-  one = jnp.ones((1, 1), jnp.int32)
-  if isinstance(module, t5.T5):
-    return (one, one)
-  if isinstance(module, t5x_decoder_only.T5xDecoderOnly):
-    return (one,)
-  return (one, jnp.zeros((1, 1), jnp.int32), one)
-
-
-def _abstract_params(module: nn.Module):
-  return jax.eval_shape(
-      lambda: module.init(jax.random.PRNGKey(0), *init_args(module)))["params"]
-
-
-_cached_abstract_params = functools.lru_cache(maxsize=32)(_abstract_params)
-
-
-def abstract_params(module: nn.Module):
-  """The parameter tree as ShapeDtypeStructs, boxed with logical names (no
-  compute: `jax.eval_shape`; cached per module, since tracing a deep
-  unscanned model takes a while)."""
-  try:
-    hash(module)
-  except TypeError:  # e.g. a config with a list-valued field
-    return _abstract_params(module)
-  return _cached_abstract_params(module)
+module_for_config = models_lib.module_for_config
+abstract_params = models_lib.abstract_params
+relayout_params = models_lib.relayout_params
 
 
 def param_shardings(module: nn.Module, mesh, rules=None):
@@ -123,18 +82,13 @@ def param_shardings(module: nn.Module, mesh, rules=None):
                                      sharding_lib.as_rules(rules))
 
 
-def _flat(tree):
-  return {"/".join(str(getattr(k, "key", k)) for k in path): leaf
-          for path, leaf in jax.tree_util.tree_leaves_with_path(tree)}
-
-
 def check_param_tree(params, module, where: str):
   """Raises PretrainedError naming every missing, unexpected or mis-shaped
   parameter of `params` (arrays or ShapeDtypeStructs) for `module`."""
   want = {k: tuple(v.shape)
-          for k, v in _flat(nn.meta.unbox(abstract_params(module))).items()}
+          for k, v in family_lib.flat_paths(nn.meta.unbox(abstract_params(module))).items()}
   got = {k: tuple(v.shape) if hasattr(v, "shape") else tuple(np.shape(v))
-         for k, v in _flat(params).items()}
+         for k, v in family_lib.flat_paths(params).items()}
   problems = []
   missing = sorted(set(want) - set(got))
   unexpected = sorted(set(got) - set(want))
@@ -163,36 +117,9 @@ def _config_summary(config):
                    if hasattr(config, k))
 
 
-# ----------------------------------------------------------------------------
-# Layer layouts: t5x's `layers_{i}` <-> nn.scan's stacked `layers`.
-
-def _stack_names(config):
-  if isinstance(config, t5.T5Config):
-    return (("encoder", config.num_encoder_layers),
-            ("decoder", config.num_decoder_layers))
-  return (("decoder", config.num_layers),)
-
-
 def _is_scanned(params, config) -> bool:
   return any("layers" in params.get(name, {})
-             for name, _ in _stack_names(config))
-
-
-def relayout_params(params, config):
-  """Stacks or unstacks layer parameters (host numpy) to match
-  `config.scan_layers`; a tree already in that layout is returned as is."""
-  want = bool(getattr(config, "scan_layers", False))
-  if _is_scanned(params, config) == want:
-    return params
-  if isinstance(config, t5x_decoder_only.T5xDecoderOnlyConfig):
-    raise PretrainedError("The t5x decoder-only model has no scanned layout; "
-                          "its checkpoint must hold layers_0, layers_1, ....")
-  for name, count in _stack_names(config):
-    if want:
-      params = layers.stack_layer_params(params, count, name)
-    else:
-      params = layers.unstack_layer_params(params, name)
-  return params
+             for name, _ in models_lib.family_of(config).layer_stacks(config))
 
 
 # ----------------------------------------------------------------------------
@@ -351,25 +278,13 @@ def _to_host(params):
 # The three sources.
 
 def _replace(config, overrides):
-  if not overrides:
-    return config
-  fields = {f.name for f in dataclasses.fields(config)}
-  unknown = sorted(set(overrides) - fields)
-  if unknown:
-    raise PretrainedError(f"{type(config).__name__} has no field(s) {unknown}; "
-                          f"its fields: {sorted(fields)}.")
-  return dataclasses.replace(config, **overrides)
+  try:
+    return family_lib.replace_fields(config, overrides)
+  except ValueError as e:
+    raise PretrainedError(str(e)) from None
 
 
 def _load_hf(path, overrides):
-  hf_config = hf_io.read_hf_config(path)
-  is_t5 = hf_io._architecture(hf_config) == hf_io.T5  # pylint: disable=protected-access
-  if is_t5:
-    # hf_io maps T5 in t5x's unscanned layout; stack it here if asked.
-    scan = overrides.pop("scan_layers", False)
-    config, params = hf_io.load_hf_checkpoint(path, **overrides)
-    config = dataclasses.replace(config, scan_layers=scan)
-    return config, relayout_params(params, config)
   return hf_io.load_hf_checkpoint(path, **overrides)
 
 
@@ -554,15 +469,11 @@ def export_hf(module_or_config, params, path, **kwargs):
     The output directory.
   """
   config = getattr(module_or_config, "config", module_or_config)
-  if isinstance(config, t5x_decoder_only.T5xDecoderOnlyConfig):
-    raise PretrainedError("transformers has no model for t5x's decoder-only "
-                          "architecture (relative-position bias); keep it as "
-                          "a T5X or orbax checkpoint.")
   params = _to_host(params)
   if isinstance(params, dict) and set(params) == {"params"}:
     params = params["params"]
-  if isinstance(config, t5.T5Config) and config.scan_layers:
-    # hf_io maps t5x's unscanned layout.
-    params = t5.unscan_layer_params(params)
-    config = dataclasses.replace(config, scan_layers=False)
+  try:
+    hf_io.config_to_hf(config)
+  except hf_io.HFCheckpointError as e:
+    raise PretrainedError(str(e)) from None
   return hf_io.export_hf_checkpoint(config, params, path, **kwargs)

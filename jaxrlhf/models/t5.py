@@ -8,8 +8,11 @@ separate `logits_dense` output layer. T5 1.0 is the options `mlp_activations=
 ("relu",)` and `logits_via_embedding=True`. Checkpoints written by t5x load
 into this tree unchanged (tests/fixtures/t5x holds checkpoints t5x wrote).
 
-Every parameter carries logical axis names and every large activation a
-logical constraint, so `jaxrlhf.sharding` maps the model onto any mesh.
+It is built from the shared blocks of `jaxrlhf.models.layers` (RMSNorm,
+DenseGeneral, Embed, Mlp, the layer stack, and the T5-style relative-position
+attention it shares with t5x's decoder-only model). Every parameter carries
+logical axis names and every large activation a logical constraint, so
+`jaxrlhf.sharding` maps the model onto any mesh.
 
 Speed options (numerically the same model): `scan_layers` runs each stack
 as one `nn.scan` over layers (parameters stacked under `encoder/layers` and
@@ -27,20 +30,16 @@ drives it.
 
 import dataclasses
 import functools
-import operator
-from typing import Any, Sequence
+from typing import Sequence
 
 import flax.linen as nn
-import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.models import family
 from jaxrlhf.models import layers as layers_lib
 
-Array = jax.Array
-# Masked attention logits get this additive bias (t5x's value), in the
-# activation dtype.
-_MASK_VALUE = -1e10
+# T5's attention has no cuDNN variant (its bias is relative-position).
 ATTENTION_IMPLS = ("xla", "dot_product")
 
 
@@ -59,6 +58,10 @@ class T5Config:
   dropout_rate: float = 0.0
   # True ties the output layer to the token embedding (T5 1.0).
   logits_via_embedding: bool = False
+  # With logits_via_embedding: divide the logits by sqrt(emb_dim) (t5x and
+  # T5 1.0). False is the tied T5 1.1 that transformers 5 makes (it ties
+  # every T5's output layer; `scale_decoder_outputs` false).
+  scale_tied_logits: bool = True
   # Compute dtype; parameters stay float32.
   dtype: str = "float32"
   float32_attention_logits: bool = False
@@ -78,12 +81,10 @@ class T5Config:
   attention_impl: str = "xla"
 
   def __post_init__(self):
-    if self.attention_impl not in ATTENTION_IMPLS:
-      raise ValueError(f"T5Config.attention_impl={self.attention_impl!r}; "
-                       f"choose one of {list(ATTENTION_IMPLS)}.")
-    if self.remat_policy != "none" and self.remat_policy not in _REMAT_POLICIES:
-      raise ValueError(f"T5Config.remat_policy={self.remat_policy!r}; choose "
-                       f"'none' or one of {sorted(_REMAT_POLICIES)}.")
+    layers_lib.check_choice(self.attention_impl, ATTENTION_IMPLS,
+                            "T5Config.attention_impl")
+    layers_lib.check_choice(self.remat_policy, layers_lib.REMAT_POLICIES,
+                            "T5Config.remat_policy")
 
   @property
   def compute_dtype(self):
@@ -93,292 +94,47 @@ class T5Config:
 # T5 1.1 dimensions (t5x's t5_1_1 gin files); "tiny" is for tests and the
 # built-in synthetic tasks.
 T5_PRESETS = {
-    "tiny": dict(emb_dim=64, num_heads=4, num_encoder_layers=2,
-                 num_decoder_layers=2, head_dim=16, mlp_dim=128),
-    "small": dict(emb_dim=512, num_heads=6, num_encoder_layers=8,
-                  num_decoder_layers=8, head_dim=64, mlp_dim=1024),
-    "base": dict(emb_dim=768, num_heads=12, num_encoder_layers=12,
-                 num_decoder_layers=12, head_dim=64, mlp_dim=2048),
-    "large": dict(emb_dim=1024, num_heads=16, num_encoder_layers=24,
-                  num_decoder_layers=24, head_dim=64, mlp_dim=2816),
-    "xl": dict(emb_dim=2048, num_heads=32, num_encoder_layers=24,
-               num_decoder_layers=24, head_dim=64, mlp_dim=5120),
-    "xxl": dict(emb_dim=4096, num_heads=64, num_encoder_layers=24,
-                num_decoder_layers=24, head_dim=64, mlp_dim=10240),
+    "tiny": T5Config(emb_dim=64, num_heads=4, num_encoder_layers=2,
+                     num_decoder_layers=2, head_dim=16, mlp_dim=128),
+    "small": T5Config(emb_dim=512, num_heads=6, num_encoder_layers=8,
+                      num_decoder_layers=8, head_dim=64, mlp_dim=1024),
+    "base": T5Config(emb_dim=768, num_heads=12, num_encoder_layers=12,
+                     num_decoder_layers=12, head_dim=64, mlp_dim=2048),
+    "large": T5Config(emb_dim=1024, num_heads=16, num_encoder_layers=24,
+                      num_decoder_layers=24, head_dim=64, mlp_dim=2816),
+    "xl": T5Config(emb_dim=2048, num_heads=32, num_encoder_layers=24,
+                   num_decoder_layers=24, head_dim=64, mlp_dim=5120),
+    "xxl": T5Config(emb_dim=4096, num_heads=64, num_encoder_layers=24,
+                    num_decoder_layers=24, head_dim=64, mlp_dim=10240),
 }
 
 
 def t5_config(size: str, **overrides) -> T5Config:
   """A T5Config from a preset name, with fields overridden."""
-  if size not in T5_PRESETS:
-    raise ValueError(
-        f"Unknown T5 size {size!r}; choose one of {sorted(T5_PRESETS)}.")
-  return T5Config(**{**T5_PRESETS[size], **overrides})
-
-
-# t5x: truncated normal for MLP and output kernels, normal for attention.
-_kernel_init = nn.initializers.variance_scaling(1.0, "fan_in", "truncated_normal")
-_attention_init = nn.initializers.variance_scaling(1.0, "fan_in", "normal")
-
-
-class RMSNorm(nn.Module):
-  """x * rsqrt(mean(x^2) + eps) * scale, computed in float32."""
-  dtype: Any = jnp.float32
-  epsilon: float = 1e-6
-
-  @nn.compact
-  def __call__(self, x):
-    x = x.astype(jnp.float32)
-    scale = self.param(
-        "scale", nn.with_logical_partitioning(nn.initializers.ones, ("embed",)),
-        (x.shape[-1],), jnp.float32)
-    y = x * jax.lax.rsqrt(jnp.mean(jnp.square(x), axis=-1, keepdims=True)
-                          + self.epsilon)
-    return y.astype(self.dtype) * scale.astype(self.dtype)
-
-
-class Dense(nn.Module):
-  """x @ kernel over the last axis; the kernel is stored 2-D [in, out]."""
-  features: int
-  axes: tuple
-  dtype: Any = jnp.float32
-  kernel_init: Any = _kernel_init
-
-  @nn.compact
-  def __call__(self, x):
-    kernel = self.param("kernel",
-                        nn.with_logical_partitioning(self.kernel_init, self.axes),
-                        (x.shape[-1], self.features), jnp.float32)
-    return jnp.dot(x.astype(self.dtype), kernel.astype(self.dtype))
-
-
-class Embed(nn.Module):
-  """Token embedding, optionally used transposed as the output layer."""
-  num_embeddings: int
-  features: int
-  dtype: Any = jnp.float32
-
-  def setup(self):
-    self.embedding = self.param(
-        "embedding",
-        nn.with_logical_partitioning(nn.initializers.normal(stddev=1.0),
-                                     ("vocab", "embed")),
-        (self.num_embeddings, self.features), jnp.float32)
-
-  def __call__(self, tokens):
-    return jnp.take(self.embedding, tokens, axis=0).astype(self.dtype)
-
-  def attend(self, x):
-    """Logits x @ embedding^T in float32 (as t5x's attend_dtype)."""
-    return jnp.dot(x.astype(jnp.float32), self.embedding.T.astype(jnp.float32))
-
-
-def relative_position_bucket(relative_position, bidirectional, num_buckets,
-                             max_distance):
-  """T5's bucketing of (memory - query) offsets: exact near, log-spaced far.
-
-  Args:
-    relative_position: int array of memory_position - query_position.
-  Returns:
-    int32 array of the same shape with values in [0, num_buckets).
-  """
-  bucket = 0
-  n = -relative_position
-  if bidirectional:
-    num_buckets //= 2
-    bucket += (n < 0).astype(np.int32) * num_buckets
-    n = np.abs(n)
-  else:
-    n = np.maximum(n, 0)
-  max_exact = num_buckets // 2
-  is_small = n < max_exact
-  # Offsets beyond max_exact share buckets logarithmically up to max_distance.
-  large = max_exact + (
-      np.log(n.astype(np.float32) / max_exact + np.finfo(np.float32).eps)
-      / np.log(max_distance / max_exact) * (num_buckets - max_exact)
-  ).astype(np.int32)
-  large = np.minimum(large, num_buckets - 1)
-  return (bucket + np.where(is_small, n, large)).astype(np.int32)
-
-
-class RelativePositionBias(nn.Module):
-  """Per-head additive attention bias from bucketed relative positions."""
-  num_heads: int
-  num_buckets: int
-  max_distance: int
-  bidirectional: bool
-  dtype: Any = jnp.float32
-
-  @nn.compact
-  def __call__(self, query_length: int, key_length: int, query_offset=None):
-    """Returns the bias [1, heads, query_length, key_length].
-
-    Query i sits at position i, or at `query_offset + i` when given (a traced
-    int scalar: incremental decoding, where the queries are the newest tokens
-    and the keys every cached position 0 .. key_length - 1).
-    """
-    table = self.param(
-        "rel_embedding",
-        nn.with_logical_partitioning(
-            nn.initializers.variance_scaling(1.0, "fan_avg", "uniform"),
-            ("heads", "relpos_buckets")),
-        (self.num_heads, self.num_buckets), jnp.float32)
-    if query_offset is None:
-      offsets = (np.arange(key_length)[None, :]
-                 - np.arange(query_length)[:, None])
-      buckets = jnp.asarray(relative_position_bucket(
-          offsets, self.bidirectional, self.num_buckets, self.max_distance))
-    else:
-      # The bucket of every possible offset comes from the same numpy code as
-      # the static path (a float32 log computed by XLA could round a boundary
-      # offset into the neighbouring bucket), then is gathered by the traced
-      # offsets.
-      all_offsets = np.arange(-(key_length - 1), key_length)
-      bucket_of = jnp.asarray(relative_position_bucket(
-          all_offsets, self.bidirectional, self.num_buckets,
-          self.max_distance))
-      query_positions = query_offset + jnp.arange(query_length)
-      offsets = jnp.arange(key_length)[None, :] - query_positions[:, None]
-      buckets = jnp.take(bucket_of, offsets + key_length - 1, mode="clip")
-    bias = jnp.take(table, buckets, axis=1)
-    return bias[None].astype(self.dtype)
-
-
-def attention_mask(query_valid, key_valid, causal=False):
-  """[batch, 1, q, k] mask of allowed (query, key) pairs."""
-  mask = query_valid[:, None, :, None] & key_valid[:, None, None, :]
-  if causal:
-    q, k = query_valid.shape[-1], key_valid.shape[-1]
-    mask = mask & (np.arange(q)[:, None] >= np.arange(k)[None, :])
-  return mask
-
-
-class MultiHeadAttention(nn.Module):
-  """Unscaled dot-product attention with t5x's 2-D projection kernels.
-
-  KV cache (incremental decoding), in the flax "cache" collection (apply
-  with `mutable=["cache"]`):
-  - self-attention, `cache_index` given: the keys/values of `inputs_q` are
-    written at positions [cache_index, cache_index + q_len) of
-    `cached_key`/`cached_value` [batch, T, heads, head_dim] (T = the bias's
-    key length; created as zeros on the first call) and the queries attend
-    over all T positions, the bias masking the ones not yet written;
-  - cross-attention, `cache_cross=True`: with `inputs_kv` the keys/values of
-    the encoder output are computed and stored; with `inputs_kv=None` the
-    stored ones are read (the encoder output is projected once per sample).
-  """
-  num_heads: int
-  head_dim: int
-  dtype: Any = jnp.float32
-  float32_logits: bool = False
-  dropout_rate: float = 0.0
-  attention_impl: str = "xla"
-
-  @nn.compact
-  def __call__(self, inputs_q, inputs_kv, bias, deterministic=True, *,
-               cache_index=None, cache_cross=False):
-    """inputs [batch, length, embed], bias [batch|1, heads|1, q, k]."""
-    features = self.num_heads * self.head_dim
-    # 1/sqrt(head_dim) is folded into the query initialisation, not the logits.
-    depth_scaling = np.sqrt(self.head_dim).astype(np.float32)
-    query_init = lambda *a: _attention_init(*a) / depth_scaling
-    project = functools.partial(Dense, features, ("embed", "joined_kv"),
-                                dtype=self.dtype, kernel_init=_attention_init)
-    batch, q_len = inputs_q.shape[0], inputs_q.shape[1]
-    head_axes = ("batch", "length", "heads", "kv")
-    query = project(kernel_init=query_init, name="query")(inputs_q)
-    query = query.reshape(batch, q_len, self.num_heads, self.head_dim)
-    query = nn.with_logical_constraint(query, head_axes)
-    if cache_cross and inputs_kv is None:
-      key = self.get_variable("cache", "cached_key")
-      value = self.get_variable("cache", "cached_value")
-      if key is None:
-        raise ValueError(
-            "Cross-attention cache is empty: the first decoding call must "
-            "pass the encoder output so its keys and values are cached.")
-    else:
-      k_len = inputs_kv.shape[1]
-      key = project(name="key")(inputs_kv)
-      value = project(name="value")(inputs_kv)
-      key = key.reshape(batch, k_len, self.num_heads, self.head_dim)
-      value = value.reshape(batch, k_len, self.num_heads, self.head_dim)
-      key = nn.with_logical_constraint(key, head_axes)
-      value = nn.with_logical_constraint(value, head_axes)
-      if cache_cross:
-        for name, new in (("cached_key", key), ("cached_value", value)):
-          self.variable("cache", name, lambda x: x, new).value = new
-      elif cache_index is not None:
-        key = layers_lib.update_kv_cache(self, "cached_key", key, cache_index,
-                                         bias.shape[-1], head_axes)
-        value = layers_lib.update_kv_cache(self, "cached_value", value,
-                                           cache_index, bias.shape[-1],
-                                           head_axes)
-    use_dropout = not deterministic and self.dropout_rate > 0
-    if self.attention_impl == "dot_product" and not use_dropout:
-      # jax.nn.dot_product_attention has no attention-weight dropout; with
-      # dropout active the einsum path below computes the same thing.
-      dtype = jnp.float32 if self.float32_logits else query.dtype
-      out = jax.nn.dot_product_attention(
-          query.astype(dtype), key.astype(dtype), value.astype(dtype),
-          bias=bias.astype(dtype), scale=1.0).astype(self.dtype)
-    else:
-      if self.float32_logits:
-        query, key = query.astype(jnp.float32), key.astype(jnp.float32)
-      logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
-      logits = logits + bias.astype(logits.dtype)
-      weights = jax.nn.softmax(logits).astype(self.dtype)
-      if use_dropout:
-        weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
-      out = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
-    out = out.reshape(batch, q_len, features)
-    out = nn.with_logical_constraint(out, ("batch", "length", "joined_kv"))
-    return Dense(inputs_q.shape[-1], ("joined_kv", "embed"), dtype=self.dtype,
-                 kernel_init=_attention_init, name="out")(out)
-
-
-_ACTIVATIONS = {
-    "gelu": nn.gelu,  # tanh approximation, as t5x
-    "relu": nn.relu,
-    "linear": lambda x: x,
-    "silu": nn.silu,
-}
-
-
-class MlpBlock(nn.Module):
-  """Product of activated input projections, then the output projection."""
-  mlp_dim: int
-  activations: Sequence[str]
-  dtype: Any = jnp.float32
-  dropout_rate: float = 0.0
-
-  @nn.compact
-  def __call__(self, x, deterministic=True):
-    for name in self.activations:
-      if name not in _ACTIVATIONS:
-        raise ValueError(f"Unknown MLP activation {name!r}; "
-                         f"choose from {sorted(_ACTIVATIONS)}.")
-    hidden = []
-    for i, name in enumerate(self.activations):
-      dense_name = "wi" if len(self.activations) == 1 else f"wi_{i}"
-      h = Dense(self.mlp_dim, ("embed", "mlp"), dtype=self.dtype,
-                name=dense_name)(x)
-      hidden.append(_ACTIVATIONS[name](h))
-    h = functools.reduce(operator.mul, hidden)
-    h = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(
-        h, deterministic=deterministic)
-    h = nn.with_logical_constraint(h, ("batch", "length", "mlp"))
-    return Dense(x.shape[-1], ("mlp", "embed"), dtype=self.dtype, name="wo")(h)
-
-
-def _residual_dropout(cfg, x, deterministic):
-  return nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(
-      x, deterministic=deterministic)
+  return FAMILY.preset(size, **overrides)
 
 
 def _attention(cfg, name):
-  return MultiHeadAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
-                            cfg.float32_attention_logits, cfg.dropout_rate,
-                            cfg.attention_impl, name=name)
+  return layers_lib.T5Attention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
+                                cfg.float32_attention_logits, cfg.dropout_rate,
+                                cfg.attention_impl, name=name)
+
+
+def _norm(cfg, name):
+  return layers_lib.RMSNorm(1e-6, cfg.compute_dtype, name=name)
+
+
+def _mlp(cfg):
+  return layers_lib.Mlp(cfg.mlp_dim,
+                        layers_lib.t5_mlp_activations(cfg.mlp_activations),
+                        dtype=cfg.compute_dtype, dropout_rate=cfg.dropout_rate,
+                        name="mlp")
+
+
+def _residual_dropout(cfg, x, deterministic):
+  # t5x broadcasts its residual dropout masks along length.
+  return nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))(
+      x, deterministic=deterministic)
 
 
 class EncoderLayer(nn.Module):
@@ -388,12 +144,11 @@ class EncoderLayer(nn.Module):
   @nn.compact
   def __call__(self, x, bias, deterministic=True):
     cfg = self.config
-    h = RMSNorm(cfg.compute_dtype, name="pre_attention_layer_norm")(x)
+    h = _norm(cfg, "pre_attention_layer_norm")(x)
     h = _attention(cfg, "attention")(h, h, bias, deterministic)
     x = x + _residual_dropout(cfg, h, deterministic)
-    h = RMSNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
-    h = MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.compute_dtype,
-                 cfg.dropout_rate, name="mlp")(h, deterministic)
+    h = _norm(cfg, "pre_mlp_layer_norm")(x)
+    h = _mlp(cfg)(h, deterministic)
     x = x + _residual_dropout(cfg, h, deterministic)
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
 
@@ -412,71 +167,35 @@ class DecoderLayer(nn.Module):
                cache_index=None):
     cfg = self.config
     cached = cache_index is not None
-    h = RMSNorm(cfg.compute_dtype, name="pre_self_attention_layer_norm")(y)
+    h = _norm(cfg, "pre_self_attention_layer_norm")(y)
     h = _attention(cfg, "self_attention")(h, h, self_bias, deterministic,
                                           cache_index=cache_index)
     y = y + _residual_dropout(cfg, h, deterministic)
-    h = RMSNorm(cfg.compute_dtype, name="pre_cross_attention_layer_norm")(y)
+    h = _norm(cfg, "pre_cross_attention_layer_norm")(y)
     h = _attention(cfg, "encoder_decoder_attention")(
         h, encoded, cross_bias, deterministic, cache_cross=cached)
     y = y + _residual_dropout(cfg, h, deterministic)
-    h = RMSNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(y)
-    h = MlpBlock(cfg.mlp_dim, cfg.mlp_activations, cfg.compute_dtype,
-                 cfg.dropout_rate, name="mlp")(h, deterministic)
+    h = _norm(cfg, "pre_mlp_layer_norm")(y)
+    h = _mlp(cfg)(h, deterministic)
     y = y + _residual_dropout(cfg, h, deterministic)
     return nn.with_logical_constraint(y, ("batch", "length", "embed")), None
 
 
-_REMAT_POLICIES = {
-    "full": None,
-    "dots_saveable": jax.checkpoint_policies.dots_saveable,
-    "nothing_saveable": jax.checkpoint_policies.nothing_saveable,
-}
-
-
-def maybe_remat(layer_cls, policy_name, deterministic_argnum,
-                prevent_cse=True):
-  if policy_name == "none":
-    return layer_cls
-  if policy_name not in _REMAT_POLICIES:
-    raise ValueError(f"Unknown remat_policy {policy_name!r}; choose 'none' or "
-                     f"one of {sorted(_REMAT_POLICIES)}.")
-  # `deterministic` is a Python bool; argnums count `self` as 0.
-  return nn.remat(layer_cls, policy=_REMAT_POLICIES[policy_name],
-                  static_argnums=(deterministic_argnum,),
-                  prevent_cse=prevent_cse)
-
-
 def _layer_stack(cfg, layer_cls, num_layers, num_args, deterministic_argnum):
-  """`num_layers` layers to call as `stack(x, *args) -> x`.
-
-  Unscanned: modules `layers_0` ... (t5x's layout), called in a loop.
-  Scanned: one nn.scan-ned module `layers` whose parameters (and KV cache)
-  have a leading [num_layers] axis named 'layers'; the `num_args` arguments
-  after the carry are broadcast to every layer.
-  """
-  # Under scan, CSE across iterations cannot happen, so prevent_cse (which
-  # blocks some XLA optimisations) is only needed unrolled.
-  layer_cls = maybe_remat(layer_cls, cfg.remat_policy, deterministic_argnum,
-                          prevent_cse=not cfg.scan_layers)
-  if cfg.scan_layers:
-    scanned = nn.scan(
-        layer_cls, variable_axes={"params": 0, "cache": 0},
-        split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast,) * num_args, length=num_layers,
-        metadata_params={nn.PARTITION_NAME: "layers"})(cfg, name="layers")
-    return lambda x, *args: scanned(x, *args)[0]
-  stack = [layer_cls(cfg, name=f"layers_{i}") for i in range(num_layers)]
-
-  def run(x, *args):
-    for layer in stack:
-      x, _ = layer(x, *args)
-    return x
-  return run
+  """The stack's layers, called as `run(x, *args) -> x` (t5x's unscanned
+  `layers_{i}` names, or one scanned `layers`; `layers.make_layer_stack`)."""
+  stack = layers_lib.make_layer_stack(
+      layer_cls, cfg, num_layers, cfg.scan_layers, cfg.remat_policy,
+      num_args=num_args, static_argnums=(deterministic_argnum,),
+      name="layers")
+  return functools.partial(layers_lib.run_layer_stack, stack)
 
 
-def _mask_to_bias(mask, dtype):
-  return jnp.where(mask, 0.0, _MASK_VALUE).astype(dtype)
+def _embedding(cfg):
+  # t5x: N(0, 1) embeddings; tied logits are computed in float32.
+  return layers_lib.Embed(cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype,
+                          embedding_init=nn.initializers.normal(stddev=1.0),
+                          attend_dtype=jnp.float32)
 
 
 class Encoder(nn.Module):
@@ -487,18 +206,19 @@ class Encoder(nn.Module):
   def __call__(self, tokens, deterministic=True):
     cfg = self.config
     length = tokens.shape[-1]
-    bias = RelativePositionBias(cfg.num_heads, cfg.relpos_num_buckets,
-                                cfg.relpos_max_distance, bidirectional=True,
-                                dtype=cfg.compute_dtype, name="relpos_bias")(
-                                    length, length)
+    bias = layers_lib.RelativePositionBias(
+        cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
+        bidirectional=True, dtype=cfg.compute_dtype, name="relpos_bias")(
+            length, length)
     valid = tokens > 0
-    bias = _mask_to_bias(attention_mask(valid, valid), cfg.compute_dtype) + bias
+    bias = layers_lib.mask_to_bias(layers_lib.pairwise_mask(valid, valid),
+                                   cfg.compute_dtype) + bias
     x = self.shared_embedding(tokens)
     x = _residual_dropout(cfg, x, deterministic)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
     layers = _layer_stack(cfg, EncoderLayer, cfg.num_encoder_layers, 2, 3)
     x = layers(x, bias, deterministic)
-    x = RMSNorm(cfg.compute_dtype, name="encoder_norm")(x)
+    x = _norm(cfg, "encoder_norm")(x)
     return _residual_dropout(cfg, x, deterministic)
 
 
@@ -518,11 +238,12 @@ class Decoder(nn.Module):
     """
     cfg = self.config
     length = decoder_input_tokens.shape[-1]
-    relpos = RelativePositionBias(cfg.num_heads, cfg.relpos_num_buckets,
-                                  cfg.relpos_max_distance, bidirectional=False,
-                                  dtype=cfg.compute_dtype, name="relpos_bias")
+    relpos = layers_lib.RelativePositionBias(
+        cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
+        bidirectional=False, dtype=cfg.compute_dtype, name="relpos_bias")
     if cache_index is None:
-      self_mask = attention_mask(decoder_valid, decoder_valid, causal=True)
+      self_mask = layers_lib.pairwise_mask(decoder_valid, decoder_valid,
+                                           causal=True)
       bias = relpos(length, length)
     else:
       if cache_length is None:
@@ -532,23 +253,27 @@ class Decoder(nn.Module):
       causal = jnp.arange(cache_length)[None, :] <= query_positions[:, None]
       self_mask = decoder_valid[:, None, :, None] & causal[None, None]
       bias = relpos(length, cache_length, query_offset=cache_index)
-    self_bias = _mask_to_bias(self_mask, cfg.compute_dtype) + bias
-    cross_bias = _mask_to_bias(
-        attention_mask(decoder_valid, encoder_tokens > 0), cfg.compute_dtype)
+    self_bias = layers_lib.mask_to_bias(self_mask, cfg.compute_dtype) + bias
+    cross_bias = layers_lib.mask_to_bias(
+        layers_lib.pairwise_mask(decoder_valid, encoder_tokens > 0),
+        cfg.compute_dtype)
     y = self.shared_embedding(decoder_input_tokens)
     y = _residual_dropout(cfg, y, deterministic)
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
     layers = _layer_stack(cfg, DecoderLayer, cfg.num_decoder_layers, 5, 5)
     y = layers(y, encoded, self_bias, cross_bias, deterministic, cache_index)
-    y = RMSNorm(cfg.compute_dtype, name="decoder_norm")(y)
+    y = _norm(cfg, "decoder_norm")(y)
     y = _residual_dropout(cfg, y, deterministic)
     if return_hidden:
       return nn.with_logical_constraint(y, ("batch", "length", "embed"))
     if cfg.logits_via_embedding:
-      logits = self.shared_embedding.attend(y) / np.sqrt(y.shape[-1])
+      logits = self.shared_embedding.attend(y)
+      if cfg.scale_tied_logits:
+        logits = logits / np.sqrt(y.shape[-1])
     else:
-      logits = Dense(cfg.vocab_size, ("embed", "vocab"), dtype=cfg.compute_dtype,
-                     name="logits_dense")(y)
+      logits = layers_lib.DenseGeneral(
+          (cfg.vocab_size,), ("embed", "vocab"), dtype=cfg.compute_dtype,
+          name="logits_dense")(y)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
 
@@ -558,7 +283,7 @@ class T5(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype)
+    self.token_embedder = _embedding(cfg)
     self.encoder = Encoder(cfg, self.token_embedder)
     self.decoder = Decoder(cfg, self.token_embedder)
 
@@ -641,3 +366,297 @@ def unscan_layer_params(params):
   expect)."""
   params = layers_lib.unstack_layer_params(params, "encoder")
   return layers_lib.unstack_layer_params(params, "decoder")
+
+
+# ----------------------------------------------------------------------------
+# config.model -> T5Config.
+
+# config.model.mlp -> mlp_activations (t5x's names: 'gelu' is the tanh
+# approximation); T5 and t5x's decoder-only model read it.
+MLP_ACTIVATIONS = {"gated-gelu": ("gelu", "linear"), "relu": ("relu",)}
+# config.model fields -> T5Config fields.
+_RUN_FIELDS = {f: f for f in ("emb_dim", "num_heads", "num_encoder_layers",
+                              "num_decoder_layers", "head_dim", "mlp_dim",
+                              "logits_via_embedding", "dropout_rate")
+               + family.SPEED_FIELDS}
+
+
+def mlp_activations(model_cfg):
+  """`config.model.mlp` as mlp_activations."""
+  mlp = model_cfg.get("mlp", "gated-gelu")
+  if mlp not in MLP_ACTIVATIONS:
+    raise ValueError(f"config.model.mlp: {mlp!r}; choose one of "
+                     f"{sorted(MLP_ACTIVATIONS)}.")
+  return MLP_ACTIVATIONS[mlp]
+
+
+def from_run_config(model_cfg, vocab_size: int) -> T5Config:
+  """`config.model` (arch 't5') -> T5Config."""
+  return t5_config(model_cfg.size, vocab_size=vocab_size,
+                   mlp_activations=mlp_activations(model_cfg),
+                   **family.set_fields(model_cfg, _RUN_FIELDS))
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face's T5ForConditionalGeneration.
+
+HF_ARCHITECTURE = "T5ForConditionalGeneration"
+_unsupported = functools.partial(family.unsupported, HF_ARCHITECTURE)
+# HF `feed_forward_proj` <-> t5x `mlp_activations`. Plain "gelu" is left
+# out on purpose: HF's is the exact erf GELU, t5x's the tanh approximation.
+HF_ACTIVATIONS = {
+    "relu": ("relu",),
+    "gated-gelu": ("gelu", "linear"),
+    "gated-relu": ("relu", "linear"),
+    "gated-silu": ("silu", "linear"),
+}
+_RELPOS = "block.0.layer.0.SelfAttention.relative_attention_bias.weight"
+
+
+def _scales_logits(hf) -> bool:
+  # 4.x: tie_word_embeddings (default true) both ties and scales by
+  # d_model**-0.5; 5.x always ties and keeps the scaling switch separately.
+  if "scale_decoder_outputs" in hf:
+    return bool(hf["scale_decoder_outputs"])
+  return bool(family.hf_get(hf, "tie_word_embeddings", True))
+
+
+def config_from_hf(hf) -> T5Config:
+  """The config.json's model, the output layer as its switches say; the
+  file's tensors then decide whether it is tied (`reconcile`)."""
+  get = functools.partial(family.hf_get, hf)
+  proj = get("feed_forward_proj", "relu")
+  if proj not in HF_ACTIVATIONS:
+    _unsupported(f"feed_forward_proj={proj!r} (choose from "
+                 f"{sorted(HF_ACTIVATIONS)})")
+  eps = float(get("layer_norm_epsilon", 1e-6))
+  if eps != 1e-6:
+    _unsupported(f"layer_norm_epsilon={eps} (t5x fixes 1e-6)")
+  num_layers = get("num_layers")
+  scaled = _scales_logits(hf)
+  return T5Config(
+      vocab_size=get("vocab_size"), emb_dim=get("d_model"),
+      num_heads=get("num_heads"), num_encoder_layers=num_layers,
+      num_decoder_layers=get("num_decoder_layers", num_layers),
+      head_dim=get("d_kv"), mlp_dim=get("d_ff"),
+      mlp_activations=HF_ACTIVATIONS[proj],
+      # A scaled model is t5x's tied T5 1.0; an unscaled one is tied only
+      # if its file has no separate output matrix (`reconcile`).
+      logits_via_embedding=scaled,
+      relpos_num_buckets=get("relative_attention_num_buckets", 32),
+      relpos_max_distance=get("relative_attention_max_distance", 128),
+      dtype="float32")
+
+
+def config_to_hf(config: T5Config):
+  activations = tuple(config.mlp_activations)
+  proj = {v: k for k, v in HF_ACTIVATIONS.items()}.get(activations)
+  if proj is None:
+    raise family.HFCheckpointError(
+        f"T5 mlp_activations={activations} has no HF feed_forward_proj; "
+        f"exportable: {sorted(HF_ACTIVATIONS.values())}.")
+  scaled = bool(config.logits_via_embedding and config.scale_tied_logits)
+  return {
+      "architectures": [HF_ARCHITECTURE], "model_type": "t5",
+      "vocab_size": config.vocab_size, "d_model": config.emb_dim,
+      "d_kv": config.head_dim, "d_ff": config.mlp_dim,
+      "num_layers": config.num_encoder_layers,
+      "num_decoder_layers": config.num_decoder_layers,
+      "num_heads": config.num_heads,
+      "relative_attention_num_buckets": config.relpos_num_buckets,
+      "relative_attention_max_distance": config.relpos_max_distance,
+      "feed_forward_proj": proj, "layer_norm_epsilon": 1e-6,
+      "dropout_rate": 0.0, "is_encoder_decoder": True,
+      # 4.x reads the logit scaling (and the tying) from
+      # tie_word_embeddings, 5.x the scaling from scale_decoder_outputs
+      # (and always ties). A tied unscaled model is written with an equal
+      # lm_head (`to_hf`), which both read as that model.
+      "tie_word_embeddings": scaled, "scale_decoder_outputs": scaled,
+      "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0,
+  }
+
+
+def reconcile(config, tensors):
+  """The output layer as the file holds it:
+
+  - no lm_head.weight, or one equal to the embedding: tied (a transformers
+    5 save of T5 1.1 writes none: it ties every T5);
+  - a scaled config (T5 1.0) whose file has a different lm_head: the
+    scale is folded into that head (t5x has no scaled separate head, but
+    h * d**-0.5 @ W == h @ (W * d**-0.5));
+  - otherwise a separate `logits_dense`.
+  """
+  head = tensors.get("lm_head.weight")
+  shared = tensors.get("shared.weight")
+  if shared is None and "encoder.embed_tokens.weight" in tensors:
+    # Some exports keep only the encoder's copy of the shared embedding.
+    shared = tensors["encoder.embed_tokens.weight"]
+    tensors = dict(tensors, **{"shared.weight": shared})
+  scaled = config.logits_via_embedding  # as `config_from_hf` read it
+  tied = head is None or (shared is not None and np.array_equal(head, shared))
+  if tied:
+    tensors = {k: v for k, v in tensors.items() if k != "lm_head.weight"}
+    return dataclasses.replace(config, logits_via_embedding=True,
+                               scale_tied_logits=scaled), tensors
+  if scaled:
+    scale = np.float32(config.emb_dim ** -0.5)
+    tensors = dict(tensors, **{"lm_head.weight": head * scale})
+  return dataclasses.replace(config, logits_via_embedding=False), tensors
+
+
+def _mlp_names(cfg):
+  count = len(tuple(cfg.mlp_activations))
+  return ["wi"] if count == 1 else [f"wi_{i}" for i in range(count)]
+
+
+def tensor_shapes(cfg, tensors):
+  """HF names and shapes. HF keeps one relative-position table per stack, in
+  block 0's self-attention, as [buckets, heads]."""
+  del tensors
+  d, inner, f = cfg.emb_dim, cfg.num_heads * cfg.head_dim, cfg.mlp_dim
+  shapes = {"shared.weight": (cfg.vocab_size, d),
+            "encoder.final_layer_norm.weight": (d,),
+            "decoder.final_layer_norm.weight": (d,),
+            "encoder." + _RELPOS: (cfg.relpos_num_buckets, cfg.num_heads),
+            "decoder." + _RELPOS: (cfg.relpos_num_buckets, cfg.num_heads)}
+  if not cfg.logits_via_embedding:
+    shapes["lm_head.weight"] = (cfg.vocab_size, d)
+
+  def attention(prefix):
+    return {prefix + "q.weight": (inner, d), prefix + "k.weight": (inner, d),
+            prefix + "v.weight": (inner, d), prefix + "o.weight": (d, inner)}
+
+  def mlp(prefix):
+    out = {prefix + f"{name}.weight": (f, d) for name in _mlp_names(cfg)}
+    out[prefix + "wo.weight"] = (d, f)
+    return out
+
+  for i in range(cfg.num_encoder_layers):
+    p = f"encoder.block.{i}.layer."
+    shapes.update(attention(p + "0.SelfAttention."))
+    shapes.update(mlp(p + "1.DenseReluDense."))
+    shapes[p + "0.layer_norm.weight"] = (d,)
+    shapes[p + "1.layer_norm.weight"] = (d,)
+  for i in range(cfg.num_decoder_layers):
+    p = f"decoder.block.{i}.layer."
+    shapes.update(attention(p + "0.SelfAttention."))
+    shapes.update(attention(p + "1.EncDecAttention."))
+    shapes.update(mlp(p + "2.DenseReluDense."))
+    for j in range(3):
+      shapes[p + f"{j}.layer_norm.weight"] = (d,)
+  return shapes
+
+
+_HF_ATTENTION = {"query": "q", "key": "k", "value": "v", "out": "o"}
+
+
+def from_hf(cfg, t):
+  """t5x layout; attention kernels stay 2-D [in, out] (joined heads)."""
+  linear = family.torch_linear
+
+  def attention(prefix):
+    return {ours: {"kernel": linear(t[prefix + f"{hf}.weight"])}
+            for ours, hf in _HF_ATTENTION.items()}
+
+  def mlp(prefix):
+    out = {name: {"kernel": linear(t[prefix + f"{name}.weight"])}
+           for name in _mlp_names(cfg)}
+    out["wo"] = {"kernel": linear(t[prefix + "wo.weight"])}
+    return out
+
+  encoder = {
+      "relpos_bias": {"rel_embedding": linear(t["encoder." + _RELPOS])},
+      "encoder_norm": {"scale": t["encoder.final_layer_norm.weight"]}}
+  for i in range(cfg.num_encoder_layers):
+    p = f"encoder.block.{i}.layer."
+    encoder[f"layers_{i}"] = {
+        "pre_attention_layer_norm": {"scale": t[p + "0.layer_norm.weight"]},
+        "attention": attention(p + "0.SelfAttention."),
+        "pre_mlp_layer_norm": {"scale": t[p + "1.layer_norm.weight"]},
+        "mlp": mlp(p + "1.DenseReluDense."),
+    }
+  decoder = {
+      "relpos_bias": {"rel_embedding": linear(t["decoder." + _RELPOS])},
+      "decoder_norm": {"scale": t["decoder.final_layer_norm.weight"]}}
+  for i in range(cfg.num_decoder_layers):
+    p = f"decoder.block.{i}.layer."
+    decoder[f"layers_{i}"] = {
+        "pre_self_attention_layer_norm": {
+            "scale": t[p + "0.layer_norm.weight"]},
+        "self_attention": attention(p + "0.SelfAttention."),
+        "pre_cross_attention_layer_norm": {
+            "scale": t[p + "1.layer_norm.weight"]},
+        "encoder_decoder_attention": attention(p + "1.EncDecAttention."),
+        "pre_mlp_layer_norm": {"scale": t[p + "2.layer_norm.weight"]},
+        "mlp": mlp(p + "2.DenseReluDense."),
+    }
+  if not cfg.logits_via_embedding:
+    decoder["logits_dense"] = {"kernel": linear(t["lm_head.weight"])}
+  return {"token_embedder": {"embedding": t["shared.weight"]},
+          "encoder": encoder, "decoder": decoder}
+
+
+def to_hf(cfg, params):
+  enc, dec, linear = params["encoder"], params["decoder"], family.torch_linear
+
+  def attention(prefix, p):
+    return {prefix + f"{hf}.weight": linear(p[ours]["kernel"])
+            for ours, hf in _HF_ATTENTION.items()}
+
+  def mlp(prefix, p):
+    out = {prefix + f"{name}.weight": linear(p[name]["kernel"])
+           for name in _mlp_names(cfg)}
+    out[prefix + "wo.weight"] = linear(p["wo"]["kernel"])
+    return out
+
+  shared = params["token_embedder"]["embedding"]
+  t = {"shared.weight": shared,
+       "encoder.final_layer_norm.weight": enc["encoder_norm"]["scale"],
+       "decoder.final_layer_norm.weight": dec["decoder_norm"]["scale"],
+       "encoder." + _RELPOS: linear(enc["relpos_bias"]["rel_embedding"]),
+       "decoder." + _RELPOS: linear(dec["relpos_bias"]["rel_embedding"])}
+  if not cfg.logits_via_embedding:
+    t["lm_head.weight"] = linear(dec["logits_dense"]["kernel"])
+  elif not cfg.scale_tied_logits:
+    # Tied and unscaled: transformers 4.x can only say so with an lm_head
+    # equal to the embedding (and 5.x ties it anyway); `reconcile` reads
+    # the copy back as tied.
+    t["lm_head.weight"] = shared
+  for i in range(cfg.num_encoder_layers):
+    p, layer = f"encoder.block.{i}.layer.", enc[f"layers_{i}"]
+    t.update(attention(p + "0.SelfAttention.", layer["attention"]))
+    t.update(mlp(p + "1.DenseReluDense.", layer["mlp"]))
+    t[p + "0.layer_norm.weight"] = layer["pre_attention_layer_norm"]["scale"]
+    t[p + "1.layer_norm.weight"] = layer["pre_mlp_layer_norm"]["scale"]
+  for i in range(cfg.num_decoder_layers):
+    p, layer = f"decoder.block.{i}.layer.", dec[f"layers_{i}"]
+    t.update(attention(p + "0.SelfAttention.", layer["self_attention"]))
+    t.update(attention(p + "1.EncDecAttention.",
+                       layer["encoder_decoder_attention"]))
+    t.update(mlp(p + "2.DenseReluDense.", layer["mlp"]))
+    t[p + "0.layer_norm.weight"] = layer["pre_self_attention_layer_norm"][
+        "scale"]
+    t[p + "1.layer_norm.weight"] = layer["pre_cross_attention_layer_norm"][
+        "scale"]
+    t[p + "2.layer_norm.weight"] = layer["pre_mlp_layer_norm"]["scale"]
+  return t
+
+
+FAMILY = family.Family(
+    name="t5",
+    summary="T5 encoder-decoder with t5x's parameter layout (T5 1.1 gated "
+    "GELU, T5 1.0 ReLU with tied embeddings); T5X checkpoints and HF "
+    "T5ForConditionalGeneration.",
+    config_cls=T5Config, module_cls=T5, kind=family.ENCODER_DECODER,
+    presets=T5_PRESETS, from_run_config=from_run_config,
+    layer_stacks=lambda c: (("encoder", c.num_encoder_layers),
+                            ("decoder", c.num_decoder_layers)),
+    t5x=True,
+    hf=family.HFMapping(
+        architecture=HF_ARCHITECTURE, model_type="t5",
+        config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+        tensor_shapes=tensor_shapes, from_hf=from_hf, to_hf=to_hf,
+        reconcile=reconcile,
+        ignored=(r"(encoder|decoder)\.embed_tokens\.weight",
+                 r"decoder\.block\.0\.layer\.1\.EncDecAttention\."
+                 r"relative_attention_bias\.weight")))

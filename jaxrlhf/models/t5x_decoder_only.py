@@ -9,16 +9,19 @@ output layer is not tied). A t5x checkpoint read with
 `jaxrlhf.models.t5x_checkpoint.read_t5x_checkpoint` loads unchanged:
 
   params = read_t5x_checkpoint(path)['params']        # {'decoder': {...}}
-  logits = T5xDecoderOnly(config).apply({'params': params},
-                                        decoder_input_tokens,
-                                        decoder_target_tokens)
+  model = T5xDecoderOnly(config)
+  logits = model.apply({'params': params}, decoder_input_tokens,
+                       decoder_target_tokens, method=model.t5x_logits)
+
+and, with the decoder-only families' common signature (tokens, positions,
+attention_mask), every algorithm trains it.
 
 The numerics are t5x's (tests/fixtures/t5x/README.md lists them): pre-norm
 RMSNorm layers with one self-attention and one MLP each, one unidirectional
 relative-position bias table shared by all layers, unscaled dot-product
 attention, masks as an additive -1e10, and, with `logits_via_embedding`,
 logits = h @ embedding^T / sqrt(emb_dim) in float32. The building blocks are
-those of `jaxrlhf.models.t5`.
+the shared ones of `jaxrlhf.models.layers`, T5's among them.
 
 The attention mask is t5x's `make_decoder_mask`: causal, AND padding taken
 from `decoder_target_tokens > 0`, AND (with packing) equal segment ids; with
@@ -40,18 +43,11 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.models import family
+from jaxrlhf.models import layers
 from jaxrlhf.models import t5
-from jaxrlhf.models.t5 import Dense
-from jaxrlhf.models.t5 import Embed
-from jaxrlhf.models.t5 import MlpBlock
-from jaxrlhf.models.t5 import MultiHeadAttention
-from jaxrlhf.models.t5 import RelativePositionBias
-from jaxrlhf.models.t5 import RMSNorm
-from jaxrlhf.models.t5 import attention_mask
 
 Array = jax.Array
-# t5x's additive bias for masked attention logits, in the activation dtype.
-_MASK_VALUE = -1e10
 
 
 @dataclasses.dataclass(frozen=True)
@@ -109,10 +105,7 @@ class T5xDecoderOnlyConfig:
   @classmethod
   def preset(cls, name: str, **overrides) -> "T5xDecoderOnlyConfig":
     """A size by name (see T5X_DECODER_ONLY_PRESETS), fields overridden."""
-    if name not in T5X_DECODER_ONLY_PRESETS:
-      raise ValueError(f"Unknown t5x decoder-only preset {name!r}; choose one "
-                       f"of {sorted(T5X_DECODER_ONLY_PRESETS)}.")
-    return dataclasses.replace(T5X_DECODER_ONLY_PRESETS[name], **overrides)
+    return FAMILY.preset(name, **overrides)
 
   @classmethod
   def from_t5x(cls, transformer_config: Mapping[str, Any], **overrides):
@@ -174,10 +167,10 @@ def make_decoder_mask(decoder_target_tokens: Array,
     [batch, 1, length, length] bool.
   """
   valid = decoder_target_tokens > 0
-  mask = attention_mask(valid, valid, causal=True)
+  mask = layers.pairwise_mask(valid, valid, causal=True)
   if decoder_causal_attention is not None:
     prefix = (decoder_causal_attention > 0) & valid
-    mask = mask | attention_mask(prefix, prefix)
+    mask = mask | layers.pairwise_mask(prefix, prefix)
   if decoder_segment_ids is not None:
     mask = mask & (decoder_segment_ids[:, None, :, None]
                    == decoder_segment_ids[:, None, None, :])
@@ -185,7 +178,8 @@ def make_decoder_mask(decoder_target_tokens: Array,
 
 
 class DecoderLayer(nn.Module):
-  """Pre-norm self-attention then MLP, each with a residual connection."""
+  """Pre-norm self-attention then MLP, each with a residual connection;
+  returns (x, None) (the layer stacks' carry signature)."""
   config: T5xDecoderOnlyConfig
 
   @nn.compact
@@ -194,18 +188,21 @@ class DecoderLayer(nn.Module):
     """x [batch, length, embed]; bias [batch|1, heads, length, length], or
     [.., length, T] over a KV cache of T positions with `cache_index`."""
     cfg = self.config
-    h = RMSNorm(cfg.compute_dtype, name="pre_self_attention_layer_norm")(x)
-    h = MultiHeadAttention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
+    h = layers.RMSNorm(1e-6, cfg.compute_dtype,
+                       name="pre_self_attention_layer_norm")(x)
+    h = layers.T5Attention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
                            cfg.float32_attention_logits, cfg.dropout_rate,
                            name="self_attention")(h, h, self_attention_bias,
                                                   deterministic,
                                                   cache_index=cache_index)
     x = x + _dropout(cfg, h, deterministic)
-    h = RMSNorm(cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
-    h = MlpBlock(cfg.mlp_dim, tuple(cfg.mlp_activations), cfg.compute_dtype,
-                 cfg.dropout_rate, name="mlp")(h, deterministic)
+    h = layers.RMSNorm(1e-6, cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
+    h = layers.Mlp(cfg.mlp_dim,
+                   layers.t5_mlp_activations(cfg.mlp_activations),
+                   dtype=cfg.compute_dtype, dropout_rate=cfg.dropout_rate,
+                   name="mlp")(h, deterministic)
     x = x + _dropout(cfg, h, deterministic)
-    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
 
 
 def _dropout(cfg, x, deterministic):
@@ -220,23 +217,26 @@ class Decoder(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype)
-    self.relpos_bias = RelativePositionBias(
+    self.token_embedder = layers.Embed(
+        cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype,
+        embedding_init=nn.initializers.normal(stddev=1.0),
+        attend_dtype=jnp.float32)
+    self.relpos_bias = layers.RelativePositionBias(
         cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
         bidirectional=False, dtype=cfg.compute_dtype)
-    # `deterministic` is argument 3 counting `self`.
-    layer_cls = t5.maybe_remat(
-        DecoderLayer, cfg.remat_policy, 3)
-    # A list attribute names its modules layers_0, layers_1, ... (t5x's names).
-    self.layers = [layer_cls(cfg) for _ in range(cfg.num_layers)]
-    self.decoder_norm = RMSNorm(cfg.compute_dtype)
-    # t5x broadcasts its dropout masks along length.
+    # `deterministic` is argument 3 counting `self`; a list attribute names
+    # its modules layers_0, layers_1, ... (t5x's names).
+    self.layers = layers.make_layer_stack(
+        DecoderLayer, cfg, cfg.num_layers, False, cfg.remat_policy,
+        num_args=3, static_argnums=(3,))
+    self.decoder_norm = layers.RMSNorm(1e-6, cfg.compute_dtype)
     self.input_dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     self.output_dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     if not cfg.logits_via_embedding:
       # float32 output layer, as t5x ("for stability").
-      self.logits_dense = Dense(cfg.vocab_size, ("embed", "vocab"),
-                                dtype=jnp.float32)
+      self.logits_dense = layers.DenseGeneral((cfg.vocab_size,),
+                                              ("embed", "vocab"),
+                                              dtype=jnp.float32)
 
   def hidden_states(self, decoder_input_tokens, decoder_target_tokens=None,
                     *, decoder_causal_attention=None, decoder_segment_ids=None,
@@ -258,13 +258,12 @@ class Decoder(nn.Module):
     length = decoder_input_tokens.shape[-1]
     mask = make_decoder_mask(decoder_target_tokens, decoder_causal_attention,
                              decoder_segment_ids)
-    bias = (jnp.where(mask, 0.0, _MASK_VALUE).astype(cfg.compute_dtype)
+    bias = (layers.mask_to_bias(mask, cfg.compute_dtype)
             + self.relpos_bias(length, length))
     y = self.token_embedder(decoder_input_tokens.astype(jnp.int32))
     y = self.input_dropout(y, deterministic=deterministic)
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
-    for layer in self.layers:
-      y = layer(y, bias, deterministic)
+    y = layers.run_layer_stack(self.layers, y, bias, deterministic, None)
     y = self.decoder_norm(y)
     return self.output_dropout(y, deterministic=deterministic)
 
@@ -292,12 +291,11 @@ class Decoder(nn.Module):
                       & (key_slots < cache_index + length))
       mask = mask | (real_queries[:, None, :, None] & real[:, None, None, :]
                      & among_inputs[None, None, None, :])
-    bias = (jnp.where(mask, 0.0, _MASK_VALUE).astype(cfg.compute_dtype)
+    bias = (layers.mask_to_bias(mask, cfg.compute_dtype)
             + self.relpos_bias(length, cache_length, query_offset=cache_index))
     y = self.token_embedder(tokens.astype(jnp.int32))
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
-    for layer in self.layers:
-      y = layer(y, bias, True, cache_index)
+    y = layers.run_layer_stack(self.layers, y, bias, True, cache_index)
     y = self.decoder_norm(y[:, -1:])
     return self.logits_from_hidden(y)[:, 0]
 
@@ -333,30 +331,49 @@ def _check_tokens(tokens, name):
 class T5xDecoderOnly(nn.Module):
   """t5x's `DecoderWrapper`: the decoder under an outer `decoder/` scope.
 
-  Call: `apply({'params': p}, decoder_input_tokens, decoder_target_tokens,
-  decoder_causal_attention=..., decoder_segment_ids=..., deterministic=...)`
-  with int [batch, length] features (seqio's decoder-only feature names) ->
-  float32 logits [batch, length, vocab]. `decoder_target_tokens` only sets the
-  padding mask (> 0); None treats every position as real. Pass
-  `decoder_causal_attention` only for the prefix-LM mask. t5x's
-  `decoder_positions` is not taken: its network ignores it (relative positions
-  come from array indices; packed examples are kept apart by segment ids).
+  It has the decoder-only families' common signature (`layers.CausalLM`),
+  so every algorithm trains it:
+
+    logits = model.apply({'params': p}, tokens, positions, attention_mask)
+
+  with int [batch, length] tokens, attention_mask 1 = real token (its
+  padding is t5x's `decoder_target_tokens > 0`) and `positions` ignored
+  (relative positions come from array indices). t5x's own feature names are
+  `t5x_logits` / `t5x_hidden_states`:
+
+    logits = model.apply({'params': p}, decoder_input_tokens,
+                         decoder_target_tokens, method=model.t5x_logits)
+
+  which also take `decoder_causal_attention` (the prefix-LM mask),
+  `decoder_segment_ids` (packing) and `deterministic` (dropout). t5x's
+  `decoder_positions` is not taken: its network ignores it.
   """
   config: T5xDecoderOnlyConfig
 
   def setup(self):
     self.decoder = Decoder(self.config)
 
-  def hidden_states(self, decoder_input_tokens, decoder_target_tokens=None,
-                    **kwargs):
+  def hidden_states(self, tokens, positions, attention_mask):
     """Final normalised states [batch, length, embed] (for value/reward
-    heads); same arguments as `__call__`."""
-    return self.decoder.hidden_states(decoder_input_tokens,
-                                      decoder_target_tokens, **kwargs)
+    heads) of the common signature."""
+    del positions
+    return self.decoder.hidden_states(tokens, attention_mask)
 
   def logits_from_hidden(self, hidden):
     """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
     return self.decoder.logits_from_hidden(hidden)
+
+  def t5x_hidden_states(self, decoder_input_tokens,
+                        decoder_target_tokens=None, **kwargs):
+    """Final states from t5x's features (see the class docstring)."""
+    return self.decoder.hidden_states(decoder_input_tokens,
+                                      decoder_target_tokens, **kwargs)
+
+  def t5x_logits(self, decoder_input_tokens, decoder_target_tokens=None,
+                 **kwargs):
+    """float32 logits [batch, length, vocab] from t5x's features."""
+    return self.decoder(decoder_input_tokens, decoder_target_tokens,
+                        **kwargs)
 
   def decode_step(self, tokens, positions, attention_mask, cache_index,
                   bidirectional_prompt=False):
@@ -386,9 +403,11 @@ class T5xDecoderOnly(nn.Module):
     return self.decoder.decode_step(tokens, positions, attention_mask,
                                     cache_index, bidirectional_prompt)
 
-  def __call__(self, decoder_input_tokens, decoder_target_tokens=None,
-               **kwargs):
-    return self.decoder(decoder_input_tokens, decoder_target_tokens, **kwargs)
+  def __call__(self, tokens, positions, attention_mask):
+    """tokens, positions, attention_mask [batch, length] -> float32 logits
+    [batch, length, vocab] (the common decoder-only signature)."""
+    del positions
+    return self.decoder(tokens, attention_mask)
 
 
 # ----------------------------------------------------------------------------
@@ -426,7 +445,8 @@ def token_scores(model: T5xDecoderOnly, params, batch: Mapping[str, Array],
       batch["decoder_target_tokens"],
       decoder_causal_attention=_causal_attention_or_none(
           batch, inputs_bidirectional_attention),
-      decoder_segment_ids=batch.get("decoder_segment_ids"))
+      decoder_segment_ids=batch.get("decoder_segment_ids"),
+      method=model.t5x_logits)
   logprobs = sft_losses.token_logprobs(logits, batch["decoder_target_tokens"])
   return logprobs * batch["decoder_loss_weights"].astype(jnp.float32)
 
@@ -520,3 +540,29 @@ def _greedy_continuation_cached(model, params, decoder_input_tokens,
                    < (length - prompt_length)[:, None])
   out = jnp.where(within_budget, samples.tokens, 0)
   return out, jnp.any(out == eos_id, axis=-1)
+
+
+def from_run_config(model_cfg, vocab_size: int) -> T5xDecoderOnlyConfig:
+  """`config.model` (arch 't5x_decoder_only') -> T5xDecoderOnlyConfig."""
+  family.refuse_fields(model_cfg, "t5x_decoder_only", {
+      "scan_layers": (False, "has no scanned layout (t5x's decoder-only "
+                      "checkpoints are unscanned)."),
+      "attention_impl": ("xla", "only has the 'xla' attention.")})
+  overrides = family.decoder_only_overrides(model_cfg, vocab_size)
+  for field in ("scan_layers", "attention_impl"):
+    overrides.pop(field, None)
+  overrides.update(
+      mlp_activations=t5.mlp_activations(model_cfg),
+      logits_via_embedding=model_cfg.get("logits_via_embedding", False),
+      dropout_rate=model_cfg.get("dropout_rate", 0.0))
+  return FAMILY.preset(model_cfg.size, **overrides)
+
+
+FAMILY = family.Family(
+    name="t5x_decoder_only",
+    summary="t5x's decoder-only Transformer (relative-position bias, t5x "
+    "parameter layout); T5X checkpoints.",
+    config_cls=T5xDecoderOnlyConfig, module_cls=T5xDecoderOnly,
+    kind=family.DECODER_ONLY, presets=T5X_DECODER_ONLY_PRESETS,
+    from_run_config=from_run_config,
+    layer_stacks=lambda c: (("decoder", c.num_layers),), t5x=True)
