@@ -131,6 +131,20 @@ def make_neox_sequential(out, rng):
   _save_decoder_fixture(model, out, rng)
 
 
+def make_neox_odd_rotary(out, rng):
+  """rotary_pct 0.25 of 12-wide heads: an odd rotary dimension (3), of which
+  transformers rotates 4 channels with frequencies theta ** (-2i / 3)."""
+  config = transformers.GPTNeoXConfig(
+      vocab_size=VOCAB, hidden_size=24, intermediate_size=48,
+      num_hidden_layers=2, num_attention_heads=2, rotary_pct=0.25,
+      rotary_emb_base=10000, use_parallel_residual=True,
+      max_position_embeddings=64, layer_norm_eps=1e-5, hidden_act="gelu",
+      tie_word_embeddings=False, attn_implementation="eager")
+  model = transformers.GPTNeoXForCausalLM(config)
+  _randomise(model, SEED + 6)
+  _save_decoder_fixture(model, out, rng)
+
+
 def _t5_inputs(rng):
   """Right-padded encoder inputs ending in EOS (1) and decoder targets, with
   t5x's decoder inputs (targets shifted right, starting with 0)."""
@@ -195,6 +209,21 @@ def make_t5_relu_tied(out, rng):
   _save_t5_fixture(model, out, rng)
 
 
+def make_t5_tied(out, rng):
+  """T5 1.1 as transformers 5 saves it: gated-gelu, no logit scaling, and
+  the output layer tied to the embedding (the file has no lm_head)."""
+  config = transformers.T5Config(
+      vocab_size=VOCAB, d_model=16, d_kv=4, d_ff=24, num_layers=1,
+      num_decoder_layers=1, num_heads=4, feed_forward_proj="gated-gelu",
+      relative_attention_num_buckets=8, relative_attention_max_distance=16,
+      dropout_rate=0.0, tie_word_embeddings=False,
+      attn_implementation="eager")
+  model = transformers.T5ForConditionalGeneration(config)
+  assert model.lm_head.weight is model.shared.weight  # tied by transformers
+  _randomise(model, SEED + 7)
+  _save_t5_fixture(model, out, rng)
+
+
 FIXTURES = {
     "llama_gqa": make_llama_gqa,
     "llama_tied": make_llama_tied,
@@ -202,16 +231,23 @@ FIXTURES = {
     "neox_sequential": make_neox_sequential,
     "t5_gated": make_t5_gated,
     "t5_relu_tied": make_t5_relu_tied,
+    "neox_odd_rotary": make_neox_odd_rotary,
+    "t5_tied": make_t5_tied,
 }
 
 
 def main():
   parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
   parser.add_argument("--out", default=str(REPO / "tests" / "fixtures" / "hf"))
+  parser.add_argument("--only", nargs="*", choices=sorted(FIXTURES),
+                      help="make only these fixtures (the others' files stay "
+                      "byte for byte as they are)")
   args = parser.parse_args()
   torch.manual_seed(SEED)
   root = pathlib.Path(args.out)
   for i, (name, make) in enumerate(FIXTURES.items()):
+    if args.only and name not in args.only:
+      continue
     out = root / name
     out.mkdir(parents=True, exist_ok=True)
     make(out, np.random.default_rng(SEED + i))

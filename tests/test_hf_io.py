@@ -26,11 +26,13 @@ from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import hf_io
 from jaxrlhf.models import layers
 from jaxrlhf.models import llama
+from jaxrlhf.models import sampling
 from jaxrlhf.models import t5
 
 HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-DECODER_ONLY = ("llama_gqa", "llama_tied", "pythia", "neox_sequential")
-ENCODER_DECODER = ("t5_gated", "t5_relu_tied")
+DECODER_ONLY = ("llama_gqa", "llama_tied", "pythia", "neox_sequential",
+                "neox_odd_rotary")
+ENCODER_DECODER = ("t5_gated", "t5_relu_tied", "t5_tied")
 
 
 @functools.lru_cache(maxsize=None)
@@ -346,6 +348,53 @@ def test_transformers_loads_our_export(kind, tmp_path):
                      position_ids=as_torch["positions"]).logits
   theirs = theirs.float().numpy()
   np.testing.assert_allclose(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", ["llama_gqa", "pythia"])
+def test_export_keeps_the_generation_ids(name, tmp_path):
+  """The tokenizer ids transformers' generate stops and pads with survive
+  import -> export -> import, in config.json and generation_config.json."""
+  written = hf_io.read_hf_config(HF_FIXTURES / name)
+  config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / name)
+  assert (config.bos_token_id, config.eos_token_id) == (
+      written["bos_token_id"], written["eos_token_id"])
+  hf_io.export_hf_checkpoint(config, params, tmp_path)
+  exported = json.loads((tmp_path / "config.json").read_text())
+  generation = json.loads((tmp_path / "generation_config.json").read_text())
+  for key in ("bos_token_id", "eos_token_id"):
+    assert exported[key] == generation[key] == written[key], key
+  assert hf_io.load_hf_checkpoint(tmp_path)[0] == config
+
+
+def test_transformers_generate_on_our_export_stops_where_ours_does(tmp_path):
+  torch = pytest.importorskip("torch", reason="torch is not installed; "
+                              "`pip install torch==2.13.0 transformers`")
+  transformers = pytest.importorskip("transformers")
+  config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / "llama_gqa")
+  g = dict(np.load(HF_FIXTURES / "llama_gqa" / "generate.npz"))
+  # The id the fixture's first prompt reaches greedily (its third token).
+  config = dataclasses.replace(config, eos_token_id=int(g["eos_id"]),
+                               pad_token_id=0)
+  hf_io.export_hf_checkpoint(config, params, tmp_path)
+  ours = sampling.sample_decoder_only(
+      models.module_for_config(config), params, g["prompt_tokens"],
+      g["prompt_attention_mask"], jax.random.PRNGKey(0),
+      int(g["max_new_tokens"]), greedy=True, eos_id=config.eos_token_id)
+  model = transformers.AutoModelForCausalLM.from_pretrained(
+      tmp_path, attn_implementation="eager")
+  with torch.no_grad():
+    # No eos or pad argument: generate reads them from the export.
+    out = model.generate(
+        input_ids=torch.from_numpy(g["prompt_tokens"]).long(),
+        attention_mask=torch.from_numpy(g["prompt_attention_mask"]).long(),
+        max_new_tokens=int(g["max_new_tokens"]), do_sample=False)
+  theirs = out[:, g["prompt_tokens"].shape[1]:].numpy()
+  ours = np.asarray(ours.tokens)
+  assert ours[0].tolist()[:3] == theirs[0].tolist()[:3]
+  assert theirs[0, 2] == config.eos_token_id  # it stopped there: pads after
+  np.testing.assert_array_equal(theirs[0, 3:], 0)
+  np.testing.assert_array_equal(ours, np.pad(
+      theirs, ((0, 0), (0, ours.shape[1] - theirs.shape[1]))))
 
 
 # ----------------------------------------------------------------------------

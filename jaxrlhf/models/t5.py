@@ -467,11 +467,12 @@ def config_to_hf(config: T5Config):
       "relative_attention_max_distance": config.relpos_max_distance,
       "feed_forward_proj": proj, "layer_norm_epsilon": 1e-6,
       "dropout_rate": 0.0, "is_encoder_decoder": True,
-      # 4.x reads the logit scaling (and the tying) from
-      # tie_word_embeddings, 5.x the scaling from scale_decoder_outputs
-      # (and always ties). A tied unscaled model is written with an equal
-      # lm_head (`to_hf`), which both read as that model.
-      "tie_word_embeddings": scaled, "scale_decoder_outputs": scaled,
+      # 5.x reads the logit scaling from scale_decoder_outputs and ties
+      # when the file has no lm_head; 4.x reads both from
+      # tie_word_embeddings, so it cannot express a tied unscaled T5 1.1
+      # (the file transformers 5 writes for one is what this writes).
+      "tie_word_embeddings": bool(config.logits_via_embedding),
+      "scale_decoder_outputs": scaled,
       "pad_token_id": 0, "eos_token_id": 1, "decoder_start_token_id": 0,
   }
 
@@ -617,11 +618,6 @@ def to_hf(cfg, params):
        "decoder." + _RELPOS: linear(dec["relpos_bias"]["rel_embedding"])}
   if not cfg.logits_via_embedding:
     t["lm_head.weight"] = linear(dec["logits_dense"]["kernel"])
-  elif not cfg.scale_tied_logits:
-    # Tied and unscaled: transformers 4.x can only say so with an lm_head
-    # equal to the embedding (and 5.x ties it anyway); `reconcile` reads
-    # the copy back as tied.
-    t["lm_head.weight"] = shared
   for i in range(cfg.num_encoder_layers):
     p, layer = f"encoder.block.{i}.layer.", enc[f"layers_{i}"]
     t.update(attention(p + "0.SelfAttention.", layer["attention"]))
