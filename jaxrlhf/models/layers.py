@@ -289,9 +289,18 @@ def causal_padding_mask(attention_mask: Array) -> Array:
   return mask[:, None]
 
 
+def softcap(x: Array, cap: Optional[float]) -> Array:
+  """cap * tanh(x / cap): x squashed smoothly into (-cap, cap) (Gemma 2's
+  attention and output logits); None leaves x as it is."""
+  if cap is None:
+    return x
+  return jnp.tanh(x / cap) * cap
+
+
 def attend(query: Array, key: Array, value: Array, mask: Array, *,
-           impl: str = "xla") -> Array:
-  """softmax(q k^T / sqrt(head_dim) + mask) v with grouped key/value heads.
+           impl: str = "xla", scale: Optional[float] = None,
+           logit_softcap: Optional[float] = None) -> Array:
+  """softmax(softcap(q k^T * scale) + mask) v with grouped key/value heads.
 
   Args:
     query: [batch, q_length, heads, head_dim].
@@ -301,17 +310,25 @@ def attend(query: Array, key: Array, value: Array, mask: Array, *,
     impl: 'xla' (einsums, softmax in float32), 'dot_product'
       (`jax.nn.dot_product_attention`, letting JAX pick the kernel), or
       'dot_product_cudnn' (its cuDNN fused kernel; GPU only).
+    scale: the logits' multiplier (None: 1 / sqrt(head_dim)).
+    logit_softcap: cap of the logits (`softcap`, before the mask); 'xla'
+      only.
   Returns:
     [batch, q_length, heads, head_dim] in query's dtype.
   """
   batch, q_len, heads, head_dim = query.shape
   kv_heads = key.shape[2]
-  scale = 1.0 / np.sqrt(head_dim)
+  if scale is None:
+    scale = 1.0 / np.sqrt(head_dim)
+  if logit_softcap is not None and impl != "xla":
+    raise ValueError(f"attention_impl={impl!r} cannot soft-cap attention "
+                     "logits; use 'xla'.")
   if impl == "xla":
     groups = heads // kv_heads
     query = query.reshape(batch, q_len, kv_heads, groups, head_dim)
     logits = jnp.einsum("btkgh,bskh->bkgts", query, key,
                         preferred_element_type=jnp.float32) * scale
+    logits = softcap(logits, logit_softcap)
     logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
     out = jnp.einsum("bkgts,bskh->btkgh", probs, value)
@@ -349,6 +366,18 @@ def cache_mask(attention_mask: Array, cache_index, length: int) -> Array:
   return mask[:, None]
 
 
+def window_mask(q_length: int, k_length: int, window: int,
+                cache_index=None) -> Array:
+  """bool [q_length, k_length]: key slot k is fewer than `window` slots
+  before query slot q (k <= q is the causal mask's business). Queries sit
+  at slots 0 .. q_length - 1, or at cache_index + 0 .. when decoding with a
+  cache of k_length slots. Slots are array positions: with left padding and
+  no gaps they are the real tokens' position differences."""
+  offset = 0 if cache_index is None else cache_index
+  query_slots = offset + jnp.arange(q_length)
+  return (query_slots[:, None] - jnp.arange(k_length)[None, :]) < window
+
+
 def update_kv_cache(module: nn.Module, name: str, new: Array, cache_index,
                     cache_length: int, axes) -> Array:
   """Writes `new` [batch, L, heads, head_dim] into the cache variable `name`
@@ -382,6 +411,14 @@ class Attention(nn.Module):
   use_bias: bool = False
   dtype: Any = jnp.float32
   attention_impl: str = "xla"
+  # The logits' multiplier (None: 1 / sqrt(head_dim); Gemma's is
+  # query_pre_attn_scalar ** -0.5).
+  query_scale: Optional[float] = None
+  # Soft cap of the attention logits (`softcap`); None: none.
+  logit_softcap: Optional[float] = None
+  # Local attention: a query sees only the keys fewer than this many
+  # positions back (Gemma 2's sliding-window layers); None: all.
+  sliding_window: Optional[int] = None
 
   @nn.compact
   def __call__(self, x: Array, positions: Array, mask: Array,
@@ -417,7 +454,11 @@ class Attention(nn.Module):
                             mask.shape[-1], kv_axes)
       value = update_kv_cache(self, "cached_value", value, cache_index,
                               mask.shape[-1], kv_axes)
-    out = attend(query, key, value, mask, impl=self.attention_impl)
+    if self.sliding_window is not None:
+      mask = mask & window_mask(mask.shape[-2], mask.shape[-1],
+                                self.sliding_window, cache_index)
+    out = attend(query, key, value, mask, impl=self.attention_impl,
+                 scale=self.query_scale, logit_softcap=self.logit_softcap)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
                         num_in_axes=2, use_bias=self.use_bias,
@@ -809,16 +850,25 @@ class DecoderOnly(nn.Module):
 
   `config` needs: vocab_size, emb_dim, num_layers, dtype, scan_layers,
   remat_policy, tie_embeddings.
+
+  Options a family sets (`CausalLM.decoder_options`): `num_blocks`, the
+  stack's length when a block holds several layers (None: num_layers);
+  `embedding_multiplier`, applied to the embeddings (Gemma's sqrt(emb_dim));
+  `final_logit_softcap`, the output logits' soft cap (`softcap`).
   """
   config: Any
   block: Any
   final_norm: Callable[[], nn.Module]
+  num_blocks: Optional[int] = None
+  embedding_multiplier: Optional[float] = None
+  final_logit_softcap: Optional[float] = None
 
   def setup(self):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype)
-    self.layers = make_layer_stack(self.block, cfg, cfg.num_layers,
+    self.layers = make_layer_stack(self.block, cfg,
+                                   self.num_blocks or cfg.num_layers,
                                    cfg.scan_layers, cfg.remat_policy,
                                    num_args=3)  # positions, mask, cache_index
     self.decoder_norm = self.final_norm()
@@ -837,10 +887,16 @@ class DecoderOnly(nn.Module):
     """
     check_decoder_inputs(tokens, positions, attention_mask)
     mask = causal_padding_mask(attention_mask)
-    x = self.token_embedder(tokens)
-    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    x = self.embed(tokens)
     x = run_layer_stack(self.layers, x, positions, mask, None)
     x = self.decoder_norm(x)
+    return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+  def embed(self, tokens: Array) -> Array:
+    """tokens [batch, length] -> embeddings [batch, length, embed]."""
+    x = self.token_embedder(tokens)
+    if self.embedding_multiplier is not None:
+      x = x * jnp.asarray(self.embedding_multiplier, x.dtype)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
 
   def decode_step(self, tokens: Array, positions: Array,
@@ -865,8 +921,7 @@ class DecoderOnly(nn.Module):
       float32 logits [batch, vocab] of the last of the L inputs.
     """
     mask = cache_mask(attention_mask, cache_index, tokens.shape[-1])
-    x = self.token_embedder(tokens)
-    x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
+    x = self.embed(tokens)
     x = run_layer_stack(self.layers, x, positions, mask, cache_index)
     # Only the last position's logits are needed: a prefill of a long prompt
     # would otherwise build a [batch, L, vocab] array.
@@ -879,7 +934,7 @@ class DecoderOnly(nn.Module):
       logits = self.token_embedder.attend(hidden)
     else:
       logits = self.logits_dense(hidden)
-    logits = logits.astype(jnp.float32)
+    logits = softcap(logits.astype(jnp.float32), self.final_logit_softcap)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
   def __call__(self, tokens: Array, positions: Array,
@@ -939,7 +994,9 @@ class CausalLM(nn.Module):
   layout) with the family's block and final norm.
 
   Subclasses set `block_cls` and define `final_norm()`, a factory of the
-  final normalisation module.
+  final normalisation module, and may define `decoder_options()`, the
+  `DecoderOnly` options of the family (block count, embedding multiplier,
+  output soft cap).
   """
   config: Any
   block_cls = None
@@ -947,8 +1004,12 @@ class CausalLM(nn.Module):
   def final_norm(self):
     raise NotImplementedError
 
+  def decoder_options(self):
+    return {}
+
   def setup(self):
-    self.decoder = DecoderOnly(self.config, self.block_cls, self.final_norm())
+    self.decoder = DecoderOnly(self.config, self.block_cls, self.final_norm(),
+                               **self.decoder_options())
 
   def hidden_states(self, tokens: Array, positions: Array,
                     attention_mask: Array) -> Array:
