@@ -20,6 +20,7 @@ import jax
 import ml_collections
 
 from jaxrlhf.models import family
+from jaxrlhf.models import gemma
 from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import llama
 from jaxrlhf.models import t5
@@ -30,6 +31,7 @@ FAMILIES: Dict[str, family.Family] = {f.name: f for f in (
     llama.FAMILY,
     gpt_neox.FAMILY,
     t5x_decoder_only.FAMILY,
+    gemma.FAMILY,
 )}
 
 ARCHITECTURES = tuple(FAMILIES)
