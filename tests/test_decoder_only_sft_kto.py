@@ -136,11 +136,14 @@ def test_decoder_only_sft_loss_equals_numpy_reference():
   np.testing.assert_allclose(float(metrics["nll"]), want_nll, rtol=1e-5)
 
 
-# t5x's decoder-only model trains through the same common signature.
-@pytest.mark.parametrize("arch", ["llama", "t5x_decoder_only"])
+# Every decoder-only family trains through the same common signature.
+@pytest.mark.parametrize("arch", ["llama", "t5x_decoder_only", "gemma"])
 def test_tiny_decoder_only_sft_run_lowers_loss_and_is_evaluated(tmp_path,
                                                                  arch):
-  config = tiny_config(**dict(LLAMA, model__arch=arch), train__num_steps=30,
+  # Gemma's layers come in local/global pairs.
+  layers = 2 if arch == "gemma" else 1
+  config = tiny_config(**dict(LLAMA, model__arch=arch),
+                       model__num_decoder_layers=layers, train__num_steps=30,
                        train__log_every=1,
                        optimizer__warmup_steps=0,
                        checkpoint__every_steps=30)
