@@ -270,14 +270,19 @@ class Trainer:
   # --- optimisation ------------------------------------------------------------
 
   def _make_optimizer(self):
-    per_network = (self.algorithm.networks.optimizers(self)
-                   if self.algorithm.networks.optimizers else None)
+    networks = self.algorithm.networks
+    per_network = networks.optimizers(self) if networks.optimizers else None
+    scales = networks.update_scales(self) if networks.update_scales else None
     if self.online:
-      return self.online.make_optimizer(self.config, per_network)
+      return self.online.make_optimizer(self.config, per_network, scales)
     steps_total = self.config.train.num_steps
     if not per_network:
+      if scales:
+        raise ValueError(f"{self.algorithm.name}: Networks.update_scales "
+                         "needs Networks.optimizers (one optimizer per "
+                         "network).")
       return optimizers.make_optimizer(self.config.optimizer, steps_total)
-    return optimizers.make_network_optimizers(per_network, steps_total)
+    return optimizers.make_network_optimizers(per_network, steps_total, scales)
 
   def learning_rate(self, step):
     """The policy's learning rate at train step `step`."""
