@@ -18,6 +18,7 @@ from jaxrlhf.algorithms import ppo
 from jaxrlhf.algorithms import rejection_sampling
 from jaxrlhf.algorithms import reward_model
 from jaxrlhf.algorithms import sft
+from jaxrlhf.algorithms import simpo
 from jaxrlhf.algorithms import trainer
 
 REGISTRY: Dict[str, base.Algorithm] = {a.name: a for a in (
@@ -25,6 +26,7 @@ REGISTRY: Dict[str, base.Algorithm] = {a.name: a for a in (
     reward_model.ALGORITHM,
     reward_model.RANKING,
     dpo.ALGORITHM,
+    simpo.ALGORITHM,
     kto.ALGORITHM,
     kto.THUMBS,
     dro.ALGORITHM,
