@@ -14,6 +14,7 @@ from jaxrlhf.algorithms import dpo
 from jaxrlhf.algorithms import dro
 from jaxrlhf.algorithms import group_rl
 from jaxrlhf.algorithms import kto
+from jaxrlhf.algorithms import orpo
 from jaxrlhf.algorithms import ppo
 from jaxrlhf.algorithms import rejection_sampling
 from jaxrlhf.algorithms import reward_model
@@ -27,6 +28,7 @@ REGISTRY: Dict[str, base.Algorithm] = {a.name: a for a in (
     reward_model.RANKING,
     dpo.ALGORITHM,
     simpo.ALGORITHM,
+    orpo.ALGORITHM,
     kto.ALGORITHM,
     kto.THUMBS,
     dro.ALGORITHM,
