@@ -88,7 +88,8 @@ def test_update_scale_multiplies_the_update_a_loss_scale_does_not(name):
 
 
 def _first_step_displacements(config, host_state):
-  """(|policy update|, |value update|) of one train step from host_state."""
+  """(|policy update|, |value update|, logged learning rate) of one train
+  step from host_state."""
   mesh, rules = _mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     trainer = trainer_of(from_scratch(algorithms.get("dro_v")), config, mesh)
@@ -103,7 +104,7 @@ def _first_step_displacements(config, host_state):
                           new[name], host_state.params[name])
     return np.sqrt(sum(np.sum(d * d) for d in jax.tree.leaves(deltas)))
 
-  return norm("policy"), norm("value")
+  return norm("policy"), norm("value"), float(metrics["learning_rate"])
 
 
 @pytest.mark.parametrize("optimizer", ["adafactor", "adamw"])
@@ -132,6 +133,9 @@ def test_tau_rescales_the_policy_update_not_the_value_update(trajectories,
   assert moved[1.0][0] > 0 and moved[1.0][1] > 0
   np.testing.assert_allclose(moved[0.1][0] / moved[1.0][0], 10.0, rtol=1e-3)
   np.testing.assert_allclose(moved[0.1][1], moved[1.0][1], rtol=1e-6)
+  # The logged learning rate is the policy's effective one.
+  np.testing.assert_allclose([moved[1.0][2], moved[0.1][2]], [1e-2, 1e-1],
+                             rtol=1e-6)
 
 
 @pytest.mark.parametrize("arch", ["t5", "llama"])

@@ -52,7 +52,8 @@ class Networks:
       per network; None = `config.optimizer` for everything.
     update_scales: (trainer) -> {network: factor} multiplying that
       network's updates after its optimizer (DRO-V's policy learning-rate
-      rescaling); needs `optimizers`. None = every factor 1.
+      rescaling); an offline algorithm needs `optimizers` for it. None =
+      every factor 1.
     reference: the run holds (or can load) a frozen copy of the starting
       policy that evaluation compares the policy with.
   """

@@ -273,6 +273,7 @@ class Trainer:
     networks = self.algorithm.networks
     per_network = networks.optimizers(self) if networks.optimizers else None
     scales = networks.update_scales(self) if networks.update_scales else None
+    self._policy_update_scale = (scales or {}).get("policy", 1.0)
     if self.online:
       return self.online.make_optimizer(self.config, per_network, scales)
     steps_total = self.config.train.num_steps
@@ -285,11 +286,16 @@ class Trainer:
     return optimizers.make_network_optimizers(per_network, steps_total, scales)
 
   def learning_rate(self, step):
-    """The policy's learning rate at train step `step`."""
+    """The policy's learning rate at train step `step`, times the factor its
+    updates are scaled by (`Networks.update_scales`: DRO-V's 1/tau)."""
     if self.online:
-      return self.online.learning_rate(self.config, step)
-    return optimizers.learning_rate_schedule(
-        self.config.optimizer, self.config.train.num_steps)(step)
+      rate = self.online.learning_rate(self.config, step)
+    else:
+      rate = optimizers.learning_rate_schedule(
+          self.config.optimizer, self.config.train.num_steps)(step)
+    if self._policy_update_scale == 1:
+      return rate
+    return rate * self._policy_update_scale
 
   def _step(self, state, batch):
     if self.online:
