@@ -82,6 +82,12 @@ def networks(trainer, rng):
   out = {"policy": trainer.init_lm(a)}
   emb = trainer.model_config.emb_dim
   source = trainer.config.dro.value_source
+  token = trainer.config.dro.value_token_id
+  vocab = trainer.model_config.vocab_size
+  if source == POLICY_LOGITS and token >= vocab:
+    raise ValueError(
+        f"config.dro.value_token_id: {token} is not a token of the policy's "
+        f"{vocab}-entry output; use an id below it (0 is PAD).")
   if source == VALUE_NETWORK:
     out["value"] = heads.init_from_backbone(c, trainer.init_lm(b), emb)
   elif source == POLICY_HEAD:
@@ -137,10 +143,6 @@ def logprobs_and_logit_values(trainer, params, batch):
       trainer.lm, params, completion_view(trainer, batch))
   weights = weights.astype(jnp.float32)
   token = trainer.config.dro.value_token_id
-  if token >= logits.shape[-1]:
-    raise ValueError(
-        f"config.dro.value_token_id: {token} is not a token of the policy's "
-        f"{logits.shape[-1]}-entry output; use an id below it (0 is PAD).")
   logprobs = jnp.sum(sft_losses.token_logprobs(logits, targets) * weights,
                      axis=-1)
   first = jnp.argmax(weights > 0, axis=-1)
