@@ -83,9 +83,9 @@ def scale_updates(tx, factor: float):
   return optax.GradientTransformation(tx.init, update)
 
 
-def make_network_optimizers(configs: Mapping[str, ml_collections.ConfigDict],
-                            num_updates: int,
-                            update_scales: Optional[Mapping[str, float]] = None):
+def make_network_optimizers(
+    configs: Mapping[str, ml_collections.ConfigDict], num_updates: int,
+    update_scales: Optional[Mapping[str, float]] = None):
   """One optimizer per top-level network ({"policy": cfg, "value": cfg}),
   each on its own subtree of the params dict; `update_scales` ({network:
   factor}) multiplies a network's updates after its optimizer
