@@ -29,8 +29,9 @@ whose gold reward is a program, with the quickstart's tiny T5:
                         (Figure 3, top; the paper's 1e-5, 5e-5, 5e-4 around
                         its 1e-4);
        dro_v_vlr_x*     the value's learning rate alone (Figure 3, bottom);
-       dro_v_single_*   one shared network and/or one value per batch
-                        (Figure 5);
+       dro_v_single_*   one network (the policy's logits as the value,
+                        dro.value_source=policy_logits) and/or one value per
+                        batch (Figure 5);
   3. each policy's final checkpoint samples one completion (temperature 1)
      for each of `--eval_prompts` prompts of the task's "test" split, which
      no stage has seen; the gold reward decides each side-by-side
@@ -92,9 +93,10 @@ def variants(learning_rate: float):
     out[f"dro_v_vlr_x{m:g}"] = ("dro_v", {
         "dro.value_learning_rate": learning_rate * m})
   out["dro_v_single_value"] = ("dro_v", {"dro.single_value_per_batch": True})
-  out["dro_v_single_net"] = ("dro_v", {"dro.shared_network": True})
+  out["dro_v_single_net"] = ("dro_v", {"dro.value_source": "policy_logits"})
   out["dro_v_single_net_single_value"] = ("dro_v", {
-      "dro.shared_network": True, "dro.single_value_per_batch": True})
+      "dro.value_source": "policy_logits",
+      "dro.single_value_per_batch": True})
   return out
 
 

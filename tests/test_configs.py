@@ -54,6 +54,23 @@ def test_paper_configs_use_the_papers_settings():
     assert c.data.files.layout == "ultrafeedback"
 
 
+def test_kto_config_is_the_dro_papers_kto_baseline():
+  """Section 4: tau 5 was KTO's best (Figure 4), re-used for XL; T5-L trains
+  40,000 steps, XL 20,000; the loss is not weighted."""
+  large, xl = load("kto.py"), load("kto.py", "xl")
+  assert (large.model.size, large.mesh.shape, large.train.num_steps) == (
+      "large", (4, 4), 40_000)
+  assert (xl.model.size, xl.mesh.shape, xl.train.num_steps) == (
+      "xl", (4, 8), 20_000)
+  for c in (large, xl):
+    assert c.algorithm == "kto" and c.kto.beta == 5.0
+    assert c.kto.desirable_weight == c.kto.undesirable_weight == 1.0
+    assert c.optimizer.name == "adafactor" and c.optimizer.decay_rate == 0.8
+    assert c.train.batch_size == 32 and c.optimizer.learning_rate == 1e-4
+  with pytest.raises(ValueError, match="kto.py:base"):
+    load("kto.py", "base")
+
+
 def _ultrafeedback_file(path: pathlib.Path, n=24):
   rows = []
   for i, ex in enumerate(synthetic.make_examples("train", n)):

@@ -45,7 +45,8 @@ def _train_tabular(ref_logp, rewards, behaviour, tau, steps=4000):
   the behaviour policy mu. Policy logits and per-prompt values are separate
   parameter sets with separate optimizers, both updated from the gradient of
   policy_loss + value_loss (the stop-gradients must route eq. 8 to the policy
-  and eq. 7 to the value).
+  and eq. 7 to the value); the policy's update is multiplied by 1/tau, as
+  DRO-V does (section 3.3).
   """
   weights = (behaviour / NUM_PROMPTS).reshape(-1).astype(np.float32)
   prompt_of = np.repeat(np.arange(NUM_PROMPTS), NUM_COMPLETIONS)
@@ -58,7 +59,8 @@ def _train_tabular(ref_logp, rewards, behaviour, tau, steps=4000):
     return policy_loss + value_loss, metrics
 
   optimizer = optax.multi_transform(
-      {"policy": optax.sgd(0.3), "value": optax.sgd(0.5)},
+      {"policy": optax.chain(optax.sgd(0.3), optax.scale(1 / tau)),
+       "value": optax.sgd(0.5)},
       {"logits": "policy", "values": "value"})
   params = {"logits": jnp.zeros((NUM_PROMPTS, NUM_COMPLETIONS)),
             "values": jnp.zeros((NUM_PROMPTS,))}
@@ -123,7 +125,8 @@ def test_gradients_equal_equations_7_and_8(tau):
     return dro.dro_v_losses(p, ref_logps, v, rewards, tau=tau)[1]
 
   # Hand-written (batch-mean, Algorithm 1) eq. 8 with grad_theta log pi = 1 per
-  # coordinate: -tau/B [(r - V) - tau/2 * 2 l], rescaled by 1/tau.
+  # coordinate: -tau/B [(r - V) - tau/2 * 2 l]. DRO-V's 1/tau rescaling is
+  # applied to the update by the optimizer, not here.
   log_ratio = policy_logps - ref_logps
   eq8 = -tau / batch * ((rewards - values) - tau / 2 * 2 * log_ratio)
   eq7 = 1 / batch * (values - rewards + tau * log_ratio)
@@ -132,19 +135,14 @@ def test_gradients_equal_equations_7_and_8(tau):
                                                                values)
   g_value_p, g_value = jax.grad(value_loss, argnums=(0, 1))(policy_logps,
                                                             values)
-  np.testing.assert_allclose(g_policy, eq8 / tau, rtol=1e-5, atol=1e-6)
+  np.testing.assert_allclose(g_policy, eq8, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(g_value, eq7, rtol=1e-5, atol=1e-6)
   # No cross-talk: the policy loss never moves V, the value loss never moves pi.
   np.testing.assert_array_equal(g_policy_v, np.zeros(batch))
   np.testing.assert_array_equal(g_value_p, np.zeros(batch))
 
-  unscaled = jax.grad(lambda p: dro.dro_v_losses(
-      p, ref_logps, values, rewards, tau=tau,
-      rescale_policy_gradient=False)[0])(policy_logps)
-  np.testing.assert_allclose(unscaled, eq8, rtol=1e-5, atol=1e-6)
 
-
-def test_policy_gradient_unscaled_is_gradient_of_equation_4():
+def test_policy_gradient_is_gradient_of_equation_4():
   tau = 0.7
   policy_logps, ref_logps, values, rewards = _random_inputs(1)
 
@@ -153,8 +151,7 @@ def test_policy_gradient_unscaled_is_gradient_of_equation_4():
 
   expected = jax.grad(equation_4)(policy_logps)
   got = jax.grad(lambda p: dro.dro_v_losses(
-      p, ref_logps, values, rewards, tau=tau,
-      rescale_policy_gradient=False)[0])(policy_logps)
+      p, ref_logps, values, rewards, tau=tau)[0])(policy_logps)
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
 
@@ -205,12 +202,12 @@ def test_single_value_per_batch():
   expected = np.full(batch, np.mean(shared_v - rewards + tau * log_ratio)
                      / batch)
   np.testing.assert_allclose(grad_values, expected, rtol=1e-5, atol=1e-7)
-  # The policy sees the shared value as its baseline.
+  # The policy sees the shared value as its baseline (eq. 8).
   grad_policy = jax.grad(lambda p: dro.dro_v_losses(
       p, ref_logps, values, rewards, tau=tau,
       single_value_per_batch=True)[0])(policy_logps)
   np.testing.assert_allclose(
-      grad_policy, -((rewards - shared_v) - tau * log_ratio) / batch,
+      grad_policy, -tau * ((rewards - shared_v) - tau * log_ratio) / batch,
       rtol=1e-5, atol=1e-6)
 
 

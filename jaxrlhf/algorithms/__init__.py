@@ -14,10 +14,12 @@ from jaxrlhf.algorithms import dpo
 from jaxrlhf.algorithms import dro
 from jaxrlhf.algorithms import group_rl
 from jaxrlhf.algorithms import kto
+from jaxrlhf.algorithms import orpo
 from jaxrlhf.algorithms import ppo
 from jaxrlhf.algorithms import rejection_sampling
 from jaxrlhf.algorithms import reward_model
 from jaxrlhf.algorithms import sft
+from jaxrlhf.algorithms import simpo
 from jaxrlhf.algorithms import trainer
 
 REGISTRY: Dict[str, base.Algorithm] = {a.name: a for a in (
@@ -25,6 +27,8 @@ REGISTRY: Dict[str, base.Algorithm] = {a.name: a for a in (
     reward_model.ALGORITHM,
     reward_model.RANKING,
     dpo.ALGORITHM,
+    simpo.ALGORITHM,
+    orpo.ALGORITHM,
     kto.ALGORITHM,
     kto.THUMBS,
     dro.ALGORITHM,

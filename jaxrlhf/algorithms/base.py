@@ -50,6 +50,10 @@ class Networks:
       checkpoint path} loaded over a new run's initialisation.
     optimizers: (trainer) -> {network: optimizer ConfigDict}, one optimizer
       per network; None = `config.optimizer` for everything.
+    update_scales: (trainer) -> {network: factor} multiplying that
+      network's updates after its optimizer (DRO-V's policy learning-rate
+      rescaling); an offline algorithm needs `optimizers` for it. None =
+      every factor 1.
     reference: the run holds (or can load) a frozen copy of the starting
       policy that evaluation compares the policy with.
   """
@@ -57,6 +61,7 @@ class Networks:
   frozen: Callable[[Any, Any], Dict[str, Params]] = _no_networks
   checkpoints: Callable[[Any], Dict[str, str]] = _no_checkpoints
   optimizers: Optional[Callable[[Any], Mapping[str, Any]]] = None
+  update_scales: Optional[Callable[[Any], Mapping[str, float]]] = None
   reference: bool = False
 
 

@@ -1,44 +1,79 @@
 """DRO-V (Richemond et al. 2024, section 3.3 and Algorithm 1).
 
-Single trajectories (x, y, r). Two networks by default: the policy, and a
-value network that sees only the prompt (for T5, the encoder's mean-pooled
-output through a scalar head), each with its own optimizer and learning rate
-(`dro.value_learning_rate`). `dro.shared_network` instead puts the value head
-on the policy's own encoder. The losses are jaxrlhf.losses.dro.dro_v_losses:
-the policy receives equation 8 rescaled by 1/tau and the value equation 7.
-The reference log-probs log pi_ref(y|x) of equation 4 may be precomputed once
-over the data (`reference_logprobs`, jaxrlhf.algorithms.reference).
+Single trajectories (x, y, r). The losses are jaxrlhf.losses.dro.dro_v_losses:
+the policy receives equation 8 and the value equation 7. The policy's update
+is multiplied by 1/tau after its optimizer (`update_scales`), the paper's
+"policy learning rate rescaling" (end of section 3.3). The reference
+log-probs log pi_ref(y|x) of equation 4 may be precomputed once over the
+data (`reference_logprobs`, jaxrlhf.algorithms.reference).
+
+Where V(x) comes from (`dro.value_source`, section 3.3 "Neural network
+implementation" and Figure 5's parameter-sharing ablation):
+
+  value_network  DRO-V as published: a second network that sees only the
+                 prompt (for T5, the encoder's mean-pooled output through a
+                 scalar head), with its own optimizer and learning rate
+                 (`dro.value_learning_rate`), its backbone initialised from
+                 the SFT checkpoint.
+  policy_logits  the paper's single-network ablation, "using policy logits
+                 as value outputs": V(x) is one output logit of the policy
+                 itself, that of token `dro.value_token_id` at the
+                 completion's first step (the step that has read only the
+                 prompt). There are no value parameters: equation 7 trains
+                 the policy's own weights through that logit.
+  policy_head    another single network, not the paper's: a scalar head on
+                 the policy's own prompt states (its T5 encoder), trained
+                 with `dro.value_learning_rate` while equation 7 also
+                 reaches the shared encoder.
 """
 
 import copy
 
 import jax
+import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms import sft
 from jaxrlhf.losses import dro as dro_losses
+from jaxrlhf.losses import sft as sft_losses
 from jaxrlhf.models import heads
 
 F = config_schema.Field
 
+VALUE_NETWORK, POLICY_LOGITS, POLICY_HEAD = (
+    "value_network", "policy_logits", "policy_head")
+VALUE_SOURCES = (VALUE_NETWORK, POLICY_LOGITS, POLICY_HEAD)
+
 GROUP = config_schema.Group(
     "dro", "DRO-V (algorithm dro_v).", [
         F("tau", 1.0, "KL regularisation strength tau (DRO paper default "
-          "1.0).", bounds=">0"),
+          "1.0). The policy's update is multiplied by 1/tau after its "
+          "optimizer (the paper's policy learning-rate rescaling, section "
+          "3.3), for every optimizer.", bounds=">0"),
+        F("value_source", VALUE_NETWORK,
+          "Where V(x) comes from: 'value_network' (DRO-V: a separate network "
+          "on the prompt), 'policy_logits' (the paper's single-network "
+          "ablation, Figure 5: V(x) is the policy's logit of "
+          "dro.value_token_id at the completion's first step; no value "
+          "parameters), 'policy_head' (not the paper's: a scalar head on the "
+          "policy's own prompt states).", choices=VALUE_SOURCES),
+        F("value_token_id", 0,
+          "policy_logits: the token whose first-step logit is V(x); the "
+          "default 0 is PAD in T5's and the synthetic vocabularies, a token "
+          "no completion contains.",
+          bounds=">=0"),
         F("value_learning_rate", 1e-4,
-          "Learning rate of the value network's optimizer (same kind and "
-          "schedule as config.optimizer, which drives the policy).",
+          "Learning rate of the value parameters' optimizer (same kind and "
+          "schedule as config.optimizer, which drives the policy): the value "
+          "network, or the policy_head's head; unused by policy_logits.",
           bounds=">0"),
-        F("shared_network", False,
-          "One shared network: the value head reads the policy's own "
-          "encoder."),
         F("single_value_per_batch", False,
           "One value per batch instead of per prompt (the paper's Figure 5 "
           "ablation)."),
         F("value_from_policy", True,
-          "Start the separate value network's backbone from "
-          "init.policy_checkpoint."),
+          "value_network: start its backbone from init.policy_checkpoint."),
     ])
 
 
@@ -46,32 +81,80 @@ def networks(trainer, rng):
   a, b, c = jax.random.split(rng, 3)
   out = {"policy": trainer.init_lm(a)}
   emb = trainer.model_config.emb_dim
-  if trainer.config.dro.shared_network:
-    out["value"] = {"head": heads.init_scalar_head(c, emb)}
-  else:
+  source = trainer.config.dro.value_source
+  token = trainer.config.dro.value_token_id
+  vocab = trainer.model_config.vocab_size
+  if source == POLICY_LOGITS and token >= vocab:
+    raise ValueError(
+        f"config.dro.value_token_id: {token} is not a token of the policy's "
+        f"{vocab}-entry output; use an id below it (0 is PAD).")
+  if source == VALUE_NETWORK:
     out["value"] = heads.init_from_backbone(c, trainer.init_lm(b), emb)
+  elif source == POLICY_HEAD:
+    out["value"] = {"head": heads.init_scalar_head(c, emb)}
   return out
 
 
 def checkpoints(trainer):
   paths = reference.policy_and_reference_checkpoints(trainer)
   cfg = trainer.config.dro
-  if not cfg.shared_network and cfg.value_from_policy:
+  if cfg.value_source == VALUE_NETWORK and cfg.value_from_policy:
     # The paper initialises the value network from the SFT checkpoint too.
     paths["params/value/backbone"] = trainer.config.init.policy_checkpoint
   return paths
 
 
 def optimizers(trainer):
+  if trainer.config.dro.value_source == POLICY_LOGITS:
+    return {"policy": trainer.config.optimizer}
   value = copy.deepcopy(trainer.config.optimizer)
   value.learning_rate = trainer.config.dro.value_learning_rate
   return {"policy": trainer.config.optimizer, "value": value}
 
 
+def update_scales(trainer):
+  # Section 3.3, "Policy learning rate rescaling": "we rescale the policy
+  # gradient Equation (8) by multiplying the update by a factor of 1/tau".
+  # After the optimizer, because Adafactor and Adam are invariant to the
+  # gradient's scale: a loss times 1/tau would move them no further. The
+  # value's update is not rescaled; in the single-network variants the
+  # shared weights are the policy's and their whole update is.
+  return {"policy": 1.0 / trainer.config.dro.tau}
+
+
+def completion_view(trainer, batch):
+  """The batch's `completion_*` features under the unprefixed names of SFT
+  batches (with the prompt features), for `sft.next_token_targets`."""
+  view = {key: batch[f"completion_{key}"]
+          for key in trainer.lm.completion_keys(None)}
+  view.update({key: batch[key] for key in trainer.lm.prompt_keys
+               if key in batch})
+  return view
+
+
+def logprobs_and_logit_values(trainer, params, batch):
+  """([batch] log pi(y|x), [batch] V(x)) from one forward pass of the policy.
+
+  V(x) is the logit of `dro.value_token_id` where the policy predicts the
+  completion's first token, a step that has read only the prompt (the
+  decoder's first step for T5, the last prompt token for decoder-only).
+  """
+  logits, targets, weights = sft.next_token_targets(
+      trainer.lm, params, completion_view(trainer, batch))
+  weights = weights.astype(jnp.float32)
+  token = trainer.config.dro.value_token_id
+  logprobs = jnp.sum(sft_losses.token_logprobs(logits, targets) * weights,
+                     axis=-1)
+  first = jnp.argmax(weights > 0, axis=-1)
+  first_logits = jnp.take_along_axis(logits, first[:, None, None], axis=1)
+  return logprobs, first_logits[:, 0, token].astype(jnp.float32)
+
+
 def values(trainer, params, batch):
-  """[batch] V(x) of each example's prompt."""
+  """[batch] V(x) of each example's prompt, from a value head (the value
+  network's, or one on the policy's prompt states)."""
   value_params = params["value"]
-  if trainer.config.dro.shared_network:
+  if trainer.config.dro.value_source == POLICY_HEAD:
     value_params = {"backbone": params["policy"],
                     "head": value_params["head"]}
   return heads.prompt_values(trainer.lm, value_params, batch)
@@ -80,12 +163,16 @@ def values(trainer, params, batch):
 def loss(trainer, params, frozen, batch, rng):
   del rng
   cfg = trainer.config.dro
-  pi = reference.sequence_logprobs(trainer, params["policy"], batch,
-                                   ("completion",))
+  if cfg.value_source == POLICY_LOGITS:
+    policy_logps, value = logprobs_and_logit_values(trainer, params["policy"],
+                                                    batch)
+  else:
+    policy_logps = reference.sequence_logprobs(
+        trainer, params["policy"], batch, ("completion",))["completion"]
+    value = values(trainer, params, batch)
   ref = reference.reference_logprobs(trainer, frozen, batch, ("completion",))
   policy_loss, value_loss, metrics = dro_losses.dro_v_losses(
-      pi["completion"], ref["completion"], values(trainer, params, batch),
-      batch["reward"], tau=cfg.tau,
+      policy_logps, ref["completion"], value, batch["reward"], tau=cfg.tau,
       single_value_per_batch=cfg.single_value_per_batch)
   metrics = dict(metrics, policy_loss=policy_loss, value_loss=value_loss)
   return policy_loss + value_loss, metrics
@@ -98,7 +185,7 @@ ALGORITHM = base.Algorithm(
     data="trajectory",
     networks=base.Networks(trainable=networks, frozen=reference.reference,
                            checkpoints=checkpoints, optimizers=optimizers,
-                           reference=True),
+                           update_scales=update_scales, reference=True),
     training=base.Offline(loss=loss, precomputable_reference=True),
     evaluation=reference.AGAINST_REFERENCE,
     config_groups=(GROUP, reference.REFERENCE_LOGPROBS),

@@ -248,14 +248,14 @@ class OnlineSettings:
 
   # --- optimisation ------------------------------------------------------------
 
-  def make_optimizer(self, config, per_network):
+  def make_optimizer(self, config, per_network, update_scales=None):
     """One optimizer per network with warm-up counted in updates, so that
     a schedule over train steps is unchanged by epochs x minibatches."""
     total = config.train.num_steps * self.updates_per_step
     per_network = per_network or {"policy": config.optimizer}
     return optimizers.make_network_optimizers(
         {name: optimizers.per_update_config(cfg, self.updates_per_step)
-         for name, cfg in per_network.items()}, total)
+         for name, cfg in per_network.items()}, total, update_scales)
 
   def learning_rate(self, config, step):
     return optimizers.learning_rate_schedule(

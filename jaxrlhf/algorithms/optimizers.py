@@ -1,8 +1,10 @@
 """Optax optimizers and learning-rate schedules from the config."""
 
 import copy
-from typing import Mapping
+from typing import Mapping, Optional
 
+import jax
+import jax.numpy as jnp
 import ml_collections
 import optax
 
@@ -62,10 +64,38 @@ def per_update_config(opt: ml_collections.ConfigDict, updates_per_step: int
   return opt
 
 
-def make_network_optimizers(configs: Mapping[str, ml_collections.ConfigDict],
-                            num_updates: int):
+def scale_updates(tx, factor: float):
+  """`tx` whose every update is multiplied by `factor` after the optimizer.
+
+  Unlike a scaled loss, this changes how far Adafactor and Adam move (both
+  normalise the gradient's scale away); for SGD the two are the same. The
+  state is `tx`'s own, so checkpoints do not depend on the factor, and a
+  factor of 1 returns `tx` itself.
+  """
+  if factor == 1:
+    return tx
+
+  def update(updates, state, params=None):
+    updates, state = tx.update(updates, state, params)
+    return jax.tree.map(lambda u: u * jnp.asarray(factor, u.dtype),
+                        updates), state
+
+  return optax.GradientTransformation(tx.init, update)
+
+
+def make_network_optimizers(
+    configs: Mapping[str, ml_collections.ConfigDict], num_updates: int,
+    update_scales: Optional[Mapping[str, float]] = None):
   """One optimizer per top-level network ({"policy": cfg, "value": cfg}),
-  each on its own subtree of the params dict."""
-  transforms = {name: make_optimizer(cfg, num_updates)
+  each on its own subtree of the params dict; `update_scales` ({network:
+  factor}) multiplies a network's updates after its optimizer
+  (`scale_updates`)."""
+  update_scales = dict(update_scales or {})
+  unknown = sorted(set(update_scales) - set(configs))
+  if unknown:
+    raise ValueError(f"update scales for {unknown}, which have no optimizer "
+                     f"(the networks are {sorted(configs)}).")
+  transforms = {name: scale_updates(make_optimizer(cfg, num_updates),
+                                    update_scales.get(name, 1.0))
                 for name, cfg in configs.items()}
   return optax.multi_transform(transforms, {k: k for k in transforms})

@@ -270,21 +270,32 @@ class Trainer:
   # --- optimisation ------------------------------------------------------------
 
   def _make_optimizer(self):
-    per_network = (self.algorithm.networks.optimizers(self)
-                   if self.algorithm.networks.optimizers else None)
+    networks = self.algorithm.networks
+    per_network = networks.optimizers(self) if networks.optimizers else None
+    scales = networks.update_scales(self) if networks.update_scales else None
+    self._policy_update_scale = (scales or {}).get("policy", 1.0)
     if self.online:
-      return self.online.make_optimizer(self.config, per_network)
+      return self.online.make_optimizer(self.config, per_network, scales)
     steps_total = self.config.train.num_steps
     if not per_network:
+      if scales:
+        raise ValueError(f"{self.algorithm.name}: Networks.update_scales "
+                         "needs Networks.optimizers (one optimizer per "
+                         "network).")
       return optimizers.make_optimizer(self.config.optimizer, steps_total)
-    return optimizers.make_network_optimizers(per_network, steps_total)
+    return optimizers.make_network_optimizers(per_network, steps_total, scales)
 
   def learning_rate(self, step):
-    """The policy's learning rate at train step `step`."""
+    """The policy's learning rate at train step `step`, times the factor its
+    updates are scaled by (`Networks.update_scales`: DRO-V's 1/tau)."""
     if self.online:
-      return self.online.learning_rate(self.config, step)
-    return optimizers.learning_rate_schedule(
-        self.config.optimizer, self.config.train.num_steps)(step)
+      rate = self.online.learning_rate(self.config, step)
+    else:
+      rate = optimizers.learning_rate_schedule(
+          self.config.optimizer, self.config.train.num_steps)(step)
+    if self._policy_update_scale == 1:
+      return rate
+    return rate * self._policy_update_scale
 
   def _step(self, state, batch):
     if self.online:

@@ -19,16 +19,23 @@ mean, as in Algorithm 1) are
   eq. 8  grad_theta L = -tau mean_i [grad_theta log pi(y_i|x_i) (r_i - V(x_i))
                                      - tau/2 grad_theta l_i^2]
 
-and DRO-V multiplies the policy gradient (eq. 8) by 1/tau ("policy learning
-rate rescaling", end of section 3.3).
+DRO-V multiplies the policy's *update* by 1/tau ("policy learning rate
+rescaling", end of section 3.3: "we rescale the policy gradient Equation (8) by
+multiplying the update by a factor of 1/tau"). That is not part of the loss:
+Adafactor and Adam normalise the gradient's scale away, so a loss multiplied by
+1/tau would move them exactly as far as the loss itself. The algorithm applies
+it to the policy's update after its optimizer
+(`jaxrlhf.algorithms.dro.update_scales`); this module's losses give eq. 8 and
+eq. 7 as they are.
 
 Note on Algorithm 1: as printed it writes the regulariser of the rescaled
 policy gradient as 1/2 grad l^2, without tau. That only agrees with eq. 8 / tau
 for tau = 1 (the paper's setting). For other tau it is not a rescaled gradient
 of eq. 4: per sample it pushes towards log(pi/pi_ref) = r - V instead of
 (r - V)/tau, so it cannot converge to the optimum of Theorem 1. We implement
-eq. 8 / tau, i.e. tau/2 grad l^2; tests/test_losses_dro.py checks that
-descending it reaches pi* and V* of equation 2 for tau = 0.5 and 2.
+eq. 8 (whose rescaled update is eq. 8 / tau, i.e. tau/2 grad l^2);
+tests/test_losses_dro.py checks that descending it reaches pi* and V* of
+equation 2 for tau = 0.5 and 2.
 """
 
 from typing import Any, Optional
@@ -43,10 +50,6 @@ Array = Any
 Metrics = dict
 
 
-
-
-
-
 def dro_v_losses(policy_logps: Array,
                  ref_logps: Array,
                  values: Array,
@@ -54,24 +57,23 @@ def dro_v_losses(policy_logps: Array,
                  *,
                  tau: float = 1.0,
                  single_value_per_batch: bool = False,
-                 rescale_policy_gradient: bool = True,
                  weights: Optional[Array] = None
                  ) -> tuple[Array, Array, Metrics]:
   """Surrogate losses whose gradients are DRO-V's eqs. 8 (policy) and 7 (value).
 
   With l = log pi - log pi_ref and a = stop_gradient(r - V):
 
-    policy_loss = mean_i [-a_i log pi(y_i|x_i) + tau/2 l_i^2]     (eq. 8 / tau)
-                  (times tau if not rescale_policy_gradient: exactly eq. 8)
+    policy_loss = tau mean_i [-a_i log pi(y_i|x_i) + tau/2 l_i^2]       (eq. 8)
     value_loss  = 1/2 mean_i (stop_gradient(r_i - tau l_i) - V(x_i))^2  (eq. 7)
 
-  so d policy_loss / d log pi_i = -(w_i / sum w) (r_i - V_i - tau l_i) and
+  so d policy_loss / d log pi_i = -tau (w_i / sum w) (r_i - V_i - tau l_i) and
   d value_loss / d V_i = (w_i / sum w) (V_i - r_i + tau l_i). Each loss stops
   the gradient into the other network's output, so the two networks (separate
   parameters, learning rates and optimizers, section 3.3) can be updated from
   `jax.grad` of policy_loss + value_loss and each receives exactly its own
   equation. The value of value_loss is the DRO loss (eq. 4); the value of
-  policy_loss is only a surrogate.
+  policy_loss is only a surrogate. DRO-V's 1/tau policy rescaling belongs to
+  the policy's update, not here (see the module docstring).
 
   Args:
     policy_logps: [batch] log pi_theta(y_i | x_i), summed over completion
@@ -85,7 +87,6 @@ def dro_v_losses(policy_logps: Array,
     single_value_per_batch: the Figure 5 ablation: every example uses the
       batch mean of `values` as V, so one number per batch is learned; its
       gradient is eq. 7 summed over the batch and shared out equally.
-    rescale_policy_gradient: multiply eq. 8 by 1/tau (DRO-V, Algorithm 1).
     weights: optional [batch] example weights (0 marks padding); the batch
       means above become weighted means.
   Returns:
@@ -121,13 +122,11 @@ def dro_v_losses(policy_logps: Array,
   rewards = jax.lax.stop_gradient(rewards)
   log_ratio = policy_logps - ref_logps
 
-  # Eq. 8 / tau. V enters only through the stopped advantage: it is the value
+  # Eq. 8. V enters only through the stopped advantage: it is the value
   # network's output, not a function of the policy parameters.
   advantage = rewards - jax.lax.stop_gradient(values)
-  policy_loss = common.masked_mean(
+  policy_loss = tau * common.masked_mean(
       -advantage * policy_logps + 0.5 * tau * jnp.square(log_ratio), weights)
-  if not rescale_policy_gradient:
-    policy_loss = tau * policy_loss
 
   # Eq. 7: regress V onto r - tau l with the policy held fixed.
   value_target = rewards - tau * jax.lax.stop_gradient(log_ratio)

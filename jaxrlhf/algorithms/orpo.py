@@ -1,0 +1,45 @@
+"""ORPO (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without
+Reference Model") on preference pairs: the chosen completion's token NLL
+plus lambda times an odds-ratio term on the length-normalised likelihoods
+(`jaxrlhf.losses.orpo`). No reference network is built or run; evaluation
+compares the policy with the one it started from, loaded while it runs
+(`reference.POLICY_ONLY`).
+"""
+
+from jaxrlhf import config_schema
+from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import dpo
+from jaxrlhf.algorithms import reference
+from jaxrlhf.losses import orpo
+
+F = config_schema.Field
+
+GROUP = config_schema.Group(
+    "orpo", "ORPO on pairs (algorithm orpo).", [
+        F("odds_ratio_weight", 0.1,
+          "lambda, the weight of the odds-ratio term beside the chosen "
+          "completions' NLL (TRL's beta; 0 is SFT on the chosen).",
+          bounds=">=0"),
+    ])
+
+
+def loss(trainer, params, frozen, batch, rng):
+  del frozen, rng
+  pi = reference.sequence_logprobs(trainer, params["policy"], batch,
+                                   dpo.COMPLETIONS)
+  lengths = reference.completion_lengths(trainer, batch, dpo.COMPLETIONS)
+  return orpo.orpo_loss(
+      pi["chosen"], pi["rejected"], lengths["chosen"], lengths["rejected"],
+      odds_ratio_weight=trainer.config.orpo.odds_ratio_weight)
+
+
+ALGORITHM = base.Algorithm(
+    name="orpo",
+    summary="ORPO on pairs: the chosen completions' NLL plus an odds-ratio "
+    "term, without a reference model.",
+    data="pairs",
+    networks=reference.POLICY_ONLY,
+    training=base.Offline(loss=loss),
+    evaluation=reference.AGAINST_REFERENCE,
+    config_groups=(GROUP,),
+)
