@@ -49,3 +49,14 @@ def test_ppo_iteration_benchmark_t5_with_microbatches():
     ms, per_s = rows[name]
     assert ms > 0
     assert abs(per_s - tokens / (ms / 1e3)) <= 0.05 * per_s + 1, (name, out)
+
+
+def test_sampling_benchmark_prints_tokens_per_second():
+  out = _run("bench_sampling.py", "--tiny", "--batches=2,4", "--prompt=4",
+             "--new=3", "--vocab_size=128", "--repeats=1",
+             "--no_transformers")
+  rows = re.findall(r"^(t5|llama)\s+(\d+)\s+([\d,]+)\s", out, re.M)
+  assert [(f, int(b)) for f, b, _ in rows] == [
+      ("t5", 2), ("t5", 4), ("llama", 2), ("llama", 4)], out
+  assert all(_number(rate) > 0 for _, _, rate in rows)
+  assert "3 new tokens, greedy, EOS disabled" in out

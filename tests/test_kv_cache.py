@@ -10,6 +10,7 @@ tests/fixtures/hf (generate.npz, by experiments/make_hf_generate_fixtures.py).
 
 import dataclasses
 import functools
+import re
 import json
 import pathlib
 
@@ -341,3 +342,49 @@ def test_greedy_matches_transformers_generate(name):
   np.testing.assert_array_equal(samples.tokens, g["generated"])
   np.testing.assert_array_equal(samples.has_eos,
                                 np.any(g["generated"] == g["eos_id"], -1))
+
+
+# ----------------------------------------------------------------------------
+# A decode step reads the cache in place.
+
+def _whole_cache_rewrites(hlo_text, cache_elements):
+  """Copies and transposes inside the decode loop that are as large as a
+  layer's KV cache: what a decode step must not do (it writes only the new
+  position, `update_kv_cache`)."""
+  bad = []
+  for line in hlo_text.splitlines():
+    m = re.search(r"= \w+\[([\d,]+)\]\{[^}]*\} (copy|transpose)\(", line)
+    if not m or "while/body" not in line:
+      continue
+    if np.prod([int(d) for d in m[1].split(",")]) >= cache_elements:
+      bad.append(line.strip()[:160])
+  return bad
+
+
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_decode_steps_do_not_copy_the_kv_cache(family):
+  """Laid out [batch, length, heads, head_dim], the cache of every layer
+  was transposed (and copied) at every decode step, so sampling slowed with
+  the cache's size, not with the new token (issue: T5's tokens/s did not
+  grow with batch)."""
+  batch, prompt, new = 4, 8, 16
+  tokens = np.ones((batch, prompt), np.int32)
+  if family == "t5":
+    config = t5.t5_config("tiny", vocab_size=64)
+    model = t5.T5(config)
+    heads, head_dim, length = config.num_heads, config.head_dim, new
+    params = random_params(model, tokens, tokens[:, :2])
+    fn = lambda p, x: sampling.sample_encoder_decoder(
+        model, p, x, jax.random.PRNGKey(0), new, greedy=True).tokens
+  else:
+    config = llama.LlamaConfig.preset("tiny")
+    model = llama.Llama(config)
+    heads, head_dim = config.num_kv_heads, config.head_dim
+    length = prompt + new - 1
+    params = random_params(model, tokens, tokens, tokens)
+    fn = lambda p, x: sampling.sample_decoder_only(
+        model, p, x, jnp.ones_like(x), jax.random.PRNGKey(0), new,
+        greedy=True).tokens
+  hlo = jax.jit(fn).lower(params, tokens).compile().as_text()
+  assert "while/body" in hlo  # the decode loop is there to inspect
+  assert _whole_cache_rewrites(hlo, batch * heads * length * head_dim) == []

@@ -18,7 +18,7 @@ Attention is split into projection (`Attention`), position encoding
 mask built once per forward pass (`causal_padding_mask`). The KV cache for
 incremental decoding slots in between rotary and `attend`: with a
 `cache_index`, `Attention` writes the rotated keys and the values into the
-flax "cache" collection (`cached_key` / `cached_value` [batch, T, kv_heads,
+flax "cache" collection (`cached_key` / `cached_value` [batch, kv_heads, T,
 head_dim], stacked along 'layers' when scanned) and attends over all T cached
 positions with `cache_mask`. `DecoderOnly.decode_step` is the entry point:
 one prefill call over a left-padded prompt (rotary positions from its mask),
@@ -299,13 +299,16 @@ def softcap(x: Array, cap: Optional[float]) -> Array:
 
 def attend(query: Array, key: Array, value: Array, mask: Array, *,
            impl: str = "xla", scale: Optional[float] = None,
-           logit_softcap: Optional[float] = None) -> Array:
+           logit_softcap: Optional[float] = None,
+           cache_layout: bool = False) -> Array:
   """softmax(softcap(q k^T * scale) + mask) v with grouped key/value heads.
 
   Args:
     query: [batch, q_length, heads, head_dim].
     key, value: [batch, kv_length, kv_heads, head_dim]; heads % kv_heads == 0
-      and query head h reads key/value head h // (heads // kv_heads).
+      and query head h reads key/value head h // (heads // kv_heads). With
+      `cache_layout` they are [batch, kv_heads, kv_length, head_dim], the KV
+      cache's layout (`update_kv_cache`), read in place.
     mask: bool [batch, 1, q_length, kv_length], True = may attend.
     impl: 'xla' (einsums, softmax in float32), 'dot_product'
       (`jax.nn.dot_product_attention`, letting JAX pick the kernel), or
@@ -317,21 +320,24 @@ def attend(query: Array, key: Array, value: Array, mask: Array, *,
     [batch, q_length, heads, head_dim] in query's dtype.
   """
   batch, q_len, heads, head_dim = query.shape
-  kv_heads = key.shape[2]
+  kv_heads = key.shape[1 if cache_layout else 2]
   if scale is None:
     scale = 1.0 / np.sqrt(head_dim)
   if logit_softcap is not None and impl != "xla":
     raise ValueError(f"attention_impl={impl!r} cannot soft-cap attention "
                      "logits; use 'xla'.")
-  if impl == "xla":
+  if impl == "xla" or cache_layout:
+    # Decoding reads the cache in its own layout with these einsums (one
+    # query position: a fused kernel gains nothing there).
+    kv = "bksh" if cache_layout else "bskh"
     groups = heads // kv_heads
     query = query.reshape(batch, q_len, kv_heads, groups, head_dim)
-    logits = jnp.einsum("btkgh,bskh->bkgts", query, key,
+    logits = jnp.einsum(f"btkgh,{kv}->bkgts", query, key,
                         preferred_element_type=jnp.float32) * scale
     logits = softcap(logits, logit_softcap)
     logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
     probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    out = jnp.einsum("bkgts,bskh->btkgh", probs, value)
+    out = jnp.einsum(f"bkgts,{kv}->btkgh", probs, value)
     return out.reshape(batch, q_len, heads, head_dim)
   if impl in ("dot_product", "dot_product_cudnn"):
     implementation = "cudnn" if impl == "dot_product_cudnn" else None
@@ -379,19 +385,26 @@ def window_mask(q_length: int, k_length: int, window: int,
 
 
 def update_kv_cache(module: nn.Module, name: str, new: Array, cache_index,
-                    cache_length: int, axes) -> Array:
+                    cache_length: int, head_axis: str) -> Array:
   """Writes `new` [batch, L, heads, head_dim] into the cache variable `name`
   at [cache_index, cache_index + L) along length; returns the whole cache
-  [batch, cache_length, heads, head_dim] (created as zeros if absent)."""
+  [batch, heads, cache_length, head_dim] (created as zeros if absent).
+
+  The cache keeps heads before length so that a decode step's attention
+  (`attend(..., cache_layout=True)`, batch and heads leading) reads it in
+  place: laid out as [batch, length, heads, head_dim], XLA transposed the
+  whole cache of every layer at every step, so decoding cost grew with the
+  cache instead of with the new position.
+  """
   batch, _, heads, head_dim = new.shape
   var = module.variable("cache", name, jnp.zeros,
-                        (batch, cache_length, heads, head_dim), new.dtype)
+                        (batch, heads, cache_length, head_dim), new.dtype)
   zero = jnp.zeros((), jnp.int32)
   var.value = nn.with_logical_constraint(
       jax.lax.dynamic_update_slice(
-          var.value, new.astype(var.value.dtype),
-          (zero, jnp.asarray(cache_index, jnp.int32), zero, zero)),
-      axes)
+          var.value, jnp.swapaxes(new, 1, 2).astype(var.value.dtype),
+          (zero, zero, jnp.asarray(cache_index, jnp.int32), zero)),
+      ("batch", head_axis, "length", "kv"))
   return var.value
 
 
@@ -429,7 +442,7 @@ class Attention(nn.Module):
     With `cache_index` (incremental decoding; apply with mutable=["cache"]):
     the rotated keys and the values of the `length` inputs are written at
     positions [cache_index, cache_index + length) of `cached_key` /
-    `cached_value` [batch, T, kv_heads, head_dim], T = mask.shape[-1]
+    `cached_value` [batch, kv_heads, T, head_dim], T = mask.shape[-1]
     (created as zeros on the first call), and the queries attend over all T
     cached positions; `mask` [batch, 1, length, T] (from `cache_mask`) hides
     the pads and the positions not written yet.
@@ -449,16 +462,18 @@ class Attention(nn.Module):
     query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
     key = nn.with_logical_constraint(key, kv_axes)
     value = nn.with_logical_constraint(value, kv_axes)
-    if cache_index is not None:
+    cached = cache_index is not None
+    if cached:
       key = update_kv_cache(self, "cached_key", key, cache_index,
-                            mask.shape[-1], kv_axes)
+                            mask.shape[-1], "kv_heads")
       value = update_kv_cache(self, "cached_value", value, cache_index,
-                              mask.shape[-1], kv_axes)
+                              mask.shape[-1], "kv_heads")
     if self.sliding_window is not None:
       mask = mask & window_mask(mask.shape[-2], mask.shape[-1],
                                 self.sliding_window, cache_index)
     out = attend(query, key, value, mask, impl=self.attention_impl,
-                 scale=self.query_scale, logit_softcap=self.logit_softcap)
+                 scale=self.query_scale, logit_softcap=self.logit_softcap,
+                 cache_layout=cached)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
                         num_in_axes=2, use_bias=self.use_bias,
@@ -576,12 +591,15 @@ class T5Attention(nn.Module):
   with `mutable=["cache"]`):
   - self-attention, `cache_index` given: the keys/values of `inputs_q` are
     written at positions [cache_index, cache_index + q_len) of
-    `cached_key`/`cached_value` [batch, T, heads, head_dim] (T = the bias's
+    `cached_key`/`cached_value` [batch, heads, T, head_dim] (T = the bias's
     key length; created as zeros on the first call) and the queries attend
     over all T positions, the bias masking the ones not yet written;
   - cross-attention, `cache_cross=True`: with `inputs_kv` the keys/values of
-    the encoder output are computed and stored; with `inputs_kv=None` the
-    stored ones are read (the encoder output is projected once per sample).
+    the encoder output are computed and stored ([batch, heads, enc_len,
+    head_dim]); with `inputs_kv=None` the stored ones are read (the encoder
+    output is projected once per sample).
+  Both caches keep heads before length, so that a decode step reads them in
+  place (see `update_kv_cache`).
   """
   num_heads: int
   head_dim: int
@@ -606,6 +624,9 @@ class T5Attention(nn.Module):
     query = project(kernel_init=query_init, name="query")(inputs_q)
     query = query.reshape(batch, q_len, self.num_heads, self.head_dim)
     query = nn.with_logical_constraint(query, head_axes)
+    # Keys and values are [batch, k_len, heads, head_dim], or in the
+    # cache's layout [batch, heads, k_len, head_dim] when read from it.
+    cache_layout = cache_cross or cache_index is not None
     if cache_cross and inputs_kv is None:
       key = self.get_variable("cache", "cached_key")
       value = self.get_variable("cache", "cached_value")
@@ -622,30 +643,36 @@ class T5Attention(nn.Module):
       key = nn.with_logical_constraint(key, head_axes)
       value = nn.with_logical_constraint(value, head_axes)
       if cache_cross:
+        key, value = (nn.with_logical_constraint(
+            jnp.swapaxes(x, 1, 2), ("batch", "heads", "length", "kv"))
+                      for x in (key, value))
         for name, new in (("cached_key", key), ("cached_value", value)):
           self.variable("cache", name, lambda x: x, new).value = new
       elif cache_index is not None:
         key = update_kv_cache(self, "cached_key", key, cache_index,
-                              bias.shape[-1], head_axes)
+                              bias.shape[-1], "heads")
         value = update_kv_cache(self, "cached_value", value, cache_index,
-                                bias.shape[-1], head_axes)
+                                bias.shape[-1], "heads")
     use_dropout = not deterministic and self.dropout_rate > 0
-    if self.attention_impl == "dot_product" and not use_dropout:
-      # jax.nn.dot_product_attention has no attention-weight dropout; with
-      # dropout active the einsum path below computes the same thing.
+    if self.attention_impl == "dot_product" and not (use_dropout
+                                                     or cache_layout):
+      # jax.nn.dot_product_attention has no attention-weight dropout, nor
+      # takes the cache's layout; with dropout active, or decoding, the
+      # einsum path below computes the same thing.
       dtype = jnp.float32 if self.float32_logits else query.dtype
       out = jax.nn.dot_product_attention(
           query.astype(dtype), key.astype(dtype), value.astype(dtype),
           bias=bias.astype(dtype), scale=1.0).astype(self.dtype)
     else:
+      kv = "bhkd" if cache_layout else "bkhd"
       if self.float32_logits:
         query, key = query.astype(jnp.float32), key.astype(jnp.float32)
-      logits = jnp.einsum("bqhd,bkhd->bhqk", query, key)
+      logits = jnp.einsum(f"bqhd,{kv}->bhqk", query, key)
       logits = logits + bias.astype(logits.dtype)
       weights = jax.nn.softmax(logits).astype(self.dtype)
       if use_dropout:
         weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
-      out = jnp.einsum("bhqk,bkhd->bqhd", weights, value)
+      out = jnp.einsum(f"bhqk,{kv}->bqhd", weights, value)
     out = out.reshape(batch, q_len, features)
     out = nn.with_logical_constraint(out, ("batch", "length", "joined_kv"))
     return DenseGeneral((inputs_q.shape[-1],), ("joined_kv", "embed"),

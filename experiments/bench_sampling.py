@@ -1,0 +1,245 @@
+"""Sampling throughput: our KV-cache sampler against transformers' generate.
+
+For each family (T5 and Llama by default) one randomly initialised model of
+about 60M parameters (T5 1.1 small's dimensions; a Llama of the same width
+and depth) is sampled greedily, EOS disabled, from prompts of --prompt
+tokens for --new tokens at each batch size, and the same weights, exported
+with `export_hf`, are run through `transformers.generate` (greedy, KV cache,
+the same lengths, every row forced to the full length) in the same process
+on the same threads. It prints tokens/s of both and their ratio, and on an
+accelerator the fraction of the memory-bandwidth bound: every decode step
+must read all parameters and the KV cache written so far, so a step cannot
+take less than (parameter bytes + mean KV-cache bytes) / HBM bandwidth.
+
+  python experiments/bench_sampling.py                       # CPU, both
+  python experiments/bench_sampling.py --families=t5 --batches=32 --threads=2
+  python experiments/bench_sampling.py --no_transformers     # ours only
+
+Needs torch and transformers for the comparison (`pip install
+torch==2.13.0 transformers`); without them (or with --no_transformers) only
+our figures are printed. --threads pins both to the same number of CPU
+threads (XLA's CPU client and torch's intra-op pool).
+"""
+
+import argparse
+import dataclasses
+import os
+import sys
+import tempfile
+import time
+
+# Thread pinning must precede the first JAX and torch imports.
+_ARGS = None
+
+
+def _parse():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--families", default="t5,llama")
+  p.add_argument("--batches", default="8,32,64")
+  p.add_argument("--prompt", type=int, default=64)
+  p.add_argument("--new", type=int, default=128)
+  p.add_argument("--vocab_size", type=int, default=32128)
+  p.add_argument("--tiny", action="store_true",
+                 help="the families' tiny presets (a smoke test)")
+  p.add_argument("--dtype", default="float32",
+                 help="compute dtype of ours and transformers' weights")
+  p.add_argument("--repeats", type=int, default=2)
+  p.add_argument("--threads", type=int, default=0,
+                 help="CPU threads for both (0: all cores)")
+  p.add_argument("--no_transformers", action="store_true")
+  p.add_argument("--hbm_gbps", type=float, default=0.0,
+                 help="memory bandwidth in GB/s for the bound (0: from the "
+                 "device kind)")
+  return p.parse_args()
+
+
+if __name__ == "__main__":
+  _ARGS = _parse()
+  if _ARGS.threads:
+    os.sched_setaffinity(0, set(range(_ARGS.threads)))
+    os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") +
+                               " --xla_cpu_multi_thread_eigen=true "
+                               f"intra_op_parallelism_threads={_ARGS.threads}")
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+import numpy as np  # noqa: E402
+
+from jaxrlhf import console  # noqa: E402
+from jaxrlhf import models  # noqa: E402
+from jaxrlhf.models import llama  # noqa: E402
+from jaxrlhf.models import sampling  # noqa: E402
+from jaxrlhf.models import t5  # noqa: E402
+
+# HBM bandwidth in GB/s by device kind (vendors' data sheets: H100 SXM5
+# 3.35 TB/s, H100 PCIe 2.0 TB/s, H200 4.8 TB/s, A100 80GB SXM 2.04 TB/s;
+# TPU v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s).
+HBM_GBPS = {"H100 80GB HBM3": 3350, "NVIDIA H100 80GB HBM3": 3350,
+            "H100 PCIe": 2000, "NVIDIA H100 PCIe": 2000,
+            "NVIDIA H200": 4800, "H200": 4800,
+            "NVIDIA A100-SXM4-80GB": 2039, "TPU v5 lite": 819,
+            "TPU v5": 2765, "TPU v6 lite": 1640}
+
+
+def model_config(family: str, vocab_size: int, dtype: str, tiny: bool):
+  """About 60M parameters: T5 1.1 small, and a Llama of its width."""
+  if family == "t5":
+    return t5.t5_config("tiny" if tiny else "small", vocab_size=vocab_size,
+                        dtype=dtype)
+  if family == "llama" and tiny:
+    return llama.LlamaConfig.preset("tiny", vocab_size=vocab_size,
+                                    dtype=dtype)
+  if family == "llama":
+    return llama.LlamaConfig(vocab_size=vocab_size, emb_dim=512, num_heads=8,
+                             num_kv_heads=8, num_layers=8, head_dim=64,
+                             mlp_dim=1024, max_length=1024, dtype=dtype)
+  raise ValueError(f"--families: {family!r} is not t5 or llama.")
+
+
+def init_params(config, seed=0):
+  module = models.module_for_config(config)
+  abstract = models.abstract_params(module)
+  rng = np.random.default_rng(seed)
+
+  def draw(a):
+    a = a.unbox() if hasattr(a, "unbox") else a
+    fan_in = a.shape[0] if len(a.shape) > 1 else 1
+    return jnp.asarray(rng.normal(size=a.shape) / np.sqrt(fan_in),
+                       jnp.float32)
+  return module, jax.tree.map(draw, abstract,
+                              is_leaf=lambda x: hasattr(x, "unbox"))
+
+
+def prompts(family, batch, length, vocab, seed=1):
+  rng = np.random.default_rng(seed)
+  tokens = rng.integers(2, vocab, size=(batch, length)).astype(np.int32)
+  if family == "t5":
+    tokens[:, -1] = 1  # encoder inputs end in EOS
+  return tokens
+
+
+def ours(family, module, params, tokens, new, repeats):
+  """(seconds per call, tokens) of our greedy sampler, EOS disabled (an id
+  no model emits)."""
+  never = -1
+  if family == "t5":
+    run = lambda: sampling.sample_encoder_decoder(
+        module, params, tokens, jax.random.PRNGKey(0), new, greedy=True,
+        eos_id=never).tokens
+  else:
+    mask = np.ones_like(tokens)
+    run = lambda: sampling.sample_decoder_only(
+        module, params, tokens, mask, jax.random.PRNGKey(0), new,
+        greedy=True, eos_id=never).tokens
+  jax.block_until_ready(run())
+  start = time.perf_counter()
+  for _ in range(repeats):
+    out = run()
+  jax.block_until_ready(out)
+  return (time.perf_counter() - start) / repeats, np.asarray(out)
+
+
+def theirs(family, path, tokens, new, repeats, dtype):
+  import torch  # pylint: disable=g-import-not-at-top
+  import transformers  # pylint: disable=g-import-not-at-top
+  cls = (transformers.T5ForConditionalGeneration if family == "t5"
+         else transformers.AutoModelForCausalLM)
+  torch_dtype = {"float32": torch.float32, "bfloat16": torch.bfloat16}[dtype]
+  device = "cuda" if torch.cuda.is_available() else "cpu"
+  model = cls.from_pretrained(path, dtype=torch_dtype).to(device).eval()
+  ids = torch.from_numpy(tokens).long().to(device)
+  kwargs = dict(input_ids=ids, attention_mask=torch.ones_like(ids),
+                max_new_tokens=new, min_new_tokens=new, do_sample=False,
+                num_beams=1, use_cache=True, eos_token_id=None,
+                pad_token_id=0)
+
+  def run():
+    with torch.no_grad():
+      out = model.generate(**kwargs)
+    if device == "cuda":
+      torch.cuda.synchronize()
+    return out
+  run()
+  start = time.perf_counter()
+  for _ in range(repeats):
+    out = run()
+  seconds = (time.perf_counter() - start) / repeats
+  out = out.cpu().numpy()
+  return seconds, (out[:, 1:] if family == "t5" else out[:, tokens.shape[1]:])
+
+
+def bandwidth_bound(config, params, batch, prompt, new, gbps):
+  """Seconds a decode of `new` tokens takes at least when every step reads
+  all parameters and the KV cache written so far."""
+  itemsize = jnp.dtype(config.dtype).itemsize
+  param_bytes = sum(x.size for x in jax.tree.leaves(params)) * itemsize
+  if isinstance(config, t5.T5Config):
+    layers, kv_heads = config.num_decoder_layers, config.num_heads
+    # Self-attention cache grows to `new`; cross-attention holds `prompt`.
+    mean_positions = new / 2 + prompt
+  else:
+    layers, kv_heads = config.num_layers, config.num_kv_heads
+    mean_positions = prompt + new / 2
+  kv_bytes = (2 * layers * batch * kv_heads * config.head_dim
+              * mean_positions * itemsize)
+  return new * (param_bytes + kv_bytes) / (gbps * 1e9)
+
+
+def main(args):
+  console.silence_library_noise(python_loggers=True)
+  device = jax.devices()[0]
+  gbps = args.hbm_gbps or HBM_GBPS.get(device.device_kind, 0.0)
+  have_torch = not args.no_transformers
+  if have_torch:
+    try:
+      import torch  # pylint: disable=g-import-not-at-top
+      import transformers  # pylint: disable=g-import-not-at-top
+      transformers.logging.set_verbosity_error()
+      transformers.utils.logging.disable_progress_bar()
+      if args.threads:
+        torch.set_num_threads(args.threads)
+    except ImportError:
+      print("transformers or torch is not installed: our figures only.")
+      have_torch = False
+  print(f"device: {device.device_kind} ({device.platform}); prompt "
+        f"{args.prompt}, {args.new} new tokens, greedy, EOS disabled, "
+        f"{args.dtype}; threads {args.threads or os.cpu_count()}")
+  header = (f"{'family':8} {'batch':>5} {'ours tok/s':>11} "
+            f"{'transformers':>13} {'ratio':>6} {'HBM bound':>10}")
+  print(header)
+  print("-" * len(header))
+  for family in args.families.split(","):
+    config = model_config(family, args.vocab_size, args.dtype, args.tiny)
+    module, params = init_params(config)
+    path = None
+    if have_torch:
+      path = tempfile.mkdtemp(prefix=f"bench_sampling_{family}_")
+      models.export_hf(module, params, path)
+    for batch in (int(b) for b in args.batches.split(",")):
+      tokens = prompts(family, batch, args.prompt, args.vocab_size)
+      seconds, out = ours(family, module, params, tokens, args.new,
+                          args.repeats)
+      rate = batch * args.new / seconds
+      row = f"{family:8} {batch:>5} {rate:>11,.0f} "
+      if path:
+        their_seconds, their_out = theirs(family, path, tokens, args.new,
+                                          args.repeats, args.dtype)
+        their_rate = batch * args.new / their_seconds
+        same = float(np.mean(their_out[:, :8] == out[:, :8]))
+        row += f"{their_rate:>13,.0f} {rate / their_rate:>6.2f}"
+        if same < 1.0 and args.dtype == "float32":
+          row += f"  (first 8 tokens agree on {same:.0%})"
+      else:
+        row += f"{'-':>13} {'-':>6}"
+      if gbps:
+        bound = bandwidth_bound(config, params, batch, args.prompt, args.new,
+                                gbps)
+        row += f" {bound / seconds:>9.0%}"
+      print(row)
+  sys.stdout.flush()
+
+
+if __name__ == "__main__":
+  main(_ARGS)
