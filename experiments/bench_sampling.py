@@ -4,7 +4,7 @@ For each family (T5 and Llama by default) one randomly initialised model of
 about 60M parameters (T5 1.1 small's dimensions; a Llama of the same width
 and depth) is sampled greedily, EOS disabled, from prompts of --prompt
 tokens for --new tokens at each batch size, and the same weights, exported
-with `export_hf`, are run through `transformers.generate` (greedy, KV cache,
+with `hf_io.export_hf_checkpoint`, are run through `transformers.generate` (greedy, KV cache,
 the same lengths, every row forced to the full length) in the same process
 on the same threads. It prints tokens/s of both and their ratio, and on an
 accelerator the fraction of the memory-bandwidth bound: every decode step
@@ -39,8 +39,11 @@ def _parse():
   p.add_argument("--prompt", type=int, default=64)
   p.add_argument("--new", type=int, default=128)
   p.add_argument("--vocab_size", type=int, default=32128)
-  p.add_argument("--tiny", action="store_true",
-                 help="the families' tiny presets (a smoke test)")
+  p.add_argument("--size", default="small", choices=("tiny", "small",
+                                                      "large"),
+                 help="small: about 60M parameters (T5 1.1 small's "
+                 "dimensions); large: about 0.8-1B (T5 1.1 large, a Llama "
+                 "3.2 1B-shaped model); tiny: a smoke test")
   p.add_argument("--dtype", default="float32",
                  help="compute dtype of ours and transformers' weights")
   p.add_argument("--repeats", type=int, default=2)
@@ -69,6 +72,7 @@ import numpy as np  # noqa: E402
 
 from jaxrlhf import console  # noqa: E402
 from jaxrlhf import models  # noqa: E402
+from jaxrlhf.models import hf_io  # noqa: E402
 from jaxrlhf.models import llama  # noqa: E402
 from jaxrlhf.models import sampling  # noqa: E402
 from jaxrlhf.models import t5  # noqa: E402
@@ -83,19 +87,27 @@ HBM_GBPS = {"H100 80GB HBM3": 3350, "NVIDIA H100 80GB HBM3": 3350,
             "TPU v5": 2765, "TPU v6 lite": 1640}
 
 
-def model_config(family: str, vocab_size: int, dtype: str, tiny: bool):
-  """About 60M parameters: T5 1.1 small, and a Llama of its width."""
+def model_config(family: str, vocab_size: int, dtype: str, size: str):
+  """T5 1.1 at `size`, and a Llama of about its size.
+
+  The T5 ties its output layer to the embedding (T5 1.0 style): transformers
+  5 ties every T5's, untied checkpoints included in some versions, and the
+  comparison must run one model on both sides (the cost is the same).
+  """
   if family == "t5":
-    return t5.t5_config("tiny" if tiny else "small", vocab_size=vocab_size,
-                        dtype=dtype)
-  if family == "llama" and tiny:
+    return t5.t5_config(size, vocab_size=vocab_size, dtype=dtype,
+                        logits_via_embedding=True)
+  if family != "llama":
+    raise ValueError(f"--families: {family!r} is not t5 or llama.")
+  if size == "tiny":
     return llama.LlamaConfig.preset("tiny", vocab_size=vocab_size,
                                     dtype=dtype)
-  if family == "llama":
+  if size == "small":
     return llama.LlamaConfig(vocab_size=vocab_size, emb_dim=512, num_heads=8,
                              num_kv_heads=8, num_layers=8, head_dim=64,
                              mlp_dim=1024, max_length=1024, dtype=dtype)
-  raise ValueError(f"--families: {family!r} is not t5 or llama.")
+  return llama.LlamaConfig.preset("llama3.2-1b", vocab_size=vocab_size,
+                                  rope_scaling=None, dtype=dtype)
 
 
 def init_params(config, seed=0):
@@ -203,7 +215,8 @@ def main(args):
     except ImportError:
       print("transformers or torch is not installed: our figures only.")
       have_torch = False
-  print(f"device: {device.device_kind} ({device.platform}); prompt "
+  print(f"device: {device.device_kind} ({device.platform}); {args.size} "
+        f"models; prompt "
         f"{args.prompt}, {args.new} new tokens, greedy, EOS disabled, "
         f"{args.dtype}; threads {args.threads or os.cpu_count()}")
   header = (f"{'family':8} {'batch':>5} {'ours tok/s':>11} "
@@ -211,12 +224,12 @@ def main(args):
   print(header)
   print("-" * len(header))
   for family in args.families.split(","):
-    config = model_config(family, args.vocab_size, args.dtype, args.tiny)
+    config = model_config(family, args.vocab_size, args.dtype, args.size)
     module, params = init_params(config)
     path = None
     if have_torch:
       path = tempfile.mkdtemp(prefix=f"bench_sampling_{family}_")
-      models.export_hf(module, params, path)
+      hf_io.export_hf_checkpoint(config, params, path)
     for batch in (int(b) for b in args.batches.split(",")):
       tokens = prompts(family, batch, args.prompt, args.vocab_size)
       seconds, out = ours(family, module, params, tokens, args.new,

@@ -60,9 +60,15 @@ def silence_library_noise(python_loggers: bool = False) -> None:
       os.environ.setdefault(key, value)
     if "tensorflow" not in sys.modules:
       with _stderr_held_back():
-        import tensorflow as tf  # pylint: disable=g-import-not-at-top
-        import tensorflow_text  # pylint: disable=g-import-not-at-top,unused-import
-        tf.config.set_visible_devices([], "GPU")
+        try:
+          import tensorflow as tf  # pylint: disable=g-import-not-at-top
+          import tensorflow_text  # pylint: disable=g-import-not-at-top,unused-import
+        except ImportError:
+          # Only the data pipelines need it; the models and samplers run
+          # without (e.g. a benchmark on a machine with just JAX).
+          tf = None
+        if tf is not None:
+          tf.config.set_visible_devices([], "GPU")
     import sentencepiece  # pylint: disable=g-import-not-at-top
     # 1 = WARNING: hides "precompiled_charsmap is empty" per model load.
     sentencepiece.set_min_log_level(1)

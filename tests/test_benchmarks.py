@@ -52,7 +52,7 @@ def test_ppo_iteration_benchmark_t5_with_microbatches():
 
 
 def test_sampling_benchmark_prints_tokens_per_second():
-  out = _run("bench_sampling.py", "--tiny", "--batches=2,4", "--prompt=4",
+  out = _run("bench_sampling.py", "--size=tiny", "--batches=2,4", "--prompt=4",
              "--new=3", "--vocab_size=128", "--repeats=1",
              "--no_transformers")
   rows = re.findall(r"^(t5|llama)\s+(\d+)\s+([\d,]+)\s", out, re.M)
