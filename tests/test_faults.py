@@ -514,7 +514,85 @@ def test_eta_leaves_out_the_first_steps_compilation(monkeypatch):
   assert line.endswith("ETA 0:00:10")
 
 
-# --- 4. every numeric config field has a range -------------------------------
+# --- 4. bad inputs -----------------------------------------------------------
+
+
+def _trajectories(path, rows):
+  if str(path).endswith(".parquet"):
+    import pyarrow as pa  # pylint: disable=g-import-not-at-top
+    import pyarrow.parquet as pq  # pylint: disable=g-import-not-at-top
+    pq.write_table(pa.Table.from_pylist(rows), str(path))
+  else:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  return str(path)
+
+
+GOOD_ROW = {"prompt": "summarize: red", "completion": "red", "reward": 0.5}
+
+
+@pytest.mark.parametrize("suffix", ["jsonl", "parquet"])
+def test_a_reward_stored_as_a_string_is_a_bad_row_in_both_modes(tmp_path,
+                                                                 suffix):
+  from jaxrlhf.data import file_sources  # pylint: disable=g-import-not-at-top
+  # In Parquet the whole column is strings (an export that wrote text).
+  rows = [dict(GOOD_ROW, reward=str(GOOD_ROW["reward"]))] * 2 + [
+      dict(GOOD_ROW, reward="0.4")]
+  if suffix == "jsonl":
+    rows = [GOOD_ROW, GOOD_ROW, dict(GOOD_ROW, reward="0.4")]
+  path = _trajectories(tmp_path / f"t.{suffix}", rows)
+  strict = file_sources.AlignmentFileSource(path, kind="trajectory")
+  with pytest.raises(file_sources.BadRowError) as error:
+    strict.examples()
+  first_string = 1 if suffix == "parquet" else 3
+  assert str(error.value).startswith(
+      f"{path}: row {first_string}: non_finite_reward: 'reward' is a string")
+  lenient = file_sources.AlignmentFileSource(
+      path, kind="trajectory", on_bad_row="skip_and_report")
+  if suffix == "parquet":
+    with pytest.raises(ValueError, match="no usable example in 3 rows"):
+      lenient.examples()
+  else:
+    assert [e["reward"] for e in lenient.examples()] == [0.5, 0.5]
+    assert lenient.bad_row_counts() == {"non_finite_reward": 1}
+
+
+def test_a_damaged_parquet_file_is_named(tmp_path):
+  from jaxrlhf.data import file_sources  # pylint: disable=g-import-not-at-top
+  path = _trajectories(tmp_path / "t.parquet", [GOOD_ROW] * 50)
+  with open(path, "r+b") as f:
+    f.truncate(os.path.getsize(path) // 2)
+  source = file_sources.AlignmentFileSource(path, kind="trajectory")
+  with pytest.raises(file_sources.UnreadableFileError) as error:
+    source.examples()
+  message = str(error.value)
+  assert "\n" not in message
+  assert message.startswith(f"{path}: cannot be read as Parquet (")
+
+
+def test_skipped_rows_are_counted_in_metrics_jsonl(tmp_path, monkeypatch):
+  from conftest import from_scratch  # pylint: disable=g-import-not-at-top
+  pair = {"prompt": "summarize: red", "chosen": "red", "rejected": "blue"}
+  rows = [pair] * 8 + [dict(pair, rejected=""), dict(pair, margin="0.4"),
+                       dict(pair, margin=float("nan"))]
+  path = tmp_path / "pairs.jsonl"
+  path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  config = tiny_config(algorithm="reward_model", data__task="fault_rm_pairs",
+                       init__policy_checkpoint="", train__num_steps=1,
+                       train__batch_size=4)
+  config.data.files.train = str(path)
+  config.data.files.on_bad_row = "skip_and_report"
+  monkeypatch.setitem(algorithms.REGISTRY, "reward_model", evaluated_by(
+      from_scratch(algorithms.get("reward_model"))))
+  loop.train(config, str(tmp_path / "run"))
+  first = _rows(tmp_path / "run")[0]
+  assert first["step"] == 0
+  assert {k: v for k, v in first.items() if k.startswith("data/")} == {
+      "data/bad_rows/train": 3.0,
+      "data/bad_rows/train/empty_completion": 1.0,
+      "data/bad_rows/train/non_finite_reward": 2.0}
+
+
+# --- every numeric config field has a range ----------------------------------
 
 
 def test_a_numeric_field_without_a_range_cannot_be_declared():

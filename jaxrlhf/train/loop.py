@@ -1,10 +1,10 @@
 """The training loop every algorithm shares.
 
 It owns the mesh, the workdir (its lock, its config), checkpoints (save,
-keep, verified resume), preemption (SIGTERM and SIGINT save at the next step
-boundary and exit; during the final evaluation, the first lets it finish),
-lost processes of a multi-host run, the non-finite guard, metrics and
-console progress. It drives a `jaxrlhf.algorithms.trainer.Trainer`
+keep, verified resume), preemption (SIGTERM, SIGINT and SIGHUP save at the
+next step boundary and exit; during the final evaluation, the first lets it
+finish), lost processes of a multi-host run, the non-finite guard, metrics
+and console progress. It drives a `jaxrlhf.algorithms.trainer.Trainer`
 through `init_state()` (or a restore into `abstract_state` and
 `state_shardings`), `train_batches(position)`, `train_step(state, batch)`,
 `tokens_in(local_batch)`, `evaluate(state)` and `finish_training(state)`.
@@ -50,7 +50,7 @@ class _StopNow(Exception):
 
 
 class _StopFlag:
-  """Set by SIGTERM/SIGINT; the loop checks it between steps.
+  """Set by SIGTERM/SIGINT/SIGHUP; the loop checks it between steps.
 
   During the final evaluation (`final_phase`) a first signal lets the
   evaluation finish (the checkpoint is saved already) and a second one
@@ -63,7 +63,9 @@ class _StopFlag:
     self._final_signals: Optional[int] = None
 
   def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP too: the launchers start runs over ssh, which a lost
+    # connection hangs up.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread: signals stay as they were
@@ -96,7 +98,18 @@ class _StopFlag:
     # Every process must stop at the same step, or the collectives hang.
     from jax.experimental import multihost_utils
     flags = multihost_utils.process_allgather(np.array([local], np.int32))
+    self._signalled = [int(i) for i in np.flatnonzero(np.ravel(flags))]
     return bool(np.any(flags))
+
+  def describe(self) -> str:
+    """Who received what, for the line the run stops with."""
+    if self.signal_name is not None:
+      return f"Received {self.signal_name}"
+    others = getattr(self, "_signalled", [])
+    if others:
+      return (f"Process {', '.join(map(str, others))} received a stop "
+              "signal")
+    return "Received a stop request"
 
 
 def preflight(config: ml_collections.ConfigDict, workdir: str,
@@ -204,9 +217,8 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
                         for k, v in before.items()})
         final = before  # the evaluation at step `step` (0 here)
         if step < total and stop.requested():
-          console.log(f"Received {stop.signal_name or 'a stop request'} "
-                      "before the first step: nothing to save. Run the same "
-                      "command again to start.")
+          console.log(f"{stop.describe()} before the first step: nothing "
+                      "to save. Run the same command again to start.")
           return summary
       else:
         final = logger.eval_at(step)
@@ -262,9 +274,8 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
           checkpointer.save(step, state, batches.position)
         if stopping:
           console.log(
-              f"Received {stop.signal_name or 'a stop request'}: saved a "
-              f"checkpoint at step {step} and stopped. Run the same command "
-              "again to resume.")
+              f"{stop.describe()}: saved a checkpoint at step {step} and "
+              "stopped. Run the same command again to resume.")
           return summary
         if eval_every and step % eval_every == 0 and step < total:
           evaluated = trainer.evaluate(state)

@@ -2,8 +2,8 @@
 it describing one run.
 
 - The lock (`WorkdirLock`): process 0 creates `<workdir>/run.lock` holding
-  its host, PID and start time, refreshes it every minute, and removes it on
-  exit. A second run on the same workdir is refused in one line naming the
+  its host, PID and start time, refreshes it every 30 seconds, and removes
+  it on exit. A second run on the same workdir is refused in one line naming the
   holder. A lock left by a run that is gone is taken over with a line saying
   so: on the same host when its process no longer exists (a kill -9), on
   another host when it has not been refreshed for `STALE_AFTER_S` (a lost
@@ -39,9 +39,10 @@ from jaxrlhf.train import files
 
 LOCK = "run.lock"
 CONFIG = "config.json"
-# A lock from another host not refreshed for this long is a lost run's.
-STALE_AFTER_S = 600
-_REFRESH_S = 60
+# A lock from another host not refreshed for this long is a lost run's (a
+# preempted job restarted on another VM takes over a few minutes later).
+STALE_AFTER_S = 150
+_REFRESH_S = 30
 
 
 class WorkdirError(ValueError):
