@@ -71,7 +71,8 @@ def initialize_distributed(config):
   if _CPU_COLLECTIVES.value:
     jax.config.update("jax_cpu_collectives_implementation",
                       _CPU_COLLECTIVES.value)
-  timeout = config.train.lost_process_timeout_s
+  # (An invalid value is refused, naming the field, once the run starts.)
+  timeout = max(config.train.lost_process_timeout_s, 1)
   if _COORDINATOR.value:
     peers.initialize(coordinator_address=_COORDINATOR.value,
                      num_processes=_NUM_PROCESSES.value,

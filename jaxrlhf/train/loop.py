@@ -10,6 +10,7 @@ through `init_state()` (or a restore into `abstract_state` and
 `tokens_in(local_batch)`, `evaluate(state)` and `finish_training(state)`.
 """
 
+import contextlib
 import os
 import signal
 from typing import Dict, List, Optional
@@ -61,6 +62,7 @@ class _StopFlag:
     self.signal_name: Optional[str] = None
     self._previous = {}
     self._final_signals: Optional[int] = None
+    self._interruptible = False
 
   def __enter__(self):
     # SIGHUP too: the launchers start runs over ssh, which a lost
@@ -77,15 +79,24 @@ class _StopFlag:
     self.signal_name = signal.Signals(signum).name
     if self._final_signals is not None:
       self._final_signals += 1
-      if self._final_signals >= 2 and jax.process_count() == 1:
+      if (self._final_signals >= 2 and self._interruptible
+          and jax.process_count() == 1):
         raise _StopNow()
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
 
-  def final_phase(self) -> None:
-    self._final_signals = 0
+  @contextlib.contextmanager
+  def final_evaluation(self):
+    """The final evaluation: a second signal within it raises _StopNow."""
+    if self._final_signals is None:
+      self._final_signals = 0
+    self._interruptible = True
+    try:
+      yield
+    finally:
+      self._interruptible = False
 
   @property
   def signalled_in_final_phase(self) -> bool:
@@ -286,9 +297,9 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
                 f"{trainer.evaluation_description()}): " + _format(evaluated))
       # The final checkpoint is saved: a signal now lets the evaluation
       # finish, a second one stops it (a rerun evaluates then).
-      stop.final_phase()
       try:
-        after = trainer.evaluate(state)
+        with stop.final_evaluation():
+          after = trainer.evaluate(state)
       except _StopNow:
         console.log(
             f"Received {stop.signal_name} twice during the final evaluation: "

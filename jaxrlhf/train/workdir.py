@@ -250,6 +250,10 @@ class WorkdirLock:
     for _ in range(3):
       if self._create(record):
         self._record = record
+        # A refresh of an earlier holder cut short by a kill.
+        leftover = self._path.parent / (self._path.name + ".tmp")
+        if leftover.exists():
+          leftover.unlink()
         return
       holder = self._read()
       if holder is None:
