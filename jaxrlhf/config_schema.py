@@ -15,7 +15,15 @@ defaults to None is a typed placeholder: it may be set with a value of its
 
 `bounds` is a short range: ">0", ">=0", "<=1", "[0, 1]", "(0, 1]", "[1, inf)".
 `choices` are the allowed values, taken from the module that defines them
-(e.g. `preference.DPO_LOSS_TYPES`), never retyped.
+(e.g. `preference.DPO_LOSS_TYPES`), never retyped. Every numeric field has
+one or the other: a numeric field declared without a range is an error at
+import, so a field whose every finite value is meaningful says so with
+`bounds=ANY_NUMBER`. NaN and infinities are refused for every numeric field.
+
+`resumable=True` marks a field that may change when a run resumes from its
+checkpoints (how long it trains, how often it logs, saves and evaluates, how
+it is laid out on devices): the other fields define the run, and a resume
+that changes one of them is refused (`jaxrlhf.train.workdir`).
 """
 
 import dataclasses
@@ -45,6 +53,8 @@ class Bounds:
     return True
 
   def describe(self) -> str:
+    if self.high is None and self.low is None:
+      return "any finite number"
     if self.high is None:
       return f"{'>' if self.low_open else '>='} {_number(self.low)}"
     if self.low is None:
@@ -59,6 +69,10 @@ def _number(x) -> str:
 
 _COMPARISON = re.compile(r"^\s*(>=|<=|>|<)\s*(\S+)\s*$")
 _INTERVAL = re.compile(r"^\s*([\[(])\s*(\S+)\s*,\s*(\S+)\s*([\])])\s*$")
+
+
+# The range of a numeric field whose every finite value means something.
+ANY_NUMBER = "(-inf, inf)"
 
 
 def parse_bounds(text: str) -> Bounds:
@@ -90,7 +104,9 @@ class Field:
     doc: what it means (and, for a placeholder, what unset means).
     type: the placeholder's type (int, float, str, bool); ignored otherwise.
     choices: the allowed values.
-    bounds: the allowed numeric range (see `parse_bounds`).
+    bounds: the allowed numeric range (see `parse_bounds`); required for a
+      numeric field without `choices` (`ANY_NUMBER` when any is allowed).
+    resumable: the field may change when the run resumes (see module doc).
   """
   name: str
   default: Any
@@ -98,6 +114,7 @@ class Field:
   type: Optional[type] = None
   choices: Optional[Sequence[Any]] = None
   bounds: Optional[str] = None
+  resumable: bool = False
 
   def __post_init__(self):
     if self.default is None and self.type is None:
@@ -105,6 +122,19 @@ class Field:
                        "needs a type.")
     if self.bounds is not None:
       parse_bounds(self.bounds)  # fails at import on a typo
+    elif self.is_numeric and self.choices is None:
+      raise ValueError(
+          f"Field {self.name!r}: a numeric field needs bounds= (e.g. '>0', "
+          "'[0, 1]') or choices=; bounds=ANY_NUMBER if every value is "
+          "allowed.")
+
+  @property
+  def is_numeric(self) -> bool:
+    """An int or float field (bool is not a number here)."""
+    if self.default is None:
+      return self.type in (int, float)
+    return (isinstance(self.default, (int, float))
+            and not isinstance(self.default, bool))
 
   def value_error(self, value) -> Optional[str]:
     """Why `value` is not allowed, or None."""
@@ -115,8 +145,8 @@ class Field:
     if self.bounds is not None:
       if isinstance(value, bool) or not isinstance(value, (int, float)):
         return f"{value!r} is not a number."
-      if isinstance(value, float) and math.isnan(value):
-        return "is NaN."
+      if isinstance(value, float) and not math.isfinite(value):
+        return f"{value!r} is not a finite number."
       bounds = parse_bounds(self.bounds)
       if not bounds.contains(value):
         return f"{value!r} must be {bounds.describe()}."
@@ -130,11 +160,13 @@ Check = Callable[[ml_collections.ConfigDict], None]
 
 @dataclasses.dataclass(frozen=True)
 class Group:
-  """A named group of fields (and nested groups), with cross-field checks."""
+  """A named group of fields (and nested groups), with cross-field checks;
+  `resumable=True`: every field of it may change when a run resumes."""
   name: str
   doc: str
   fields: Sequence[Union[Field, "Group"]]
   checks: Sequence[Check] = ()
+  resumable: bool = False
 
   def __post_init__(self):
     names = [f.name for f in self.fields]
@@ -171,6 +203,19 @@ def walk(groups: Sequence[Union[Field, Group]], prefix: str = ""
       out.extend(walk(item.fields, f"{prefix}{item.name}."))
     else:
       out.append((f"{prefix}{item.name}", item))
+  return out
+
+
+def resumable_paths(groups: Sequence[Union[Field, Group]], prefix: str = "",
+                    inherited: bool = False) -> Sequence[str]:
+  """Dotted paths of the fields that may change when a run resumes."""
+  out = []
+  for item in groups:
+    if isinstance(item, Group):
+      out.extend(resumable_paths(item.fields, f"{prefix}{item.name}.",
+                                 inherited or item.resumable))
+    elif inherited or item.resumable:
+      out.append(f"{prefix}{item.name}")
   return out
 
 
@@ -218,7 +263,8 @@ def render_markdown(groups: Sequence[Union[Field, Group]],
     path = f"{prefix}{group.name}"
     lines.append(f"{'#' * level} `{path}`")
     lines.append("")
-    lines.append(group.doc)
+    lines.append(group.doc + (" Its fields may change when the run resumes."
+                              if group.resumable else ""))
     lines.append("")
     fields = [f for f in group.fields if isinstance(f, Field)]
     if fields:
@@ -232,6 +278,8 @@ def render_markdown(groups: Sequence[Union[Field, Group]],
         elif f.bounds is not None:
           allowed = parse_bounds(f.bounds).describe()
         doc = " ".join(f.doc.split()).replace("|", "\\|")
+        if f.resumable:
+          doc += " (May change when the run resumes.)"
         lines.append(f"| `{f.name}` | {default} | {allowed} | {doc} |")
       lines.append("")
     for sub in group.fields:

@@ -30,7 +30,8 @@ TOP = [
       "Which algorithm trains (jaxrlhf/algorithms/; docs/config.md lists "
       "them with a line each).", choices=algorithms.NAMES),
     F("seed", 0, "Seeds parameter initialisation, dropout and data "
-      "shuffling."),
+      "shuffling (a JAX PRNG key holds 32 bits: a larger seed would be "
+      "truncated to another run's).", bounds="[0, 4294967295]"),
 ]
 
 MODEL = G("model", "The policy's model (and the reward model's, unless it "
@@ -77,7 +78,7 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
               F("remat_policy", "none",
                 "Per-layer rematerialisation in the backward pass: 'none', "
                 "'full', or a jax.checkpoint_policies name.",
-                choices=layers.REMAT_POLICIES),
+                choices=layers.REMAT_POLICIES, resumable=True),
               F("scan_layers", False,
                 "Run each layer stack as one nn.scan (one compiled layer "
                 "body: faster compiles of deep models; the same numbers). "
@@ -162,7 +163,9 @@ DATA = G("data", "What the run reads.", [
 ])
 
 TRAIN = G("train", "The training run.", [
-    F("num_steps", 600, "Train steps.", bounds=">0"),
+    F("num_steps", 600, "Train steps (a resumed run may extend them; with a "
+      "decaying optimizer.schedule that changes the remaining learning "
+      "rates).", bounds=">0", resumable=True),
     F("batch_size", 32, "Global batch size (examples per optimizer step, "
       "over all processes; prompts per step for online algorithms).",
       bounds=">0"),
@@ -173,7 +176,13 @@ TRAIN = G("train", "The training run.", [
     F("z_loss", 0.0, "Weight of the z-loss (log Z)^2 that keeps the "
       "softmax normaliser near 0 (SFT).", bounds=">=0"),
     F("log_every", 50, "Console and metrics.jsonl every N steps.",
-      bounds=">0"),
+      bounds=">0", resumable=True),
+    F("lost_process_timeout_s", 60,
+      "Runs of several processes: one not heard from for this many seconds "
+      "is lost (died, preempted), and the others stop with one line naming "
+      "it rather than wait for it forever in a collective; "
+      "jax.distributed's own heartbeat timeout is set to twice this.",
+      bounds=">0", resumable=True),
 ])
 
 OPTIMIZER = G("optimizer", "The optimizer of the trained networks (of the "
@@ -182,8 +191,9 @@ OPTIMIZER = G("optimizer", "The optimizer of the trained networks (of the "
                     "'adafactor' (the DRO paper's), 'adamw' (the PPO "
                     "paper's) or 'sgd' (plain gradient descent).",
                     choices=optimizers.NAMES),
-                  F("learning_rate", 1e-3, "Peak learning rate.",
-                    bounds=">0"),
+                  F("learning_rate", 1e-3, "Peak learning rate (a "
+                    "resumed run may lower it, e.g. after a non-finite "
+                    "step).", bounds=">0", resumable=True),
                   F("warmup_steps", 0,
                     "Linear warm-up steps from 0 to learning_rate.",
                     bounds=">=0"),
@@ -205,24 +215,26 @@ OPTIMIZER = G("optimizer", "The optimizer of the trained networks (of the "
                     bounds=">=0"),
                   F("grad_clip_norm", 1.0,
                     "Clip gradients to this global norm; 0 disables.",
-                    bounds=">=0"),
+                    bounds=">=0", resumable=True),
               ])
 
 CHECKPOINT = G("checkpoint", "Checkpoints in <workdir>/checkpoints.", [
     F("every_steps", 200,
       "Save every N steps (and always at the end); 0 = only at the end.",
-      bounds=">=0"),
-    F("keep", 2, "How many recent checkpoints to keep.", bounds=">0"),
+      bounds=">=0", resumable=True),
+    F("keep", 2, "How many recent checkpoints to keep (an older one is "
+      "deleted only once a newer one is complete).", bounds=">0",
+      resumable=True),
 ])
 
 EVAL = G("eval", "Evaluation before, during and after training.", [
     F("every_steps", 0,
       "Evaluate every N steps (and before and after training); 0 = only "
-      "then.", bounds=">=0"),
+      "then.", bounds=">=0", resumable=True),
     F("num_examples", 128,
       "Held-out examples (prompts) to evaluate on.", bounds=">0"),
     F("batch_size", 64, "Examples per evaluation forward pass or sampling "
-      "call.", bounds=">0"),
+      "call.", bounds=">0", resumable=True),
     F("task", "",
       "Policy algorithms: the task whose eval.split prompts and gold reward "
       "judge the policy against its reference ('' = data.task)."),
@@ -236,18 +248,21 @@ EVAL = G("eval", "Evaluation before, during and after training.", [
 
 MESH = G("mesh", "The device mesh.", [
     F("shape", (-1, 1), "Mesh axis sizes; one of them may be -1 for 'all "
-      "remaining devices'."),
-    F("axis_names", ("data", "model"), "The mesh axes' names."),
+      "remaining devices'.", resumable=True),
+    F("axis_names", ("data", "model"), "The mesh axes' names.",
+      resumable=True),
 ])
 
 SHARDING = G("sharding", "The sharding plan.", [
     F("logical_axis_rules", sharding.STANDARD_RULES,
       "Logical axis name -> mesh axis (or tuple of axes, or None = "
-      "replicate)."),
+      "replicate).", resumable=True),
 ])
 
+# Resumable: each stage's run is described by its own fields (the pipeline
+# sets them); these only plan the stages.
 PIPELINE = G("pipeline", "The pipeline of jaxrlhf.offline_pipeline "
-             "(configs/quickstart.py runs it).", [
+             "(configs/quickstart.py runs it).", resumable=True, fields=[
                  F("stages", "",
                    "Comma-separated stages ('' = run config.algorithm "
                    "alone): sft, data, reward_model, then the offline policy "

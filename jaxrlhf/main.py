@@ -25,9 +25,10 @@ from ml_collections import config_flags
 
 from jaxrlhf import console
 
-# Exit status of a run refused for its command, config or input data (as
-# argparse and absl use for usage errors); a run that fails while training
-# (a non-finite step) exits 1.
+# Exit status of a run refused for its command, config, workdir (held by
+# another run, or its checkpoints written under another config) or input data
+# (as argparse and absl use for usage errors); a run that fails while training
+# (a non-finite step, a full disk, a lost process) exits 1.
 USAGE_ERROR = 2
 
 _CONFIG = config_flags.DEFINE_config_file(
@@ -60,18 +61,25 @@ def _fail(message: str) -> None:
   sys.exit(USAGE_ERROR)
 
 
-def initialize_distributed():
-  """Starts jax.distributed when asked; must run before any JAX computation."""
+def initialize_distributed(config):
+  """Starts jax.distributed when asked; must run before any JAX computation.
+  JAX's heartbeat timeout is set above config.train.lost_process_timeout_s,
+  so that a lost process is reported by the run in one line
+  (jaxrlhf.train.peers)."""
   import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.train import peers  # pylint: disable=g-import-not-at-top
   if _CPU_COLLECTIVES.value:
     jax.config.update("jax_cpu_collectives_implementation",
                       _CPU_COLLECTIVES.value)
+  # (An invalid value is refused, naming the field, once the run starts.)
+  timeout = max(config.train.lost_process_timeout_s, 1)
   if _COORDINATOR.value:
-    jax.distributed.initialize(coordinator_address=_COORDINATOR.value,
-                               num_processes=_NUM_PROCESSES.value,
-                               process_id=_PROCESS_ID.value)
+    peers.initialize(coordinator_address=_COORDINATOR.value,
+                     num_processes=_NUM_PROCESSES.value,
+                     process_id=_PROCESS_ID.value,
+                     lost_process_timeout_s=timeout)
   elif _DISTRIBUTED.value:
-    jax.distributed.initialize()
+    peers.initialize(lost_process_timeout_s=timeout)
 
 
 def _loaded_config():
@@ -124,14 +132,16 @@ def main(argv):
   logging.set_verbosity(logging.ERROR)
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrlhf.train import loop  # pylint: disable=g-import-not-at-top
-  initialize_distributed()
+  initialize_distributed(config)
   try:
     if config.pipeline.stages:
       from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
       offline_pipeline.run(config, _WORKDIR.value)
       return
     summary = loop.train(config, _WORKDIR.value)
-  except loop.NonFiniteError as e:
+  except (loop.NonFiniteError, loop.WriteError) as e:
+    # The run failed while training (a non-finite step, a full disk): its
+    # last complete checkpoint is kept, and running again resumes.
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   except ValueError as e:

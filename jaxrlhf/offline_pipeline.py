@@ -183,7 +183,14 @@ def run(config, workdir: str) -> Dict[str, Dict[str, float]]:
   """Runs the configured stages; returns {method: results}."""
   stages = stages_of(config)
   loop.preflight(config, workdir)
-  loop.prepare_workdir(workdir, config)
+  loop.check_workdir(workdir)
+  # One pipeline at a time in a workdir (each stage's run also locks its own).
+  with loop.workdir_lock(workdir):
+    loop.write_run_config(workdir, config)
+    return _run_stages(config, workdir, stages)
+
+
+def _run_stages(config, workdir: str, stages) -> Dict[str, Dict[str, float]]:
   p = config.pipeline
   sft_dir = os.path.join(workdir, "sft")
   results: Dict[str, Dict[str, float]] = {}

@@ -8,8 +8,13 @@ r"""Submits a jaxrlhf run as a GCP Batch job (one VM with GPUs).
 Writes the job spec to <name>.batch.json and, with --submit, runs
 `gcloud batch jobs submit`. The container image must have the repository
 installed (`pip install -e . "jax[cuda13]"`). Batch retries a preempted task
-(max_retry_count); the run resumes from the latest checkpoint in --workdir,
-which should be a gs:// path.
+(max_retry_count; a preempted Spot VM counts as a failed task) on a new VM;
+the run resumes from the latest checkpoint in --workdir that verifies, which
+should be a gs:// path. A preemption sends SIGTERM first, and the run saves
+a checkpoint at the next step boundary if the VM lives that long; a save cut
+short is discarded at the next start. The lock the lost VM left in the
+workdir is taken over once it is 150 s old (a retry that comes sooner is
+refused in one line and counts as a failed try).
 """
 
 import argparse

@@ -125,7 +125,7 @@ def test_reference_docs_are_current():
     ("model.dropout_rate", 1.0, "config.model.dropout_rate: 1.0 must be in "
      "[0, 1)"),
     ("optimizer.learning_rate", float("nan"),
-     "config.optimizer.learning_rate: is NaN"),
+     "config.optimizer.learning_rate: nan is not a finite number"),
     ("optimizer.name", "adam", "config.optimizer.name: 'adam' is not one of"),
     ("online.samples_per_prompt", 0,
      "config.online.samples_per_prompt: 0 must be > 0"),

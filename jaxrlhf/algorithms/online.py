@@ -91,7 +91,8 @@ ONLINE = config_schema.Group(
           "is only valid at an EOS, detail 13). False keeps the score at the "
           "last token."),
         F("missing_eos_penalty", -1.0,
-          "The score of a response without EOS under the EOS trick."),
+          "The score of a response without EOS under the EOS trick.",
+          bounds=config_schema.ANY_NUMBER),
         F("kl_coef", 0.05,
           "beta of the KL(pi || reference) penalty folded into the reward "
           "(PPO per token; RLOO and REINFORCE per sequence); Table 7: 0.05. "

@@ -70,7 +70,31 @@ def file_format_of(path: str, file_format: Optional[str] = None) -> str:
                    "'parquet'.")
 
 
+class UnreadableFileError(ValueError):
+  """A data file that cannot be read at all (damaged, truncated, or not in
+  the format its suffix says), named in one line."""
+
+  def __init__(self, path: str, file_format: str, error: BaseException,
+               rows_read: int):
+    reason = (str(error).strip().splitlines() or [type(error).__name__])[0]
+    after = f" after {rows_read} rows" if rows_read else ""
+    super().__init__(
+        f"{path}: cannot be read as {file_format}{after} ({reason}). The "
+        "file is damaged or not in that format: replace it, or leave it out "
+        "of the files the run reads.")
+
+
 def _read_jsonl(path: str) -> Iterator[Tuple[int, Union[dict, BadRow]]]:
+  line_number = 0
+  try:
+    for line_number, line in _jsonl_lines(path):
+      yield line_number, line
+  except (OSError, EOFError, tf.errors.OpError) as e:
+    kind = "gzipped JSON lines" if path.endswith(".gz") else "JSON lines"
+    raise UnreadableFileError(path, kind, e, line_number) from None
+
+
+def _jsonl_lines(path: str) -> Iterator[Tuple[int, Union[dict, BadRow]]]:
   with tf.io.gfile.GFile(path, "rb") as raw:
     stream = gzip.GzipFile(fileobj=raw) if path.endswith(".gz") else raw
     for line_number, line in enumerate(stream, start=1):
@@ -105,10 +129,13 @@ def _read_parquet(path: str) -> Iterator[Tuple[int, dict]]:
   else:
     target = path
   row = 0
-  for batch in pq.ParquetFile(target).iter_batches(batch_size=1024):
-    for record in batch.to_pylist():
-      row += 1
-      yield row, record
+  try:
+    for batch in pq.ParquetFile(target).iter_batches(batch_size=1024):
+      for record in batch.to_pylist():
+        row += 1
+        yield row, record
+  except (pa.ArrowException, OSError) as e:
+    raise UnreadableFileError(path, "Parquet", e, row) from None
 
 
 def read_rows(path: str, file_format: Optional[str] = None
@@ -423,6 +450,19 @@ class AlignmentFileSource(seqio.DataSource):
             **data.columns, "prompt_weight": [float(w) for w in weights]})
       self._loaded[split] = data
     return self._loaded[split]
+
+  def bad_row_metrics(self) -> Dict[str, float]:
+    """The bad-row counts of every split read so far, as metrics:
+    "data/bad_rows/<split>" (all reasons) and
+    "data/bad_rows/<split>/<reason>"."""
+    out = {}
+    for split, data in sorted(self._raw.items()):
+      if data.bad_row_counts:
+        out[f"data/bad_rows/{split}"] = float(sum(
+            data.bad_row_counts.values()))
+        for reason, count in sorted(data.bad_row_counts.items()):
+          out[f"data/bad_rows/{split}/{reason}"] = float(count)
+    return out
 
   def bad_row_counts(self, split: str = "train") -> Dict[str, int]:
     """Bad rows (or completions) of a split by reason."""

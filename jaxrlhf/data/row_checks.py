@@ -13,8 +13,8 @@ and a summary line is logged when the split is loaded.
 
 Reasons: invalid_json, missing_field, wrong_type, empty_prompt,
 empty_completion, non_finite_reward (any reward, margin, confidence or score
-that is not a finite number), bad_label, prompt_too_long,
-completion_too_long, too_few_completions, too_many_completions, and the
+that is not a finite number, a numeric string such as "0.4" included),
+bad_label, prompt_too_long, completion_too_long, too_few_completions, too_many_completions, and the
 layouts' own: no_worse_completion, prompts_differ, unparsable_dialogue.
 """
 
@@ -48,11 +48,17 @@ class BadRowRecord:
 
 
 def as_number(value, what: str) -> Union[float, BadRow]:
+  """A finite number as a float; anything else (a boolean, a string even if
+  it reads as a number, NaN, an infinity) is a bad row."""
   if value is None:
     return BadRow("missing_field", f"{what} is missing or null.")
   if isinstance(value, bool):
     return BadRow("non_finite_reward", f"{what} is a boolean ({value}), not "
                   "a number.")
+  if isinstance(value, (str, bytes)):
+    # A numeric column stored as text is a broken export, not a number.
+    return BadRow("non_finite_reward", f"{what} is a string ({value!r}), not "
+                  "a number; store it as a number.")
   try:
     number = float(value)
   except (TypeError, ValueError):

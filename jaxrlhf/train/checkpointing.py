@@ -3,28 +3,34 @@
 A checkpoint holds the train state pytree (every network's parameters, every
 optimizer state, the step, the RNG and the algorithm's carried scalars) and a
 small JSON item with the data position. Orbax writes each step into a
-temporary directory and renames it when complete. After that, process 0
-writes `jaxrlhf_manifest.json` into the step: the size and SHA-256 of every
-file of the step. The manifest is the commit mark: a step without one was
-interrupted after orbax's rename (or comes from a version of jaxrlhf that
+temporary directory and renames it when complete (on an object store such as
+GCS, where nothing can be renamed, it marks a complete step with a
+commit_success.txt instead). After that, process 0 writes
+`jaxrlhf_manifest.json` into the step: the size and SHA-256 of every file of
+the step. The manifest is our commit mark: a step without one was
+interrupted after orbax's commit (or comes from a version of jaxrlhf that
 wrote none, when no step has one).
 
 Before a step is restored its files are checked against its manifest. A step
 that fails (a flipped byte, a truncated or missing file, no manifest) is
 reported in one line naming the step and the file, moved into
 `<workdir>/damaged_checkpoints/` (never deleted), and the previous step is
-tried; if no step verifies, the run is refused and nothing is moved. Older
-steps beyond `keep` are deleted only once a newer one has its manifest.
+tried; if no step verifies, the run is refused in one line and nothing is
+moved. Older steps beyond `keep` are deleted only once a newer one has its
+manifest, so the newest complete step is never deleted.
 
 A save that cannot be written (a full disk, a quota) stops the run with one
 line saying where and why; its temporary files are removed and the previous
 checkpoint is kept.
 """
 
-import errno
+import concurrent.futures
+import contextlib
 import hashlib
 import json
+import logging
 import os
+import threading
 import time
 from typing import Any, List, Optional, Tuple
 
@@ -36,43 +42,23 @@ import orbax.checkpoint as ocp
 
 from jaxrlhf import checkpoint_files
 from jaxrlhf import console
+from jaxrlhf.train import files as files_lib
 
 MANIFEST = "jaxrlhf_manifest.json"
 DAMAGED = "damaged_checkpoints"
 _FORMAT = 1
 _CHUNK = 1 << 22
+# Files hashed at once: reading from an object store is latency-bound.
+_HASH_THREADS = 16
+# How long a failed save waits for each of orbax's writer threads to end.
+_THREAD_WAIT_S = 60
+
+WriteError = files_lib.WriteError
+write_failure = files_lib.write_failure
 
 
 class CheckpointError(ValueError):
   """No checkpoint can be restored, or one cannot be used."""
-
-
-class WriteError(RuntimeError):
-  """A file of the run (checkpoint, metrics, config) could not be written."""
-
-
-def write_failure(error: BaseException, what: str) -> Optional[WriteError]:
-  """A one-line WriteError when `error` (or what caused it) is a failed
-  write: a full disk, a quota, a file size limit, an I/O error; else None."""
-  reasons = {errno.ENOSPC: "the disk is full (no space left on device)",
-             errno.EDQUOT: "the disk quota is exceeded",
-             errno.EFBIG: "a file would exceed the file size limit",
-             errno.EIO: "an input/output error", errno.EROFS:
-                 "the file system is read-only"}
-  markers = {"No space left": errno.ENOSPC, "Disk quota": errno.EDQUOT,
-             "File too large": errno.EFBIG, "Read-only file": errno.EROFS}
-  seen, current = set(), error
-  while current is not None and id(current) not in seen:
-    seen.add(id(current))
-    code = getattr(current, "errno", None)
-    if code not in reasons:
-      code = next((c for m, c in markers.items() if m in str(current)), None)
-    if code in reasons:
-      return WriteError(f"Could not write {what}: {reasons[code]}. Free space "
-                        "(or raise the limit) and run the same command "
-                        "again: it resumes from the last complete checkpoint.")
-    current = current.__cause__ or current.__context__
-  return None
 
 
 def _sha256(path: epath.Path) -> Tuple[int, str]:
@@ -98,17 +84,23 @@ def _files(step_dir: epath.Path) -> List[str]:
   return sorted(out)
 
 
+def _hash_all(step_dir: epath.Path, names: List[str]):
+  """{name: (size, sha256)}, hashed in parallel."""
+  with concurrent.futures.ThreadPoolExecutor(
+      max(1, min(_HASH_THREADS, len(names)))) as pool:
+    return dict(zip(names, pool.map(lambda n: _sha256(step_dir / n), names)))
+
+
 def write_manifest(step_dir) -> None:
   """Writes the step's manifest atomically (a temporary file renamed)."""
   step_dir = epath.Path(step_dir)
-  entries = {}
-  for name in _files(step_dir):
-    size, digest = _sha256(step_dir / name)
-    entries[name] = {"size": size, "sha256": digest}
-  tmp = step_dir / (MANIFEST + ".tmp")
-  tmp.write_text(json.dumps({"format": _FORMAT, "files": entries}, indent=1,
-                            sort_keys=True))
-  tmp.rename(step_dir / MANIFEST)
+  hashed = _hash_all(step_dir, _files(step_dir))
+  entries = {name: {"size": size, "sha256": digest}
+             for name, (size, digest) in hashed.items()}
+  files_lib.write_atomically(
+      step_dir / MANIFEST,
+      json.dumps({"format": _FORMAT, "files": entries}, indent=1,
+                 sort_keys=True))
 
 
 def verify(step_dir) -> Optional[str]:
@@ -121,11 +113,12 @@ def verify(step_dir) -> Optional[str]:
     entries = json.loads(manifest.read_text())["files"]
   except (ValueError, KeyError, TypeError) as e:
     return f"its {MANIFEST} cannot be read ({e})"
+  missing = [n for n in sorted(entries) if not (step_dir / n).exists()]
+  if missing:
+    return f"file {missing[0]} is missing"
+  hashed = _hash_all(step_dir, sorted(entries))
   for name, expected in sorted(entries.items()):
-    path = step_dir / name
-    if not path.exists():
-      return f"file {name} is missing"
-    size, digest = _sha256(path)
+    size, digest = hashed[name]
     if size != expected["size"]:
       return (f"file {name} has {size} bytes, {expected['size']} when "
               "saved (truncated or overwritten)")
@@ -169,42 +162,60 @@ class Checkpointer:
       WriteError: the files could not be written (the previous checkpoints
         are kept, the temporary ones removed).
     """
-    try:
-      self._manager.save(
-          step,
-          args=ocp.args.Composite(
-              state=ocp.args.StandardSave(state),
-              data=ocp.args.JsonSave({"position": int(data_position)})),
-          force=True)
-      self._manager.wait_until_finished()
-      if jax.process_index() == 0:
+    what = f"the checkpoint of step {step} in {self.directory}"
+    running = set(threading.enumerate())
+    with _write_failures_held_back():
+      try:
+        self._manager.save(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardSave(state),
+                data=ocp.args.JsonSave({"position": int(data_position)})),
+            force=True)
+        self._manager.wait_until_finished()
+      except Exception as e:  # pylint: disable=broad-except
+        failure = write_failure(e, what)
+        if failure is None:
+          raise
+        # Orbax's other writers of this step are still running: let them
+        # end before their files are removed, or they write them again.
+        _wait_for_threads_started_after(running)
+        self._remove_unfinished(step)
+        raise failure from None
+    # The manifest is written by process 0 alone; every process learns
+    # whether it was, so that all of them stop together if not.
+    manifest_error = None
+    if jax.process_index() == 0:
+      try:
         write_manifest(self._step_dir(step))
-      _barrier(f"checkpoint_manifest_{step}")
-    except Exception as e:  # pylint: disable=broad-except
-      failure = write_failure(e, f"the checkpoint of step {step} in "
-                              f"{self.directory}")
-      if failure is None:
-        raise
+      except Exception as e:  # pylint: disable=broad-except
+        manifest_error = e
+    if _broadcast(int(manifest_error is not None)):
       self._remove_unfinished(step)
+      if manifest_error is None:
+        raise WriteError(f"Could not write {what}: process 0 failed to "
+                         "write its manifest (see its output).")
+      failure = write_failure(manifest_error, what)
+      if failure is None:
+        raise manifest_error
       raise failure from None
     self._prune()
 
   def _remove_unfinished(self, step: int) -> None:
     """Removes what a failed save of `step` left: orbax's temporary
-    directory, or the step without its manifest (moved aside)."""
-    if jax.process_index() != 0:
-      return
-    root = epath.Path(self.directory)
-    for path in root.glob(f"{step}.orbax-checkpoint-tmp*"):
-      path.rmtree()
-    step_dir = self._step_dir(step)
-    if step_dir.exists():
-      try:
-        step_dir.rmtree()  # never complete, so nothing is lost
-      except OSError:
-        pass
-    for tmp in root.glob(f"{step}/{MANIFEST}.tmp"):
-      tmp.unlink()
+    directory, or the step without its manifest (never complete, so nothing
+    is lost)."""
+    if jax.process_index() == 0:
+      root = epath.Path(self.directory)
+      for path in [*root.glob(f"{step}.orbax-checkpoint-tmp*"),
+                   self._step_dir(step)]:
+        try:
+          if path.exists():
+            path.rmtree()  # never complete, so nothing is lost
+        except OSError:
+          pass
+    # No barrier: the run stops next, and a process whose own write failed
+    # may be the only one here (the others still inside orbax's save).
 
   def _prune(self) -> None:
     steps = self.all_steps()
@@ -236,6 +247,12 @@ class Checkpointer:
         chosen = self._verified_step(steps)
       except CheckpointError as e:
         refusal = e
+      except Exception as e:  # pylint: disable=broad-except
+        # Every process waits for the choice: never leave them waiting.
+        refusal = CheckpointError(
+            f"Could not check the checkpoints in {self.directory} "
+            f"({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+            ").")
     chosen = _broadcast(chosen)  # -1: none verifies
     if chosen < 0:
       raise refusal or CheckpointError(
@@ -250,9 +267,12 @@ class Checkpointer:
     with_manifest = [s for s in steps
                      if (self._step_dir(s) / MANIFEST).exists()]
     if not with_manifest:
-      # Written by a jaxrlhf that wrote no manifests: nothing to check.
-      console.log(f"Checkpoints in {self.directory} have no manifest "
-                  f"({MANIFEST}); restoring step {steps[-1]} unverified.")
+      # Written by a jaxrlhf that wrote no manifests, or the very first save
+      # was interrupted between orbax's commit and the manifest: complete
+      # by orbax's account, but there is nothing to check the files against.
+      console.log(f"Checkpoint step {steps[-1]} in {self.directory} has no "
+                  f"manifest ({MANIFEST}) and none of its neighbours has "
+                  "one: restoring it unverified.")
       return steps[-1]
     problems = {}
     for step in reversed(steps):
@@ -268,9 +288,9 @@ class Checkpointer:
           "fresh --workdir.")
     for damaged, problem in sorted(problems.items()):
       target = self._move_aside(damaged)
-      console.log(f"Checkpoint step {damaged} in {self.directory} is "
-                  f"damaged: {problem}. Moved it to {target}; resuming from "
-                  f"step {step}.")
+      console.log(f"Checkpoint step {damaged} in {self.directory} cannot be "
+                  f"used: {problem}. Moved it to {target}; resuming from "
+                  f"step {step}, the newest that verifies.")
     self._manager.reload()
     return step
 
@@ -280,7 +300,7 @@ class Checkpointer:
     target = root / str(step)
     if target.exists():
       target = root / f"{step}.{time.strftime('%Y%m%d-%H%M%S')}"
-    self._step_dir(step).rename(target)
+    _move_tree(self._step_dir(step), target)
     return target
 
   def restore(self, step: int, abstract_state: Any) -> Tuple[Any, int]:
@@ -298,12 +318,14 @@ class Checkpointer:
               state=ocp.args.StandardRestore(abstract_state),
               data=ocp.args.JsonRestore()))
     except (ValueError, KeyError, TypeError) as e:
+      # Its files verified (or it predates manifests), so this is the
+      # structure of the state, not damage.
       raise CheckpointError(
           f"Checkpoint step {step} in {self.directory} could not be restored "
-          f"into this run's state ({str(e).splitlines()[0]}): it was written "
-          "by another model, optimizer or algorithm. Resume with the config "
-          "it was written with (config.json in the workdir), or use a fresh "
-          "--workdir.") from e
+          f"into this run's state ({str(e).splitlines()[0]}): its state has "
+          "another structure (another model, optimizer or algorithm). Resume "
+          "with the config it was written with (config.json in the "
+          "workdir), or use a fresh --workdir for this config.") from e
     return restored["state"], int(restored["data"]["position"])
 
   def _check_parameter_shapes(self, step: int, abstract_state: Any) -> None:
@@ -338,6 +360,76 @@ class Checkpointer:
 
   def close(self):
     self._manager.close()
+
+
+def _wait_for_threads_started_after(running) -> None:
+  """Waits (up to _THREAD_WAIT_S) until the threads that are not in
+  `running` have ended, those they start included."""
+  deadline = time.monotonic() + _THREAD_WAIT_S
+  while time.monotonic() < deadline:
+    others = [t for t in threading.enumerate()
+              if t not in running and t is not threading.current_thread()]
+    if not others:
+      return
+    for thread in others:
+      try:
+        thread.join(timeout=max(deadline - time.monotonic(), 0))
+      except RuntimeError:  # not started yet
+        time.sleep(0.05)
+
+
+@contextlib.contextmanager
+def _write_failures_held_back():
+  """Orbax's writer threads log a failed write of theirs (and later fail to
+  reach their closed event loop) before the main thread raises the error;
+  the run reports a failed write in one line, so those records of a write
+  failure are held back. Anything else is reported as usual."""
+
+  def after_a_write_failure(error) -> bool:
+    return error is not None and (
+        write_failure(error, "") is not None or (
+            isinstance(error, RuntimeError) and any(
+                m in str(error) for m in ("Event loop is closed",
+                                          "cannot schedule new futures"))))
+
+  class Filter(logging.Filter):
+
+    def filter(self, record):
+      error = record.exc_info[1] if record.exc_info else None
+      return not after_a_write_failure(error)
+
+  previous_hook = threading.excepthook
+
+  def hook(args):
+    if not after_a_write_failure(args.exc_value):
+      previous_hook(args)
+
+  record_filter = Filter()
+  logging.getLogger("absl").addFilter(record_filter)
+  threading.excepthook = hook
+  try:
+    yield
+  finally:
+    logging.getLogger("absl").removeFilter(record_filter)
+    threading.excepthook = previous_hook
+
+
+def _move_tree(source: epath.Path, target: epath.Path) -> None:
+  """Moves a directory: a rename, or where renaming a directory is not
+  possible (an object store) a copy of every file, then the removal."""
+  try:
+    source.rename(target)
+    return
+  except (OSError, NotImplementedError):
+    if target.exists() and not source.exists():
+      return
+  for folder, _, names in source.walk():
+    folder = epath.Path(folder)
+    for name in names:
+      destination = target / (folder / name).relative_to(source)
+      destination.parent.mkdir(parents=True, exist_ok=True)
+      (folder / name).copy(destination)
+  source.rmtree()
 
 
 def _barrier(name: str) -> None:

@@ -1,13 +1,16 @@
 """The training loop every algorithm shares.
 
-It owns the mesh, checkpoints (save, keep, resume), preemption (SIGTERM and
-SIGINT save at the next step boundary and exit), the non-finite guard,
-metrics and console progress. It drives a `jaxrlhf.algorithms.trainer.Trainer`
+It owns the mesh, the workdir (its lock, its config), checkpoints (save,
+keep, verified resume), preemption (SIGTERM, SIGINT and SIGHUP save at the
+next step boundary and exit; during the final evaluation, the first lets it
+finish), lost processes of a multi-host run, the non-finite guard, metrics
+and console progress. It drives a `jaxrlhf.algorithms.trainer.Trainer`
 through `init_state()` (or a restore into `abstract_state` and
 `state_shardings`), `train_batches(position)`, `train_step(state, batch)`,
 `tokens_in(local_batch)`, `evaluate(state)` and `finish_training(state)`.
 """
 
+import contextlib
 import os
 import signal
 from typing import Dict, List, Optional
@@ -21,28 +24,50 @@ from jaxrlhf import console
 from jaxrlhf import defaults
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import state as state_lib
+from jaxrlhf.data import file_sources
 from jaxrlhf.data import pipeline
 from jaxrlhf.train import checkpointing
+from jaxrlhf.train import files
 from jaxrlhf.train import metrics as metrics_lib
+from jaxrlhf.train import peers
+from jaxrlhf.train import workdir as workdir_lib
 
 
 class NonFiniteError(RuntimeError):
   """A step produced a non-finite loss or gradient."""
 
 
-class WorkdirError(ValueError):
-  """The workdir cannot be used."""
+WorkdirError = workdir_lib.WorkdirError
+WriteError = files.WriteError
+check_workdir = workdir_lib.check_workdir
+write_run_config = workdir_lib.write_run_config
+# The lock a run holds on its workdir (taken by `train`; a pipeline of runs
+# holds its top directory's with `with workdir_lock(path):`).
+workdir_lock = workdir_lib.WorkdirLock
+
+
+class _StopNow(Exception):
+  """A second signal during the final evaluation: stop it."""
 
 
 class _StopFlag:
-  """Set by SIGTERM/SIGINT; the loop checks it between steps."""
+  """Set by SIGTERM/SIGINT/SIGHUP; the loop checks it between steps.
+
+  During the final evaluation (`final_phase`) a first signal lets the
+  evaluation finish (the checkpoint is saved already) and a second one
+  stops it at once (on a single process: several must stop together).
+  """
 
   def __init__(self):
     self.signal_name: Optional[str] = None
     self._previous = {}
+    self._final_signals: Optional[int] = None
+    self._interruptible = False
 
   def __enter__(self):
-    for sig in (signal.SIGTERM, signal.SIGINT):
+    # SIGHUP too: the launchers start runs over ssh, which a lost
+    # connection hangs up.
+    for sig in (signal.SIGTERM, signal.SIGINT, signal.SIGHUP):
       try:
         self._previous[sig] = signal.signal(sig, self._handle)
       except ValueError:  # not the main thread: signals stay as they were
@@ -52,10 +77,30 @@ class _StopFlag:
   def _handle(self, signum, frame):
     del frame
     self.signal_name = signal.Signals(signum).name
+    if self._final_signals is not None:
+      self._final_signals += 1
+      if (self._final_signals >= 2 and self._interruptible
+          and jax.process_count() == 1):
+        raise _StopNow()
 
   def __exit__(self, *exc):
     for sig, handler in self._previous.items():
       signal.signal(sig, handler)
+
+  @contextlib.contextmanager
+  def final_evaluation(self):
+    """The final evaluation: a second signal within it raises _StopNow."""
+    if self._final_signals is None:
+      self._final_signals = 0
+    self._interruptible = True
+    try:
+      yield
+    finally:
+      self._interruptible = False
+
+  @property
+  def signalled_in_final_phase(self) -> bool:
+    return bool(self._final_signals)
 
   def requested(self) -> bool:
     local = self.signal_name is not None
@@ -64,7 +109,18 @@ class _StopFlag:
     # Every process must stop at the same step, or the collectives hang.
     from jax.experimental import multihost_utils
     flags = multihost_utils.process_allgather(np.array([local], np.int32))
+    self._signalled = [int(i) for i in np.flatnonzero(np.ravel(flags))]
     return bool(np.any(flags))
+
+  def describe(self) -> str:
+    """Who received what, for the line the run stops with."""
+    if self.signal_name is not None:
+      return f"Received {self.signal_name}"
+    others = getattr(self, "_signalled", [])
+    if others:
+      return (f"Process {', '.join(map(str, others))} received a stop "
+              "signal")
+    return "Received a stop request"
 
 
 def preflight(config: ml_collections.ConfigDict, workdir: str,
@@ -98,29 +154,6 @@ def prepare_workdir(workdir: str, config: ml_collections.ConfigDict) -> None:
   write_run_config(workdir, config)
 
 
-def check_workdir(workdir: str) -> None:
-  """Creates the workdir; a one-line WorkdirError if it is not writable."""
-  try:
-    os.makedirs(workdir, exist_ok=True)
-    probe = os.path.join(workdir, f".write_test_{jax.process_index()}")
-    with open(probe, "w") as f:
-      f.write("ok")
-    os.remove(probe)
-  except OSError as e:
-    raise WorkdirError(
-        f"--workdir {workdir!r} is not a writable directory ({e.strerror}); "
-        "choose a path you can write to.") from e
-
-
-def write_run_config(workdir: str, config: ml_collections.ConfigDict) -> None:
-  """Writes the resolved config as `config.json` (atomically, process 0)."""
-  if jax.process_index() == 0:
-    path = os.path.join(workdir, "config.json")
-    with open(path + ".tmp", "w") as f:
-      f.write(config.to_json_best_effort(indent=2, sort_keys=True))
-    os.replace(path + ".tmp", path)
-
-
 def train(config: ml_collections.ConfigDict, workdir: str,
           devices=None) -> Dict[str, float]:
   """Runs (or resumes) the run `config` describes in `workdir`, on a mesh of
@@ -138,75 +171,93 @@ def train(config: ml_collections.ConfigDict, workdir: str,
     # initialised, its data readable): a run refused at start-up leaves the
     # config of the run that made the workdir's checkpoints in place.
     check_workdir(workdir)
-    return _run(config, workdir, trainer)
+    lock = workdir_lock(workdir)
+    # A lost process stops this one in one line (and frees the lock).
+    with peers.PeerWatch(config.train.lost_process_timeout_s,
+                         on_lost=lock.release):
+      with lock:
+        return _run(config, workdir, trainer)
 
 
 def _run(config, workdir, trainer) -> Dict[str, float]:
   checkpointer = checkpointing.Checkpointer(
       os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
-  total = config.train.num_steps
-  restored = checkpointer.restore_latest(state_lib.abstract_with_shardings(
-      trainer.abstract_state, trainer.state_shardings))
-  latest = restored[0] if restored else None
-  # Rows logged after the checkpoint we resume from (a crash between saves),
-  # or by a start that never saved, are dropped, so that metrics.jsonl reads
-  # as one uninterrupted run.
-  logger = metrics_lib.MetricsLogger(workdir, resume_step=latest)
-  summary: Dict[str, float] = {}
-  if restored:
-    _, state, position = restored
-    summary.update(logger.eval_before())
-    console.log(f"Resumed from checkpoint at step {latest} in "
-                f"{checkpointer.directory}")
-  else:
-    state, position = trainer.init_state(), 0
-  step = int(jax.device_get(state.step))
-  batches = trainer.train_batches(position)
-  # The first batch is read now, so that bad data stops the run before the
-  # first evaluation (which can take minutes) rather than after it.
-  first_batch = next(batches) if step < total else None
-  write_run_config(workdir, config)
-  if latest is None:
-    before = trainer.evaluate(state)
-    if before:
-      logger.write(0, before)
-      console.log(f"Before training ({trainer.evaluation_description()}): "
-                      + _format(before))
-    summary.update({k.replace("eval/", "eval_before/"): v
-                    for k, v in before.items()})
-    final = before  # the evaluation at step `step` (0 here)
-  else:
-    final = logger.eval_at(step)
-  if step >= total and _all_processes_agree(bool(final) or latest is None):
-    # A finished run: its final evaluation is in metrics.jsonl already.
-    summary.update(final)
-    console.log(f"Already at step {step} of {total}; nothing to train.")
-    return summary
-  progress = metrics_lib.Progress(total, step)
-  pending: List = []  # (step, device metrics, tokens) not yet written
-  eval_every = config.eval.every_steps
-  ckpt_every = config.checkpoint.every_steps
-
-  def flush():
-    """Writes buffered metrics; raises at the first non-finite step."""
-    host = jax.device_get([(s, m) for s, m, _ in pending])
-    tokens = sum(t for _, _, t in pending)
-    for s, m in host:
-      if m.get("nonfinite", 0.0) > 0:
-        raise NonFiniteError(
-            f"Step {s} produced a non-finite loss or gradient (loss={m['loss']}, "
-            f"grad_norm={m['grad_norm']}). The run stopped without saving; the "
-            f"last good checkpoint (step {checkpointer.latest_step()}) is "
-            "untouched. Lower optimizer.learning_rate or enable "
-            "optimizer.grad_clip_norm, then resume.")
-      logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
-    if host:
-      s, m = host[-1]
-      console.log(progress.line(s, m["loss"], tokens))
-    pending.clear()
-
+  logger = None
   try:
     with _StopFlag() as stop:
+      total = config.train.num_steps
+      restored = checkpointer.restore_latest(
+          state_lib.abstract_with_shardings(trainer.abstract_state,
+                                            trainer.state_shardings))
+      latest = restored[0] if restored else None
+      # Refuses a resume that is not the run its checkpoints describe.
+      changed = (workdir_lib.check_resumed_config(workdir, config, latest)
+                 if restored else None)
+      # Rows logged after the checkpoint we resume from (a crash between
+      # saves), or by a start that never saved, are dropped, so that
+      # metrics.jsonl reads as one uninterrupted run.
+      logger = metrics_lib.MetricsLogger(workdir, resume_step=latest)
+      summary: Dict[str, float] = {}
+      if restored:
+        _, state, position = restored
+        summary.update(logger.eval_before())
+        console.log(f"Resumed from checkpoint at step {latest} in "
+                    f"{checkpointer.directory}")
+        if changed:
+          workdir_lib.keep_previous_config(workdir, latest)
+          console.log(changed)
+      else:
+        state, position = trainer.init_state(), 0
+      step = int(jax.device_get(state.step))
+      batches = trainer.train_batches(position)
+      # The first batch is read now, so that bad data stops the run before
+      # the first evaluation (which can take minutes) rather than after it.
+      first_batch = next(batches) if step < total else None
+      write_run_config(workdir, config)
+      if latest is None:
+        before = trainer.evaluate(state)
+        # Rows skipped by data.files.on_bad_row=skip_and_report are counted
+        # in the first row too.
+        first_row = dict(before, **_bad_row_metrics(config))
+        if first_row:
+          logger.write(0, first_row)
+        if before:
+          console.log(f"Before training ({trainer.evaluation_description()}): "
+                      + _format(before))
+        summary.update({k.replace("eval/", "eval_before/"): v
+                        for k, v in before.items()})
+        final = before  # the evaluation at step `step` (0 here)
+        if step < total and stop.requested():
+          console.log(f"{stop.describe()} before the first step: nothing "
+                      "to save. Run the same command again to start.")
+          return summary
+      else:
+        final = logger.eval_at(step)
+      if step >= total and _all_processes_agree(bool(final) or latest is None):
+        # A finished run: its final evaluation is in metrics.jsonl already.
+        summary.update(final)
+        console.log(f"Already at step {step} of {total}; nothing to train.")
+        return summary
+      progress = metrics_lib.Progress(total)
+      pending: List = []  # (step, device metrics, tokens) not yet written
+      eval_every = config.eval.every_steps
+      ckpt_every = config.checkpoint.every_steps
+
+      def flush():
+        """Writes buffered metrics; raises at the first non-finite step."""
+        host = jax.device_get([(s, m) for s, m, _ in pending])
+        tokens = sum(t for s, _, t in pending if progress.timed(s))
+        for s, m in host:
+          if m.get("nonfinite", 0.0) > 0:
+            raise NonFiniteError(_nonfinite_message(
+                config, s, m, checkpointer.latest_step()))
+          logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
+        if host:
+          s, m = host[-1]
+          console.log(progress.line(s, m["loss"], tokens))
+        pending.clear()
+
+      first_step = True
       while step < total:
         if first_batch is None:
           local = next(batches)
@@ -215,6 +266,11 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
         batch = sharding.global_batch(local, trainer.mesh, trainer.rules)
         state, step_metrics = trainer.train_step(state, batch)
         step += 1
+        if first_step:
+          # It compiles the step: the rates and the ETA start after it.
+          jax.block_until_ready(step_metrics)
+          progress.first_step_done(step)
+          first_step = False
         if step == total:
           # Before the final save, so the last checkpoint holds the result.
           state, final_metrics = trainer.finish_training(state)
@@ -229,9 +285,8 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
           checkpointer.save(step, state, batches.position)
         if stopping:
           console.log(
-              f"Received {stop.signal_name or 'a stop request'}: saved a "
-              f"checkpoint at step {step} and stopped. Run the same command "
-              "again to resume.")
+              f"{stop.describe()}: saved a checkpoint at step {step} and "
+              "stopped. Run the same command again to resume.")
           return summary
         if eval_every and step % eval_every == 0 and step < total:
           evaluated = trainer.evaluate(state)
@@ -240,17 +295,62 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
             console.log(
                 f"Evaluation (step {step}; "
                 f"{trainer.evaluation_description()}): " + _format(evaluated))
-    after = trainer.evaluate(state)
-    if after:
-      logger.write(step, after)
-    summary.update(after)
-    if after:
-      console.log(f"After training (step {step}; "
-                      f"{trainer.evaluation_description()}): " + _format(after))
-    return summary
+      # The final checkpoint is saved: a signal now lets the evaluation
+      # finish, a second one stops it (a rerun evaluates then).
+      try:
+        with stop.final_evaluation():
+          after = trainer.evaluate(state)
+      except _StopNow:
+        console.log(
+            f"Received {stop.signal_name} twice during the final evaluation: "
+            f"stopped it. The checkpoint at step {step} is saved; run the "
+            "same command again to evaluate it.")
+        return summary
+      if after:
+        logger.write(step, after)
+      summary.update(after)
+      if after:
+        console.log(f"After training (step {step}; "
+                    f"{trainer.evaluation_description()}): " + _format(after))
+      if stop.signalled_in_final_phase:
+        console.log(f"Received {stop.signal_name} during the final "
+                    "evaluation: finished it first; the run is complete.")
+      return summary
   finally:
-    logger.close()
+    if logger is not None:
+      logger.close()
     checkpointer.close()
+
+
+def _nonfinite_message(config, step: int, metrics, last_saved) -> str:
+  """Which step, what was kept, and what to change to go on."""
+  clip = config.optimizer.grad_clip_norm
+  if last_saved is None:
+    kept = ("no checkpoint had been saved yet, so running again starts "
+            "over")
+    again = "run the same command again"
+  else:
+    kept = f"the last good checkpoint (step {last_saved}) is untouched"
+    again = f"run the same command again to resume from step {last_saved}"
+  if clip > 0:
+    advice = (f"Lower optimizer.learning_rate (or optimizer.grad_clip_norm, "
+              f"now {clip:g}) and {again}")
+  else:
+    advice = (f"Lower optimizer.learning_rate and {again}, or set "
+              "optimizer.grad_clip_norm in a fresh --workdir")
+  return (f"Step {step} produced a non-finite loss or gradient "
+          f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']}). The "
+          f"run stopped without saving; {kept}. {advice}.")
+
+
+def _bad_row_metrics(config) -> Dict[str, float]:
+  """Counts of the data files' skipped rows, by split and reason."""
+  if not config.data.files.train:
+    return {}
+  source = getattr(pipeline.get_task(config.data.task), "source", None)
+  if not isinstance(source, file_sources.AlignmentFileSource):
+    return {}
+  return source.bad_row_metrics()
 
 
 def _all_processes_agree(local: bool) -> bool:
