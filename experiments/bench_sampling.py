@@ -22,7 +22,6 @@ threads (XLA's CPU client and torch's intra-op pool).
 """
 
 import argparse
-import dataclasses
 import os
 import sys
 import tempfile

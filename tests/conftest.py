@@ -63,6 +63,32 @@ def cli_args(**overrides):
   return [f"--config.{k}={v}" for k, v in merged.items()]
 
 
+def synthetic_feedback_file(directory, kind, count=32,
+                            completions=("ideal", "targets"), **kwargs):
+  """A JSONL file of labelled feedback of `kind` ("pairs", "trajectory",
+  ...) on the first `count` training prompts of the synthetic task, from
+  the completions named (fields of its examples), judged by the gold reward
+  (`synthetic_feedback.write_synthetic_feedback`; kwargs such as beta go
+  there). Returns its path."""
+  from jaxrlhf.data import synthetic  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import synthetic_feedback  # pylint: disable=g-import-not-at-top
+  examples = synthetic.make_examples("train", count)
+  path = os.path.join(str(directory), f"{kind}.jsonl")
+  synthetic_feedback.write_synthetic_feedback(
+      path, kind, [e["inputs"] for e in examples],
+      [[e[c] for c in completions] for e in examples], synthetic.gold_reward,
+      **kwargs)
+  return path
+
+
+def one_device_mesh(config):
+  """(mesh of the first device, the config's logical-axis rules)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
+  return mesh, sharding.as_rules(config.sharding.logical_axis_rules)
+
+
 def quiet_env(**extra):
   """The environment of a subprocess: this one's (compilation cache and XLA
   flags included), on the CPU, with `extra`; extra XLA_FLAGS are added to

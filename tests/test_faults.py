@@ -155,7 +155,7 @@ def test_damaged_checkpoint_is_named_moved_aside_and_the_run_ends_identical(
   assert line.startswith(f"Checkpoint step {STEPS} in ")
   assert f"cannot be used: file {name} " in line and PROBLEMS[damage] in line
   assert "resuming from step 2" in line
-  assert f"Resumed from checkpoint at step 2" in out
+  assert "Resumed from checkpoint at step 2" in out
   # Moved aside, never deleted: the damaged step is kept as it was found.
   aside = run / "damaged_checkpoints" / str(STEPS)
   assert (aside / checkpointing.MANIFEST).exists()

@@ -10,29 +10,21 @@ completions the likelier ones without holding a reference network; and the
 command line.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_args, from_scratch, quiet_env, tiny_config
-from conftest import trainer_of
+from conftest import from_scratch, tiny_config
+from conftest import one_device_mesh, synthetic_feedback_file, trainer_of
 from jaxrlhf import algorithms
-from jaxrlhf import checkpoint_files
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import orpo
 from jaxrlhf.algorithms import reference
 from jaxrlhf.algorithms import sft
-from jaxrlhf.data import synthetic
-from jaxrlhf.data import synthetic_feedback
 from jaxrlhf.losses import orpo as orpo_losses
 from jaxrlhf.losses import sft as sft_losses
-from jaxrlhf.train import checkpointing
 
 CHOSEN = np.array([-4.0, -9.0, -2.5, -12.0, -0.3], np.float32)
 REJECTED = np.array([-6.0, -7.5, -2.0, -30.0, -9.0], np.float32)
@@ -125,13 +117,8 @@ def test_certain_completions_keep_the_loss_and_gradient_finite():
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-  examples = synthetic.make_examples("train", 32)
-  path = os.path.join(tmp_path_factory.mktemp("orpo"), "pairs.jsonl")
-  synthetic_feedback.write_synthetic_feedback(
-      path, "pairs", [e["inputs"] for e in examples],
-      [[e["ideal"], e["targets"]] for e in examples], synthetic.gold_reward,
-      beta=10.0)
-  return path
+  return synthetic_feedback_file(tmp_path_factory.mktemp("orpo"), "pairs",
+                                 beta=10.0)
 
 
 def _config(pairs_path, **overrides):
@@ -142,14 +129,9 @@ def _config(pairs_path, **overrides):
   return config
 
 
-def _mesh(config):
-  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
-  return mesh, sharding.as_rules(config.sharding.logical_axis_rules)
-
-
 def test_trains_without_a_reference_network(pairs):
   config = _config(pairs)
-  mesh, rules = _mesh(config)
+  mesh, rules = one_device_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     trainer = trainer_of(from_scratch(algorithms.get("orpo")), config, mesh)
     state = trainer.init_state()
@@ -192,33 +174,3 @@ def test_trains_without_a_reference_network(pairs):
   (first_loss, first_or), (last_loss, last_or) = history[0], history[-1]
   assert last_loss < first_loss and last_or < first_or
   assert metrics["reward_accuracy"] > 0.5 and metrics["log_odds_ratio"] > 0
-
-
-def test_runs_from_the_command_line_on_pair_files(pairs, tmp_path):
-  """`--config.algorithm=orpo` on pair files from an SFT checkpoint: trains
-  and saves no reference."""
-  sft_dir = str(tmp_path / "sft")
-  config = _config(pairs)
-  mesh, rules = _mesh(config)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    state = trainer_of(from_scratch(algorithms.get("orpo")), config,
-                       mesh).init_state()
-  saver = checkpointing.Checkpointer(os.path.join(sft_dir, "checkpoints"),
-                                     keep=1)
-  saver.save(0, state, 0)
-  saver.close()
-  workdir = tmp_path / "run"
-  flags = cli_args(algorithm="orpo", data__task="orpo_cli",
-                   data__files__train=pairs, init__policy_checkpoint=sft_dir,
-                   train__num_steps=2, optimizer__warmup_steps=0)
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxrlhf.main",
-       f"--config={REPO / 'configs' / 'quickstart.py'}",
-       f"--workdir={workdir}", *flags],
-      env=quiet_env(), capture_output=True, text=True, cwd=REPO)
-  assert result.returncode == 0, result.stderr
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  assert [r["step"] for r in rows if "odds_ratio_loss" in r] == [1, 2]
-  saved = checkpoint_files.restore_state_as_numpy(
-      os.path.join(workdir, "checkpoints", "2", "state"))
-  assert not saved.get("frozen") and set(saved["params"]) == {"policy"}

@@ -8,27 +8,19 @@ that must raise the chosen completions' reward above the rejected ones'
 without ever holding a reference network; and the command line.
 """
 
-import json
-import os
-import subprocess
-import sys
 
 import flax.linen as nn
 import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, cli_args, from_scratch, quiet_env, tiny_config
-from conftest import trainer_of
+from conftest import from_scratch, tiny_config
+from conftest import one_device_mesh, synthetic_feedback_file, trainer_of
 from jaxrlhf import algorithms
-from jaxrlhf import checkpoint_files
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import reference
 from jaxrlhf.algorithms import simpo
-from jaxrlhf.data import synthetic
-from jaxrlhf.data import synthetic_feedback
 from jaxrlhf.losses import preference
-from jaxrlhf.train import checkpointing
 
 # Hand-made pairs: summed log-probs and completion lengths (EOS included).
 CHOSEN = np.array([-4.0, -9.0, -2.5, -12.0], np.float32)
@@ -105,13 +97,8 @@ def test_gradient_vanishes_once_the_margin_is_met_by_far():
 
 @pytest.fixture(scope="module")
 def pairs(tmp_path_factory):
-  examples = synthetic.make_examples("train", 32)
-  path = os.path.join(tmp_path_factory.mktemp("simpo"), "pairs.jsonl")
-  synthetic_feedback.write_synthetic_feedback(
-      path, "pairs", [e["inputs"] for e in examples],
-      [[e["ideal"], e["targets"]] for e in examples], synthetic.gold_reward,
-      beta=10.0)
-  return path
+  return synthetic_feedback_file(tmp_path_factory.mktemp("simpo"), "pairs",
+                                 beta=10.0)
 
 
 def _config(pairs_path, **overrides):
@@ -122,14 +109,9 @@ def _config(pairs_path, **overrides):
   return config
 
 
-def _mesh(config):
-  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
-  return mesh, sharding.as_rules(config.sharding.logical_axis_rules)
-
-
 def test_trains_without_a_reference_network(pairs):
   config = _config(pairs)
-  mesh, rules = _mesh(config)
+  mesh, rules = one_device_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     trainer = trainer_of(from_scratch(algorithms.get("simpo")), config, mesh)
     state = trainer.init_state()
@@ -158,35 +140,3 @@ def test_trains_without_a_reference_network(pairs):
   assert last_loss < first_loss and last_accuracy > first_accuracy
   # Judged against the policy it started from, which is no longer equal.
   assert 0.0 <= result["eval/win_rate"] <= 1.0 and result["eval/kl"] > 0.0
-
-
-def test_runs_from_the_command_line_on_pair_files(pairs, tmp_path):
-  """`--config.algorithm=simpo` on pair files from an SFT checkpoint: trains,
-  evaluates against that checkpoint, and saves no reference."""
-  sft_dir = str(tmp_path / "sft")
-  config = _config(pairs)
-  mesh, rules = _mesh(config)
-  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-    state = trainer_of(from_scratch(algorithms.get("simpo")), config,
-                       mesh).init_state()
-  saver = checkpointing.Checkpointer(os.path.join(sft_dir, "checkpoints"),
-                                     keep=1)
-  saver.save(0, state, 0)
-  saver.close()
-  workdir = tmp_path / "run"
-  flags = cli_args(algorithm="simpo", data__task="simpo_cli",
-                   data__files__train=pairs, init__policy_checkpoint=sft_dir,
-                   train__num_steps=2, optimizer__warmup_steps=0,
-                   eval__task="synthetic_summarize")
-  result = subprocess.run(
-      [sys.executable, "-m", "jaxrlhf.main",
-       f"--config={REPO / 'configs' / 'quickstart.py'}",
-       f"--workdir={workdir}", *flags],
-      env=quiet_env(), capture_output=True, text=True, cwd=REPO)
-  assert result.returncode == 0, result.stderr
-  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-  assert [r["step"] for r in rows if "reward_accuracy" in r] == [1, 2]
-  assert any("eval/win_rate" in r for r in rows)
-  saved = checkpoint_files.restore_state_as_numpy(
-      os.path.join(workdir, "checkpoints", "2", "state"))
-  assert not saved.get("frozen") and set(saved["params"]) == {"policy"}

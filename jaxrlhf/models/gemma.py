@@ -39,6 +39,7 @@ import numpy as np
 
 from jaxrlhf.models import family
 from jaxrlhf.models import layers
+from jaxrlhf.models import llama
 
 Array = jax.Array
 
@@ -276,33 +277,22 @@ def config_to_hf(config: GemmaConfig):
   }
 
 
-# Our layer's names -> HF's, under model.layers.{i}.
+# The norms of a Gemma layer, ours -> HF's; its attention and MLP have
+# Llama's names (`llama.hf_layer_*`).
 _NORMS = {"pre_self_attention_layer_norm": "input_layernorm",
           "post_self_attention_layer_norm": "post_attention_layernorm",
           "pre_mlp_layer_norm": "pre_feedforward_layernorm",
           "post_mlp_layer_norm": "post_feedforward_layernorm"}
-_ATTENTION = {"query": "q_proj", "key": "k_proj", "value": "v_proj"}
-_MLP = {"wi_0": "gate_proj", "wi_1": "up_proj", "wo": "down_proj"}
 
 
 def tensor_shapes(cfg, tensors):
-  d, h = cfg.emb_dim, cfg.head_dim
+  d = cfg.emb_dim
   shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d),
             "model.norm.weight": (d,)}
   if "lm_head.weight" in tensors:  # an (equal) copy of the embedding
     shapes["lm_head.weight"] = (cfg.vocab_size, d)
   for i in range(cfg.num_layers):
-    p = f"model.layers.{i}."
-    shapes.update({p + f"{hf}.weight": (d,) for hf in _NORMS.values()})
-    shapes.update({
-        p + "self_attn.q_proj.weight": (cfg.num_heads * h, d),
-        p + "self_attn.k_proj.weight": (cfg.num_kv_heads * h, d),
-        p + "self_attn.v_proj.weight": (cfg.num_kv_heads * h, d),
-        p + "self_attn.o_proj.weight": (d, cfg.num_heads * h),
-        p + "mlp.gate_proj.weight": (cfg.mlp_dim, d),
-        p + "mlp.up_proj.weight": (cfg.mlp_dim, d),
-        p + "mlp.down_proj.weight": (d, cfg.mlp_dim),
-    })
+    shapes.update(llama.hf_layer_shapes(cfg, f"model.layers.{i}.", _NORMS))
   return shapes
 
 
@@ -315,41 +305,21 @@ def reconcile(config, tensors):
 
 
 def from_hf(cfg, t):
-  d, h, linear = cfg.emb_dim, cfg.head_dim, family.torch_linear
-  heads = {"query": cfg.num_heads, "key": cfg.num_kv_heads,
-           "value": cfg.num_kv_heads}
   dec = {"token_embedder": {"embedding": t["model.embed_tokens.weight"]},
          "decoder_norm": {"scale": t["model.norm.weight"]}}
   for i in range(cfg.num_layers):
-    p = f"model.layers.{i}."
-    layer = {ours: {"scale": t[p + f"{hf}.weight"]}
-             for ours, hf in _NORMS.items()}
-    layer["self_attention"] = {
-        ours: {"kernel": linear(t[p + f"self_attn.{hf}.weight"]).reshape(
-            d, heads[ours], h)} for ours, hf in _ATTENTION.items()}
-    layer["self_attention"]["out"] = {"kernel": linear(
-        t[p + "self_attn.o_proj.weight"]).reshape(cfg.num_heads, h, d)}
-    layer["mlp"] = {ours: {"kernel": linear(t[p + f"mlp.{hf}.weight"])}
-                    for ours, hf in _MLP.items()}
-    dec.setdefault(f"layers_{i // 2}", {})[_SIDES[i % 2]] = layer
+    dec.setdefault(f"layers_{i // 2}", {})[_SIDES[i % 2]] = (
+        llama.hf_layer_from(cfg, t, f"model.layers.{i}.", _NORMS))
   return {"decoder": dec}
 
 
 def to_hf(cfg, params):
-  dec, d, linear = params["decoder"], cfg.emb_dim, family.torch_linear
+  dec = params["decoder"]
   t = {"model.embed_tokens.weight": dec["token_embedder"]["embedding"],
        "model.norm.weight": dec["decoder_norm"]["scale"]}
   for i in range(cfg.num_layers):
-    p, layer = f"model.layers.{i}.", dec[f"layers_{i // 2}"][_SIDES[i % 2]]
-    attn = layer["self_attention"]
-    t.update({p + f"{hf}.weight": layer[ours]["scale"]
-              for ours, hf in _NORMS.items()})
-    t.update({p + f"self_attn.{hf}.weight": linear(
-        attn[ours]["kernel"].reshape(d, -1)) for ours, hf in _ATTENTION.items()})
-    t[p + "self_attn.o_proj.weight"] = linear(
-        attn["out"]["kernel"].reshape(-1, d))
-    t.update({p + f"mlp.{hf}.weight": linear(layer["mlp"][ours]["kernel"])
-              for ours, hf in _MLP.items()})
+    t.update(llama.hf_layer_to(cfg, dec[f"layers_{i // 2}"][_SIDES[i % 2]],
+                               f"model.layers.{i}.", _NORMS))
   return t
 
 

@@ -270,85 +270,95 @@ def reconcile(config, tensors):
   return config, tensors
 
 
-def tensor_shapes(cfg, tensors):
+# The attention and MLP of a layer: the same names in every Llama-like HF
+# checkpoint (Gemma's too). Ours -> HF's, under model.layers.{i}.
+_ATTENTION = {"query": "q_proj", "key": "k_proj", "value": "v_proj"}
+_MLP = {"wi_0": "gate_proj", "wi_1": "up_proj", "wo": "down_proj"}
+# The norms of a Llama layer.
+_NORMS = {"pre_self_attention_layer_norm": "input_layernorm",
+          "pre_mlp_layer_norm": "post_attention_layernorm"}
+
+
+def hf_layer_shapes(cfg, prefix: str, norms) -> family.Shapes:
+  """{HF name: shape} of one layer under `prefix` ("model.layers.3."):
+  attention, MLP and the norms named in `norms` ({ours: HF's})."""
   d, h = cfg.emb_dim, cfg.head_dim
+  heads = {"query": cfg.num_heads, "key": cfg.num_kv_heads,
+           "value": cfg.num_kv_heads}
+  shapes = {prefix + f"{hf}.weight": (d,) for hf in norms.values()}
+  shapes.update({prefix + f"self_attn.{hf}.weight": (heads[ours] * h, d)
+                 for ours, hf in _ATTENTION.items()})
+  shapes[prefix + "self_attn.o_proj.weight"] = (d, cfg.num_heads * h)
+  shapes.update({prefix + f"mlp.{hf}.weight": (
+      (d, cfg.mlp_dim) if ours == "wo" else (cfg.mlp_dim, d))
+                 for ours, hf in _MLP.items()})
+  return shapes
+
+
+def hf_layer_from(cfg, t, prefix: str, norms):
+  """Our parameters of one layer from HF tensors `t` under `prefix`."""
+  d, h, linear = cfg.emb_dim, cfg.head_dim, family.torch_linear
+  heads = {"query": cfg.num_heads, "key": cfg.num_kv_heads,
+           "value": cfg.num_kv_heads}
+  layer = {ours: {"scale": t[prefix + f"{hf}.weight"]}
+           for ours, hf in norms.items()}
+  layer["self_attention"] = {
+      ours: {"kernel": linear(t[prefix + f"self_attn.{hf}.weight"]).reshape(
+          d, heads[ours], h)} for ours, hf in _ATTENTION.items()}
+  layer["self_attention"]["out"] = {"kernel": linear(
+      t[prefix + "self_attn.o_proj.weight"]).reshape(cfg.num_heads, h, d)}
+  layer["mlp"] = {ours: {"kernel": linear(t[prefix + f"mlp.{hf}.weight"])}
+                  for ours, hf in _MLP.items()}
+  return layer
+
+
+def hf_layer_to(cfg, layer, prefix: str, norms):
+  """HF tensors of one layer of ours under `prefix` (`hf_layer_from`'s
+  inverse)."""
+  d, linear = cfg.emb_dim, family.torch_linear
+  attn = layer["self_attention"]
+  t = {prefix + f"{hf}.weight": layer[ours]["scale"]
+       for ours, hf in norms.items()}
+  t.update({prefix + f"self_attn.{hf}.weight": linear(
+      attn[ours]["kernel"].reshape(d, -1)) for ours, hf in _ATTENTION.items()})
+  t[prefix + "self_attn.o_proj.weight"] = linear(
+      attn["out"]["kernel"].reshape(-1, d))
+  t.update({prefix + f"mlp.{hf}.weight": linear(layer["mlp"][ours]["kernel"])
+            for ours, hf in _MLP.items()})
+  return t
+
+
+def tensor_shapes(cfg, tensors):
+  d = cfg.emb_dim
   shapes = {"model.embed_tokens.weight": (cfg.vocab_size, d),
             "model.norm.weight": (d,)}
   if not cfg.tie_embeddings or "lm_head.weight" in tensors:
     # A tied model's file may carry an equal copy of the embedding.
     shapes["lm_head.weight"] = (cfg.vocab_size, d)
   for i in range(cfg.num_layers):
-    p = f"model.layers.{i}."
-    shapes.update({
-        p + "input_layernorm.weight": (d,),
-        p + "post_attention_layernorm.weight": (d,),
-        p + "self_attn.q_proj.weight": (cfg.num_heads * h, d),
-        p + "self_attn.k_proj.weight": (cfg.num_kv_heads * h, d),
-        p + "self_attn.v_proj.weight": (cfg.num_kv_heads * h, d),
-        p + "self_attn.o_proj.weight": (d, cfg.num_heads * h),
-        p + "mlp.gate_proj.weight": (cfg.mlp_dim, d),
-        p + "mlp.up_proj.weight": (cfg.mlp_dim, d),
-        p + "mlp.down_proj.weight": (d, cfg.mlp_dim),
-    })
+    shapes.update(hf_layer_shapes(cfg, f"model.layers.{i}.", _NORMS))
   return shapes
 
 
 def from_hf(cfg, t):
-  d, h, linear = cfg.emb_dim, cfg.head_dim, family.torch_linear
   dec = {"token_embedder": {"embedding": t["model.embed_tokens.weight"]},
          "decoder_norm": {"scale": t["model.norm.weight"]}}
   if not cfg.tie_embeddings:
-    dec["logits_dense"] = {"kernel": linear(t["lm_head.weight"])}
+    dec["logits_dense"] = {"kernel": family.torch_linear(t["lm_head.weight"])}
   for i in range(cfg.num_layers):
-    p = f"model.layers.{i}."
-    dec[f"layers_{i}"] = {
-        "pre_self_attention_layer_norm": {
-            "scale": t[p + "input_layernorm.weight"]},
-        "self_attention": {
-            "query": {"kernel": linear(t[p + "self_attn.q_proj.weight"])
-                      .reshape(d, cfg.num_heads, h)},
-            "key": {"kernel": linear(t[p + "self_attn.k_proj.weight"])
-                    .reshape(d, cfg.num_kv_heads, h)},
-            "value": {"kernel": linear(t[p + "self_attn.v_proj.weight"])
-                      .reshape(d, cfg.num_kv_heads, h)},
-            "out": {"kernel": linear(t[p + "self_attn.o_proj.weight"])
-                    .reshape(cfg.num_heads, h, d)},
-        },
-        "pre_mlp_layer_norm": {
-            "scale": t[p + "post_attention_layernorm.weight"]},
-        "mlp": {"wi_0": {"kernel": linear(t[p + "mlp.gate_proj.weight"])},
-                "wi_1": {"kernel": linear(t[p + "mlp.up_proj.weight"])},
-                "wo": {"kernel": linear(t[p + "mlp.down_proj.weight"])}},
-    }
+    dec[f"layers_{i}"] = hf_layer_from(cfg, t, f"model.layers.{i}.", _NORMS)
   return {"decoder": dec}
 
 
 def to_hf(cfg, params):
-  dec, d, linear = params["decoder"], cfg.emb_dim, family.torch_linear
+  dec = params["decoder"]
   t = {"model.embed_tokens.weight": dec["token_embedder"]["embedding"],
        "model.norm.weight": dec["decoder_norm"]["scale"]}
   if not cfg.tie_embeddings:
-    t["lm_head.weight"] = linear(dec["logits_dense"]["kernel"])
+    t["lm_head.weight"] = family.torch_linear(dec["logits_dense"]["kernel"])
   for i in range(cfg.num_layers):
-    p, layer = f"model.layers.{i}.", dec[f"layers_{i}"]
-    attn, mlp = layer["self_attention"], layer["mlp"]
-    t.update({
-        p + "input_layernorm.weight":
-            layer["pre_self_attention_layer_norm"]["scale"],
-        p + "post_attention_layernorm.weight":
-            layer["pre_mlp_layer_norm"]["scale"],
-        p + "self_attn.q_proj.weight":
-            linear(attn["query"]["kernel"].reshape(d, -1)),
-        p + "self_attn.k_proj.weight":
-            linear(attn["key"]["kernel"].reshape(d, -1)),
-        p + "self_attn.v_proj.weight":
-            linear(attn["value"]["kernel"].reshape(d, -1)),
-        p + "self_attn.o_proj.weight":
-            linear(attn["out"]["kernel"].reshape(-1, d)),
-        p + "mlp.gate_proj.weight": linear(mlp["wi_0"]["kernel"]),
-        p + "mlp.up_proj.weight": linear(mlp["wi_1"]["kernel"]),
-        p + "mlp.down_proj.weight": linear(mlp["wo"]["kernel"]),
-    })
+    t.update(hf_layer_to(cfg, dec[f"layers_{i}"], f"model.layers.{i}.",
+                         _NORMS))
   return t
 
 

@@ -39,7 +39,6 @@ when `scan_layers` differs from the checkpoint's layout the layers are
 stacked or unstacked on the host first.
 """
 
-import dataclasses
 import json
 import pathlib
 from typing import Any, Optional, Tuple
