@@ -22,6 +22,7 @@ from jaxrlhf import defaults
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import pipeline
+from jaxrlhf.train import best as best_lib
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import metrics as metrics_lib
 
@@ -144,6 +145,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
 def _run(config, workdir, trainer) -> Dict[str, float]:
   checkpointer = checkpointing.Checkpointer(
       os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  best = best_lib.BestCheckpoint(config, workdir, trainer)
   total = config.train.num_steps
   restored = checkpointer.restore_latest(state_lib.abstract_with_shardings(
       trainer.abstract_state, trainer.state_shardings))
@@ -240,6 +242,7 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
             console.log(
                 f"Evaluation (step {step}; "
                 f"{trainer.evaluation_description()}): " + _format(evaluated))
+          best.observe(step, evaluated, state)
     after = trainer.evaluate(state)
     if after:
       logger.write(step, after)
@@ -247,10 +250,13 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
     if after:
       console.log(f"After training (step {step}; "
                       f"{trainer.evaluation_description()}): " + _format(after))
+    best.observe(step, after, state)
+    summary.update(best.finish(state, step, logger))
     return summary
   finally:
     logger.close()
     checkpointer.close()
+    best.close()
 
 
 def _all_processes_agree(local: bool) -> bool:
