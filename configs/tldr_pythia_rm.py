@@ -18,8 +18,9 @@ The evaluation scores every validation comparison (the CNN/DM rows, which
 have no post, are reported and skipped): accuracy overall, by annotation
 batch and by confidence (detail 16: `eval/accuracy_batch<b>`,
 `eval/accuracy_confidence<c>`), loss, margin and calibration. Every
-comparison counts once (Stiennon et al.; the InstructGPT per-prompt weights
-are off).
+comparison counts once, as in the paper's reward-model loss (its eq. 1, an
+expectation over the comparisons; the InstructGPT per-prompt weights are
+off).
 """
 
 from jaxrlhf import defaults

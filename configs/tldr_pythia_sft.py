@@ -31,7 +31,8 @@ def get_config(size: str = "pythia-1b"):
                           schedule="cosine", batch_size=128,
                           episodes=116_722)
   bucket = f"gs://{defaults.PLACEHOLDER}"
-  c.init.policy_checkpoint = f"{bucket}/{size}-deduped"
+  # A local Hugging Face folder (config.json + model.safetensors).
+  c.init.policy_checkpoint = f"/{defaults.PLACEHOLDER}/{size}-deduped"
   c.data.task = "tldr_sft"
   c.data.files.layout = "tldr_sft"
   c.data.files.train = f"{bucket}/tldr_sft/train.jsonl"

@@ -117,7 +117,8 @@ def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
 
   The paths are fields to point at your copies:
     data.files.vocabulary   Pythia's tokenizer.json (EleutherAI/pythia-*;
-                            its tokenizer_config.json beside it is read);
+                            its tokenizer_config.json beside it is read), a
+                            local file;
     data.files.train / validation   the stage's data (see each config).
   Tables 3, 4 and 7 give no weight decay, warm-up or gradient clipping:
   weight decay 0, no warm-up, and this framework's default clipping (1.0).
@@ -128,8 +129,9 @@ def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
   c.model.size = size
   c.model.dtype = "bfloat16"
   c.model.dropout_rate = 0.0
-  bucket = f"gs://{defaults.PLACEHOLDER}"
-  c.data.files.vocabulary = f"{bucket}/{size}/tokenizer.json"
+  # Read from the local disk (the data files may be anywhere tf.io.gfile
+  # reads, gs:// included).
+  c.data.files.vocabulary = f"/{defaults.PLACEHOLDER}/{size}/tokenizer.json"
   c.data.files.on_bad_row = "skip_and_report"
   c.data.inputs_length = TLDR_QUERY_TOKENS
   c.optimizer.name = "adamw"

@@ -351,3 +351,11 @@ def test_the_best_checkpoint_is_kept_and_judged_on_the_test_split(
   assert summary["test/kl"] == pytest.approx(at_2["eval/kl"], abs=1e-6)
   assert summary["test/win_rate"] == at_2["eval/win_rate"]
   assert at_4["eval/kl"] != pytest.approx(at_2["eval/kl"], abs=1e-6)
+  # Resumed for two more steps: later evaluations compete with the saved
+  # best (0.8 at step 2), not with each other.
+  script.update({5: 0.7, 6: 0.75})
+  config.train.num_steps = 6
+  summary = loop.train(config, str(workdir))
+  assert seen[-2:] == [5, 6]
+  assert json.load(open(workdir / "best" / "best.json"))["step"] == 2
+  assert summary["test/step"] == 2.0
