@@ -3,9 +3,9 @@ a vocabulary is identified.
 
 `from_file` reads a SentencePiece model or a Hugging Face tokenizer.json;
 `fingerprint` identifies a vocabulary by content (a checkpoint trained on
-another vocabulary is refused by it). A built-in task's vocabulary is a SentencePiece word model made from the
-task's own word list: no training run and no download, so the same ids come
-out on every machine. The model file is cached (content-addressed) under
+another vocabulary is refused by it). A built-in task's vocabulary is a
+SentencePiece word model made from the task's own word list: no training
+run and no download, so the same ids come out on every machine. The model file is cached (content-addressed) under
 $JAXRLHF_CACHE_DIR, default ~/.cache/jaxrlhf, and written atomically.
 """
 
