@@ -20,7 +20,9 @@ from jaxrlhf import models
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.data import file_sources
+from jaxrlhf.eval import judges
 from jaxrlhf.models import layers
+from jaxrlhf.train import best
 
 F = config_schema.Field
 G = config_schema.Group
@@ -109,6 +111,20 @@ def _check_completion_limit(c) -> None:
       "the longest completion a batch holds.")
 
 
+def _check_held_out_files(c) -> None:
+  files = c.data.files
+  for split in ("validation", "test"):
+    count = files[f"holdout_{split}_prompts"]
+    if count:
+      config_schema.require(
+          bool(files.train) and not files[split],
+          f"data.files.holdout_{split}_prompts",
+          f"{count} prompts of data.files.train are to be held out as the "
+          f"{split!r} split, " + (
+              "but data.files.train is not set." if not files.train else
+              f"which data.files.{split} already is; set one of the two."))
+
+
 FILES = G("files", "Alignment data from files on disk: when "
           "data.files.train is set, a seqio task named data.task is "
           "registered from these files at start-up.", [
@@ -118,20 +134,41 @@ FILES = G("files", "Alignment data from files on disk: when "
                 "the task these files become; it must not be an already "
                 "registered task such as the default."),
               F("validation", "",
-                "Held-out files, the 'validation' split: the reward models "
-                "evaluate on it (data.eval_split); the policy algorithms "
-                "are judged on config.eval.task's prompts instead and do "
-                "not read it."),
+                "Held-out files, the 'validation' split: SFT and the reward "
+                "models evaluate on it (data.eval_split), algorithms that "
+                "train on pairs report their implicit reward's accuracy on "
+                "it, and with eval.task '' (and eval.judge 'reward_model' or "
+                "'function': files have no gold reward) the policy "
+                "algorithms are judged on its distinct prompts."),
+              F("test", "",
+                "Held-out files, the 'test' split (e.g. for "
+                "eval.test_split)."),
+              F("holdout_validation_prompts", 0,
+                "Hold this many distinct prompts of the training files out "
+                "as the 'validation' split (every row of such a prompt; "
+                "chosen by a hash of the seed and the prompt), for data "
+                "with no held-out files such as UltraFeedback; 0 = none.",
+                bounds=">=0"),
+              F("holdout_test_prompts", 0,
+                "The same for the 'test' split (disjoint from "
+                "'validation').", bounds=">=0"),
               F("layout", "columns",
                 "'columns' (with column_mapping), 'ultrafeedback', "
-                "'hh_rlhf', 'tldr'.", choices=file_sources.LAYOUTS),
+                "'hh_rlhf', 'tldr' (the TL;DR comparisons), 'tldr_sft' (the "
+                "TL;DR SFT data: SFT trains on it, online RL samples its "
+                "prompts).", choices=file_sources.LAYOUTS),
               F("column_mapping", "",
                 "Layout 'columns': kind field -> file column, as "
                 "'prompt=question,completion=answer,reward=score' ('' = the "
                 "fields' own names)."),
               F("vocabulary", "",
-                "SentencePiece model of the policy's vocabulary ('' = the "
-                "built-in synthetic task's vocabulary)."),
+                "The policy's vocabulary: a SentencePiece model, or a Hugging "
+                "Face tokenizer.json (any name ending in .json; a "
+                "tokenizer_config.json beside it is read, and when its "
+                "padding is not id 0, ids 0 and the padding trade places "
+                "so that padding is 0 and EOS is not: jaxrlhf.data."
+                "hf_tokenizer). '' = the built-in synthetic task's "
+                "vocabulary."),
               F("normalize_rewards", True,
                 "Normalise trajectory rewards to mean 0, variance 1 over the "
                 "training files (the DRO paper does this for "
@@ -144,7 +181,7 @@ FILES = G("files", "Alignment data from files on disk: when "
                 "Longest completion (EOS included) a row may have; longer "
                 "ones are bad rows. Unset = data.targets_length.", type=int,
                 bounds=">0"),
-          ], checks=(_check_completion_limit,))
+          ], checks=(_check_completion_limit, _check_held_out_files))
 
 DATA = G("data", "What the run reads.", [
     F("task", "synthetic_summarize",
@@ -218,6 +255,20 @@ OPTIMIZER = G("optimizer", "The optimizer of the trained networks (of the "
                     bounds=">=0", resumable=True),
               ])
 
+def _check_best_metric(c) -> None:
+  metric = c.checkpoint.best_metric
+  if not metric:
+    return
+  config_schema.require(
+      metric.startswith("eval/"), "checkpoint.best_metric",
+      f"{metric!r} is not an evaluation metric; name one of the eval/... "
+      "metrics (e.g. 'eval/win_rate').")
+  config_schema.require(
+      c.eval.every_steps > 0, "checkpoint.best_metric",
+      f"{metric!r} picks among periodic evaluations, but eval.every_steps is "
+      "0; set it (the DRO paper: every 2,000 steps).")
+
+
 CHECKPOINT = G("checkpoint", "Checkpoints in <workdir>/checkpoints.", [
     F("every_steps", 200,
       "Save every N steps (and always at the end); 0 = only at the end.",
@@ -225,14 +276,31 @@ CHECKPOINT = G("checkpoint", "Checkpoints in <workdir>/checkpoints.", [
     F("keep", 2, "How many recent checkpoints to keep (an older one is "
       "deleted only once a newer one is complete).", bounds=">0",
       resumable=True),
-])
+    F("best_metric", "",
+      "Keep, besides the latest checkpoints, the one whose evaluation scored "
+      "best on this eval/... metric (e.g. 'eval/win_rate': the DRO paper "
+      "keeps the checkpoint that wins most against SFT), in <workdir>/best "
+      "(a checkpoint other runs can start from; jaxrlhf/train/best.py); '' = "
+      "off."),
+    F("best_mode", "max", "Whether higher ('max') or lower ('min') "
+      "best_metric is better.", choices=best.MODES),
+], checks=(_check_best_metric,))
+
+def _check_folds(c) -> None:
+  e = c.eval
+  config_schema.require(
+      e.num_examples % e.num_folds == 0, "eval.num_folds",
+      f"{e.num_folds} folds do not split eval.num_examples ({e.num_examples}) "
+      "evenly; use a divisor of it.")
+
 
 EVAL = G("eval", "Evaluation before, during and after training.", [
     F("every_steps", 0,
       "Evaluate every N steps (and before and after training); 0 = only "
       "then.", bounds=">=0", resumable=True),
     F("num_examples", 128,
-      "Held-out examples (prompts) to evaluate on.", bounds=">0"),
+      "Held-out examples (prompts; distinct prompts of a task of pairs or "
+      "trajectories) to evaluate on.", bounds=">0"),
     F("batch_size", 64, "Examples per evaluation forward pass or sampling "
       "call.", bounds=">0", resumable=True),
     F("task", "",
@@ -244,7 +312,30 @@ EVAL = G("eval", "Evaluation before, during and after training.", [
       "The sampling temperature (eval/kl is then the KL between policy and "
       "reference both sampled at that temperature; 0 if they agree).",
       bounds=">0"),
-])
+    F("judge", "gold_reward",
+      "Policy algorithms: what decides each side-by-side comparison with the "
+      "reference (jaxrlhf/eval/judges.py): 'gold_reward' (eval.task's gold "
+      "reward), 'reward_model' (the reward model of eval.judge_checkpoint; "
+      "a completion without EOS loses), 'function' (eval.judge_function, "
+      "e.g. an LLM judge as the papers use).", choices=judges.JUDGES),
+    F("judge_checkpoint", "",
+      "eval.judge 'reward_model': a reward_model run's workdir (its "
+      "vocabulary must be the policy's)."),
+    F("judge_function", "",
+      "eval.judge 'function': the import path 'package.module:function' of "
+      "judge(prompts, first, second) -> P(first better) per prompt, in "
+      "[0, 1]; the policy's completion is first on even prompts, second on "
+      "odd ones."),
+    F("num_folds", 1,
+      "Split the held-out prompts into this many equal folds and report the "
+      "spread of the fold win rates (eval/win_rate_fold_std and _stderr; "
+      "the DRO paper: 5 folds of 1,000 test prompts); 1 = no folds.",
+      bounds=">0"),
+    F("test_split", "",
+      "Policy algorithms: after training, judge the chosen policy (the best "
+      "checkpoint by checkpoint.best_metric, else the final one) once more "
+      "on this split of eval.task, logged as test/... metrics; '' = none."),
+], checks=(_check_folds,))
 
 MESH = G("mesh", "The device mesh.", [
     F("shape", (-1, 1), "Mesh axis sizes; one of them may be -1 for 'all "
@@ -342,8 +433,13 @@ def validate(c: ml_collections.ConfigDict) -> None:
 # Fields that name files or checkpoints a run reads (globs for data files);
 # each set one must exist when a run starts (`check_paths`).
 PATH_FIELDS = ("init.policy_checkpoint", "online.reward_model_checkpoint",
-               "data.files.train", "data.files.validation",
-               "data.files.vocabulary")
+               "data.files.train", "data.files.validation", "data.files.test",
+               "data.files.vocabulary", "eval.judge_checkpoint",
+               "reward_model.normalize_files")
+# Path fields read only under a condition (a paper config's placeholder for
+# the reward-model judge does not block a run judged by a function).
+PATH_READ_WHEN = {"eval.judge_checkpoint":
+                      lambda c: c.eval.judge == "reward_model"}
 # What the paper configs put where a user's own path goes.
 PLACEHOLDER = "YOUR_BUCKET"
 
@@ -355,7 +451,7 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
   for field in PATH_FIELDS:
     pattern = config_schema.get(c, field)
-    if not pattern:
+    if not pattern or not PATH_READ_WHEN.get(field, lambda _: True)(c):
       continue
     if PLACEHOLDER in pattern:
       raise ValueError(

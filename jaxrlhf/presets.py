@@ -47,3 +47,119 @@ def ultrafeedback_offline(algorithm: str, size: str, mesh_shape, num_steps: int)
   c.mesh.shape = tuple(mesh_shape)
   c.mesh.axis_names = ("data", "model")
   return c
+
+
+# --- the DRO paper's evaluation -----------------------------------------------------
+
+
+def dro_paper_evaluation(c) -> None:
+  """The DRO paper's evaluation and checkpoint selection (section 4), set in
+  place on an UltraFeedback policy run.
+
+  "For each model, we record a checkpoint every 2,000 training steps, before
+  selecting the best checkpoint across the training curve as determined by
+  side-by-side comparison against the SFT policy", and the win rates are
+  reported "over 5 evaluation folds of 1,000 test prompts each". Here:
+  every 2,000 steps the policy is judged side by side against the SFT
+  reference on 5,000 held-out validation prompts (5 folds of 1,000), the
+  checkpoint with the highest win rate is kept in <workdir>/best, and after
+  training it is judged on 5,000 other held-out test prompts, in 5 folds
+  (`test/win_rate`, `test/win_rate_fold_std`). UltraFeedback has only a
+  train split, so both held-out sets are distinct prompts taken out of the
+  training files (data.files.holdout_*_prompts; every rating of such a
+  prompt leaves training with it).
+
+  The judge: the paper asks PaLM 2 which response is more helpful. Here a
+  reward model trained on UltraFeedback judges (configs/reward_model.py's
+  run: eval.judge_checkpoint); for an LLM judge, write judge(prompts,
+  first, second) -> P(first better) and pass
+  --config.eval.judge=function --config.eval.judge_function=pkg.module:fn.
+  The paper gives no sampling temperature for its comparisons; 1.0 is used.
+  """
+  c.data.files.holdout_validation_prompts = 5000
+  c.data.files.holdout_test_prompts = 5000
+  c.eval.every_steps = 2000
+  c.eval.split = "validation"
+  c.eval.test_split = "test"
+  c.eval.num_examples = 5000
+  c.eval.num_folds = 5
+  c.eval.num_samples = 1
+  c.eval.temperature = 1.0
+  c.eval.batch_size = 64
+  c.eval.judge = "reward_model"
+  c.eval.judge_checkpoint = (f"gs://{defaults.PLACEHOLDER}/"
+                             "ultrafeedback_reward_model_t5_1_1_large")
+  c.checkpoint.best_metric = "eval/win_rate"
+  c.checkpoint.best_mode = "max"
+
+
+# --- TL;DR with Pythia ("N+ implementation details of RLHF with PPO") ---------------
+
+# Prompt length: the query's 512 tokens (detail 2) plus the EOS the task
+# appends to every prompt, which the decoder-only layout drops again.
+TLDR_QUERY_TOKENS = 512 + 1
+# The SFT summaries and the PPO responses: 53 tokens with the leading space
+# and the EOS (detail 4; Table 7's sampled length); the preference data's
+# completions: up to 169 (detail 4).
+TLDR_SFT_RESPONSE_TOKENS = 53
+TLDR_PREFERENCE_RESPONSE_TOKENS = 169
+
+
+def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
+                schedule: str, batch_size: int, episodes: int):
+  """A stage of the TL;DR pipeline on Pythia, as the N+ implementation
+  details paper ran it: AdamW with eps 1e-5 (Tables 3, 4, 6, 7), bf16
+  compute (detail 8), no dropout (detail 7; GPT-NeoX has none), the Pythia
+  tokenizer, whose EOS `<|endoftext|>` is id 0 and padding `<|padding|>`
+  id 1: the vocabulary exchanges the two (padding 0, EOS 1) and the Pythia
+  checkpoint's token rows are exchanged with them when it is loaded, so
+  padding is never the EOS (detail 3). Steps: `episodes` // `batch_size`.
+
+  The paths are fields to point at your copies:
+    data.files.vocabulary   Pythia's tokenizer.json (EleutherAI/pythia-*;
+                            its tokenizer_config.json beside it is read), a
+                            local file;
+    data.files.train / validation   the stage's data (see each config).
+  Tables 3, 4 and 7 give no weight decay, warm-up or gradient clipping:
+  weight decay 0, no warm-up, and this framework's default clipping (1.0).
+  """
+  c = defaults.base_config()
+  c.algorithm = algorithm
+  c.model.arch = "gpt_neox"
+  c.model.size = size
+  c.model.dtype = "bfloat16"
+  c.model.dropout_rate = 0.0
+  # Read from the local disk (the data files may be anywhere tf.io.gfile
+  # reads, gs:// included).
+  c.data.files.vocabulary = f"/{defaults.PLACEHOLDER}/{size}/tokenizer.json"
+  c.data.files.on_bad_row = "skip_and_report"
+  c.data.inputs_length = TLDR_QUERY_TOKENS
+  c.optimizer.name = "adamw"
+  c.optimizer.eps = 1e-5
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.weight_decay = 0.0
+  c.optimizer.learning_rate = learning_rate
+  c.optimizer.schedule = schedule
+  c.optimizer.warmup_steps = 0
+  c.train.batch_size = batch_size
+  c.train.num_steps = episodes // batch_size
+  c.train.log_every = 10
+  c.checkpoint.every_steps = 200
+  c.mesh.shape = (-1, 1)
+  return c
+
+
+def tldr_judged_by_reward_model(c) -> None:
+  """How the TL;DR policy configs judge: side by side against the SFT
+  policy on the held-out prompts, by the TL;DR reward model. (The paper
+  judges its policies against the human reference summaries with GPT-3.5,
+  in random order; plug such a judge in with
+  --config.eval.judge=function --config.eval.judge_function=pkg.module:fn.)
+  """
+  c.eval.judge = "reward_model"
+  c.eval.judge_checkpoint = f"gs://{defaults.PLACEHOLDER}/tldr_rm"
+  c.eval.num_examples = 1000
+  c.eval.num_samples = 1
+  c.eval.temperature = 0.7
+  c.eval.batch_size = 64

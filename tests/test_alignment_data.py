@@ -63,7 +63,8 @@ def test_encdec_pairs_shift_right_and_loss_weights():
       "rejected_decoder_input_tokens": [0, 10, 1, 0],
       "rejected_decoder_loss_weights": [1, 1, 0, 0],
   }
-  assert set(ex) == set(expected) | {"margin", "confidence", "prompt_weight"}
+  assert set(ex) == set(expected) | {"margin", "confidence", "prompt_weight",
+                                     "annotation_batch"}
   for name, want in expected.items():
     np.testing.assert_array_equal(ex[name], want, err_msg=name)
     assert ex[name].dtype == np.int32
@@ -125,7 +126,8 @@ def test_decoder_pairs_right_padded_sequences_and_left_padded_prompt():
       "prompt_attention_mask":  [0, 0, 1, 1, 1],
       "prompt_positions":       [0, 0, 0, 1, 2],
   }
-  assert set(ex) == set(expected) | {"margin", "confidence", "prompt_weight"}
+  assert set(ex) == set(expected) | {"margin", "confidence", "prompt_weight",
+                                     "annotation_batch"}
   for name, want in expected.items():
     np.testing.assert_array_equal(ex[name], want, err_msg=name)
 

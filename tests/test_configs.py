@@ -3,21 +3,28 @@
 The paper configs (T5 1.1 Large/XL on TPU slices) are run with their sizes
 overridden to the tiny T5 of tests/fixtures/t5x/encdec, whose T5X
 checkpoint stands in for the SFT checkpoint, on a small UltraFeedback file
-the test writes.
+the test writes; the DRO configs with their evaluation (a sized-down
+reward_model.py run judges). The TL;DR configs run as a pipeline (SFT from
+a tiny GPT-NeoX written as a Hugging Face folder, with the Pythia-style
+tokenizer fixture; reward model; DPO; PPO) on small TL;DR files.
 """
 
 import json
 import pathlib
 
+import jax
+import jax.numpy as jnp
+import numpy as np
 import pytest
 
-from conftest import REPO
+from conftest import FIXTURES, REPO
 from jaxrlhf import defaults
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import tasks
 from jaxrlhf.train import loop
 
 CONFIGS = sorted(p.name for p in (REPO / "configs").glob("*.py"))
+NEOX_TOKENIZER = FIXTURES / "tokenizers" / "neox_style" / "tokenizer.json"
 PAPER_CONFIGS = ["dpo.py", "dro_t5l.py", "dro_t5xl.py", "ipo.py", "kto.py",
                  "reward_model.py", "slic.py"]
 
@@ -38,6 +45,20 @@ def test_config_constructs_and_validates(name):
       else:
         yield f"{prefix}{k}"
   assert set(paths(config)) == set(paths(defaults.base_config()))
+
+
+def test_dro_configs_evaluate_and_select_as_the_paper():
+  """Section 4: checkpoints every 2,000 steps, the best against SFT kept,
+  win rates over 5 folds of 1,000 test prompts."""
+  for c in (load("dro_t5xl.py"), load("dro_t5l.py")):
+    assert c.eval.every_steps == 2000 and c.checkpoint.every_steps == 2000
+    assert (c.eval.num_folds, c.eval.num_examples) == (5, 5 * 1000)
+    assert (c.eval.split, c.eval.test_split) == ("validation", "test")
+    assert (c.data.files.holdout_validation_prompts,
+            c.data.files.holdout_test_prompts) == (5000, 5000)
+    assert (c.checkpoint.best_metric, c.checkpoint.best_mode) == (
+        "eval/win_rate", "max")
+    assert c.eval.judge in ("reward_model", "function")
 
 
 def test_paper_configs_use_the_papers_settings():
@@ -83,8 +104,9 @@ def _ultrafeedback_file(path: pathlib.Path, n=24):
   return path
 
 
-@pytest.mark.parametrize("name", PAPER_CONFIGS)
-def test_paper_config_starts_when_sized_down(name, tmp_path, t5x_fixtures):
+def sized_down(name, tmp_path, t5x_fixtures):
+  """A paper config on the tiny T5 of tests/fixtures/t5x/encdec (its T5X
+  checkpoint standing in for the SFT one) and a small UltraFeedback file."""
   config = load(name)
   fixture = json.load(open(t5x_fixtures / "encdec" / "config.json"))["T5Config"]
   vocab_file = tasks.synthetic_vocabulary().sentencepiece_model_file
@@ -102,11 +124,147 @@ def test_paper_config_starts_when_sized_down(name, tmp_path, t5x_fixtures):
     config.mesh.shape = (-1, 1)
     config.train.update(num_steps=2, batch_size=4, log_every=1)
     config.eval.num_examples = 4
+  return config
+
+
+@pytest.fixture(scope="module")
+def ultrafeedback_reward_model(tmp_path_factory, t5x_fixtures):
+  """configs/reward_model.py sized down: the judge of the DRO configs."""
+  tmp_path = tmp_path_factory.mktemp("uf_rm")
+  loop.train(sized_down("reward_model.py", tmp_path, t5x_fixtures),
+             str(tmp_path / "run"))
+  return tmp_path / "run"
+
+
+@pytest.mark.parametrize("name", PAPER_CONFIGS)
+def test_paper_config_starts_when_sized_down(name, tmp_path, t5x_fixtures,
+                                             ultrafeedback_reward_model):
+  config = sized_down(name, tmp_path, t5x_fixtures)
+  dro = name.startswith("dro_")
+  if dro:  # the paper's evaluation, on 4 + 4 held-out prompts in 2 folds
+    with config.unlocked():
+      config.data.files.holdout_validation_prompts = 4
+      config.data.files.holdout_test_prompts = 4
+      config.eval.update(num_folds=2, every_steps=1, judge_checkpoint=str(
+          ultrafeedback_reward_model))
   summary = loop.train(config, str(tmp_path / "run"))
   rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 2 and all(abs(l) < 1e6 for l in losses)
   assert isinstance(summary, dict)
+  if dro:
+    for prefix in ("eval", "test"):
+      assert 0 <= summary[f"{prefix}/win_rate"] <= 1
+      assert f"{prefix}/win_rate_fold_stderr" in summary
+    best = json.load(open(tmp_path / "run" / "best" / "best.json"))
+    assert best["metric"] == "eval/win_rate" and best["step"] in (1, 2)
+    assert summary["test/step"] == best["step"]
+
+
+# --- TL;DR on Pythia, sized down ------------------------------------------------
+
+TLDR_WORDS = "the cat sat on mat dog log a and met model learns".split()
+
+
+def _tldr_files(tmp_path):
+  rng = np.random.default_rng(0)
+  words = lambda n: " ".join(rng.choice(TLDR_WORDS, n))
+  post = lambda i: "\n".join(words(5) for _ in range(1 + i % 3))
+  demonstrations = lambda n: [
+      {"subreddit": "cats", "title": words(2), "post": post(i),
+       "summary": words(3)} for i in range(n)]
+  comparisons = lambda n: [
+      {"info": {"subreddit": "cats", "title": words(2), "post": post(i)},
+       "summaries": [{"text": words(3)}, {"text": words(4)}],
+       "choice": i % 2, "batch": f"batch{6 + i % 2}",
+       "extra": {"confidence": 1 + i % 9}} for i in range(n)]
+  def write(name, rows):
+    (tmp_path / name).write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return str(tmp_path / name)
+  return {"sft_train": write("sft_train.jsonl", demonstrations(16)),
+          "sft_validation": write("sft_val.jsonl", demonstrations(8)),
+          "train": write("cmp_train.json", comparisons(16)),
+          "validation": write("cmp_val.json", comparisons(8))}
+
+
+def _tiny_pythia_folder(path):
+  """A random tiny GPT-NeoX written as a Hugging Face folder: the SFT
+  stage's pretrained checkpoint."""
+  from jaxrlhf.models import export_hf, gpt_neox  # pylint: disable=g-import-not-at-top
+  module = gpt_neox.GPTNeoX(gpt_neox.GPTNeoXConfig(
+      vocab_size=384, emb_dim=32, num_heads=2, num_layers=1, mlp_dim=64))
+  params = module.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),
+                       jnp.arange(4)[None], jnp.ones((1, 4), jnp.int32))
+  export_hf(module, params["params"], str(path))
+  return str(path)
+
+
+def tldr_sized_down(name, files):
+  config = load(name)
+  with config.unlocked():
+    config.model.update(size="tiny", vocab_size=384, dtype="float32",
+                        emb_dim=32, num_heads=2, mlp_dim=64,
+                        num_decoder_layers=1)
+    config.data.files.vocabulary = str(NEOX_TOKENIZER)
+    config.data.inputs_length = 80
+    config.data.targets_length = 12
+    config.mesh.shape = (-1, 1)
+    config.train.update(num_steps=2, batch_size=4, log_every=1,
+                        num_microbatches=1)
+    config.eval.update(num_examples=4, batch_size=4)
+    if config.online.reward_model_checkpoint:
+      config.online.max_new_tokens = 12
+  return config
+
+
+@pytest.fixture(scope="module")
+def tldr_pipeline(tmp_path_factory):
+  """The four TL;DR configs, each 2 steps, each stage reading the last."""
+  tmp_path = tmp_path_factory.mktemp("tldr")
+  files = _tldr_files(tmp_path)
+  runs, summaries = {}, {}
+  for stage, init in (("sft", _tiny_pythia_folder(tmp_path / "pythia")),
+                      ("rm", None), ("dpo", None), ("ppo", None)):
+    config = tldr_sized_down(f"tldr_pythia_{stage}.py", files)
+    sft_data = stage in ("sft", "ppo")
+    with config.unlocked():
+      config.init.policy_checkpoint = init or runs["sft"]
+      config.data.files.train = files["sft_train" if sft_data else "train"]
+      config.data.files.validation = files[
+          "sft_validation" if sft_data else "validation"]
+      if stage == "rm":
+        config.reward_model.normalize_files = files["sft_train"]
+      if stage in ("dpo", "ppo"):
+        config.eval.judge_checkpoint = runs["rm"]
+      if stage == "ppo":
+        config.online.reward_model_checkpoint = runs["rm"]
+    runs[stage] = str(tmp_path / stage)
+    summaries[stage] = loop.train(config, runs[stage])
+  return runs, summaries
+
+
+@pytest.mark.parametrize("stage", ["sft", "rm", "dpo", "ppo"])
+def test_tldr_config_starts_when_sized_down(tldr_pipeline, stage):
+  runs, summaries = tldr_pipeline
+  rows = [json.loads(l) for l in open(f"{runs[stage]}/metrics.jsonl")]
+  losses = [r["loss"] for r in rows if "loss" in r]
+  assert len(losses) == 2 and all(np.isfinite(losses))
+  summary = summaries[stage]
+  if stage == "sft":
+    assert np.isfinite(summary["eval/loss"])
+  if stage == "rm":
+    # Detail 15: normalised on the SFT summaries; detail 16: by batch and
+    # confidence.
+    [after] = [r["reward_normalization/mean_after"] for r in rows
+               if "reward_normalization/mean_after" in r]
+    assert abs(after) < 1e-5
+    assert {"eval/accuracy_batch6", "eval/accuracy_batch7",
+            "eval/accuracy_confidence1"} <= set(summary)
+  if stage == "dpo":
+    assert summary["eval_before/implicit_reward_accuracy"] == 0.5
+    assert "eval/implicit_reward_accuracy_batch6" in summary
+  if stage in ("dpo", "ppo"):
+    assert 0 <= summary["eval/win_rate"] <= 1  # judged by the TL;DR RM
 
 
 def test_reference_docs_are_current():
@@ -129,6 +287,18 @@ def test_reference_docs_are_current():
     ("optimizer.name", "adam", "config.optimizer.name: 'adam' is not one of"),
     ("online.samples_per_prompt", 0,
      "config.online.samples_per_prompt: 0 must be > 0"),
+    ("eval.judge", "gpt", "config.eval.judge: 'gpt' is not one of"),
+    ("eval.num_folds", 3, "config.eval.num_folds: 3 folds do not split "
+     "eval.num_examples (256) evenly"),
+    ("checkpoint.best_metric", "win_rate", "config.checkpoint.best_metric: "
+     "'win_rate' is not an evaluation metric"),
+    ("checkpoint.best_metric", "eval/win_rate", "config.checkpoint.best_metric:"
+     " 'eval/win_rate' picks among periodic evaluations, but "
+     "eval.every_steps is 0"),
+    ("data.files.holdout_test_prompts", 5,
+     "config.data.files.holdout_test_prompts: 5 prompts of data.files.train "
+     "are to be held out as the 'test' split, but data.files.train is not "
+     "set"),
 ])
 def test_every_field_is_range_checked_naming_it(field, value, message):
   config = load("quickstart.py")

@@ -68,7 +68,7 @@ def test_eval_kl_of_the_reference_against_itself_is_zero_at_any_temperature(
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     trainer = trainer_of(algorithm, config, mesh)
     params = trainer.init_state().params["policy"]
-    tokens, texts, gold = reference.eval_prompts(trainer)
+    tokens, texts, judge = reference.eval_prompts(trainer)
     result = evaluation.compare_with_reference(
-        trainer, params, params, tokens, texts, gold, temperature=0.7)
+        trainer, params, params, tokens, texts, judge, temperature=0.7)
   assert result["eval/kl"] == 0.0

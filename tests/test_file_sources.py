@@ -165,7 +165,7 @@ def test_hh_rlhf_splits_shared_prompt_from_final_turn(tmp_path):
   assert source.examples() == [{
       "prompt": HH_PROMPT, "chosen": " Usually red.",
       "rejected": " I don't know.", "margin": 0.0, "confidence": 1.0,
-      "prompt_weight": 1.0}]
+      "prompt_weight": 1.0, "annotation_batch": -1.0}]
   assert source.bad_row_counts() == {"prompts_differ": 1,
                                      "unparsable_dialogue": 1}
   assert [b.row for b in source.bad_rows()] == [2, 3]
@@ -199,7 +199,8 @@ def test_tldr_prompt_format_choice_and_confidence(tmp_path):
                  "POST: My post.\n\nTL;DR:"),
       "chosen": " second summary",  # Leading space added (detail 3).
       "rejected": " first summary", "margin": 0.0,
-      "confidence": pytest.approx(6 / 9), "prompt_weight": 1.0}
+      "confidence": pytest.approx(6 / 9), "prompt_weight": 1.0,
+      "annotation_batch": 3.0}  # its "batch3" (detail 16)
   assert examples[1]["chosen"] == " first summary"
   assert examples[1]["confidence"] == 1.0
 

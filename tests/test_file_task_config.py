@@ -15,7 +15,7 @@ from jaxrlhf.data import file_sources
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
 from jaxrlhf import algorithms
-from jaxrlhf.algorithms import trainer as trainer_lib
+from jaxrlhf.data import file_tasks
 from jaxrlhf.train import loop
 
 
@@ -33,7 +33,7 @@ def test_files_cannot_replace_a_registered_task(tmp_path):
   with pytest.raises(ValueError, match=r"config.data.task: "
                      r"'synthetic_summarize' is already a registered seqio "
                      r"task.*--config.data.task="):
-    trainer_lib.register_task_from_files(config, "pairs")
+    file_tasks.register_task_from_files(config, "pairs")
   # The built-in task is untouched.
   source = seqio.get_mixture_or_task("synthetic_summarize").source
   assert not isinstance(source, file_sources.AlignmentFileSource)
@@ -47,9 +47,9 @@ def test_completions_may_fill_targets_length_eos_included(tmp_path):
   config.data.files.train = _pairs_file(
       tmp_path / "p.jsonl",
       ["red blue green gold", "red blue green gold cat", "red"])
-  trainer_lib.register_task_from_files(config, "pairs")
+  file_tasks.register_task_from_files(config, "pairs")
   # A second registration by the same process replaces its own file task.
-  trainer_lib.register_task_from_files(config, "pairs")
+  file_tasks.register_task_from_files(config, "pairs")
   source = seqio.get_mixture_or_task("files_length_limit").source
   assert [e["chosen"] for e in source.examples()] == ["red blue green gold",
                                                        "red"]
@@ -100,4 +100,4 @@ def test_missing_files_name_their_field(tmp_path, field):
   config.data.files[field] = str(tmp_path / "nope" / "*.jsonl")
   with pytest.raises(ValueError, match=rf"config.data.files.{field}: no file "
                      "matches"):
-    trainer_lib.register_task_from_files(config, "pairs")
+    file_tasks.register_task_from_files(config, "pairs")

@@ -31,9 +31,13 @@ TEXTS = [
 
 
 def _vocab(path, **kwargs):
-  if path == NEOX:  # its EOS is id 0; see test_neox_eos_at_zero_is_refused
-    kwargs.setdefault("allow_pad_eos_collision", True)
   return HFTokenizerVocabulary(path, **kwargs)
+
+
+def _library_ids(vocab, ids):
+  """The tokenizer's ids as the vocabulary's model ids (NEOX's EOS 0 and
+  padding 1 trade places; the other fixtures pad with 0 already)."""
+  return [vocab.to_model_id(i) for i in ids]
 
 
 def _library(path):
@@ -48,8 +52,8 @@ def _library(path):
 def test_encode_equals_tokenizers_library(path):
   vocab, library = _vocab(path), _library(path)
   for text in TEXTS:
-    assert list(vocab.encode(text)) == library.encode(
-        text, add_special_tokens=False).ids, text
+    assert list(vocab.encode(text)) == _library_ids(vocab, library.encode(
+        text, add_special_tokens=False).ids), text
 
 
 def test_wordlevel_ids_by_hand():
@@ -110,10 +114,17 @@ def test_special_ids_resolved_from_each_layout():
   # so padding falls back to the special id 0 (<unk>), as Llama 2 does.
   l = _vocab(LLAMA)
   assert (l.pad_id, l.eos_id, l.unk_id, l.bos_id) == (0, 2, 0, 1)
+  # neox_style (GPT-NeoX / Pythia): <|endoftext|> is id 0, <|padding|> id 1;
+  # the model's ids exchange them, so padding is seqio's 0 and EOS is not.
   n = _vocab(NEOX)
-  assert (n.pad_id, n.eos_id, n.unk_id, n.bos_id) == (1, 0, None, None)
-  assert _library(NEOX).id_to_token(n.eos_id) == "<|endoftext|>"
-  assert _library(NEOX).id_to_token(n.pad_id) == "<|padding|>"
+  assert (n.pad_id, n.eos_id, n.unk_id, n.bos_id) == (0, 1, None, None)
+  assert n.token_swap == (0, 1) and n.vocab_size == 340
+  assert _library(NEOX).id_to_token(0) == "<|endoftext|>"
+  assert _library(NEOX).id_to_token(1) == "<|padding|>"
+  # Its own ids, when asked (and the collision allowed).
+  own = _vocab(NEOX, pad_to_id_zero=False, allow_pad_eos_collision=True)
+  assert (own.pad_id, own.eos_id, own.token_swap) == (1, 0, None)
+  assert l.token_swap is None and w.token_swap is None
 
 
 def test_explicit_ids_override_and_config_file_is_read(tmp_path):
@@ -122,12 +133,45 @@ def test_explicit_ids_override_and_config_file_is_read(tmp_path):
   config = tmp_path / "tokenizer_config.json"
   config.write_text(json.dumps({"eos_token": "<s>", "pad_token": "</s>"}))
   v = _vocab(LLAMA, tokenizer_config_file=config)
-  assert (v.eos_id, v.pad_id) == (1, 2)
+  # </s> (2) pads: it trades ids with 0 (<unk>), so padding is model id 0.
+  assert (v.eos_id, v.pad_id, v.token_swap) == (1, 0, (0, 2))
+  assert v.to_model_id(v.pad_id) == 2
 
 
-def test_neox_eos_at_zero_is_refused():
+def test_neox_eos_at_zero_is_refused_without_the_exchange():
   with pytest.raises(ValueError, match=r"eos_id is 0 .*detail 3"):
-    HFTokenizerVocabulary(NEOX)
+    HFTokenizerVocabulary(NEOX, pad_to_id_zero=False)
+
+
+def test_neox_ids_round_trip_through_the_exchange():
+  """Model ids <-> the tokenizer's: EOS 0 <-> 1, padding 1 <-> 0, every
+  other id unchanged; decoding drops the padding and stops at the EOS."""
+  v, library = _vocab(NEOX), _library(NEOX)
+  text = "the cat sat on the mat"
+  ids = library.encode(text).ids
+  assert 0 not in ids and 1 not in ids
+  assert v.encode(text) == ids
+  assert [v.to_model_id(i) for i in (0, 1, 2, 339)] == [1, 0, 2, 339]
+  assert v.decode([0, 0] + ids + [v.eos_id] + ids + [0]) == text
+  assert library.decode([library.token_to_id("<|endoftext|>")],
+                        skip_special_tokens=False) == (
+      v.tokenizer.decode([v.to_model_id(v.eos_id)],
+                         skip_special_tokens=False))
+
+
+def test_padding_declared_as_the_eos_gets_an_id_of_its_own(tmp_path):
+  """A tokenizer_config.json that pads with the EOS (a common default, which
+  detail 3 warns against): padding becomes a new id past the tokenizer's
+  last, exchanged with 0; the EOS keeps its id."""
+  config = tmp_path / "tokenizer_config.json"
+  config.write_text(json.dumps({"eos_token": "<|endoftext|>",
+                                "pad_token": "<|endoftext|>"}))
+  v = _vocab(NEOX, tokenizer_config_file=config)
+  size = _library(NEOX).get_vocab_size()
+  assert v.token_swap == (0, size) and v.vocab_size == size + 1
+  # <|endoftext|> was id 0: it is now the new id; 0 is padding.
+  assert (v.pad_id, v.eos_id) == (0, size)
+  assert v.decode(v.encode("a cat") + [v.eos_id, 0]) == "a cat"
 
 
 def test_pad_equal_to_eos_is_refused_unless_allowed():
@@ -151,10 +195,16 @@ def test_ordinary_token_at_id_zero_is_refused(tmp_path):
   tok.add_special_tokens(["</s>", "<pad>"])
   path = _save(tmp_path, tok)
   with pytest.raises(ValueError, match=r"ordinary token '!'"):
-    HFTokenizerVocabulary(path)
-  v = HFTokenizerVocabulary(path, allow_text_token_at_id_zero=True)
+    HFTokenizerVocabulary(path, pad_to_id_zero=False)
+  v = HFTokenizerVocabulary(path, pad_to_id_zero=False,
+                            allow_text_token_at_id_zero=True)
   assert (v.eos_id, v.pad_id) == (2, 3)
   assert v.encode("hi !") == [1, 0]
+  # By default "!" and the padding <pad> (3) trade ids: "!" is 3, padding 0.
+  v = HFTokenizerVocabulary(path)
+  assert (v.eos_id, v.pad_id, v.token_swap) == (2, 0, (0, 3))
+  assert v.encode("hi !") == [1, 3]
+  assert v.decode([1, 3, 2, 3]) == "hi !"
 
 
 def test_saved_padding_and_truncation_are_ignored(tmp_path):

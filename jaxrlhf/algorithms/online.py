@@ -142,8 +142,9 @@ ONLINE = config_schema.Group(
           "'raise' stops at start-up naming the first one.",
           choices=prompts_lib.LONG_PROMPT_POLICIES),
         F("prompt_suffix", "",
-          "A prompt ending that cutting keeps (e.g. '\\n\\nTL;DR:'); '' = "
-          "none."),
+          "A prompt ending that cutting keeps (e.g. '\\n\\nTL;DR:'; a long "
+          "prompt that does not end with it is an error naming it); '' = "
+          "none (cut at the last newline)."),
     ])
 
 

@@ -4,6 +4,10 @@
   - a T5X checkpoint (a `checkpoint_N` directory or a model directory with
     them): read with jaxrlhf.models.t5x_checkpoint straight into the target's
     shardings, each device reading only its chunks;
+  - a Hugging Face folder (config.json + safetensors, e.g. Pythia for the
+    TL;DR SFT run): read on the host, its token rows exchanged as the run's
+    vocabulary exchanges ids (`token_swap`: Pythia's EOS 0 and padding 1,
+    see `jaxrlhf.data.hf_tokenizer`), and each device given its slice;
   - a jaxrlhf workdir (or its `checkpoints/` directory, or one step of it):
     the policy ("params/policy") of its latest checkpoint.
 `load_network_params(path, target, network)` reads another trained network
@@ -36,8 +40,8 @@ def _state_item_dir(path: str) -> str:
     return str(checkpoint_files.state_item_dir(path))
   except checkpoint_files.NoCheckpointError:
     raise ValueError(
-        f"{path!r} is neither a T5X checkpoint nor a jaxrlhf workdir with "
-        "checkpoints; point it at one of those.") from None
+        f"{path!r} is neither a T5X checkpoint, a Hugging Face folder nor a "
+        "jaxrlhf workdir with checkpoints; point it at one of those.") from None
 
 
 def resolve_checkpoint(path: str) -> str:
@@ -47,6 +51,8 @@ def resolve_checkpoint(path: str) -> str:
   path = os.fspath(path)
   if _is_t5x(path):
     return t5x_checkpoint.find_t5x_checkpoint(path)
+  if _is_hf(path):
+    return path
   return _state_item_dir(path)
 
 
@@ -68,10 +74,46 @@ def _check_same_tree(loaded, target, path):
           "vocabulary when it is unset).")
 
 
-def load_lm_params(path: str, target: Any) -> Any:
-  """Parameters from `path` shaped and sharded like `target` (jax.Arrays)."""
+def _is_hf(path: str) -> bool:
+  from jaxrlhf.models import loading  # pylint: disable=g-import-not-at-top
+  try:
+    return loading.checkpoint_kind(path) == loading.HF
+  except loading.PretrainedError:
+    return False
+
+
+def _load_hf(path: str, target: Any, module, token_swap) -> Any:
+  """A Hugging Face folder's parameters for `module`, token rows exchanged
+  by `token_swap`, shaped and sharded like `target`."""
+  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import hf_io
+  from jaxrlhf.models import loading
+  from jaxrlhf.models import token_rows
+  if module is None:
+    raise ValueError(f"{path!r} is a Hugging Face folder; loading it needs "
+                     "the run's model (module=).")
+  _, host = hf_io.load_hf_checkpoint(path)  # t5x's unscanned layout
+  host = loading.relayout_params(host, module.config)
+  host = token_rows.swap_token_rows(module, host, token_swap)
+  _check_same_tree(host, target, path)
+  return jax.tree.map(
+      lambda x, t: jax.make_array_from_callback(
+          t.shape, t.sharding,
+          lambda index, x=x, t=t: np.asarray(x[index], t.dtype)),
+      host, target)
+
+
+def load_lm_params(path: str, target: Any, *, module=None,
+                   token_swap=None) -> Any:
+  """Parameters from `path` shaped and sharded like `target` (jax.Arrays).
+
+  `module` (the run's model) and `token_swap` (the vocabulary's, or None)
+  are what a Hugging Face folder needs; the other checkpoints hold the
+  run's own ids already."""
   path = os.fspath(path)
   shardings = jax.tree.map(lambda x: x.sharding, target)
+  if _is_hf(path):
+    return _load_hf(path, target, module, token_swap)
   if _is_t5x(path):
     shapes = t5x_checkpoint.t5x_param_shapes(path)["params"]
     _check_same_tree(shapes, target, path)

@@ -3,9 +3,14 @@
 The policy and the reference both start from `config.init.policy_checkpoint`
 (normally the SFT run); the reference stays fixed and is checkpointed with
 the run. Evaluation samples completions from both on held-out prompts of
-`config.eval.task` and reports the win rate against the reference judged by
-the task's gold reward, the mean gold reward, KL(policy || reference) and
-mean length (`jaxrlhf.eval.evaluation.compare_with_reference`).
+`config.eval.task` and reports the win rate against the reference, as a
+judge decides it, KL(policy || reference) and mean length
+(`jaxrlhf.eval.evaluation.compare_with_reference`). The judge is
+`config.eval.judge` (`jaxrlhf.eval.judges`: the gold reward, a reward
+model, or your pairwise function, e.g. an LLM); a task of an alignment kind
+(such as the run's own files) gives its distinct prompts. Algorithms that
+train on pairs are also scored on held-out pairs (data.files.validation) by
+the accuracy of their implicit reward (PPO details, detail 19).
 
 With `config.reference_logprobs.mode = "precomputed"` (algorithms whose loss
 reads the reference only through each example's own completions) the
@@ -21,6 +26,7 @@ from typing import Dict, Sequence
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 import seqio
 
 from jaxrlhf import config_schema
@@ -31,8 +37,11 @@ from jaxrlhf.algorithms import pretrained
 from jaxrlhf.algorithms import reference_cache
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import pipeline
+from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation
+from jaxrlhf.eval import judges
+from jaxrlhf.eval import pair_metrics
 from jaxrlhf.models import scoring
 
 MODES = ("in_step", "precomputed")
@@ -283,65 +292,157 @@ def _build_table(trainer, params, directory, expected):
 # --- evaluation --------------------------------------------------------------------
 
 
-def eval_prompts(trainer):
-  """(prompt tokens [n, Lp], prompt texts, gold reward) of config.eval.task's
-  held-out prompts (read once per run), or None without a gold reward."""
+def eval_prompts(trainer, split: str = ""):
+  """(prompt tokens [n, Lp], prompt texts, judge) of the held-out prompts of
+  config.eval.task's `split` (default config.eval.split), read once per run,
+  or None when nothing can judge them (the gold reward judges and the task
+  has none). A task with `inputs` (SFT-style) gives its first
+  eval.num_examples examples' inputs; a task of an alignment kind its first
+  eval.num_examples distinct prompts."""
+  cfg = trainer.config
+  split = split or cfg.eval.split
 
   def read():
-    cfg = trainer.config
     task = cfg.eval.task or cfg.data.task
-    if tasks.gold_reward_for(task) is None:
+    judge = judges.make_judge(trainer, task)
+    if judge is None:
       return None
-    features, texts = pipeline.eval_examples(
-        task, cfg.eval.split, {"inputs": cfg.data.inputs_length,
-                               "targets": cfg.data.targets_length},
-        seqio.EncDecFeatureConverter(pack=False), cfg.eval.num_examples)
-    return (features["encoder_input_tokens"], [t["inputs"] for t in texts],
-            tasks.gold_reward_for(task))
+    if "inputs" in pipeline.get_task(task).output_features:
+      features, texts = pipeline.eval_examples(
+          task, split, {"inputs": cfg.data.inputs_length,
+                        "targets": cfg.data.targets_length},
+          seqio.EncDecFeatureConverter(pack=False), cfg.eval.num_examples)
+      return (features["encoder_input_tokens"], [t["inputs"] for t in texts],
+              judge)
+    tokens, texts = prompts_lib.held_out_prompts(
+        task, split, cfg.data.inputs_length, cfg.eval.num_examples)
+    return tokens, texts, judge
 
-  return trainer.once("eval_prompts", read)
+  key = "eval_prompts" if split == cfg.eval.split else f"eval_prompts:{split}"
+  return trainer.once(key, read)
 
 
 def check_eval_task(trainer) -> None:
-  """A named eval task must have a gold reward (policy evaluation judges
-  samples with it); without one the run says once that it will not judge
-  the policy."""
+  """The judge must be able to work (`judges.check`); a named eval task must
+  exist and, judged by the gold reward, have one; without any judge the run
+  says once that it will not judge the policy."""
   cfg = trainer.config
   if cfg.eval.task:
     pipeline.get_task(cfg.eval.task, field="config.eval.task")
+  if cfg.eval.judge != "gold_reward":
+    judges.check(trainer)
+  elif cfg.eval.task:
     if tasks.gold_reward_for(cfg.eval.task) is None:
       raise ValueError(
           f"config.eval.task: {cfg.eval.task!r} has no gold reward, which "
-          "policy evaluation judges samples with. Register one with "
+          "policy evaluation judges samples with (config.eval.judge "
+          "'gold_reward'). Register one with "
           "jaxrlhf.data.tasks.register_gold_reward, use a task that has one "
-          "(e.g. 'synthetic_summarize'), or set it to '' to train without "
-          "evaluation.")
+          "(e.g. 'synthetic_summarize'), judge with a reward model or your "
+          "own function (config.eval.judge), or set it to '' to train "
+          "without evaluation.")
   elif tasks.gold_reward_for(cfg.data.task) is None:
     console.log(
         f"No evaluation: config.data.task {cfg.data.task!r} has no gold "
         "reward to judge the policy with; set config.eval.task to a task "
-        "that has one (e.g. 'synthetic_summarize') to evaluate.")
+        "that has one (e.g. 'synthetic_summarize'), or config.eval.judge to "
+        "'reward_model' or 'function', to evaluate.")
 
 
-def against_reference(trainer, state) -> Dict[str, float]:
-  """Win rate against the reference and the other headline numbers."""
-  prompts = eval_prompts(trainer)
-  if prompts is None:
+def against_reference(trainer, state, split: str = "") -> Dict[str, float]:
+  """Win rate against the reference and the other headline numbers, on
+  `split` (default config.eval.split); for algorithms that train on pairs,
+  also the held-out accuracy of their implicit reward
+  (`implicit_reward_metrics`)."""
+  prompts = eval_prompts(trainer, split)
+  pairs = (trainer.algorithm.data == "pairs"
+           and not split and held_out_pairs(trainer) is not None)
+  if prompts is None and not pairs:
     return {}
-  tokens, texts, gold = prompts
-  e = trainer.config.eval
-  return evaluation.compare_with_reference(
-      trainer, state.params["policy"], trainer.reference_params(state), tokens,
-      texts, gold, num_samples=e.num_samples, temperature=e.temperature,
-      seed=trainer.config.seed)
+  reference_params = trainer.reference_params(state)
+  metrics = {}
+  if prompts is not None:
+    tokens, texts, judge = prompts
+    e = trainer.config.eval
+    metrics = evaluation.compare_with_reference(
+        trainer, state.params["policy"], reference_params, tokens, texts,
+        judge, num_samples=e.num_samples, temperature=e.temperature,
+        seed=trainer.config.seed, num_folds=e.num_folds)
+  if pairs:
+    metrics.update(implicit_reward_metrics(trainer, state.params["policy"],
+                                           reference_params))
+  return metrics
 
 
 def describe_against_reference(trainer) -> str:
   e = trainer.config.eval
-  return (f"{e.num_examples} held-out prompts x {e.num_samples} samples at "
+  text = (f"{e.num_examples} held-out prompts x {e.num_samples} samples at "
           f"temperature {e.temperature:g}, against the reference's")
+  if e.judge != "gold_reward":
+    task = e.task or trainer.config.data.task
+    text += f", {judges.make_judge(trainer, task).describe()}"
+  if e.num_folds > 1:
+    text += f", in {e.num_folds} folds"
+  return text
 
 
 AGAINST_REFERENCE = base.Evaluation(evaluate=against_reference,
                                     describe=describe_against_reference,
                                     check=check_eval_task)
+
+
+# --- held-out pairs: the implicit reward (PPO details, detail 19) -------------------
+
+
+def held_out_pairs(trainer):
+  """This process's features of the first eval.num_examples pairs of
+  config.data.task's config.data.eval_split (data.files.validation), read
+  once; None when the task has no such split."""
+  cfg = trainer.config
+
+  def read():
+    try:
+      features, _ = pipeline.eval_examples(
+          cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
+          trainer.feature_converter, cfg.eval.num_examples)
+    except (ValueError, KeyError, StopIteration):
+      return None
+    return features
+
+  return trainer.once("held_out_pairs", read)
+
+
+def _pair_logprobs(trainer, params, features) -> Dict[str, np.ndarray]:
+  """{"chosen", "rejected": [n] log pi(completion | prompt)} of this
+  process's held-out pairs."""
+  score = trainer.once("held_out_pair_scorer", lambda: jax.jit(
+      lambda p, b: sequence_logprobs(trainer, p, b, ("chosen", "rejected"))))
+  n = len(next(iter(features.values())))
+  parts = [jax.tree.map(evaluation.local_rows, score(params, b))
+           for b in evaluation.global_batches(
+               features, trainer.config.eval.batch_size, trainer.mesh,
+               trainer.rules)]
+  return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
+
+
+def implicit_reward_metrics(trainer, policy, reference_params
+                            ) -> Dict[str, float]:
+  """DPO's implicit reward on held-out pairs ("N+ implementation details",
+  detail 19): r(x, y) = log pi(y | x) - log pi_ref(y | x) (DPO's reward up
+  to its beta, which does not change which completion it prefers).
+  eval/implicit_reward_accuracy is the share of pairs whose chosen
+  completion gets the higher reward (ties 1/2: exactly 0.5 while the policy
+  is its reference), eval/implicit_reward_margin the mean difference, and
+  the accuracy by annotation batch and confidence
+  (`jaxrlhf.eval.pair_metrics`)."""
+  features = held_out_pairs(trainer)
+  if features is None:
+    return {}
+  # The reference never changes: its log-probs are computed once.
+  ref = trainer.once("held_out_pair_reference", lambda: _pair_logprobs(
+      trainer, reference_params, features))
+  pi = _pair_logprobs(trainer, policy, features)
+  return pair_metrics.pair_metrics(
+      pi["chosen"] - ref["chosen"], pi["rejected"] - ref["rejected"],
+      features, "implicit_reward",
+      pair_metrics.confidence_scale(trainer.config.data.task))

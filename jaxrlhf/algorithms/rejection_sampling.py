@@ -116,7 +116,8 @@ ALGORITHM = base.Algorithm(
 
 
 def best_of_n_evaluation(trainer, state, n: int) -> Dict[str, float]:
-  """Best-of-n of the policy (by the reward model), judged by gold reward.
+  """Best-of-n of the policy (by the reward model), judged against the
+  reference by config.eval.judge.
 
   For each held-out prompt and each of `eval.num_samples` draws: n policy
   samples at `eval.temperature`, the one the reward model scores highest
@@ -132,12 +133,13 @@ def best_of_n_evaluation(trainer, state, n: int) -> Dict[str, float]:
   cfg = trainer.config
   prompts = reference.eval_prompts(trainer)
   if prompts is None:
-    raise ValueError(f"best-of-N needs a gold reward for "
-                     f"{cfg.eval.task or cfg.data.task!r}.")
-  tokens, texts, gold = prompts
+    raise ValueError(f"best-of-N needs a judge: "
+                     f"{cfg.eval.task or cfg.data.task!r} has no gold reward "
+                     "(set config.eval.judge).")
+  tokens, texts, judge = prompts
   policy, reference_params = (state.params["policy"],
                               state.frozen["reference"])
-  outcomes, rewards, ref_rewards, lengths, proxy = [], [], [], [], []
+  outcomes, judged, lengths, proxy = [], {}, [], []
   for k in range(cfg.eval.num_samples):
     candidates = [evaluation.sample(
         trainer, policy, tokens, greedy=False,
@@ -153,32 +155,19 @@ def best_of_n_evaluation(trainer, state, n: int) -> Dict[str, float]:
     theirs = evaluation.sample(trainer, reference_params, tokens, greedy=False,
                                temperature=cfg.eval.temperature,
                                seed=cfg.seed + 2 * k + 1)
-    r = evaluation.gold_rewards(
-        gold, texts, evaluation.completion_texts(trainer.vocabulary, chosen),
-        chosen.has_eos)
-    r_ref = evaluation.gold_rewards(
-        gold, texts, evaluation.completion_texts(trainer.vocabulary, theirs),
-        theirs.has_eos)
-    outcomes.append((r > r_ref) + 0.5 * (r == r_ref))
-    rewards.append(r)
-    ref_rewards.append(r_ref)
+    outcome, values = judge(trainer, tokens, texts, chosen, theirs)
+    outcomes.append(outcome)
+    for name, value in values.items():
+      judged.setdefault(name, []).append(value)
     lengths.append(np.sum(chosen.mask, -1))
     proxy.append(scores[np.arange(len(best)), best])
   cat = lambda xs: np.concatenate(xs).astype(np.float64)
-  outcomes = cat(outcomes)
-  count = len(outcomes)
-  win = evaluation.global_mean(outcomes.sum(), count)
-  second = evaluation.global_mean(np.square(outcomes).sum(), count)
-  total = evaluation.global_mean(float(count), 1) * jax.process_count()
-  return {
-      "eval/win_rate": win,
-      "eval/win_rate_stderr": float(np.sqrt(max(second - win ** 2, 0.0)
-                                            / max(total - 1, 1))),
-      "eval/gold_reward": evaluation.global_mean(cat(rewards).sum(), count),
-      "eval/reference_gold_reward": evaluation.global_mean(
-          cat(ref_rewards).sum(), count),
+  count = sum(len(o) for o in outcomes)
+  metrics = evaluation.judged_metrics(outcomes, judged)
+  metrics.update({
       "eval/kl": float(best_of_n_lib.best_of_n_kl(n)),
       "eval/length": evaluation.global_mean(cat(lengths).sum(), count),
       "eval/reward_model_score": evaluation.global_mean(cat(proxy).sum(),
                                                         count),
-  }
+  })
+  return metrics

@@ -27,9 +27,12 @@ from jaxrlhf import console
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
 from jaxrlhf.data import alignment_data
+from jaxrlhf.data import file_layouts
+from jaxrlhf.data import file_tasks
 from jaxrlhf.data import pipeline
 from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation
+from jaxrlhf.eval import pair_metrics
 from jaxrlhf.losses import reward_model as rm_losses
 from jaxrlhf.models import heads
 from jaxrlhf.models import scoring
@@ -69,6 +72,15 @@ GROUP = config_schema.Group(
           "prompts score mean 0; the final checkpoint holds the shifted "
           "head, so runs reading this reward model get normalised scores. "
           "'' = off. E.g. the SFT task, 'synthetic_summarize'."),
+        F("normalize_files", "",
+          "Files of SFT demonstrations (layout normalize_layout) registered "
+          "as the task normalize_on_task at start-up, for normalising on "
+          "data read from files (the TL;DR SFT data, detail 15); '' = "
+          "normalize_on_task is a registered task."),
+        F("normalize_layout", "tldr_sft",
+          "The layout of normalize_files ('tldr_sft', or 'columns' with "
+          "prompt and completion columns).",
+          choices=file_layouts.DEMONSTRATION_LAYOUTS),
         F("normalize_split", "train",
           "The split of normalize_on_task to score."),
         F("normalize_num_examples", 0,
@@ -147,18 +159,25 @@ def eval_rewards(trainer, state, reward_fn):
 
 
 def evaluate_pairs(trainer, state) -> Dict[str, float]:
-  """Accuracy, loss and calibration on the eval split's pairs."""
+  """Accuracy, loss and calibration on the eval split's pairs, and the
+  accuracy by annotation batch and by annotator confidence (PPO details,
+  detail 16; `jaxrlhf.eval.pair_metrics`)."""
   evaluated = eval_rewards(trainer, state, pair_rewards)
   if evaluated is None:
     return {}
-  chosen, rejected = (jnp.asarray(r) for r in evaluated[0])
+  (chosen_np, rejected_np), features = evaluated
+  chosen, rejected = jnp.asarray(chosen_np), jnp.asarray(rejected_np)
   _, m = rm_losses.bradley_terry_loss(chosen, rejected)
   table = rm_losses.calibration_table(chosen, rejected, num_bins=5)
-  return {"eval/accuracy": float(m["accuracy"]),
-          "eval/loss": float(m["bt_loss"]),
-          "eval/margin": float(m["margin"]),
-          "eval/expected_calibration_error":
-              float(table["expected_calibration_error"])}
+  metrics = {"eval/accuracy": float(m["accuracy"]),
+             "eval/loss": float(m["bt_loss"]),
+             "eval/margin": float(m["margin"]),
+             "eval/expected_calibration_error":
+                 float(table["expected_calibration_error"])}
+  metrics.update(pair_metrics.grouped_accuracy(
+      pair_metrics.wins(chosen_np, rejected_np), features, "eval/accuracy",
+      pair_metrics.confidence_scale(trainer.config.data.task)))
+  return metrics
 
 
 def describe(trainer) -> str:
@@ -169,9 +188,33 @@ def describe(trainer) -> str:
 # --- reward normalisation (PPO details, detail 15) -----------------------------------
 
 
+def register_normalization_files(trainer) -> None:
+  """Registers reward_model.normalize_files as the task normalize_on_task."""
+  cfg = trainer.config
+  rm = cfg.reward_model
+  field = "config.reward_model.normalize_on_task"
+  if not rm.normalize_on_task:
+    raise ValueError(f"{field}: reward_model.normalize_files is set; name the "
+                     "task its demonstrations are registered as (e.g. "
+                     "'tldr_sft_demonstrations').")
+  file_tasks.check_task_name(rm.normalize_on_task, field,
+                             "config.reward_model.normalize_files")
+  if not tf.io.gfile.glob(rm.normalize_files):
+    raise ValueError(f"config.reward_model.normalize_files: no file matches "
+                     f"{rm.normalize_files!r}.")
+  file_tasks.register_demonstrations_task(
+      rm.normalize_on_task, {rm.normalize_split: rm.normalize_files},
+      vocabulary=trainer.vocabulary, layout=rm.normalize_layout,
+      max_prompt_tokens=cfg.data.inputs_length,
+      max_completion_tokens=cfg.data.targets_length,
+      on_bad_row=cfg.data.files.on_bad_row, seed=cfg.seed)
+
+
 def check_normalize_task(trainer) -> None:
   """Fails at start-up, naming the field, if the task cannot be scored."""
   rm = trainer.config.reward_model
+  if rm.normalize_files:
+    register_normalization_files(trainer)
   name = rm.normalize_on_task
   if not name:
     return

@@ -89,10 +89,14 @@ def checkpoints(trainer):
 
 def evaluate(trainer, state) -> Dict[str, float]:
   """Held-out loss, token accuracy and (if the task has one) the gold reward
-  of greedy decodes."""
+  of greedy decodes; {} when the task has no data.eval_split (files without
+  data.files.validation)."""
   cfg = trainer.config
 
   def prepare():
+    splits = getattr(pipeline.get_task(cfg.data.task), "splits", None)
+    if splits is not None and cfg.data.eval_split not in splits:
+      return None
     features, texts = pipeline.eval_examples(
         cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
         trainer.feature_converter, cfg.eval.num_examples)
@@ -100,7 +104,10 @@ def evaluate(trainer, state) -> Dict[str, float]:
         *next_token_targets(trainer.lm, p, b))[1])
     return features, texts, loss_fn
 
-  features, texts, loss_fn = trainer.once("sft_eval", prepare)
+  prepared = trainer.once("sft_eval", prepare)
+  if prepared is None:
+    return {}
+  features, texts, loss_fn = prepared
   policy_params = state.params["policy"]
   nll = correct = weight = 0.0
   for batch in evaluation.global_batches(features, cfg.eval.batch_size,
@@ -125,8 +132,10 @@ def evaluate(trainer, state) -> Dict[str, float]:
 
 
 def describe(trainer) -> str:
-  return (f"{trainer.config.eval.num_examples} held-out examples, gold "
-          "reward of greedy decodes")
+  examples = f"{trainer.config.eval.num_examples} held-out examples"
+  if tasks.gold_reward_for(trainer.config.data.task) is None:
+    return examples
+  return examples + ", gold reward of greedy decodes"
 
 
 ALGORITHM = base.Algorithm(

@@ -16,7 +16,6 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 import seqio
-import tensorflow as tf
 
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
@@ -28,7 +27,7 @@ from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.algorithms import update
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import feature_converters
-from jaxrlhf.data import file_sources
+from jaxrlhf.data import file_tasks
 from jaxrlhf.data import pipeline
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
@@ -66,7 +65,7 @@ class Trainer:
     self.workdir = workdir
     pipeline.import_task_modules(config.data.task_modules)
     if config.data.files.train:
-      register_task_from_files(config, algorithm.data)
+      file_tasks.register_task_from_files(config, files_kind(algorithm))
     self.task = pipeline.get_task(config.data.task)
     features = self.task.output_features
     feature = (features.get("targets") or features.get("prompt")
@@ -199,7 +198,7 @@ class Trainer:
         node = node[key]
       try:
         self._check_checkpoint_vocabulary(target, path)
-        loaded = pretrained.load_lm_params(path, node)
+        loaded = pretrained.load_lm_params(path, node, **self._hf_options())
       except ValueError as e:
         raise ValueError(f"{self._config_field_of(path)}: {e}") from None
       tree = _replace_subtree(tree, [name] + sub, loaded)
@@ -223,7 +222,13 @@ class Trainer:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         self.abstract_state.params["policy"],
         self.state_shardings.params["policy"])
-    return pretrained.load_lm_params(path, target)
+    return pretrained.load_lm_params(path, target, **self._hf_options())
+
+  def _hf_options(self):
+    """What a Hugging Face checkpoint needs to load into this run: the model,
+    and the ids the vocabulary exchanges (`hf_tokenizer`)."""
+    return {"module": self.model,
+            "token_swap": getattr(self.vocabulary, "token_swap", None)}
 
   def reference_params(self, state):
     """The frozen reference policy: in the state, or loaded when the run
@@ -345,6 +350,15 @@ class Trainer:
     return self._once[key]
 
 
+def files_kind(algorithm: base.Algorithm) -> str:
+  """What config.data.files hold for `algorithm`: its alignment kind, or
+  demonstrations (prompt and reference completion) for SFT and the prompts
+  of online RL."""
+  if algorithm.data in (base.SFT_DATA, base.PROMPTS):
+    return file_tasks.DEMONSTRATIONS
+  return algorithm.data
+
+
 def check_rows(algorithm: base.Algorithm, config, data_parallel: int) -> None:
   """Each update's rows split into the micro-batches and over the
   data-parallel shards; from the config alone (the loop checks it before
@@ -356,62 +370,6 @@ def check_rows(algorithm: base.Algorithm, config, data_parallel: int) -> None:
   update.check_split(batch, config.train.num_microbatches, data_parallel,
                      what=f"train.batch_size {batch}",
                      field="train.batch_size")
-
-
-def parse_column_mapping(text: str) -> Optional[Dict[str, str]]:
-  """"prompt=question,reward=score" -> {"prompt": "question", ...}."""
-  if not text:
-    return None
-  mapping = {}
-  for item in text.split(","):
-    field, sep, column = item.partition("=")
-    if not sep or not field.strip() or not column.strip():
-      raise ValueError(f"config.data.files.column_mapping: {item!r} is not "
-                       "field=column.")
-    mapping[field.strip()] = column.strip()
-  return mapping
-
-
-def register_task_from_files(config, kind: str) -> None:
-  """Registers config.data.task from config.data.files (see defaults.py)."""
-  files = config.data.files
-  if kind not in alignment_data.KINDS:
-    raise ValueError(
-        f"config.data.files: {config.algorithm} reads a registered seqio "
-        "task (config.data.task); file sources are for the offline "
-        "alignment data kinds (pairs, rankings, trajectories, thumbs).")
-  name = config.data.task
-  if name in seqio.MixtureRegistry.names() or (
-      name in seqio.TaskRegistry.names() and not isinstance(
-          seqio.get_mixture_or_task(name).source,
-          file_sources.AlignmentFileSource)):
-    raise ValueError(
-        f"config.data.task: {name!r} is already a registered seqio task, and "
-        "config.data.files.train registers the files as a task under that "
-        "name. Give your data its own name, e.g. --config.data.task=my_prefs "
-        "(files registered by an earlier run of this process are replaced).")
-  for field in ("train", "validation", "vocabulary"):
-    pattern = files[field]
-    if pattern and not tf.io.gfile.glob(pattern):
-      raise ValueError(f"config.data.files.{field}: no file matches "
-                       f"{pattern!r}.")
-  if files.vocabulary:
-    vocabulary = seqio.SentencePieceVocabulary(files.vocabulary)
-  else:
-    vocabulary = tasks.synthetic_vocabulary()
-  paths = {"train": files.train}
-  if files.validation:
-    paths["validation"] = files.validation
-  alignment_data.register_file_task(
-      config.data.task, paths, kind=kind, vocabulary=vocabulary,
-      layout=files.layout, column_mapping=parse_column_mapping(
-          files.column_mapping),
-      max_prompt_tokens=config.data.inputs_length,
-      # Both lengths count the EOS the task appends.
-      max_completion_tokens=(files.max_completion_tokens
-                             or config.data.targets_length),
-      normalize_rewards=files.normalize_rewards and kind == "trajectory",
-      on_bad_row=files.on_bad_row, seed=config.seed, overwrite=True)
 
 
 def _replace_subtree(tree, path, value):

@@ -71,19 +71,21 @@ def output_features(kind, vocabulary: seqio.Vocabulary,
 def check_prompt_length_limit(dataset: tf.data.Dataset,
                               sequence_length: Optional[Mapping[str, int]],
                               max_prompt_tokens: Optional[int],
-                              task_name: str) -> tf.data.Dataset:
+                              task_name: str,
+                              feature: str = kinds_lib.PROMPT
+                              ) -> tf.data.Dataset:
   """Fails when the prompt feature length would cut prompts the source kept.
 
   The source reports prompts longer than `max_prompt_tokens`; a shorter
-  "prompt" feature length would make seqio truncate the ones in between
-  silently.
+  prompt feature length (of `feature`: "prompt", or "inputs" for
+  demonstrations) would make seqio truncate the ones in between silently.
   """
-  length = (sequence_length or {}).get(kinds_lib.PROMPT)
+  length = (sequence_length or {}).get(feature)
   if max_prompt_tokens is not None and length is not None and (
       length < max_prompt_tokens):
     raise ValueError(
         f"task {task_name!r} keeps prompts of up to max_prompt_tokens="
-        f"{max_prompt_tokens} tokens, but the 'prompt' feature length is "
+        f"{max_prompt_tokens} tokens, but the {feature!r} feature length is "
         f"{length}: longer prompts would be truncated silently. Use a prompt "
         f"length >= {max_prompt_tokens}, or register the task with "
         f"max_prompt_tokens={length}.")

@@ -6,7 +6,8 @@ is a prompt, one or more completions, and scalar labels:
 | kind       | text features                | scalar features (float32)    |
 | ---------- | ---------------------------- | ---------------------------- |
 | pairs      | prompt, chosen, rejected     | margin (0), confidence (1),  |
-|            |                              | prompt_weight (1)            |
+|            |                              | prompt_weight (1),           |
+|            |                              | annotation_batch (-1)        |
 | ranking    | prompt, completions (K, best | -                            |
 |            | first)                       |                              |
 | trajectory | prompt, completion           | reward (required)            |
@@ -16,6 +17,9 @@ The numbers in brackets are the defaults a source fills in when a file has no
 such column. `margin` is how much better the chosen completion is rated
 (e.g. an UltraFeedback score difference), `confidence` the rater's confidence
 scaled so that 1 means certain; losses may use them or not.
+`annotation_batch` numbers the batch of annotation a comparison came from
+(TL;DR's "batch6" is 6; -1 = unknown): reward-model evaluation reports
+accuracy per batch, as the PPO implementation-details paper does (detail 16).
 `prompt_weight` is the pair's share in a loss that counts every prompt once
 however many pairs it has (InstructGPT; RLHF book eq. 6): the file sources
 set it to (#pairs / #prompts) / (#pairs of this prompt) over the split, so
@@ -23,6 +27,12 @@ that it averages 1 (`file_sources.equal_prompt_weights`).
 
 A scalar with a default is optional in a task's examples: the feature
 converters fill the default when a source does not give it.
+
+Files of demonstrations (a prompt and its reference completion: the TL;DR
+SFT data, and the prompts online RL samples from) are read through the same
+file sources as kind `demonstrations` and become seqio `inputs`/`targets`
+tasks (`jaxrlhf.data.file_tasks`); no alignment loss reads that kind, so it
+is not in `KINDS`.
 
 In a seqio task of a kind, text features are tokenized with the task's
 vocabulary; every completion ends with EOS. `ranking` stores its completions
@@ -68,13 +78,15 @@ class DataKind:
 
 
 PAIRS = DataKind("pairs", ("chosen", "rejected"),
-                 {"margin": 0.0, "confidence": 1.0, "prompt_weight": 1.0})
+                 {"margin": 0.0, "confidence": 1.0, "prompt_weight": 1.0,
+                  "annotation_batch": -1.0})
 RANKING = DataKind("ranking", ("completions",), {}, ranked=True)
 TRAJECTORY = DataKind("trajectory", ("completion",), {"reward": None})
 THUMBS = DataKind("thumbs", ("completion",), {"label": None})
 
 KINDS: Dict[str, DataKind] = {k.name: k for k in (PAIRS, RANKING, TRAJECTORY,
                                                    THUMBS)}
+DEMONSTRATIONS = DataKind("demonstrations", ("completion",), {})
 
 
 def get_kind(kind) -> DataKind:

@@ -6,14 +6,15 @@ more raw examples of a data kind, or into `BadRow`s saying why it cannot.
 
 Layouts (what a row looks like):
 
-* "columns" (any kind): a flat row; `column_mapping` maps each field of the
+* "columns" (any kind, demonstrations too): a flat row; `column_mapping` maps each field of the
   kind to a column, e.g. {"prompt": "question", "chosen": "good",
   "rejected": "bad", "margin": "score_gap"}. Unmapped fields use their own
   name; a dotted column ("info.post") reads a nested object. For rankings the
   `completions` column is a list of strings, best first. Scalars missing from
-  a row take the kind's default (`margin` 0, `confidence` 1, `prompt_weight`
-  1, which the source then replaces by per-prompt weights unless told not
-  to); `reward` and `label` are required; a label is true/false or 1/0.
+  a row take the kind's default (`margin` 0, `confidence` 1,
+  `annotation_batch` -1, `prompt_weight` 1, which the source then replaces by
+  per-prompt weights unless told not to); `reward` and `label` are required;
+  a label is true/false or 1/0.
 * "ultrafeedback" (trajectory, pairs, ranking): openbmb/UltraFeedback rows,
   {"instruction": str, "completions": [{"response": str, "overall_score":
   float, "fine-grained_score": float, "annotations": {aspect: {"Rating": "4",
@@ -51,7 +52,15 @@ Layouts (what a row looks like):
   `truncate_post_paragraphs`, default True). confidence = extra.confidence /
   `confidence_scale` (default 9, the top of the raters' scale), 1 when
   absent. Rows without a post (the CNN/DM articles of the validation split)
-  are reported as `missing_field`.
+  are reported as `missing_field`. The comparison's annotation batch
+  ("batch": "batch6", ...) becomes `annotation_batch` = 6 (detail 16
+  reports accuracy per batch); other batch names leave it unset (-1).
+* "tldr_sft" (demonstrations): the TL;DR SFT rows (the filtered Reddit
+  TL;DR of Stiennon et al. 2020), {"subreddit", "title", "post", "summary"}
+  (a nested "info" object with the first three is read too). The prompt is
+  the TL;DR query as above, with the same paragraph truncation (detail 2);
+  the completion is the summary with a leading space (detail 3; the task
+  appends the EOS).
 """
 
 import dataclasses
@@ -246,9 +255,53 @@ def _hh_layout(record, ctx: RowContext) -> RowResult:
          "rejected": parts["rejected"][1]}
 
 
+# How a TL;DR query ends: no trailing space (detail 2); online RL keeps it
+# when it cuts a long query (`online.prompt_suffix`).
+TLDR_QUERY_SUFFIX = "\n\nTL;DR:"
+
+
 def format_tldr_prompt(subreddit: str, title: str, post: str) -> str:
   """The TL;DR query ("N+ implementation details", detail 2)."""
-  return f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}\n\nTL;DR:"
+  return (f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}"
+          + TLDR_QUERY_SUFFIX)
+
+
+def _tldr_query(source: Mapping[str, Any], ctx: RowContext,
+                where: str = "") -> Union[str, BadRow]:
+  """The TL;DR query of a row's subreddit, title and post, fitted to
+  `ctx.max_prompt_tokens` by dropping the post's last paragraphs (detail 2).
+  The query always ends in "TL;DR:": only the post is cut."""
+  fields = {}
+  for name in ("subreddit", "title", "post"):
+    value = source.get(name)
+    if value is None:
+      return BadRow("missing_field", f"{where}{name} is missing or null.")
+    if not isinstance(value, str):
+      return BadRow("wrong_type", f"{where}{name} is not a string.")
+    fields[name] = value
+  post = fields["post"]
+  prompt = format_tldr_prompt(fields["subreddit"], fields["title"], post)
+  if (ctx.options["truncate_post_paragraphs"] and ctx.max_prompt_tokens
+      and ctx.prompt_tokens is not None):
+    # Detail 2: drop the post's last paragraph rather than cut a sentence.
+    while (ctx.prompt_tokens(prompt) > ctx.max_prompt_tokens
+           and "\n" in post):
+      post = post[:post.rfind("\n")].rstrip()
+      prompt = format_tldr_prompt(fields["subreddit"], fields["title"], post)
+  return prompt
+
+
+def _with_leading_space(text: str) -> str:
+  """Detail 3: a space between "TL;DR:" and the summary."""
+  return text if text[:1].isspace() else " " + text
+
+
+def _annotation_batch(name) -> Optional[float]:
+  """6.0 for "batch6"; None for any other name (CNN/DM's "cnndm0", ...)."""
+  if isinstance(name, str) and name.startswith("batch") and (
+      name[len("batch"):].isdigit()):
+    return float(name[len("batch"):])
+  return None
 
 
 def _tldr_layout(record, ctx: RowContext) -> RowResult:
@@ -256,16 +309,10 @@ def _tldr_layout(record, ctx: RowContext) -> RowResult:
   if not isinstance(info, Mapping):
     yield BadRow("missing_field", "'info' is missing or not an object.")
     return
-  fields = {}
-  for name in ("subreddit", "title", "post"):
-    value = info.get(name)
-    if value is None:
-      yield BadRow("missing_field", f"info.{name} is missing or null.")
-      return
-    if not isinstance(value, str):
-      yield BadRow("wrong_type", f"info.{name} is not a string.")
-      return
-    fields[name] = value
+  prompt = _tldr_query(info, ctx, where="info.")
+  if isinstance(prompt, BadRow):
+    yield prompt
+    return
   summaries = record.get("summaries")
   if not isinstance(summaries, list) or len(summaries) != 2:
     yield BadRow("missing_field", "'summaries' must be a list of 2 objects.")
@@ -276,21 +323,11 @@ def _tldr_layout(record, ctx: RowContext) -> RowResult:
     if not isinstance(text, str):
       yield BadRow("missing_field", f"summaries[{i}].text is missing.")
       return
-    # Detail 3: a space between "TL;DR:" and the summary.
-    texts.append(text if text[:1].isspace() else " " + text)
+    texts.append(_with_leading_space(text))
   choice = record.get("choice")
   if isinstance(choice, bool) or choice not in (0, 1):
     yield BadRow("bad_label", f"'choice' must be 0 or 1, got {choice!r}.")
     return
-  post = fields["post"]
-  prompt = format_tldr_prompt(fields["subreddit"], fields["title"], post)
-  if (ctx.options["truncate_post_paragraphs"] and ctx.max_prompt_tokens
-      and ctx.prompt_tokens is not None):
-    # Detail 2: drop the post's last paragraph rather than cut a sentence.
-    while (ctx.prompt_tokens(prompt) > ctx.max_prompt_tokens
-           and "\n" in post):
-      post = post[:post.rfind("\n")].rstrip()
-      prompt = format_tldr_prompt(fields["subreddit"], fields["title"], post)
   example = {"prompt": prompt, "chosen": texts[choice],
              "rejected": texts[1 - choice]}
   extra = record.get("extra")
@@ -301,7 +338,30 @@ def _tldr_layout(record, ctx: RowContext) -> RowResult:
       yield value
       return
     example["confidence"] = value / ctx.options["confidence_scale"]
+  batch = _annotation_batch(record.get("batch"))
+  if batch is not None:
+    example["annotation_batch"] = batch
   yield example
+
+
+def _tldr_sft_layout(record, ctx: RowContext) -> RowResult:
+  source = record.get("info") if isinstance(record.get("info"),
+                                            Mapping) else record
+  prompt = _tldr_query(source, ctx)
+  if isinstance(prompt, BadRow):
+    yield prompt
+    return
+  summary = record.get("summary")
+  if summary is None:
+    yield BadRow("missing_field", "summary is missing or null.")
+    return
+  if not isinstance(summary, str):
+    yield BadRow("wrong_type", "summary is not a string.")
+    return
+  if not summary.strip():
+    yield BadRow("empty_completion", "summary is empty.")
+    return
+  yield {"prompt": prompt, "completion": _with_leading_space(summary)}
 
 
 @dataclasses.dataclass(frozen=True)
@@ -316,14 +376,24 @@ class Layout:
 
 LAYOUTS: Dict[str, Layout] = {
     layout.name: layout for layout in (
-        Layout("columns", _columns_layout, tuple(kinds_lib.KINDS), {}),
+        Layout("columns", _columns_layout,
+               tuple(kinds_lib.KINDS) + (kinds_lib.DEMONSTRATIONS.name,), {}),
         Layout("ultrafeedback", _ultrafeedback_layout,
                ("trajectory", "pairs", "ranking"), {"score": "overall"},
                normalizes_rewards=True),
         Layout("hh_rlhf", _hh_layout, ("pairs",), {}),
         Layout("tldr", _tldr_layout, ("pairs",),
                {"truncate_post_paragraphs": True, "confidence_scale": 9.0}),
+        Layout("tldr_sft", _tldr_sft_layout,
+               (kinds_lib.DEMONSTRATIONS.name,),
+               {"truncate_post_paragraphs": True}),
     )}
+
+
+# The layouts that give demonstrations (prompt and reference completion).
+DEMONSTRATION_LAYOUTS = tuple(
+    name for name, layout in LAYOUTS.items()
+    if kinds_lib.DEMONSTRATIONS.name in layout.kinds)
 
 
 def check_layout_options(layout: Layout, options: Mapping[str, Any]):

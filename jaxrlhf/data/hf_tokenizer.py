@@ -19,12 +19,26 @@ if the two share an id, masking padding also masks the EOS, and the model
 never learns to stop. Two places pad here: code that honours
 `vocabulary.pad_id`, and seqio itself, whose feature converters always pad
 with 0 and take loss weights and attention masks from `token != 0`, whatever
-the vocabulary says. So the constructor refuses
+the vocabulary says. So by default (`pad_to_id_zero=True`) the vocabulary
+makes id 0 the padding without changing what any id means: when the
+tokenizer's padding token is not at id 0 (GPT-NeoX/Pythia: id 0 is the EOS
+`<|endoftext|>`, the padding `<|padding|>` is id 1; GPT-2 and Llama 3: id 0
+is the text token "!"), the ids 0 and P trade places in everything the
+vocabulary encodes and decodes, P being the tokenizer's padding token or,
+when it has none (or declares the EOS as its padding, as many
+`tokenizer_config.json` files do), a new padding id one past its last id
+(the paper's added "[PAD]"). The model's token ids are then the tokenizer's
+with 0 and P exchanged (`token_swap`); a Hugging Face checkpoint's embedding
+and output rows are exchanged the same way when a run loads it
+(`jaxrlhf.models.token_rows.swap_token_rows`), so every token keeps its
+embedding and its logit. Pythia's EOS is then model id 1 and its padding 0.
+
+With `pad_to_id_zero=False` the ids are the tokenizer's, and the constructor
+refuses
   - eos_id == pad_id, and
   - eos_id == 0 (GPT-NeoX/Pythia's `<|endoftext|>`),
 unless `allow_pad_eos_collision=True`; and, because of the same seqio
 convention, it refuses a tokenizer whose id 0 is an ordinary text token
-(GPT-2's and Llama 3's id 0 is "!"; seqio would mask every "!" as padding)
 unless `allow_text_token_at_id_zero=True`. Both escapes are for pipelines
 that pad with `pad_id` themselves.
 
@@ -44,7 +58,7 @@ bottleneck.
 import hashlib
 import json
 import os
-from typing import Any, Iterable, Optional, Sequence, Union
+from typing import Any, Iterable, Optional, Sequence, Tuple, Union
 
 import numpy as np
 import seqio
@@ -79,9 +93,11 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
   """seqio Vocabulary backed by a `tokenizers.Tokenizer` (`tokenizer.json`).
 
   `encode` returns the tokenizer's ids without EOS (seqio's contract; the
-  Feature's `add_eos` appends `eos_id`). `decode` stops after the first EOS
-  (seqio), then drops padding, ids outside the vocabulary and, by default,
-  special tokens.
+  Feature's `add_eos` appends `eos_id`), with ids 0 and P exchanged when
+  `token_swap` is (0, P) (see the module docstring). `decode` stops after the
+  first EOS (seqio), then drops padding, ids outside the vocabulary and, by
+  default, special tokens. Every id the vocabulary takes or gives (`eos_id`,
+  `pad_id`, ...) is a model id.
   """
 
   def __init__(self,
@@ -95,16 +111,22 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
                add_special_tokens: bool = False,
                skip_special_tokens: bool = True,
                allow_pad_eos_collision: bool = False,
-               allow_text_token_at_id_zero: bool = False):
+               allow_text_token_at_id_zero: bool = False,
+               pad_to_id_zero: bool = True):
     """Loads the tokenizer and resolves its special ids.
+
+    The special ids given as arguments are the tokenizer's own ids (as in
+    its tokenizer.json); the properties report model ids.
 
     Args:
       tokenizer_file: path of a Hugging Face `tokenizer.json`.
       eos_id: end-of-sequence id; default from tokenizer_config.json's
         `eos_token`, else the first of EOS_TOKEN_NAMES in the vocabulary.
-      pad_id: padding id; default from tokenizer_config.json's `pad_token`,
-        else the first of PAD_TOKEN_NAMES in the vocabulary, else 0 when id 0
-        is a special token (Llama 2's `<unk>`).
+      pad_id: padding id; default from tokenizer_config.json's `pad_token`
+        (unless it is the EOS), else the first of PAD_TOKEN_NAMES in the
+        vocabulary, else 0 when id 0 is a special token that is not the EOS
+        (Llama 2's `<unk>`), else (with `pad_to_id_zero`) a new id one past
+        the tokenizer's last.
       bos_id: beginning-of-sequence id or None; default from the config's
         `bos_token`, else BOS_TOKEN_NAMES, else None.
       unk_id: unknown-token id or None; default the tokenizer model's unknown
@@ -120,6 +142,9 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
         position rather than by id.
       allow_text_token_at_id_zero: accept a tokenizer whose id 0 is an
         ordinary token, although seqio pads with 0.
+      pad_to_id_zero: exchange ids 0 and the padding id when they differ,
+        so that id 0 is the padding seqio assumes (module docstring); the
+        two escapes above then do not apply.
 
     Raises:
       FileNotFoundError: a file does not exist.
@@ -152,33 +177,72 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
         if t.special)
 
     config = self._read_config(tokenizer_config_file)
-    self._eos_id = self._resolve("eos", eos_id, config, EOS_TOKEN_NAMES)
-    if self._eos_id is None:
+    eos = self._resolve("eos", eos_id, config, EOS_TOKEN_NAMES)
+    if eos is None:
       raise ValueError(
           f"HFTokenizerVocabulary: {self._tokenizer_file} declares no EOS "
           f"token (no tokenizer_config.json eos_token and none of "
           f"{list(EOS_TOKEN_NAMES)} in the vocabulary); pass eos_id=...")
-    self._pad_id = self._resolve("pad", pad_id, config, PAD_TOKEN_NAMES)
-    if self._pad_id is None:
-      if SEQIO_PAD_ID in self._special_ids and self._eos_id != SEQIO_PAD_ID:
-        self._pad_id = SEQIO_PAD_ID
+    pad = self._resolve("pad", pad_id, config, PAD_TOKEN_NAMES)
+    if pad == eos and pad_id is None and pad_to_id_zero:
+      # A tokenizer_config.json that pads with its EOS (a common default):
+      # padding gets an id of its own instead (detail 3).
+      pad = None
+    if pad is None:
+      if SEQIO_PAD_ID in self._special_ids and eos != SEQIO_PAD_ID:
+        pad = SEQIO_PAD_ID
+      elif pad_to_id_zero:
+        pad = self._size  # a new padding id: the paper's added [PAD]
       else:
         raise ValueError(
             f"HFTokenizerVocabulary: {self._tokenizer_file} declares no "
             f"padding token (no tokenizer_config.json pad_token and none of "
             f"{list(PAD_TOKEN_NAMES)} in the vocabulary); pass pad_id=... "
             "with the id of a special token that is not the EOS.")
-    self._bos_id = self._resolve(
+    bos = self._resolve(
         "bos", None if bos_id is _UNSET else bos_id, config, BOS_TOKEN_NAMES,
         explicit_none=bos_id is None)
     if unk_id is _UNSET:
       unk_id = self._model_unk_id()
-    self._unk_id = self._check_id("unk_id", unk_id)
-    self._check_padding(allow_pad_eos_collision, allow_text_token_at_id_zero)
+    unk = self._check_id("unk_id", unk_id)
+    # Tokenizer ids 0 and `pad` trade places in the model's ids (a pad
+    # equal to the EOS, given explicitly, is refused or allowed below).
+    self._swap = ((SEQIO_PAD_ID, pad) if pad_to_id_zero and pad not in (
+        SEQIO_PAD_ID, eos) else None)
+    self._base_size = max(self._size, pad + 1)
+    if self._swap is None:
+      self._check_padding(eos, pad, allow_pad_eos_collision,
+                          allow_text_token_at_id_zero or pad_to_id_zero)
+    self._eos_id, self._pad_id, self._bos_id, self._unk_id = (
+        self.to_model_id(i) for i in (eos, pad, bos, unk))
     self._key = (
         hashlib.sha256(self._tokenizer.to_str().encode("utf-8")).hexdigest(),
         self._eos_id, self._pad_id, self._bos_id, self._unk_id,
-        self._add_special_tokens, self._skip_special_tokens)
+        self._add_special_tokens, self._skip_special_tokens, self._swap)
+
+  # --- model ids ------------------------------------------------------------
+
+  @property
+  def token_swap(self) -> Optional[Tuple[int, int]]:
+    """(0, P) when the model's ids are the tokenizer's with 0 and P
+    exchanged (P: the padding id), else None. A Hugging Face checkpoint
+    trained with this tokenizer has its token rows exchanged the same way
+    when loaded (`jaxrlhf.models.token_rows.swap_token_rows`)."""
+    return self._swap
+
+  def to_model_id(self, token_id: Optional[int]) -> Optional[int]:
+    """The model id of a tokenizer id (the swap is its own inverse, so this
+    also maps model ids back to the tokenizer's)."""
+    if token_id is None or self._swap is None:
+      return token_id
+    a, b = self._swap
+    return b if token_id == a else a if token_id == b else token_id
+
+  def _swap_array(self, ids: np.ndarray) -> np.ndarray:
+    if self._swap is None:
+      return ids
+    a, b = self._swap
+    return np.where(ids == a, b, np.where(ids == b, a, ids)).astype(ids.dtype)
 
   # --- resolving special ids ------------------------------------------------
 
@@ -241,27 +305,32 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
     unk = model.get("unk_token")
     return None if unk is None else self._tokenizer.token_to_id(unk)
 
-  def _check_padding(self, allow_collision: bool, allow_text_zero: bool):
+  def _check_padding(self, eos: int, pad: int, allow_collision: bool,
+                     allow_text_zero: bool):
+    """The tokenizer's own ids, used as they are: refuse what seqio's
+    padding with 0 would break (unless allowed)."""
     why = ("EOS would be masked as padding and the model would not learn to "
            "stop (PPO implementation-details paper, detail 3)")
     if not allow_collision:
-      if self._eos_id == self._pad_id:
+      if eos == pad:
         raise ValueError(
             f"HFTokenizerVocabulary: eos_id and pad_id are both "
-            f"{self._eos_id} ({self._token(self._eos_id)!r}); {why}. Pass a "
+            f"{eos} ({self._token(eos)!r}); {why}. Pass a "
             "pad_id of another special token, or allow_pad_eos_collision="
             "True if your pipeline masks padding by position.")
-      if self._eos_id == SEQIO_PAD_ID:
+      if eos == SEQIO_PAD_ID:
         raise ValueError(
             f"HFTokenizerVocabulary: eos_id is 0 ({self._token(0)!r}), the id "
             f"seqio's feature converters pad with and mask as padding, "
-            f"whatever pad_id ({self._pad_id}) says; {why}. Use a pipeline "
-            "that pads with pad_id and pass allow_pad_eos_collision=True.")
+            f"whatever pad_id ({pad}) says; {why}. Leave pad_to_id_zero on "
+            "(it gives the EOS another id), or use a pipeline that pads with "
+            "pad_id and pass allow_pad_eos_collision=True.")
     if not allow_text_zero and SEQIO_PAD_ID not in self._special_ids:
       raise ValueError(
           f"HFTokenizerVocabulary: id 0 of {self._tokenizer_file} is the "
           f"ordinary token {self._token(0)!r}, but seqio pads with 0 and "
-          "masks every 0 as padding, so real text would be masked. Use a "
+          "masks every 0 as padding, so real text would be masked. Leave "
+          "pad_to_id_zero on (it gives that token another id), or use a "
           "pipeline that pads with pad_id and pass "
           "allow_text_token_at_id_zero=True.")
 
@@ -293,7 +362,7 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
 
   @property
   def _base_vocab_size(self) -> int:
-    return self._size
+    return self._base_size
 
   def _encode(self, s: str) -> Sequence[int]:
     if isinstance(s, bytes):
@@ -301,12 +370,15 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
     if not isinstance(s, str):
       raise TypeError(f"HFTokenizerVocabulary.encode takes a str, got "
                       f"{type(s).__name__}.")
-    return self._tokenizer.encode(
+    ids = self._tokenizer.encode(
         s, add_special_tokens=self._add_special_tokens).ids
+    return [self.to_model_id(i) for i in ids] if self._swap else ids
 
   def _decode(self, ids: Iterable[int]) -> str:
-    kept = [int(i) for i in ids if 0 <= int(i) < self._size
-            and int(i) != self._pad_id]
+    kept = [self.to_model_id(int(i)) for i in ids
+            if 0 <= int(i) < self._base_size and int(i) != self._pad_id]
+    # A new padding id (one past the tokenizer's) is no token of it.
+    kept = [i for i in kept if i < self._size]
     return self._tokenizer.decode(
         kept, skip_special_tokens=self._skip_special_tokens)
 
@@ -324,7 +396,7 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
     lengths = np.array([len(e.ids) for e in encodings], np.int64)
     flat = np.fromiter((i for e in encodings for i in e.ids), np.int32,
                        count=int(lengths.sum()))
-    return flat, lengths
+    return self._swap_array(flat), lengths
 
   def _decode_rows(self, ids: np.ndarray) -> np.ndarray:
     """[n, length] ids -> [n] UTF-8 bytes."""
@@ -372,9 +444,19 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
     return hash(self._key)
 
   def __str__(self) -> str:
+    swap = f", token_swap={self._swap}" if self._swap else ""
     return (f"HFTokenizerVocabulary(file={self._tokenizer_file}, "
-            f"size={self._size}, eos_id={self._eos_id}, pad_id={self._pad_id}, "
-            f"bos_id={self._bos_id}, unk_id={self._unk_id}, "
-            f"sha256={self._key[0][:12]})")
+            f"size={self._base_size}, eos_id={self._eos_id}, "
+            f"pad_id={self._pad_id}, bos_id={self._bos_id}, "
+            f"unk_id={self._unk_id}{swap}, sha256={self._key[0][:12]})")
+
+  @property
+  def tokenizer_file(self) -> str:
+    return self._tokenizer_file
+
+  @property
+  def fingerprint(self) -> str:
+    """Identifies the vocabulary by content: the tokenizer and its ids."""
+    return hashlib.sha256(repr(self._key).encode("utf-8")).hexdigest()
 
   __repr__ = __str__

@@ -3,7 +3,8 @@
 "N+ implementation details of RLHF with PPO", details 2 and 21: the prompt
 split is read once; a prompt longer than `data.inputs_length` loses
 trailing paragraphs until it fits (or is an error, per
-`online.long_prompts`), keeping a suffix such as "\n\nTL;DR:"; batches walk
+`online.long_prompts`), keeping a suffix such as "\n\nTL;DR:"
+(`online.prompt_suffix`); batches walk
 through a fresh permutation of the split on every pass, without
 replacement within a pass. (seqio's own shuffle does not do this: it repeats
 the split, then shuffles through a 1000-example buffer, so no example comes
@@ -38,8 +39,9 @@ def fit_prompt(text: str, encode: Callable[[str], List[int]], max_tokens: int,
 
   Detail 2 of "N+ implementation details": a query over the limit is cut at
   its last paragraph break (the last newline) rather than mid-sentence, and
-  again until it fits. A `suffix` the text ends with (e.g. "\\n\\nTL;DR:") is
-  kept after the cut.
+  again until it fits. A `suffix` (the TL;DR query's "\\n\\nTL;DR:") is
+  never cut: a long prompt must end with it, and it is put back after each
+  cut. Without one, the text is cut at its last newline, whatever follows.
 
   Args:
     text: the prompt.
@@ -47,15 +49,16 @@ def fit_prompt(text: str, encode: Callable[[str], List[int]], max_tokens: int,
       task appends one).
     max_tokens: the limit.
     on_long: "cut_paragraph" or "raise".
-    suffix: an ending kept through cuts.
+    suffix: the ending kept through cuts ("" = none).
     separator: the paragraph break.
 
   Returns:
     (tokens, number of paragraphs removed).
 
   Raises:
-    PromptTooLongError: on_long is "raise" and the prompt is too long, or no
-      paragraph break is left to cut at.
+    PromptTooLongError: on_long is "raise" and the prompt is too long, the
+      prompt does not end with `suffix`, or no paragraph break is left to
+      cut at.
   """
   tokens = encode(text)
   if len(tokens) <= max_tokens:
@@ -64,7 +67,10 @@ def fit_prompt(text: str, encode: Callable[[str], List[int]], max_tokens: int,
     raise PromptTooLongError(f"it has {len(tokens)} tokens, more than "
                              f"{max_tokens}")
   if suffix and not text.endswith(suffix):
-    suffix = ""
+    raise PromptTooLongError(
+        f"it has {len(tokens)} tokens, more than {max_tokens}, and does not "
+        f"end with the suffix {suffix!r} (config.online.prompt_suffix) that "
+        "cutting keeps; set the suffix your prompts end with, or ''")
   body = text[:len(text) - len(suffix)]
   cuts = 0
   while len(tokens) > max_tokens:
@@ -197,3 +203,59 @@ class PromptBatches:
     local = indices[start:start + self.local_batch_size]
     self.position += 1
     return {"encoder_input_tokens": self.prompts[local]}
+
+
+def held_out_prompts(task_name: str, split: str, max_tokens: int,
+                     num_prompts: int, field: str = "config.eval.split"
+                     ) -> Tuple[np.ndarray, List[str]]:
+  """This process's share of the first `num_prompts` distinct prompts of a
+  split, in file order, for evaluation: a task of an alignment kind holds a
+  prompt once per completion (four rows per UltraFeedback prompt), and a
+  policy is judged once per prompt.
+
+  Every process reads the whole split (held-out splits are small), so the
+  distinct prompts are the same everywhere; process p takes the p-th of
+  `process_count` consecutive blocks.
+
+  Returns:
+    (tokens [n, max_tokens] int32: each prompt as the task stores it (EOS
+    appended), right-padded with 0; their texts).
+  """
+  task = pipeline.get_task(task_name)
+  name = _prompt_feature(task)
+  text_key = f"{name}_pretokenized"
+  try:
+    ds = task.get_dataset(None, split=split, shuffle=False, num_epochs=1)
+  except (ValueError, KeyError) as e:
+    raise ValueError(f"{field}: task {task_name!r} has no split {split!r} "
+                     f"to evaluate on ({e}).") from None
+  ds = ds.map(lambda ex: {"tokens": ex[name], "length": tf.size(ex[name]),
+                          "text": ex[text_key]})
+  seen, rows, texts = set(), [], []
+  for batch in ds.padded_batch(1024).as_numpy_iterator():
+    for tokens, length, text in zip(batch["tokens"], batch["length"],
+                                    batch["text"]):
+      text = text.decode()
+      if text in seen:
+        continue
+      if length > max_tokens:
+        raise PromptTooLongError(
+            f"{field}: a prompt of task {task_name!r}, split {split!r}, has "
+            f"{length} tokens, more than config.data.inputs_length "
+            f"({max_tokens}): {text[:60]!r}...")
+      seen.add(text)
+      rows.append(tokens[:length])
+      texts.append(text)
+      if len(rows) == num_prompts:
+        break
+    if len(rows) == num_prompts:
+      break
+  if not rows:
+    raise ValueError(f"{field}: split {split!r} of task {task_name!r} has "
+                     "no prompts.")
+  share = len(rows) // jax.process_count()
+  start = jax.process_index() * share
+  padded = np.zeros((share, max_tokens), np.int32)
+  for i, row in enumerate(rows[start:start + share]):
+    padded[i, :len(row)] = row
+  return padded, texts[start:start + share]

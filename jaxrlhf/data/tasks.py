@@ -39,7 +39,7 @@ def run_vocabulary(run: dict) -> Optional[seqio.Vocabulary]:
   data = run.get("data", {})
   files = data.get("files", {})
   if files.get("vocabulary"):
-    return seqio.SentencePieceVocabulary(files["vocabulary"])
+    return vocab.from_file(files["vocabulary"])
   task = data.get("task")
   if task in seqio.TaskRegistry.names() or task in seqio.MixtureRegistry.names():
     features = seqio.get_mixture_or_task(task).output_features

@@ -1,8 +1,11 @@
-"""Deterministic SentencePiece vocabularies for the built-in tasks.
+"""Vocabularies: the built-in tasks' word models, vocabulary files, and how
+a vocabulary is identified.
 
-A built-in task's vocabulary is a SentencePiece word model made from the
-task's own word list: no training run and no download, so the same ids come
-out on every machine. The model file is cached (content-addressed) under
+`from_file` reads a SentencePiece model or a Hugging Face tokenizer.json;
+`fingerprint` identifies a vocabulary by content (a checkpoint trained on
+another vocabulary is refused by it). A built-in task's vocabulary is a
+SentencePiece word model made from the task's own word list: no training
+run and no download, so the same ids come out on every machine. The model file is cached (content-addressed) under
 $JAXRLHF_CACHE_DIR, default ~/.cache/jaxrlhf, and written atomically.
 """
 
@@ -84,12 +87,26 @@ def word_vocabulary(words: Sequence[str]) -> seqio.SentencePieceVocabulary:
   return seqio.SentencePieceVocabulary(str(path))
 
 
+def from_file(path: str) -> seqio.Vocabulary:
+  """The vocabulary in a file: a Hugging Face `tokenizer.json` (any name
+  ending in .json; a `tokenizer_config.json` beside it is read, and id 0 is
+  made the padding, see `hf_tokenizer`) or a SentencePiece model."""
+  if str(path).endswith(".json"):
+    from jaxrlhf.data import hf_tokenizer  # pylint: disable=g-import-not-at-top
+    return hf_tokenizer.HFTokenizerVocabulary(path)
+  return seqio.SentencePieceVocabulary(str(path))
+
+
 def fingerprint(vocabulary: seqio.Vocabulary) -> str:
-  """Identifies a vocabulary by content: its SentencePiece model, or else
-  the text of every id."""
+  """Identifies a vocabulary by content: its SentencePiece model, its
+  tokenizer (`HFTokenizerVocabulary.fingerprint`), or else the text of
+  every id."""
   sp_model = getattr(vocabulary, "sp_model", None)
   if sp_model:
     return hashlib.sha256(sp_model).hexdigest()
+  own = getattr(vocabulary, "fingerprint", None)
+  if isinstance(own, str):
+    return own
   digest = hashlib.sha256(str(vocabulary.vocab_size).encode())
   for i in range(vocabulary.vocab_size):
     digest.update(vocabulary.decode([i]).encode() + b"\0")
@@ -99,5 +116,7 @@ def fingerprint(vocabulary: seqio.Vocabulary) -> str:
 def describe(vocabulary: seqio.Vocabulary) -> str:
   """"SentencePieceVocabulary ('path', N ids)", for error messages."""
   path = getattr(vocabulary, "sentencepiece_model_file", None)
-  where = f"SentencePiece model {path!r}, " if path else ""
+  tokenizer = getattr(vocabulary, "tokenizer_file", None)
+  where = (f"SentencePiece model {path!r}, " if path else
+           f"tokenizer {tokenizer!r}, " if tokenizer else "")
   return f"{type(vocabulary).__name__} ({where}{vocabulary.vocab_size} ids)"

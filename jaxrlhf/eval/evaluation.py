@@ -1,10 +1,13 @@
-"""Evaluating policies by the gold reward of their outputs.
+"""Evaluating policies by side-by-side comparison of their outputs.
 
-The gold reward of a task (`jaxrlhf.data.tasks.gold_reward_for`) judges
-completions the way the DRO paper's LLM judge does; here it is exact. A
-policy is compared with its reference (the SFT policy) on held-out prompts:
-win rate (ties count half) with its standard error, mean gold reward, the KL
-from the reference estimated on the policy's own samples, and mean length.
+A policy is compared with its reference (the SFT policy) on held-out
+prompts, as the DRO paper does: a judge (`jaxrlhf.eval.judges`: the task's
+gold reward, which here is exact, a reward model, or your own pairwise
+function such as an LLM judge) decides each comparison; reported are the
+win rate (ties count half) with its standard error (and, over folds of
+prompts, the spread of the fold win rates), the KL from the reference
+estimated on the policy's own samples, mean length and EOS rate, and what
+the judge measures (e.g. mean gold rewards).
 """
 
 import functools
@@ -152,33 +155,37 @@ def sequence_logprobs(trainer, params, prompt_tokens, samples,
 
 
 def compare_with_reference(trainer, policy, reference, prompt_tokens,
-                           prompts: Sequence[str], gold, *,
+                           prompts: Sequence[str], judge, *,
                            num_samples: int = 1, temperature: float = 1.0,
-                           seed: int = 0) -> Dict[str, float]:
+                           seed: int = 0, num_folds: int = 1
+                           ) -> Dict[str, float]:
   """Win rate against the reference and the other headline numbers.
 
   For each prompt and each of `num_samples` draws, the policy's completion
-  wins over an independent reference completion if its gold reward is
-  higher (ties count 1/2). KL(policy || reference) is estimated per sequence
-  as log pi(y) - log pi_ref(y) on policy samples y, both at the sampling
+  is compared with an independent reference completion by `judge`
+  (`jaxrlhf.eval.judges`: the gold reward, a reward model or your pairwise
+  function; ties count 1/2). `eval/win_rate_stderr` is the standard error
+  of the mean over all comparisons. With `num_folds` F > 1 the prompts are
+  also split into F folds (consecutive blocks of each process's prompts),
+  and `eval/win_rate_fold_std` / `eval/win_rate_fold_stderr` are the
+  standard deviation of the F fold win rates and its standard error
+  (std / sqrt(F)): the DRO paper's "5 evaluation folds of 1,000 test
+  prompts". KL(policy || reference) is estimated per sequence as
+  log pi(y) - log pi_ref(y) on policy samples y, both at the sampling
   temperature (the distributions the samples come from, as in the online
   trainers' KL penalty): unbiased, and exactly 0 when the policy is the
   reference.
   """
-  outcomes, rewards, ref_rewards, kls, lengths, ends = [], [], [], [], [], []
+  outcomes, judged, kls, lengths, ends = [], {}, [], [], []
   for k in range(num_samples):
     mine = sample(trainer, policy, prompt_tokens, greedy=False,
                   temperature=temperature, seed=seed + 2 * k)
     theirs = sample(trainer, reference, prompt_tokens, greedy=False,
                     temperature=temperature, seed=seed + 2 * k + 1)
-    r = gold_rewards(gold, prompts, completion_texts(trainer.vocabulary, mine),
-                     mine.has_eos)
-    r_ref = gold_rewards(gold, prompts,
-                         completion_texts(trainer.vocabulary, theirs),
-                         theirs.has_eos)
-    outcomes.append((r > r_ref) + 0.5 * (r == r_ref))
-    rewards.append(r)
-    ref_rewards.append(r_ref)
+    outcome, values = judge(trainer, prompt_tokens, prompts, mine, theirs)
+    outcomes.append(outcome)
+    for name, value in values.items():
+      judged.setdefault(name, []).append(value)
     # Both sides scored by the same teacher-forced pass at the sampling
     # temperature (the distributions the samples come from): a policy that
     # is its reference then gets a KL of exactly 0, not the rounding
@@ -189,19 +196,67 @@ def compare_with_reference(trainer, policy, reference, prompt_tokens,
                                    temperature))
     lengths.append(np.sum(mine.mask, -1))
     ends.append(mine.has_eos)
+  metrics = judged_metrics(outcomes, judged)
+  n = sum(len(o) for o in outcomes)
   cat = lambda xs: np.concatenate(xs).astype(np.float64)
-  outcomes = cat(outcomes)
-  n = len(outcomes)
-  win = global_mean(outcomes.sum(), n)
-  second = global_mean(np.square(outcomes).sum(), n)
-  count = global_mean(float(n), 1) * jax.process_count()
-  return {
-      "eval/win_rate": win,
-      "eval/win_rate_stderr": float(np.sqrt(max(second - win ** 2, 0.0)
-                                            / max(count - 1, 1))),
-      "eval/gold_reward": global_mean(cat(rewards).sum(), n),
-      "eval/reference_gold_reward": global_mean(cat(ref_rewards).sum(), n),
+  metrics.update({
       "eval/kl": global_mean(cat(kls).sum(), n),
       "eval/length": global_mean(cat(lengths).sum(), n),
       "eval/eos_rate": global_mean(cat(ends).sum(), n),
+  })
+  if num_folds > 1:
+    metrics.update(fold_statistics(
+        np.stack(outcomes).astype(np.float64), num_folds))
+  return metrics
+
+
+def judged_metrics(outcomes: List[np.ndarray],
+                   judged: Dict[str, list]) -> Dict[str, float]:
+  """eval/win_rate and its standard error over all comparisons, and the
+  mean of each value a judge reported.
+
+  Args:
+    outcomes: per draw, this process's [n] outcomes (1 win, 1/2 tie, 0).
+    judged: {metric: per draw, [n] values, or (sums, counts) [n] for a mean
+      over a subset (e.g. the samples that end)}.
+  """
+  cat = lambda xs: np.concatenate(xs).astype(np.float64)
+  flat = cat(outcomes)
+  n = len(flat)
+  win = global_mean(flat.sum(), n)
+  second = global_mean(np.square(flat).sum(), n)
+  count = global_mean(float(n), 1) * jax.process_count()
+  metrics = {
+      "eval/win_rate": win,
+      "eval/win_rate_stderr": float(np.sqrt(max(second - win ** 2, 0.0)
+                                            / max(count - 1, 1))),
   }
+  for name, values in judged.items():
+    if isinstance(values[0], tuple):
+      metrics[name] = global_mean(cat([v for v, _ in values]).sum(),
+                                  cat([c for _, c in values]).sum())
+    else:
+      metrics[name] = global_mean(cat(values).sum(), n)
+  return metrics
+
+
+def fold_statistics(outcomes: np.ndarray, num_folds: int) -> Dict[str, float]:
+  """Spread of the win rate over folds of prompts.
+
+  Args:
+    outcomes: [num_samples, n] this process's outcomes, prompts in order.
+    num_folds: F; fold f holds prompts [f * n / F, (f + 1) * n / F) of
+      every process.
+  Returns:
+    {"eval/win_rate_fold_std": sample standard deviation (ddof 1) of the F
+    fold win rates, "eval/win_rate_fold_stderr": that over sqrt(F)}.
+  """
+  n = outcomes.shape[1]
+  fold = np.arange(n) * num_folds // max(n, 1)
+  rates = np.array([
+      global_mean(float(outcomes[:, fold == f].sum()),
+                  float(outcomes[:, fold == f].size))
+      for f in range(num_folds)])
+  std = float(np.std(rates, ddof=1))
+  return {"eval/win_rate_fold_std": std,
+          "eval/win_rate_fold_stderr": std / np.sqrt(num_folds)}

@@ -26,6 +26,7 @@ from jaxrlhf import sharding
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import pipeline
+from jaxrlhf.train import best as best_lib
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import files
 from jaxrlhf.train import metrics as metrics_lib
@@ -182,6 +183,7 @@ def train(config: ml_collections.ConfigDict, workdir: str,
 def _run(config, workdir, trainer) -> Dict[str, float]:
   checkpointer = checkpointing.Checkpointer(
       os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+  best = best_lib.BestCheckpoint(config, workdir, trainer)
   logger = None
   try:
     with _StopFlag() as stop:
@@ -295,6 +297,7 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
             console.log(
                 f"Evaluation (step {step}; "
                 f"{trainer.evaluation_description()}): " + _format(evaluated))
+          best.observe(step, evaluated, state)
       # The final checkpoint is saved: a signal now lets the evaluation
       # finish, a second one stops it (a rerun evaluates then).
       try:
@@ -312,6 +315,8 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
       if after:
         console.log(f"After training (step {step}; "
                     f"{trainer.evaluation_description()}): " + _format(after))
+      best.observe(step, after, state)
+      summary.update(best.finish(state, step, logger))
       if stop.signalled_in_final_phase:
         console.log(f"Received {stop.signal_name} during the final "
                     "evaluation: finished it first; the run is complete.")
@@ -320,6 +325,7 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
     if logger is not None:
       logger.close()
     checkpointer.close()
+    best.close()
 
 
 def _nonfinite_message(config, step: int, metrics, last_saved) -> str:
