@@ -64,8 +64,11 @@ def module_for_config(config):
 
 def _abstract_params(module):
   args = family.init_args(module, family_of(module).kind)
-  return jax.eval_shape(
-      lambda: module.init(jax.random.PRNGKey(0), *args))["params"]
+  # Shapes only: no logical-axis rules, so that the activations' sharding
+  # constraints do not meet a mesh the caller may have entered.
+  with nn.logical_axis_rules(()):
+    return jax.eval_shape(
+        lambda: module.init(jax.random.PRNGKey(0), *args))["params"]
 
 
 _cached_abstract_params = functools.lru_cache(maxsize=64)(_abstract_params)
@@ -84,7 +87,12 @@ def abstract_params(module):
 
 def param_shapes(config) -> Dict[str, Tuple[int, ...]]:
   """{"a/b/c": shape} of the parameters of the model `config` describes."""
-  params = nn.meta.unbox(abstract_params(module_for_config(config)))
+  # The boxes' values, not `unbox` (which constrains them to the mesh and
+  # rules the caller may have entered).
+  params = jax.tree.map(
+      lambda x: x.value if isinstance(x, nn.meta.AxisMetadata) else x,
+      abstract_params(module_for_config(config)),
+      is_leaf=lambda x: isinstance(x, nn.meta.AxisMetadata))
   return {k: tuple(v.shape) for k, v in family.flat_paths(params).items()}
 
 
