@@ -18,20 +18,15 @@ side by side on the comparisons' validation prompts, judged by the reward
 model (jaxrlhf.presets.tldr_judged_by_reward_model), sampled at 0.7.
 """
 
-from jaxrlhf import defaults
 from jaxrlhf import presets
 
 
 def get_config(size: str = "pythia-1b"):
   c = presets.tldr_pythia("dpo", size, learning_rate=3e-6, schedule="cosine",
                           batch_size=64, episodes=92_858)
-  bucket = f"gs://{defaults.PLACEHOLDER}"
+  bucket = presets.TLDR_BUCKET
   c.init.policy_checkpoint = f"{bucket}/tldr_sft"
-  c.data.task = "tldr_comparisons"
-  c.data.files.layout = "tldr"
-  c.data.files.train = f"{bucket}/tldr_comparisons/train/*.json"
-  c.data.files.validation = f"{bucket}/tldr_comparisons/validation/*.json"
-  c.data.targets_length = presets.TLDR_PREFERENCE_RESPONSE_TOKENS
+  presets.tldr_data(c, "comparisons")
   c.dpo.loss_type = "dpo"
   c.dpo.beta = 0.05
   presets.tldr_judged_by_reward_model(c)

@@ -23,7 +23,6 @@ side on the SFT validation prompts, judged by the reward model
 score of the samples (eval/reward_model_score).
 """
 
-from jaxrlhf import defaults
 from jaxrlhf import presets
 from jaxrlhf.data import file_layouts
 
@@ -31,14 +30,10 @@ from jaxrlhf.data import file_layouts
 def get_config(size: str = "pythia-1b"):
   c = presets.tldr_pythia("ppo", size, learning_rate=3e-6, schedule="linear",
                           batch_size=512, episodes=1_000_000)
-  bucket = f"gs://{defaults.PLACEHOLDER}"
+  bucket = presets.TLDR_BUCKET
   c.init.policy_checkpoint = f"{bucket}/tldr_sft"
   c.online.reward_model_checkpoint = f"{bucket}/tldr_rm"
-  c.data.task = "tldr_sft_prompts"
-  c.data.files.layout = "tldr_sft"
-  c.data.files.train = f"{bucket}/tldr_sft/train.jsonl"
-  c.data.files.validation = f"{bucket}/tldr_sft/validation.jsonl"
-  c.data.targets_length = presets.TLDR_SFT_RESPONSE_TOKENS
+  presets.tldr_data(c, "sft", task="tldr_sft_prompts")
   c.online.max_new_tokens = presets.TLDR_SFT_RESPONSE_TOKENS
   c.online.prompt_suffix = file_layouts.TLDR_QUERY_SUFFIX
   c.online.long_prompts = "cut_paragraph"

@@ -23,20 +23,15 @@ expectation over the comparisons; the InstructGPT per-prompt weights are
 off).
 """
 
-from jaxrlhf import defaults
 from jaxrlhf import presets
 
 
 def get_config(size: str = "pythia-1b"):
   c = presets.tldr_pythia("reward_model", size, learning_rate=3e-6,
                           schedule="cosine", batch_size=64, episodes=92_858)
-  bucket = f"gs://{defaults.PLACEHOLDER}"
+  bucket = presets.TLDR_BUCKET
   c.init.policy_checkpoint = f"{bucket}/tldr_sft"
-  c.data.task = "tldr_comparisons"
-  c.data.files.layout = "tldr"
-  c.data.files.train = f"{bucket}/tldr_comparisons/train/*.json"
-  c.data.files.validation = f"{bucket}/tldr_comparisons/validation/*.json"
-  c.data.targets_length = presets.TLDR_PREFERENCE_RESPONSE_TOKENS
+  presets.tldr_data(c, "comparisons")
   c.reward_model.weight_prompts_equally = False
   c.reward_model.normalize_on_task = "tldr_sft_demonstrations"
   c.reward_model.normalize_files = f"{bucket}/tldr_sft/train.jsonl"

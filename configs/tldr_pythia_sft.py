@@ -30,13 +30,8 @@ def get_config(size: str = "pythia-1b"):
   c = presets.tldr_pythia("sft", size, learning_rate=3e-6,
                           schedule="cosine", batch_size=128,
                           episodes=116_722)
-  bucket = f"gs://{defaults.PLACEHOLDER}"
   # A local Hugging Face folder (config.json + model.safetensors).
   c.init.policy_checkpoint = f"/{defaults.PLACEHOLDER}/{size}-deduped"
-  c.data.task = "tldr_sft"
-  c.data.files.layout = "tldr_sft"
-  c.data.files.train = f"{bucket}/tldr_sft/train.jsonl"
-  c.data.files.validation = f"{bucket}/tldr_sft/validation.jsonl"
-  c.data.targets_length = presets.TLDR_SFT_RESPONSE_TOKENS
+  presets.tldr_data(c, "sft")
   c.eval.num_examples = 1000
   return c

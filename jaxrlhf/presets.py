@@ -150,6 +150,33 @@ def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
   return c
 
 
+# The TL;DR data of each stage: (task name, files.layout, the folder under
+# the placeholder bucket, file pattern, response tokens).
+TLDR_DATA = {
+    "sft": ("tldr_sft", "tldr_sft", "tldr_sft", "{split}.jsonl",
+            TLDR_SFT_RESPONSE_TOKENS),
+    "comparisons": ("tldr_comparisons", "tldr", "tldr_comparisons",
+                    "{split}/*.json", TLDR_PREFERENCE_RESPONSE_TOKENS),
+}
+TLDR_BUCKET = f"gs://{defaults.PLACEHOLDER}"
+
+
+def tldr_data(c, kind: str, task: str = "") -> None:
+  """Points the config at the TL;DR files of `kind` ('sft': the
+  demonstrations, or 'comparisons': the preference pairs), train and
+  validation splits, under `TLDR_BUCKET` (point data.files.train /
+  validation at your copies), with the stage's response length; `task`
+  names the registered task ('' = the kind's own name)."""
+  name, layout, folder, pattern, response_tokens = TLDR_DATA[kind]
+  c.data.task = task or name
+  c.data.files.layout = layout
+  c.data.files.train = f"{TLDR_BUCKET}/{folder}/" + pattern.format(
+      split="train")
+  c.data.files.validation = f"{TLDR_BUCKET}/{folder}/" + pattern.format(
+      split="validation")
+  c.data.targets_length = response_tokens
+
+
 def tldr_judged_by_reward_model(c) -> None:
   """How the TL;DR policy configs judge: side by side against the SFT
   policy on the held-out prompts, by the TL;DR reward model. (The paper
@@ -158,7 +185,7 @@ def tldr_judged_by_reward_model(c) -> None:
   --config.eval.judge=function --config.eval.judge_function=pkg.module:fn.)
   """
   c.eval.judge = "reward_model"
-  c.eval.judge_checkpoint = f"gs://{defaults.PLACEHOLDER}/tldr_rm"
+  c.eval.judge_checkpoint = f"{TLDR_BUCKET}/tldr_rm"
   c.eval.num_examples = 1000
   c.eval.num_samples = 1
   c.eval.temperature = 0.7
