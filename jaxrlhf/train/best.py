@@ -27,15 +27,16 @@ end; the rest is here.
 
 import json
 import math
-import os
 from typing import Dict, Optional
 
+from etils import epath
 import jax
 
 from jaxrlhf import console
 from jaxrlhf.algorithms import reference
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.train import checkpointing
+from jaxrlhf.train import files
 
 MODES = ("max", "min")
 DIRECTORY = "best"
@@ -51,7 +52,7 @@ class BestCheckpoint:
     self._test_split = config.eval.test_split
     self._trainer = trainer
     self._config = config
-    self._directory = os.path.join(workdir, DIRECTORY)
+    self._directory = epath.Path(workdir) / DIRECTORY
     self._checkpointer = None
     self.best: Optional[dict] = self._read()
 
@@ -60,25 +61,23 @@ class BestCheckpoint:
     return bool(self._metric)
 
   def _read(self) -> Optional[dict]:
-    path = os.path.join(self._directory, SUMMARY)
-    if not self._metric or not os.path.isfile(path):
+    path = self._directory / SUMMARY
+    if not self._metric or not path.exists():
       return None
-    with open(path) as f:
-      return json.load(f)
+    return json.loads(path.read_text())
 
-  def _write(self, summary: dict) -> None:
+  def _write(self, name: str, text: str) -> None:
+    """Writes `<workdir>/best/<name>` atomically (process 0; a full disk is
+    a one-line error, `files.write_atomically`)."""
     if jax.process_index() != 0:
       return
-    os.makedirs(self._directory, exist_ok=True)
-    path = os.path.join(self._directory, SUMMARY)
-    with open(path + ".tmp", "w") as f:
-      json.dump(summary, f, indent=2, sort_keys=True)
-    os.replace(path + ".tmp", path)
+    self._directory.mkdir(parents=True, exist_ok=True)
+    files.write_atomically(self._directory / name, text)
 
   def _manager(self) -> checkpointing.Checkpointer:
     if self._checkpointer is None:
       self._checkpointer = checkpointing.Checkpointer(
-          os.path.join(self._directory, "checkpoints"), keep=1)
+          str(self._directory / "checkpoints"), keep=1)
     return self._checkpointer
 
   def observe(self, step: int, metrics: Dict[str, float], state) -> None:
@@ -95,10 +94,9 @@ class BestCheckpoint:
     self._manager().save(step, {"params": state.params}, 0)
     self.best = {"step": step, "metric": self._metric, "value": value,
                  "evaluation": {k: float(v) for k, v in metrics.items()}}
-    self._write(self.best)
-    if jax.process_index() == 0:
-      with open(os.path.join(self._directory, "config.json"), "w") as f:
-        f.write(self._config.to_json_best_effort(indent=2, sort_keys=True))
+    self._write(SUMMARY, json.dumps(self.best, indent=2, sort_keys=True))
+    self._write("config.json",
+                self._config.to_json_best_effort(indent=2, sort_keys=True))
     console.log(f"Best checkpoint so far: step {step} ({self._metric} "
                 f"{console.fixed(value)}), saved in {self._directory}")
 
@@ -135,7 +133,8 @@ class BestCheckpoint:
                 f"{k.split('/')[-1]} {console.fixed(v)}"
                 for k, v in sorted(metrics.items()) if k != "test/step"))
         if self.enabled and self.best is not None:
-          self._write(dict(self.best, test=metrics))
+          self._write(SUMMARY, json.dumps(dict(self.best, test=metrics),
+                                          indent=2, sort_keys=True))
       return metrics
     finally:
       self.close()
