@@ -230,14 +230,18 @@ def test_grpo_kl_term_gradient_pulls_towards_reference():
                                      0.1 * (1 - 4.0) / 2]], rtol=1e-5)
 
 
-def test_policy_gradient_loss_sequence_sum():
+def test_one_update_of_the_clipped_surrogate_is_the_policy_gradient():
+  """REINFORCE and RLOO train with the clipped surrogate (group_rl): with
+  the sampling policy's own log-probs the ratio is 1 and the gradient is
+  the REINFORCE estimator -A grad log pi(y|x) (RLHF book 11.1.1)."""
   logprobs = jnp.array([[-1.0, -2.0, -5.0], [-0.5, -5.0, -5.0]])
   mask = jnp.array([[1, 1, 0], [1, 0, 0]])
-  loss = rl.policy_gradient_loss(logprobs, jnp.array([2.0, -1.0]), mask)
-  # -A log pi(y|x): -2 * -3 = 6 and 1 * -0.5 = -0.5; batch mean 2.75.
-  np.testing.assert_allclose(loss, 2.75)
-  grad = jax.grad(lambda lp: rl.policy_gradient_loss(
-      lp, jnp.array([2.0, -1.0]), mask))(logprobs)
+  advantages = jnp.array([2.0, -1.0])
+  grad = jax.grad(lambda lp: rl.grpo_loss(
+      lp, jax.lax.stop_gradient(lp), logprobs, advantages, mask, kl_coef=0.0,
+      reduction="sequence_sum")[0])(logprobs)
+  # -A d log pi(y|x) / d log pi(y_t): -2 on row 0's two tokens, +1 on row
+  # 1's one, averaged over the batch of 2.
   np.testing.assert_allclose(grad, [[-1.0, -1.0, 0.0], [0.5, 0.0, 0.0]])
 
 

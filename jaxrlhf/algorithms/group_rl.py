@@ -20,7 +20,7 @@ log-probs at the sampling temperature; `jaxrlhf.rl.rollout`).
 
 All three use the clipped surrogate (`rl.grpo.grpo_loss`): with one epoch and
 one minibatch the ratio is 1 and its gradient is the plain policy gradient
--A grad log pi (`rl.reinforce.policy_gradient_loss`); with more it keeps
+-A grad log pi (tests/test_rl_losses.py checks it); with more it keeps
 later updates near the sampling policy.
 """
 

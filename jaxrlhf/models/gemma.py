@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import checks
 from jaxrlhf.models import family
 from jaxrlhf.models import layers
 from jaxrlhf.models import llama
@@ -92,10 +93,10 @@ class GemmaConfig:
       raise ValueError(
           f"GemmaConfig: attention_impl={self.attention_impl!r} cannot "
           "soft-cap attention logits (attn_logit_softcap); use 'xla'.")
-    layers.check_choice(self.attention_impl, layers.ATTENTION_IMPLS,
-                        "GemmaConfig.attention_impl")
-    layers.check_choice(self.remat_policy, layers.REMAT_POLICIES,
-                        "GemmaConfig.remat_policy")
+    checks.check_choice("GemmaConfig", "attention_impl",
+                        self.attention_impl, layers.ATTENTION_IMPLS)
+    checks.check_choice("GemmaConfig", "remat_policy",
+                        self.remat_policy, layers.REMAT_POLICIES)
     layers.check_dtype(self.dtype, "GemmaConfig.dtype")
 
   @classmethod

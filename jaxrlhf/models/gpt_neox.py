@@ -26,6 +26,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import checks
 from jaxrlhf.models import family
 from jaxrlhf.models import layers
 
@@ -73,12 +74,12 @@ class GPTNeoXConfig:
     if self.tie_embeddings:
       raise ValueError("GPTNeoXConfig: tie_embeddings=True is not a GPT-NeoX "
                        "model (its embed_out is separate).")
-    layers.check_choice(self.mlp_activation, layers.ACTIVATIONS,
-                        "GPTNeoXConfig.mlp_activation")
-    layers.check_choice(self.attention_impl, layers.ATTENTION_IMPLS,
-                        "GPTNeoXConfig.attention_impl")
-    layers.check_choice(self.remat_policy, layers.REMAT_POLICIES,
-                        "GPTNeoXConfig.remat_policy")
+    checks.check_choice("GPTNeoXConfig", "mlp_activation",
+                        self.mlp_activation, layers.ACTIVATIONS)
+    checks.check_choice("GPTNeoXConfig", "attention_impl",
+                        self.attention_impl, layers.ATTENTION_IMPLS)
+    checks.check_choice("GPTNeoXConfig", "remat_policy",
+                        self.remat_policy, layers.REMAT_POLICIES)
     layers.check_dtype(self.dtype, "GPTNeoXConfig.dtype")
 
   @property

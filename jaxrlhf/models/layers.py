@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import checks
+
 Array = jax.Array
 
 ATTENTION_IMPLS = ("xla", "dot_product", "dot_product_cudnn")
@@ -44,12 +46,6 @@ ATTENTION_IMPLS = ("xla", "dot_product", "dot_product_cudnn")
 REMAT_POLICIES = ("none", "full", "dots_saveable",
                   "dots_with_no_batch_dims_saveable", "nothing_saveable",
                   "everything_saveable")
-
-
-def check_choice(value, choices, field):
-  if value not in choices:
-    raise ValueError(f"{field}={value!r} is not supported; choose one of "
-                     f"{list(choices)}.")
 
 
 def check_dtype(value, field="dtype"):
@@ -180,7 +176,7 @@ class RopeScaling:
   original_max_length: int = 8192
 
   def __post_init__(self):
-    check_choice(self.kind, ("llama3", "linear"), "RopeScaling.kind")
+    checks.check_choice("RopeScaling", "kind", self.kind, ("llama3", "linear"))
 
 
 def rotated_channels(rotary_dim: int) -> int:
@@ -733,7 +729,7 @@ class Mlp(nn.Module):
     """x [batch, length, embed] -> [batch, length, embed]."""
     hidden = []
     for i, name in enumerate(self.activations):
-      check_choice(name, ACTIVATIONS, "mlp activation")
+      checks.check_choice("Mlp", "activation", name, ACTIVATIONS)
       h = DenseGeneral((self.mlp_dim,), ("embed", "mlp"),
                        use_bias=self.use_bias, dtype=self.dtype,
                        name="wi" if len(self.activations) == 1 else f"wi_{i}")(x)
@@ -797,7 +793,7 @@ class OutputDense(nn.Module):
 
 def remat_policy(name: str):
   """The jax.checkpoint policy for a `remat_policy` config string."""
-  check_choice(name, REMAT_POLICIES, "remat_policy")
+  checks.check_choice("layers", "remat_policy", name, REMAT_POLICIES)
   if name == "full":
     return None
   return getattr(jax.checkpoint_policies, name)

@@ -25,6 +25,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import checks
 from jaxrlhf.models import family
 from jaxrlhf.models import layers
 
@@ -74,10 +75,10 @@ class LlamaConfig:
     if self.head_dim % 2:
       raise ValueError(f"LlamaConfig: head_dim={self.head_dim} must be even "
                        "(rotary embeddings rotate channel pairs).")
-    layers.check_choice(self.attention_impl, layers.ATTENTION_IMPLS,
-                        "LlamaConfig.attention_impl")
-    layers.check_choice(self.remat_policy, layers.REMAT_POLICIES,
-                        "LlamaConfig.remat_policy")
+    checks.check_choice("LlamaConfig", "attention_impl",
+                        self.attention_impl, layers.ATTENTION_IMPLS)
+    checks.check_choice("LlamaConfig", "remat_policy",
+                        self.remat_policy, layers.REMAT_POLICIES)
     layers.check_dtype(self.dtype, "LlamaConfig.dtype")
 
   @classmethod

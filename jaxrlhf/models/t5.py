@@ -36,6 +36,7 @@ import flax.linen as nn
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import checks
 from jaxrlhf.models import family
 from jaxrlhf.models import layers as layers_lib
 
@@ -81,10 +82,10 @@ class T5Config:
   attention_impl: str = "xla"
 
   def __post_init__(self):
-    layers_lib.check_choice(self.attention_impl, ATTENTION_IMPLS,
-                            "T5Config.attention_impl")
-    layers_lib.check_choice(self.remat_policy, layers_lib.REMAT_POLICIES,
-                            "T5Config.remat_policy")
+    checks.check_choice("T5Config", "attention_impl",
+                        self.attention_impl, ATTENTION_IMPLS)
+    checks.check_choice("T5Config", "remat_policy",
+                        self.remat_policy, layers_lib.REMAT_POLICIES)
 
   @property
   def compute_dtype(self):

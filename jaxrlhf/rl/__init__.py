@@ -8,7 +8,6 @@ Modules:
   reductions       per-sequence / token / constant-length loss reductions.
   ppo              PPO rollout targets, clipped policy and value losses.
   grpo             GRPO loss with the k3 KL term and asymmetric clipping.
-  reinforce        vanilla policy-gradient loss (REINFORCE, RLOO).
   best_of_n        best-of-N / rejection-sampling selection, best-of-N KL.
 
 Every function is a jit-compatible function of arrays; string and integer
@@ -43,7 +42,6 @@ from jaxrlhf.rl.ppo import ppo_policy_loss
 from jaxrlhf.rl.ppo import ppo_rollout_targets
 from jaxrlhf.rl.ppo import ppo_value_loss
 from jaxrlhf.rl.reductions import reduce_token_losses
-from jaxrlhf.rl.reinforce import policy_gradient_loss
 from jaxrlhf.rl.rollout_rewards import last_token_index
 from jaxrlhf.rl.rollout_rewards import replace_score_without_eos
 from jaxrlhf.rl.rollout_rewards import score_at_last_token
