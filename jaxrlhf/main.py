@@ -14,26 +14,14 @@ starting with "error:" on stderr and exit status 2, before anything is
 written to the workdir.
 """
 
-import os
-import re
 import sys
-import traceback
 
 from absl import app
 from absl import flags
-from ml_collections import config_flags
 
+from jaxrlhf import cli
 from jaxrlhf import console
 
-# Exit status of a run refused for its command, config, workdir (held by
-# another run, or its checkpoints written under another config) or input data
-# (as argparse and absl use for usage errors); a run that fails while training
-# (a non-finite step, a full disk, a lost process) exits 1.
-USAGE_ERROR = 2
-
-_CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file (path[:arg]); required.",
-    lock_config=True)
 _WORKDIR = flags.DEFINE_string(
     "workdir", None, "Directory for checkpoints, metrics and the resolved "
     "config; required.")
@@ -53,12 +41,6 @@ _CPU_COLLECTIVES = flags.DEFINE_string(
 
 _OUR_FLAGS = ("config", "workdir", "distributed", "coordinator_address",
               "num_processes", "process_id", "cpu_collectives")
-
-
-def _fail(message: str) -> None:
-  """One line on stderr and the usage-error exit status."""
-  print(f"error: {message}", file=sys.stderr)
-  sys.exit(USAGE_ERROR)
 
 
 def initialize_distributed(config):
@@ -82,50 +64,9 @@ def initialize_distributed(config):
     peers.initialize(lost_process_timeout_s=timeout)
 
 
-def _loaded_config():
-  """The --config value, or a one-line error naming the file and why."""
-  try:
-    config = _CONFIG.value
-    if config is not None:
-      # A file that failed to load gives a placeholder that raises on use.
-      config.keys()
-  except Exception as e:  # pylint: disable=broad-except
-    _fail(_config_file_message(e))
-  if config is None:
-    _fail("--config is required, e.g. --config=configs/quickstart.py")
-  return config
-
-
-def _config_file_message(error: BaseException) -> str:
-  """What went wrong with which config file, in one line (ml_collections
-  wraps a config file's failure in up to three chained errors)."""
-  # The last --config= wins, as in absl.
-  path = ([a.split("=", 1)[1] for a in sys.argv
-           if a.startswith("--config=")] or ["?"])[-1]
-  chain = [error]
-  while chain[-1].__cause__ or chain[-1].__context__:
-    chain.append(chain[-1].__cause__ or chain[-1].__context__)
-  if any("No such file" in str(e) or "Errno 2" in str(e) for e in chain):
-    return (f"--config={path}: no such file. The experiment configs are in "
-            "configs/, e.g. --config=configs/quickstart.py.")
-  cause = next((e for e in chain if isinstance(e, SyntaxError)), chain[-1])
-  if isinstance(cause, SyntaxError):
-    where = f" (line {cause.lineno})" if cause.lineno else ""
-    return f"--config={path}: SyntaxError: {cause.msg}{where}."
-  file = path.split(":", 1)[0]
-  lines = [f.lineno for f in traceback.extract_tb(cause.__traceback__)
-           if os.path.abspath(f.filename) == os.path.abspath(file)]
-  where = f" (line {lines[-1]})" if lines else ""
-  detail = str(cause).strip().splitlines()
-  return (f"--config={path}: get_config raised {type(cause).__name__}"
-          f"{': ' + detail[-1] if detail else ''}{where}.")
-
-
 def main(argv):
-  if len(argv) > 1:
-    _fail(f"unexpected arguments {argv[1:]}; every setting is a flag such "
-          "as --config.train.num_steps=10.")
-  config = _loaded_config()
+  cli.no_arguments(argv)
+  config = cli.loaded_config()
   # Imported here so that --help and flag errors are fast.
   from absl import logging  # pylint: disable=g-import-not-at-top
   console.silence_library_noise(python_loggers=True)
@@ -145,71 +86,15 @@ def main(argv):
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   except ValueError as e:
-    _fail(str(e))
+    cli.fail(str(e))
   line = loop.gold_reward_line(summary)
   if line and jax.process_index() == 0:
     print(line, flush=True)
 
 
-def _unknown_field_message(argv, error) -> str:
-  """Names the --config.* override that refers to a missing field."""
-  # ml_collections may append 'Did you mean "other" instead of "name"?' to
-  # the missing name (inside a repr, so with escaped quotes and newline).
-  text = str(error)
-  suggestion = re.search(r'Did you mean "(\w+)" instead of "(\w+)"\?', text)
-  if suggestion:
-    missing = suggestion.group(2)
-    hint = f' Did you mean "{suggestion.group(1)}"?'
-  else:
-    missing, hint = text.strip("\"' "), ""
-  for arg in argv:
-    if arg.startswith("--config."):
-      path = arg[len("--config."):].split("=", 1)[0]
-      parts = path.split(".")
-      if missing in parts:
-        parent = ".".join(parts[:parts.index(missing)]) or "config"
-        return (f"unknown config field '{path}' (from {arg}): "
-                f"'{parent}' has no field '{missing}'.{hint} The fields and "
-                "their documentation are in jaxrlhf/defaults.py.")
-  return f"bad config override: {missing}.{hint}"
-
-
-def usage() -> str:
-  """--help: the module docstring and our flags (absl's own help lists
-  every library's flags and shows --config's default as 'None')."""
-  lines = [__doc__.strip(), "", "flags:"]
-  for name in _OUR_FLAGS:
-    flag = flags.FLAGS[name]
-    kind = "" if flag.boolean else "=..."
-    lines.append(f"  --{name}{kind}")
-    lines.append(f"      {flag.help}")
-  lines.append("  --config.<field>=value")
-  lines.append("      Override one field of the config (see "
-               "jaxrlhf/defaults.py for every field and its meaning).")
-  return "\n".join(lines)
-
-
-def _parse_flags(argv):
-  """absl's flag parsing, with one-line errors and --help that exits 0."""
-  if any(a in ("--help", "-h", "--helpfull", "--helpshort", "-?")
-         for a in argv[1:]):
-    print(usage())
-    sys.exit(0)
-  try:
-    return flags.FLAGS(argv)
-  except (AttributeError, KeyError) as e:
-    _fail(_unknown_field_message(argv, e))
-  except flags.Error as e:
-    if isinstance(e.__cause__ or e.__context__, (AttributeError, KeyError)):
-      _fail(_unknown_field_message(argv, e.__cause__ or e.__context__))
-    _fail(str(e))
-  except Exception as e:  # pylint: disable=broad-except
-    # The config file itself failed while flags were parsed.
-    _fail(_config_file_message(e))
-
-
 def run():
-  app.run(main, flags_parser=_parse_flags)
+  app.run(main, flags_parser=cli.flags_parser(
+      lambda: cli.usage(__doc__, _OUR_FLAGS)))
 
 
 if __name__ == "__main__":

@@ -1,6 +1,7 @@
 """Shared settings of the paper-reproduction configs under configs/."""
 
 from jaxrlhf import defaults
+from jaxrlhf.data import file_layouts
 
 # T5's public SentencePiece model (what T5 1.1 checkpoints were trained with).
 T5_VOCABULARY = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"
@@ -134,6 +135,18 @@ def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
   c.data.files.vocabulary = f"/{defaults.PLACEHOLDER}/{size}/tokenizer.json"
   c.data.files.on_bad_row = "skip_and_report"
   c.data.inputs_length = TLDR_QUERY_TOKENS
+  tldr_optimizer(c, learning_rate=learning_rate, schedule=schedule,
+                 batch_size=batch_size, episodes=episodes)
+  c.train.log_every = 10
+  c.checkpoint.every_steps = 200
+  c.mesh.shape = (-1, 1)
+  return c
+
+
+def tldr_optimizer(c, *, learning_rate: float, schedule: str,
+                   batch_size: int, episodes: int) -> None:
+  """The paper's optimizer and budget (Tables 3, 4, 6, 7): AdamW with eps
+  1e-5, no weight decay or warm-up, `episodes` // `batch_size` steps."""
   c.optimizer.name = "adamw"
   c.optimizer.eps = 1e-5
   c.optimizer.b1 = 0.9
@@ -144,10 +157,45 @@ def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
   c.optimizer.warmup_steps = 0
   c.train.batch_size = batch_size
   c.train.num_steps = episodes // batch_size
-  c.train.log_every = 10
-  c.checkpoint.every_steps = 200
-  c.mesh.shape = (-1, 1)
-  return c
+
+
+def tldr_ppo(c) -> None:
+  """PPO as the paper ran it on TL;DR (Table 7, details 20-25), on the SFT
+  data's prompts: 1M episodes of 512 prompts per iteration (reshuffled
+  every pass: detail 21), AdamW (eps 1e-5, lr 3e-6) with a linear
+  schedule, beta 0.05, gamma 1, lambda 0.95, 1 minibatch, 4 PPO epochs,
+  policy and value clipping 0.2, value loss weight 0.1, 53 sampled tokens
+  at temperature 0.7 with the EOS trick (-1 without an EOS), advantage
+  whitening, no reward whitening; the value network starts from the reward
+  model (detail 22). The prompts are fitted to data.inputs_length by
+  dropping the post's last paragraphs (detail 2); "\\n\\nTL;DR:" is never
+  cut (online.prompt_suffix). Evaluation: against the SFT policy side by
+  side on the SFT validation prompts, judged by the reward model."""
+  tldr_optimizer(c, learning_rate=3e-6, schedule="linear", batch_size=512,
+                 episodes=1_000_000)
+  c.init.policy_checkpoint = f"{TLDR_BUCKET}/tldr_sft"
+  c.online.reward_model_checkpoint = f"{TLDR_BUCKET}/tldr_rm"
+  tldr_data(c, "sft", task="tldr_sft_prompts")
+  c.online.max_new_tokens = TLDR_SFT_RESPONSE_TOKENS
+  c.online.prompt_suffix = file_layouts.TLDR_QUERY_SUFFIX
+  c.online.long_prompts = "cut_paragraph"
+  c.online.temperature = 0.7
+  c.online.kl_coef = 0.05
+  c.online.adaptive_kl = False
+  c.online.eos_trick = True
+  c.online.missing_eos_penalty = -1.0
+  c.online.samples_per_prompt = 1
+  c.online.num_epochs = 4
+  c.online.num_minibatches = 1
+  c.online.clip_eps = 0.2
+  c.ppo.gamma = 1.0
+  c.ppo.lam = 0.95
+  c.ppo.value_clipping = True
+  c.ppo.value_clip_eps = 0.2
+  c.ppo.vf_coef = 0.1
+  c.ppo.whiten_rewards = False
+  c.ppo.whiten_advantages = True
+  tldr_judged_by_reward_model(c)
 
 
 # The TL;DR data of each stage: (task name, files.layout, the folder under

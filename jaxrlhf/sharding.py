@@ -32,6 +32,17 @@ STANDARD_RULES = (
 )
 
 
+# The standard rules with every parameter's embedding dimension also split
+# over the data axis (fully sharded data parallelism, ZeRO-3): a parameter,
+# its gradient and its optimizer state are held once per data-parallel group
+# instead of on every data shard, and XLA gathers each layer's weights when
+# the layer runs. Activations are unchanged: their batch dimension takes
+# the data axis first (a mesh axis splits one dimension of an array).
+FULLY_SHARDED_RULES = tuple(
+    (name, "data") if name == "embed" else (name, axes)
+    for name, axes in STANDARD_RULES)
+
+
 def as_rules(rules) -> Tuple[Tuple[str, Any], ...]:
   """Normalises a config's rule list (lists from JSON/CLI) to tuples."""
   out = []
@@ -125,6 +136,39 @@ def data_parallel_size(mesh: Mesh, rules) -> int:
     return 1
   axes = spec if isinstance(spec, tuple) else (spec,)
   return math.prod(mesh.shape[a] for a in axes)
+
+
+def spread_over_batch_axes(abstract_tree, shardings, mesh: Mesh, rules):
+  """Shardings of `abstract_tree` that also split each array over the mesh
+  axes the batch is split over (when the array does not use them yet):
+  along its largest dimension that is not split and that divides evenly.
+
+  What a gradient accumulator takes (`update.accumulate_gradients`): the
+  sum of micro-batch gradients is then held once over the data-parallel
+  devices, not once on each (a parameter's gradient is the same on every
+  data shard after the reduction).
+  """
+  spec = logical_to_spec(("batch",), rules)[0]
+  if spec is None:
+    return shardings
+  axes = spec if isinstance(spec, tuple) else (spec,)
+  ways = math.prod(mesh.shape[a] for a in axes)
+
+  def spread(leaf, named):
+    dims = list(named.spec) + [None] * (leaf.ndim - len(named.spec))
+    used = {a for d in dims if d is not None
+            for a in (d if isinstance(d, tuple) else (d,))}
+    if ways == 1 or used & set(axes):
+      return named
+    free = [d for d in range(leaf.ndim)
+            if dims[d] is None and leaf.shape[d] % ways == 0]
+    if not free:
+      return named
+    largest = max(free, key=lambda d: leaf.shape[d])
+    dims[largest] = spec
+    return NamedSharding(named.mesh, PartitionSpec(*dims))
+
+  return jax.tree.map(spread, abstract_tree, shardings)
 
 
 def global_batch(local_batch, mesh: Mesh, rules):

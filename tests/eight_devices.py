@@ -16,7 +16,11 @@ and one compilation of each single-device step for all the checks):
            4x2 run with micro-batches, and the refusal of micro-batches whose
            rows do not split over the data shards;
   loop     a 12-step SFT run through the training loop (checkpoints,
-           metrics, restore).
+           metrics, restore);
+  plan     `jaxrlhf.plan` of a DRO-V step on the 4x2 mesh: the memory XLA
+           plans for its arguments against the bytes the real state and
+           batch take on one device, and the plan with micro-batches and
+           with scanned layers.
 Prints one line "RESULT <json>".
 """
 
@@ -32,6 +36,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import FIXTURES, from_scratch, tiny_config, trainer_of  # noqa: E402
 from jaxrlhf import algorithms  # noqa: E402
+from jaxrlhf import plan as plan_lib  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
 from jaxrlhf.algorithms import state as state_lib  # noqa: E402
 from jaxrlhf.data import synthetic  # noqa: E402
@@ -257,12 +262,53 @@ def training_loop(workdir):
   return results
 
 
+# --- the ahead-of-time plan -----------------------------------------------------
+
+
+def _bytes_on(tree, device) -> int:
+  return sum(s.data.nbytes for leaf in jax.tree.leaves(tree)
+             for s in leaf.addressable_shards if s.device == device)
+
+
+def plans(workdir):
+  """DRO-V on 4x2 (the trajectories `offline` wrote): the plan, and what a
+  real state and batch take on device 0; plans with 4 micro-batches and
+  with scanned layers."""
+  def config(**overrides):
+    c = tiny_config(algorithm="dro_v", data__task="sharded_dro_v",
+                    mesh__shape=(4, 2), train__batch_size=16,
+                    model__num_encoder_layers=2, model__num_decoder_layers=2,
+                    **overrides)
+    c.data.files.train = str(workdir / "trajectory.jsonl")
+    return c
+
+  results = {}
+  for name, overrides in (("whole", {}),
+                          ("microbatches", {"train__num_microbatches": 4}),
+                          ("scanned", {"model__scan_layers": True})):
+    results[name] = plan_lib.make_plan(config(**overrides), jax.devices(),
+                                       topology="cpu:8")
+  base = config()
+  with sharding.activate(base) as mesh:
+    trainer = algorithms.build(base, mesh)
+    state = trainer._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
+    batch = sharding.global_batch(next(trainer.train_batches(0)), mesh,
+                                  trainer.rules)
+  device = jax.devices()[0]
+  results["real_bytes"] = {"state": _bytes_on(state, device),
+                           "batch": _bytes_on(batch, device),
+                           "params": _bytes_on(state.params, device),
+                           "opt_state": _bytes_on(state.opt_state, device),
+                           "frozen": _bytes_on(state.frozen, device)}
+  return results
+
+
 def main():
   workdir = pathlib.Path(sys.argv[1])
   assert jax.device_count() == 8, jax.devices()
   results = {"devices": jax.device_count(), "models": models(),
              "offline": offline(workdir), "online": online(),
-             "loop": training_loop(workdir)}
+             "loop": training_loop(workdir), "plan": plans(workdir)}
   print("RESULT " + json.dumps(results))
 
 

@@ -7,7 +7,8 @@ XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag must be set
 before JAX starts), comparing against one of its own devices: models loaded
 with `from_pretrained` (logits, greedy KV-cache decodes), DPO and DRO-V
 train steps, PPO iterations with and without micro-batches, and a run of the
-training loop.
+training loop; and the ahead-of-time plan of a step against the real
+state and batch on a device.
 """
 
 import json
@@ -106,3 +107,45 @@ def test_training_loop_on_4x2_matches_one_device_and_shards_parameters(
   assert eight["wi_0_shard_shape"] == [eight["wi_0_global_shape"][0],
                                        eight["wi_0_global_shape"][1] // 2]
   assert one["wi_0_shard_shape"] == one["wi_0_global_shape"]
+
+
+GIB = 2**30
+
+
+def test_plan_counts_the_state_and_batch_a_device_really_holds(result):
+  """XLA's argument bytes per chip are the train state and batch: equal to
+  what the initialised state and a real batch take on device 0, and the
+  plan's own count of the state's shards agrees."""
+  plan, real = result["plan"]["whole"], result["plan"]["real_bytes"]
+  memory = plan["memory_gib_per_chip"]
+  assert memory["arguments"] * GIB == real["state"] + real["batch"]
+  state = plan["train_state_gib_per_chip"]
+  assert state["trained_parameters"] * GIB == real["params"]
+  assert state["optimizer_state"] * GIB == real["opt_state"]
+  assert state["frozen_networks"] * GIB == real["frozen"]
+  assert plan["batch_gib_per_chip"] * GIB == real["batch"]
+  # The donated state is what the outputs alias.
+  assert memory["aliased"] * GIB == real["state"]
+  assert plan["chips"] == 8 and plan["mesh"] == {"data": 4, "model": 2}
+
+
+def test_micro_batches_lower_the_planned_memory_not_the_flops(result):
+  whole = result["plan"]["whole"]
+  micro = result["plan"]["microbatches"]
+  assert (micro["memory_gib_per_chip"]["temporaries"]
+          < 0.8 * whole["memory_gib_per_chip"]["temporaries"])
+  assert (micro["memory_gib_per_chip"]["arguments"]
+          == whole["memory_gib_per_chip"]["arguments"])
+  # The same matmuls over the same rows: the jaxpr count is unchanged, while
+  # XLA's own count sees the micro-batch loop's body once.
+  assert micro["flops_per_chip_per_step"] == whole["flops_per_chip_per_step"]
+  assert (micro["xla_flops_per_chip_per_step"]
+          < 0.5 * whole["xla_flops_per_chip_per_step"])
+
+
+def test_scanned_layers_plan_the_same_flops(result):
+  whole, scanned = result["plan"]["whole"], result["plan"]["scanned"]
+  assert scanned["model"]["scan_layers"] and not whole["model"]["scan_layers"]
+  assert scanned["flops_per_chip_per_step"] == pytest.approx(
+      whole["flops_per_chip_per_step"], rel=1e-9)
+  assert whole["tokens_per_step"] == scanned["tokens_per_step"] > 0

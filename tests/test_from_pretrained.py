@@ -197,6 +197,33 @@ def test_orbax_workdir_of_a_t5_run(tmp_path):
                             params["token_embedder"]["embedding"])
 
 
+def test_a_scanned_run_starts_from_an_unscanned_t5x_checkpoint(t5x_fixtures):
+  """A trainer whose model scans its layers (the paper configs' layout)
+  reads t5x's unrolled checkpoint into the stacked one, sharded like its
+  state (`pretrained.load_lm_params`)."""
+  from jaxrlhf.algorithms import pretrained  # pylint: disable=g-import-not-at-top
+  path = str(t5x_fixtures / "encdec" / "checkpoint_3")
+  _, config, unrolled = from_pretrained(path)
+  scanned_config = dataclasses.replace(config, scan_layers=True)
+  module = t5.T5(scanned_config)
+  mesh = _mesh()
+  boxed = jax.eval_shape(functools.partial(module.init, jax.random.PRNGKey(0)),
+                         jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32),
+                         jnp.ones((1, 4), jnp.int32))["params"]
+  shardings = sharding.tree_shardings(boxed, mesh, sharding.STANDARD_RULES)
+  target = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      nn.unbox(boxed), shardings)
+  loaded = pretrained.load_lm_params(path, target, module=module)
+  expected = unrolled
+  for stack, count in (("encoder", config.num_encoder_layers),
+                       ("decoder", config.num_decoder_layers)):
+    expected = layers.stack_layer_params(expected, count, stack)
+  _assert_same_params(loaded, expected)
+  assert all(jax.tree.leaves(jax.tree.map(
+      lambda a, t: a.sharding == t.sharding, loaded, target)))
+
+
 def test_orbax_workdir_of_a_llama_run_into_scanned_layout(tmp_path):
   workdir = tmp_path / "run"
   model_config, params = _write_run(workdir, {"arch": "llama"}, 2, seed=2)

@@ -65,6 +65,8 @@ def check_rows(config, data_parallel: int) -> None:
   trainer.check_rows(get(config.algorithm), config, data_parallel)
 
 
-def build(config, mesh, workdir=None):
-  """The `Trainer` of `config.algorithm` on `mesh`."""
-  return trainer.Trainer(get(config.algorithm), config, mesh, workdir)
+def build(config, mesh, workdir=None, shapes_only=False):
+  """The `Trainer` of `config.algorithm` on `mesh` (`shapes_only`: from the
+  config alone, to compile its step without data; see `Trainer`)."""
+  return trainer.Trainer(get(config.algorithm), config, mesh, workdir,
+                         shapes_only=shapes_only)

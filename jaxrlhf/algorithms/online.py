@@ -455,7 +455,7 @@ def run_updates(trainer, state, data, loss_fn, rng):
     share = update_lib.weighted_share(loss_with_rng, count, minibatch, micro)
     params, opt_state, out = update_lib.gradient_update(
         trainer.tx, params, opt_state, minibatch, jax.random.PRNGKey(0),
-        share, micro)
+        share, micro, trainer.accumulator_shardings)
     return (params, opt_state), out
 
   (params, opt_state), per_update = jax.lax.scan(

@@ -95,6 +95,11 @@ def _load_hf(path: str, target: Any, module, token_swap) -> Any:
   _, host = hf_io.load_hf_checkpoint(path)  # t5x's unscanned layout
   host = loading.relayout_params(host, module.config)
   host = token_rows.swap_token_rows(module, host, token_swap)
+  return _place(host, target, path)
+
+
+def _place(host: Any, target: Any, path: str) -> Any:
+  """Host arrays as jax.Arrays shaped and sharded like `target`."""
   _check_same_tree(host, target, path)
   return jax.tree.map(
       lambda x, t: jax.make_array_from_callback(
@@ -115,7 +120,16 @@ def load_lm_params(path: str, target: Any, *, module=None,
   if _is_hf(path):
     return _load_hf(path, target, module, token_swap)
   if _is_t5x(path):
+    from jaxrlhf.models import loading  # pylint: disable=g-import-not-at-top
     shapes = t5x_checkpoint.t5x_param_shapes(path)["params"]
+    if module is not None and loading.is_scanned(shapes, module.config) != (
+        bool(getattr(module.config, "scan_layers", False))):
+      # The run scans its layers and the checkpoint does not (t5x's usual
+      # layout), or the reverse: read on the host, restack, place.
+      host = t5x_checkpoint.read_t5x_checkpoint(
+          path, restore_dtype=np.float32)["params"]
+      return _place(loading.relayout_params(host, module.config), target,
+                    path)
     _check_same_tree(shapes, target, path)
     loaded = t5x_checkpoint.read_t5x_checkpoint(
         path, restore_dtype=np.float32, shardings=shardings)["params"]

@@ -176,6 +176,13 @@ def _completion_fields(trainer):
   return alignment_data.get_kind(trainer.algorithm.data).completion_fields
 
 
+def precomputed_spec(trainer, batch_size: int):
+  """{feature: jax.ShapeDtypeStruct} of the `reference_logp_*` features
+  `with_precomputed_logprobs` adds to a global batch."""
+  return {reference_cache.feature_name(f): jax.ShapeDtypeStruct(
+      (batch_size,), np.float32) for f in _completion_fields(trainer)}
+
+
 def with_precomputed_logprobs(trainer, batches):
   """Training batches with each example's `reference_logp_*` added."""
   if trainer._reference_table is None:  # pylint: disable=protected-access

@@ -93,7 +93,8 @@ def make_sharded_init(init_params: Callable, tx, mesh, rules,
                       algorithm_state={k: jnp.asarray(v)
                                        for k, v in initial.items()})
 
-  rng = jax.random.PRNGKey(0)
+  # Abstract: nothing runs (the mesh may be a topology without devices here).
+  rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   abstract_boxed = jax.eval_shape(init_params, rng)
   abstract_state = jax.eval_shape(init_state, rng)
   shardings = state_shardings(abstract_boxed, abstract_state, mesh, rules)

@@ -29,9 +29,11 @@ from jaxrlhf.data import alignment_data
 from jaxrlhf.data import feature_converters
 from jaxrlhf.data import file_tasks
 from jaxrlhf.data import pipeline
+from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
 from jaxrlhf.models import build_model
+from jaxrlhf.models import planned_vocab_size
 from jaxrlhf.models import scoring
 
 
@@ -50,10 +52,13 @@ class Trainer:
     online: `online.OnlineSettings` of an online algorithm, else None.
     state_shardings, abstract_state: of the train state.
     train_step: the jitted (state, batch) -> (state, metrics).
+    shapes_only: built from the config alone, to lay out and compile the
+      step (`jaxrlhf.plan`): no data file, vocabulary file or checkpoint is
+      read, and the trainer cannot train or evaluate.
   """
 
   def __init__(self, algorithm: base.Algorithm, config, mesh,
-               workdir: Optional[str] = None):
+               workdir: Optional[str] = None, shapes_only: bool = False):
     self.algorithm = algorithm
     for check in algorithm.checks:
       check(config)
@@ -63,14 +68,22 @@ class Trainer:
     # Where files beside the checkpoints go (precomputed reference
     # log-probs); None for a trainer that only scores or samples.
     self.workdir = workdir
+    self.shapes_only = shapes_only
     pipeline.import_task_modules(config.data.task_modules)
-    if config.data.files.train:
-      file_tasks.register_task_from_files(config, files_kind(algorithm))
-    self.task = pipeline.get_task(config.data.task)
-    features = self.task.output_features
-    feature = (features.get("targets") or features.get("prompt")
-               or next(iter(features.values())))
-    self.vocabulary = feature.vocabulary
+    if shapes_only and config.data.files.vocabulary:
+      # The file may be anywhere, gs:// included: a plan lays the model
+      # out at the size the config or its preset gives.
+      self.vocabulary = vocab.SizeOnlyVocabulary(
+          planned_vocab_size(config.model))
+    elif shapes_only and config.data.files.train:
+      self.vocabulary = file_tasks.files_vocabulary(config)  # built in
+    else:
+      if config.data.files.train:
+        file_tasks.register_task_from_files(config, files_kind(algorithm))
+      features = pipeline.get_task(config.data.task).output_features
+      feature = (features.get("targets") or features.get("prompt")
+                 or next(iter(features.values())))
+      self.vocabulary = feature.vocabulary
     self.model, self.model_config = build_model(config.model,
                                                 self.vocabulary.vocab_size)
     self.lm = scoring.adapter_for(self.model)
@@ -89,7 +102,7 @@ class Trainer:
         config.reference_logprobs.mode == "precomputed")
     self._reference_table = None
     self._once = {}
-    if algorithm.evaluation.check:
+    if algorithm.evaluation.check and not shapes_only:
       algorithm.evaluation.check(self)
     self.tx = self._make_optimizer()
     self._check_rows()
@@ -99,6 +112,10 @@ class Trainer:
     self._init, self.state_shardings, self.abstract_state = (
         state_lib.make_sharded_init(self._init_networks, self.tx, mesh,
                                     self.rules, algorithm_state))
+    # The running sum of micro-batch gradients, split over the data shards.
+    self.accumulator_shardings = sharding.spread_over_batch_axes(
+        self.abstract_state.params, self.state_shardings.params, mesh,
+        self.rules)
     batch_sharding = sharding.batch_sharding(self.mesh, self.rules, 1)
     self.train_step = jax.jit(
         self._step, in_shardings=(self.state_shardings, batch_sharding),
@@ -144,6 +161,23 @@ class Trainer:
     if self.precomputed_reference:
       return reference.with_precomputed_logprobs(self, batches)
     return batches
+
+  def batch_spec(self) -> Dict[str, jax.ShapeDtypeStruct]:
+    """The global shape and dtype of each feature of a training batch, from
+    the config alone (no data is read): what `train_step` is compiled for."""
+    batch = self.config.train.batch_size
+    if self.online:
+      return prompts_lib.prompt_batch_spec(batch,
+                                           self.config.data.inputs_length)
+    kind = (None if self.algorithm.data == base.SFT_DATA
+            else self.algorithm.data)
+    spec = {name: jax.ShapeDtypeStruct((batch,) + tuple(s.shape),
+                                       s.dtype.as_numpy_dtype)
+            for name, s in feature_converters.output_spec(
+                self.feature_converter, kind, self.feature_lengths).items()}
+    if self.precomputed_reference:
+      spec.update(reference.precomputed_spec(self, batch))
+    return spec
 
   def tokens_in(self, local_batch) -> int:
     """Tokens a train step learns from, over all processes (tokens/s):
@@ -320,7 +354,8 @@ class Trainer:
     else:
       share = training.share(self, loss_fn, batch)
     params, opt_state, metrics = update.gradient_update(
-        self.tx, state.params, state.opt_state, batch, step_rng, share, micro)
+        self.tx, state.params, state.opt_state, batch, step_rng, share, micro,
+        self.accumulator_shardings)
     metrics["learning_rate"] = self.learning_rate(state.step)
     return state.replace(step=state.step + 1, params=params,
                          opt_state=opt_state, rng=rng), metrics

@@ -35,11 +35,17 @@ def split_microbatches(batch, num_microbatches: int):
   return jax.tree.map(split, batch)
 
 
-def accumulate_gradients(loss_fn, params, batch, rng, num_microbatches: int):
+def accumulate_gradients(loss_fn, params, batch, rng, num_microbatches: int,
+                         accumulator_shardings=None):
   """Sum of `loss_fn` values, gradients and metrics over micro-batches.
 
   `loss_fn(params, microbatch, rng) -> (loss, metrics)` must already be
   normalised by the whole batch, so that the sum equals the full-batch loss.
+  `accumulator_shardings` (e.g. `sharding.spread_over_batch_axes` of the
+  parameters') places the running sum of gradients: split over the
+  data-parallel devices as well, it costs a fraction of one gradient, so
+  that memory falls as micro-batches rise instead of growing by a full
+  float32 copy of the gradients.
   """
   grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
   if num_microbatches == 1:
@@ -47,17 +53,22 @@ def accumulate_gradients(loss_fn, params, batch, rng, num_microbatches: int):
     return loss, metrics, grads
   micro = split_microbatches(batch, num_microbatches)
   rngs = jax.random.split(rng, num_microbatches)
+  place = ((lambda g: g) if accumulator_shardings is None else
+           (lambda g: jax.lax.with_sharding_constraint(
+               g, accumulator_shardings)))
 
   def body(carry, xs):
     mb, mb_rng = xs
     (loss, metrics), grads = grad_fn(params, mb, mb_rng)
-    return jax.tree.map(jnp.add, carry, (loss, metrics, grads)), None
+    loss_sum, metrics_sum, grads_sum = carry
+    return (loss_sum + loss, jax.tree.map(jnp.add, metrics_sum, metrics),
+            place(jax.tree.map(jnp.add, grads_sum, place(grads)))), None
 
   zero_metrics = jax.eval_shape(lambda: grad_fn(params, jax.tree.map(
       lambda x: x[0], micro), rngs[0])[0][1])
   init = (jnp.zeros((), jnp.float32),
           jax.tree.map(lambda s: jnp.zeros(s.shape, s.dtype), zero_metrics),
-          jax.tree.map(jnp.zeros_like, params))
+          place(jax.tree.map(jnp.zeros_like, params)))
   (loss, metrics, grads), _ = jax.lax.scan(body, init, (micro, rngs))
   return loss, metrics, grads
 
@@ -83,7 +94,7 @@ def guarded_update(params, opt_state, grads, loss, tx, extra_metrics):
 
 
 def gradient_update(tx, params, opt_state, batch, rng, loss_fn: Callable,
-                    num_microbatches: int):
+                    num_microbatches: int, accumulator_shardings=None):
   """One guarded optimizer update from the gradient of `loss_fn` on `batch`.
 
   Args:
@@ -94,12 +105,15 @@ def gradient_update(tx, params, opt_state, batch, rng, loss_fn: Callable,
     loss_fn: (params, microbatch, rng) -> (share of the batch loss,
       {metric: share}); see the module docstring.
     num_microbatches: M; the rows must split into M equal parts.
+    accumulator_shardings: where the sum of M > 1 micro-batch gradients
+      lives (`accumulate_gradients`); None lets XLA choose.
   Returns:
     (params, opt_state, metrics): the summed metric shares plus "loss",
     "grad_norm" and "nonfinite".
   """
   loss, metrics, grads = accumulate_gradients(loss_fn, params, batch, rng,
-                                              num_microbatches)
+                                              num_microbatches,
+                                              accumulator_shardings)
   return guarded_update(params, opt_state, grads, loss, tx, metrics)
 
 

@@ -486,3 +486,26 @@ def sft_feature_converter(architecture: str, **kwargs
     return DecoderSFTFeatureConverter(**kwargs)
   raise ValueError(f"unknown architecture {architecture!r}; expected one of "
                    f"{ARCHITECTURES}.")
+
+
+def output_spec(converter: seqio.FeatureConverter, kind,
+                task_feature_lengths: Mapping[str, int]
+                ) -> Dict[str, tf.TensorSpec]:
+  """The shape and dtype of each feature `converter` makes from one example
+  of `kind` (a DataKind, its name, or None for seqio `inputs`/`targets`),
+  without reading any data: the converter runs on a placeholder example of
+  one token per text."""
+  if kind is None:
+    example = {"inputs": tf.constant([3]), "targets": tf.constant([3])}
+  else:
+    kind = kinds_lib.get_kind(kind)
+    example = {kinds_lib.PROMPT: tf.constant([3])}
+    for field in kind.completion_fields:
+      example[field] = (tf.ragged.constant([[3]]) if kind.ranked
+                        else tf.constant([3]))
+    for name, default in kind.scalar_defaults.items():
+      if default is None:  # a required scalar
+        example[name] = tf.constant(0.0)
+  dataset = converter(tf.data.Dataset.from_tensors(example),
+                      task_feature_lengths)
+  return dict(dataset.element_spec)

@@ -160,6 +160,18 @@ def load_prompts(task_name: str, split: str, max_tokens: int, *,
                        on_long, suffix)
 
 
+# The one feature of an online batch: prompts [batch, data.inputs_length],
+# right-padded, with T5's name (`jaxrlhf.rl.rollout` left-pads them for a
+# decoder-only policy inside the step).
+PROMPT_FEATURE = "encoder_input_tokens"
+
+
+def prompt_batch_spec(global_batch_size: int, length: int):
+  """{feature: jax.ShapeDtypeStruct} of a global batch of prompts."""
+  return {PROMPT_FEATURE: jax.ShapeDtypeStruct((global_batch_size, length),
+                                               np.int32)}
+
+
 class PromptBatches:
   """This process's share of consecutive global batches of prompts.
 
@@ -202,7 +214,7 @@ class PromptBatches:
     start = jax.process_index() * self.local_batch_size
     local = indices[start:start + self.local_batch_size]
     self.position += 1
-    return {"encoder_input_tokens": self.prompts[local]}
+    return {PROMPT_FEATURE: self.prompts[local]}
 
 
 def held_out_prompts(task_name: str, split: str, max_tokens: int,

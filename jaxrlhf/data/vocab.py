@@ -120,3 +120,13 @@ def describe(vocabulary: seqio.Vocabulary) -> str:
   where = (f"SentencePiece model {path!r}, " if path else
            f"tokenizer {tokenizer!r}, " if tokenizer else "")
   return f"{type(vocabulary).__name__} ({where}{vocabulary.vocab_size} ids)"
+
+
+class SizeOnlyVocabulary:
+  """A vocabulary known by its size and T5's special ids only: what laying
+  out a model and its batches needs (`jaxrlhf.plan` reads no vocabulary
+  file). It cannot encode or decode."""
+
+  def __init__(self, vocab_size: int):
+    self.vocab_size = vocab_size
+    self.pad_id, self.eos_id, self.unk_id = PAD_ID, EOS_ID, UNK_ID

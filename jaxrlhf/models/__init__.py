@@ -117,6 +117,15 @@ def padded_vocab_size(vocab_size: int, multiple: int = 128) -> int:
   return -(-vocab_size // multiple) * multiple
 
 
+def planned_vocab_size(model_cfg: ml_collections.ConfigDict) -> int:
+  """The vocabulary size a model gets without reading its vocabulary file:
+  `model_cfg.vocab_size`, else its size preset's (T5 1.1: 32128, Pythia:
+  50304, ...)."""
+  if model_cfg.vocab_size:
+    return model_cfg.vocab_size
+  return get_family(model_cfg.arch).preset(model_cfg.size).vocab_size
+
+
 def build_model(model_cfg: ml_collections.ConfigDict, task_vocab_size: int):
   """The Flax module and its dataclass config from `config.model`.
 

@@ -116,7 +116,9 @@ def _config_summary(config):
                    if hasattr(config, k))
 
 
-def _is_scanned(params, config) -> bool:
+def is_scanned(params, config) -> bool:
+  """Whether `params` (arrays or shapes) hold `config`'s family's layers
+  stacked under `layers` (the scanned layout)."""
   return any("layers" in params.get(name, {})
              for name, _ in models_lib.family_of(config).layer_stacks(config))
 
@@ -294,7 +296,7 @@ def _load_t5x(path, model_config, overrides, mesh, rules):
   else:
     config = _replace(model_config, overrides)
   module = module_for_config(config)
-  if _is_scanned(shapes, config) != bool(getattr(config, "scan_layers",
+  if is_scanned(shapes, config) != bool(getattr(config, "scan_layers",
                                                  False)):
     # Another layout than the checkpoint's: read on the host, restack.
     host = t5x_checkpoint.read_t5x_checkpoint(

@@ -1,0 +1,395 @@
+r"""An ahead-of-time plan of a config's train step on a slice you do not have.
+
+  pip install -e ".[tpu-plan]"    # libtpu: compiles for TPU topologies on a CPU host
+  python -m jaxrlhf.plan --config=configs/dro_t5xl.py --topology=v5e:4x8
+  python -m jaxrlhf.plan --config=configs/quickstart.py --topology=cpu:8 \
+      --config.train.num_microbatches=2 --out=/tmp/plan.json
+
+Builds the config's real train step (every algorithm; an online step's
+rollout and updates included) over abstract state and batch: no parameter
+is materialised and no data, vocabulary or checkpoint is read (shapes come
+from the config; a model whose vocabulary is in a file gets
+config.model.vocab_size or its size preset's). The step is compiled by XLA
+for the topology's chips, as it would be on them, and the plan says:
+
+  - memory per chip, XLA's figures: arguments (the train state and the
+    batch) + outputs - what the outputs alias (the donated state) +
+    temporaries (activations, gradients, optimizer updates) + code, against
+    the chip's HBM, and whether it fits with --headroom_gib to spare; with
+    the train state's own share (trained parameters, optimizer state, frozen
+    networks), counted from its shapes and shardings;
+  - FLOPs per chip and step: the matmuls of the step's jaxpr, loops counted
+    by their trip count (`jaxrlhf.flops`; XLA's own count, which counts a
+    scanned layer or micro-batch once, is given beside it), the tokens a
+    step learns from, and the lower bound on the step time at the chip's
+    peak bf16 FLOP/s (`jaxrlhf.accelerators`: the data sheets);
+  - for a step that does not fit, a one-line suggestion.
+
+Topologies: `cpu:N` (N simulated CPU devices, what the tests plan on) or a
+TPU slice as libtpu names it: `v5e:4x8`, `v5e:2x2`, `v6e:4x8`,
+`v5p:2x2x2`, `v4:2x2x1`. `config.mesh.shape` must fit its chips.
+"""
+
+import dataclasses
+import json
+import math
+import os
+import re
+import sys
+import time
+from typing import Any, Dict, Optional
+
+from absl import app
+from absl import flags
+
+from jaxrlhf import cli
+
+_TOPOLOGY = flags.DEFINE_string(
+    "topology", None, "Device topology to compile for: cpu:N or a TPU slice "
+    "such as v5e:4x8; required.")
+_HEADROOM = flags.DEFINE_float(
+    "headroom_gib", 2.0, "Memory per chip that must stay free for the step "
+    "to count as fitting (GiB).")
+_OUT = flags.DEFINE_string("out", None,
+                           "Also write the plan to this JSON file.")
+_OUR_FLAGS = ("config", "topology", "headroom_gib", "out")
+
+GIB = 2**30
+
+
+class PlanError(ValueError):
+  """A topology that cannot be planned for here (one line)."""
+
+
+def _prepare_platform(topology: str) -> None:
+  """Environment for JAX before it starts: the host is the CPU, with N
+  devices for `cpu:N`; libtpu is only asked to describe a topology, so its
+  probing for local TPU chips and hosts is told there are none."""
+  os.environ.setdefault("JAX_PLATFORMS", "cpu")
+  if "jax" in sys.modules:
+    sys.modules["jax"].config.update("jax_platforms",
+                                     os.environ["JAX_PLATFORMS"])
+  os.environ.setdefault("TPU_ACCELERATOR_TYPE", "v5litepod-1")
+  os.environ.setdefault("TPU_WORKER_HOSTNAMES", "localhost")
+  os.environ.setdefault("TPU_SKIP_MDS_QUERY", "1")
+  # No chip is opened: several plans may run at once.
+  os.environ.setdefault("ALLOW_MULTIPLE_LIBTPU_LOAD", "1")
+  if topology.startswith("cpu:"):
+    count = topology.split(":", 1)[1]
+    flag = f"--xla_force_host_platform_device_count={count}"
+    # Read when JAX starts its CPU backend (the config file may have
+    # imported jax already; no computation has run).
+    if flag not in os.environ.get("XLA_FLAGS", ""):
+      os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
+                                 + flag).strip()
+
+
+def topology_devices(topology: str):
+  """The devices of `topology` ("cpu:8", "v5e:4x8", ...)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  if topology.startswith("cpu:"):
+    try:
+      count = int(topology.split(":", 1)[1])
+    except ValueError:
+      count = 0
+    if count < 1:
+      raise PlanError(f"--topology={topology}: cpu:N needs a device count "
+                      "N >= 1, e.g. cpu:8.")
+    devices = jax.devices("cpu")
+    if len(devices) < count:
+      raise PlanError(
+          f"--topology={topology}: this process has {len(devices)} CPU "
+          f"devices; start it with XLA_FLAGS=--xla_force_host_platform_"
+          f"device_count={count} (python -m jaxrlhf.plan sets it itself).")
+    return devices[:count]
+  try:
+    import libtpu  # pylint: disable=g-import-not-at-top,unused-import
+  except ImportError:
+    raise PlanError(
+        f"--topology={topology}: planning for a TPU needs libtpu, which "
+        "this machine lacks; install it with pip install -e \".[tpu-plan]\" "
+        "(or plan on cpu:N).") from None
+  from jax.experimental import topologies  # pylint: disable=g-import-not-at-top
+  try:
+    return topologies.get_topology_desc(platform="tpu",
+                                        topology_name=topology).devices
+  except Exception as e:  # pylint: disable=broad-except
+    detail = str(e).strip().splitlines()
+    raise PlanError(
+        f"--topology={topology}: libtpu could not describe it "
+        f"({detail[0] if detail else type(e).__name__}); TPU slices are "
+        "named as v5e:4x8, v6e:2x4, v5p:2x2x2 or v4:2x2x1.") from None
+
+
+def _per_chip_bytes(abstract, shardings) -> int:
+  """Bytes one chip holds of a tree of arrays placed by `shardings`: each
+  array's shard (the largest, when a dimension does not split evenly)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  total = 0
+  for leaf, sharding in zip(jax.tree.leaves(abstract),
+                            jax.tree.leaves(shardings)):
+    mesh_shape = dict(sharding.mesh.shape)
+    shard = list(leaf.shape)
+    for dim, axes in enumerate(sharding.spec):
+      if axes is None:
+        continue
+      axes = axes if isinstance(axes, tuple) else (axes,)
+      ways = math.prod(mesh_shape[a] for a in axes)
+      shard[dim] = -(-shard[dim] // ways)
+    total += math.prod(shard) * leaf.dtype.itemsize
+  return total
+
+
+def _compile_error_figures(error: Exception) -> Dict[str, float]:
+  """What XLA said when the step did not fit ("Used 19.30G of 15.75G hbm",
+  or "HLO temporaries (44.87G) exceeds available HBM (15.75G)"), in GiB."""
+  text = str(error)
+  scale = {"K": 2**-20, "M": 2**-10, "G": 1.0, "T": 2**10}
+  for pattern, name in (
+      (r"Used ([\d.]+)([KMGT]) of ([\d.]+)([KMGT]) hbm", "total"),
+      (r"temporaries \(([\d.]+)([KMGT])\) exceeds available HBM "
+       r"\(([\d.]+)([KMGT])\)", "temporaries")):
+    found = re.search(pattern, text)
+    if found:
+      return {name: float(found.group(1)) * scale[found.group(2)],
+              "usable_hbm": float(found.group(3)) * scale[found.group(4)]}
+  return {}
+
+
+def suggestion(config, memory: Dict[str, float], state_gib: float,
+               budget_gib: float) -> str:
+  """One line on what to change when the step does not fit `budget_gib`."""
+  if state_gib > budget_gib * 0.6:
+    return (f"the train state alone takes {state_gib:.1f} GiB per chip: use "
+            "a larger slice, or shard it over more chips (a larger model "
+            "axis in config.mesh.shape).")
+  tips = []
+  if config.model.remat_policy == "none":
+    tips.append("--config.model.remat_policy=full (recompute each layer's "
+                "activations in the backward pass)")
+  micro = config.train.num_microbatches
+  tips.append(f"--config.train.num_microbatches={2 * micro} (activations of "
+              "half as many rows at a time)")
+  shape = tuple(config.mesh.shape)
+  if len(shape) == 2 and shape[0] > 1 and shape[0] % 2 == 0:
+    tips.append(f"--config.mesh.shape=\"({shape[0] // 2},{shape[1] * 2})\" "
+                "(split activations over more model shards)")
+  total = memory.get("total", memory.get("temporaries", 0.0) + state_gib)
+  over = total - budget_gib
+  return (f"{over:.1f} GiB over the budget, mostly activations and "
+          f"gradients: try {'; or '.join(tips)}.")
+
+
+def make_plan(config, devices, *, headroom_gib: float = 2.0,
+              topology: str = "") -> Dict[str, Any]:
+  """The plan of `config`'s train step on `devices` (see the module
+  docstring), as a JSON-able dict."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import accelerators  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.algorithms import state as state_lib  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+
+  defaults.validate(config)
+  chips = len(devices)
+  with sharding.activate(config, devices) as mesh:
+    trainer = algorithms.build(config, mesh, shapes_only=True)
+    state = state_lib.abstract_with_shardings(trainer.abstract_state,
+                                              trainer.state_shardings)
+    batch = trainer.batch_spec()
+    batch_shardings = {k: sharding.batch_sharding(mesh, trainer.rules,
+                                                  len(v.shape))
+                       for k, v in batch.items()}
+    step_flops = flops.function_flops(trainer.train_step, state, batch)
+    start = time.perf_counter()
+    compile_error = None
+    try:
+      compiled = trainer.train_step.lower(state, batch).compile()
+    except Exception as e:  # pylint: disable=broad-except
+      if "RESOURCE_EXHAUSTED" not in str(e) and "hbm" not in str(e):
+        raise
+      compiled, compile_error = None, e
+    compile_s = time.perf_counter() - start
+
+  shardings = trainer.state_shardings
+  abstract = trainer.abstract_state
+  state_gib = {
+      "trained_parameters": _per_chip_bytes(abstract.params,
+                                            shardings.params) / GIB,
+      "optimizer_state": _per_chip_bytes(abstract.opt_state,
+                                         shardings.opt_state) / GIB,
+      "frozen_networks": _per_chip_bytes(abstract.frozen,
+                                         shardings.frozen) / GIB,
+      "step_rng_and_algorithm_state": _per_chip_bytes(
+          (abstract.step, abstract.rng, abstract.algorithm_state),
+          (shardings.step, shardings.rng, shardings.algorithm_state)) / GIB,
+  }
+  batch_gib = _per_chip_bytes(batch, batch_shardings) / GIB
+  if compiled is not None:
+    stats = compiled.memory_analysis()
+    memory = {
+        "arguments": stats.argument_size_in_bytes / GIB,
+        "outputs": stats.output_size_in_bytes / GIB,
+        "aliased": stats.alias_size_in_bytes / GIB,
+        "temporaries": stats.temp_size_in_bytes / GIB,
+        "code": stats.generated_code_size_in_bytes / GIB,
+    }
+    memory["total"] = (memory["arguments"] + memory["outputs"]
+                       - memory["aliased"] + memory["temporaries"]
+                       + memory["code"])
+    cost = compiled.cost_analysis()
+    if isinstance(cost, (list, tuple)):
+      cost = cost[0] if cost else {}
+    xla_flops = float((cost or {}).get("flops", 0.0))
+  else:
+    memory = _compile_error_figures(compile_error)
+    xla_flops = None
+
+  chip = accelerators.chip(devices[0].device_kind)
+  ones = {k: np.ones(v.shape, v.dtype) for k, v in batch.items()}
+  tokens = trainer.tokens_in(ones) // jax.process_count()
+  flops_per_chip = step_flops / chips
+  plan = {
+      "algorithm": config.algorithm,
+      "model": {k: config.model[k] for k in (
+          "arch", "size", "dtype", "remat_policy", "scan_layers")},
+      "topology": topology,
+      "device_kind": devices[0].device_kind,
+      "chips": chips,
+      "mesh": dict(mesh.shape),
+      "batch_size": config.train.batch_size,
+      "num_microbatches": config.train.num_microbatches,
+      "lengths": {"inputs": config.data.inputs_length,
+                  "targets": config.data.targets_length},
+      "tokens_per_step": int(tokens),
+      "memory_gib_per_chip": memory,
+      "train_state_gib_per_chip": state_gib,
+      "batch_gib_per_chip": batch_gib,
+      "flops_per_chip_per_step": flops_per_chip,
+      "xla_flops_per_chip_per_step": xla_flops,
+      "compile_seconds": round(compile_s, 1),
+  }
+  if compile_error is not None:
+    plan["compile_error"] = str(compile_error).strip().splitlines()[0]
+  if chip is not None:
+    budget = chip.hbm_gib - headroom_gib
+    total = memory.get("total")
+    plan.update({
+        "chip": dataclasses.asdict(chip),
+        "required_headroom_gib": headroom_gib,
+        "headroom_gib": None if total is None else chip.hbm_gib - total,
+        "fits": (compile_error is None and total is not None
+                 and total <= budget),
+        "step_time_lower_bound_s": flops_per_chip / (
+            chip.peak_bf16_tflops * 1e12),
+    })
+    if not plan["fits"]:
+      plan["suggestion"] = suggestion(config, memory,
+                                      sum(state_gib.values()), budget)
+  else:
+    plan.update({"chip": None, "fits": None})
+  return plan
+
+
+def _gib(value: float) -> str:
+  """A GiB figure in the unit that shows it (tiny test models included)."""
+  if value >= 0.1:
+    return f"{value:.2f} GiB"
+  if value * 1024 >= 0.1:
+    return f"{value * 1024:.1f} MiB"
+  return f"{value * 2**20:.1f} KiB"
+
+
+def _flop(value: float) -> str:
+  for scale, unit in ((1e15, "PFLOP"), (1e12, "TFLOP"), (1e9, "GFLOP")):
+    if value >= scale:
+      return f"{value / scale:.2f} {unit}"
+  return f"{value / 1e6:.2f} MFLOP"
+
+
+def describe(plan: Dict[str, Any]) -> str:
+  """The plan as the lines the command prints."""
+  m = plan["memory_gib_per_chip"]
+  s = plan["train_state_gib_per_chip"]
+  chip = plan["chip"]
+  mesh = " x ".join(f"{n} {a}" for a, n in plan["mesh"].items())
+  model = plan["model"]
+  lines = [
+      f"Plan: {plan['algorithm']} on {model['arch']} {model['size']} "
+      f"({model['dtype']}, remat {model['remat_policy']}, scan_layers "
+      f"{model['scan_layers']}), {plan['topology']}: {plan['chips']} x "
+      f"{plan['device_kind']}, mesh {mesh}; batch {plan['batch_size']} in "
+      f"{plan['num_microbatches']} micro-batch(es), "
+      f"{plan['tokens_per_step']:,} tokens per step.",
+  ]
+  if "compile_error" in plan:
+    lines.append(f"  XLA could not fit the step: {plan['compile_error']}")
+  if "arguments" in m:
+    lines.append(
+        f"  memory per chip: {_gib(m['total'])} = arguments "
+        f"{_gib(m['arguments'])} + outputs {_gib(m['outputs'])} - aliased "
+        f"{_gib(m['aliased'])} + temporaries {_gib(m['temporaries'])} + "
+        f"code {_gib(m['code'])}")
+  lines.append(
+      f"  train state per chip: {_gib(sum(s.values()))} (trained parameters "
+      f"{_gib(s['trained_parameters'])}, optimizer "
+      f"{_gib(s['optimizer_state'])}, frozen networks "
+      f"{_gib(s['frozen_networks'])}); batch "
+      f"{_gib(plan['batch_gib_per_chip'])}")
+  xla = plan["xla_flops_per_chip_per_step"]
+  lines.append(
+      f"  FLOPs per chip and step: {_flop(plan['flops_per_chip_per_step'])} "
+      "(matmuls, loops by trip count"
+      + (f"; XLA counts {_flop(xla)}, each loop body once" if xla else "")
+      + ")")
+  if chip:
+    bound = plan["step_time_lower_bound_s"]
+    lines.append(
+        f"  {chip['name']}: {chip['hbm_gib']} GiB HBM, "
+        f"{chip['peak_bf16_tflops']} TFLOP/s bf16 peak: step time >= "
+        + (f"{bound:.3f} s" if bound >= 0.1 else f"{bound * 1e3:.3f} ms"))
+    if plan["fits"]:
+      lines.append(f"  Fits, with {plan['headroom_gib']:.2f} GiB to spare "
+                   f"per chip (required: {plan['required_headroom_gib']}).")
+    else:
+      lines.append(f"  Does not fit with {plan['required_headroom_gib']} GiB "
+                   f"to spare: {plan['suggestion']}")
+  else:
+    lines.append("  No data sheet for this device kind: memory is not judged "
+                 "against a capacity.")
+  lines.append(f"  Compiled in {plan['compile_seconds']:.0f} s.")
+  return "\n".join(lines)
+
+
+def main(argv):
+  cli.no_arguments(argv)
+  config = cli.loaded_config()
+  if not _TOPOLOGY.value:
+    cli.fail("--topology is required, e.g. --topology=v5e:4x8 or cpu:8.")
+  _prepare_platform(_TOPOLOGY.value)
+  from jaxrlhf import console  # pylint: disable=g-import-not-at-top
+  console.silence_library_noise(python_loggers=True)
+  try:
+    devices = topology_devices(_TOPOLOGY.value)
+    plan = make_plan(config, devices, headroom_gib=_HEADROOM.value,
+                     topology=_TOPOLOGY.value)
+  except ValueError as e:
+    cli.fail(str(e))
+  print(describe(plan), flush=True)
+  if _OUT.value:
+    with open(_OUT.value, "w") as f:
+      json.dump(plan, f, indent=1)
+      f.write("\n")
+    print(f"  written to {_OUT.value}")
+
+
+def run():
+  app.run(main, flags_parser=cli.flags_parser(
+      lambda: cli.usage(__doc__, _OUR_FLAGS)))
+
+
+if __name__ == "__main__":
+  run()

@@ -1,0 +1,236 @@
+"""The ahead-of-time plan (`python -m jaxrlhf.plan`) and what it is made of:
+the FLOP count of a jaxpr, the batch layout a trainer derives from its
+config alone, the command line, and a TPU topology where libtpu is
+installed.
+
+The plan's memory figures against the bytes a real state and batch take
+on a device, and micro-batches against whole batches, are checked on 8
+devices (tests/eight_devices.py).
+"""
+
+import json
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, cli_args, quiet_env, synthetic_feedback_file
+from conftest import tiny_config
+from jaxrlhf import algorithms
+from jaxrlhf import flops
+from jaxrlhf import plan as plan_lib
+from jaxrlhf import sharding
+from jaxrlhf.data import synthetic
+
+LLAMA = dict(model__arch="llama", model__size="tiny",
+             model__num_encoder_layers=None)
+
+
+# --- FLOPs of a jaxpr ----------------------------------------------------------
+
+
+def test_flops_of_a_matmul_and_an_einsum_by_hand():
+  x, w = jnp.ones((6, 5)), jnp.ones((5, 7))
+  assert flops.function_flops(jnp.matmul, x, w) == 2 * 6 * 5 * 7
+  # Batched attention-style contraction: [b, q, d] x [b, k, d] -> [b, q, k].
+  q, k = jnp.ones((3, 4, 8)), jnp.ones((3, 9, 8))
+  assert flops.function_flops(
+      lambda a, b: jnp.einsum("bqd,bkd->bqk", a, b), q, k) == 2 * 3 * 4 * 9 * 8
+
+
+def _layers(x, w, length):
+  def body(c, _):
+    return jnp.tanh(c @ w), None
+  return jax.lax.scan(body, x, None, length=length)[0].sum()
+
+
+def test_flops_count_each_scan_iteration_and_remat_recomputation():
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 32))
+  one = 2 * 16 * 32 * 32
+  assert flops.function_flops(jax.jit(lambda x, w: _layers(x, w, 10)),
+                              x, w) == 10 * one
+  # Nested loops multiply.
+  nested = lambda x, w: jax.lax.scan(
+      lambda c, _: (c + _layers(x, w, 3), None), 0.0, None, length=4)[0]
+  assert flops.function_flops(nested, x, w) == 12 * one
+  # Backward: dL/dx and dL/dw per layer (2 matmuls) after the forward (1);
+  # rematerialised, the forward runs once more.
+  grad = jax.grad(lambda w: _layers(x, w, 10))
+  assert flops.function_flops(jax.jit(grad), w) == 30 * one
+  remat = jax.grad(jax.checkpoint(lambda w: _layers(x, w, 10)))
+  assert flops.function_flops(jax.jit(remat), w) == 40 * one
+
+
+def test_flops_of_a_cond_are_its_costlier_branch():
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 32))
+  f = lambda p, x, w: jax.lax.cond(p, lambda: (x @ w @ w).sum(),
+                                   lambda: (x @ w).sum())
+  assert flops.function_flops(f, True, x, w) == 2 * (2 * 16 * 32 * 32)
+
+
+# --- a batch's layout from the config alone ----------------------------------------
+
+
+def _file(tmp_path, kind):
+  if kind != "thumbs":
+    return synthetic_feedback_file(tmp_path, kind, count=16,
+                                   completions=("ideal", "targets", "inputs"))
+  path = tmp_path / "thumbs.jsonl"
+  with open(path, "w") as f:
+    for i, e in enumerate(synthetic.make_examples("train", 16)):
+      f.write(json.dumps({"prompt": e["inputs"], "completion": e["targets"],
+                          "label": float(i % 2)}) + "\n")
+  return str(path)
+
+
+CASES = {
+    "sft-t5": ({}, None),
+    "sft-llama": (LLAMA, None),
+    "dpo-t5": ({"algorithm": "dpo"}, "pairs"),
+    "dpo-llama": (dict(LLAMA, algorithm="dpo"), "pairs"),
+    "ranking-t5": ({"algorithm": "reward_model_ranking"}, "ranking"),
+    "kto-llama": (dict(LLAMA, algorithm="kto"), "trajectory"),
+    "thumbs-t5": ({"algorithm": "kto_thumbs"}, "thumbs"),
+    "ppo-t5": ({"algorithm": "ppo", "online__reward_model_checkpoint": "x"},
+               None),
+}
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_batch_spec_is_the_layout_of_a_real_batch(case, tmp_path):
+  """What a plan compiles for (no data read) is what training feeds: every
+  feature's shape and dtype, for the data kinds on both architectures; and
+  a shapes-only trainer lays out the same train state."""
+  overrides, kind = CASES[case]
+  config = tiny_config(**overrides, train__batch_size=4)
+  if kind:
+    with config.unlocked():
+      config.data.task = f"plan_{case.replace('-', '_')}"
+      config.reward_model.num_completions = 3
+    config.data.files.train = _file(tmp_path, kind)
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    real = algorithms.build(config, mesh)
+    planned = algorithms.build(config, mesh, shapes_only=True)
+    batch = next(real.train_batches(0))
+    spec = planned.batch_spec()
+  assert {k: (v.shape, np.dtype(v.dtype)) for k, v in spec.items()} == {
+      k: (np.shape(v), np.asarray(v).dtype) for k, v in batch.items()}
+  same = jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype),
+                      real.abstract_state, planned.abstract_state)
+  assert all(jax.tree.leaves(same))
+
+
+def test_a_plan_without_the_vocabulary_file_takes_the_presets_size(tmp_path):
+  """A vocabulary file may be on gs://: a plan reads none, and lays the
+  model out at config.model.vocab_size, else its preset's (T5 1.1: 32128)."""
+  config = tiny_config(algorithm="dpo", data__task="plan_vocab")
+  config.data.files.train = str(tmp_path / "not_read_*.jsonl")
+  config.data.files.vocabulary = "gs://nowhere/spm.model"
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    planned = algorithms.build(config, mesh, shapes_only=True)
+    assert planned.model_config.vocab_size == 32128
+    config.model.vocab_size = 256
+    assert algorithms.build(
+        config, mesh, shapes_only=True).model_config.vocab_size == 256
+
+
+# --- what a plan says -------------------------------------------------------------
+
+
+def test_xla_out_of_memory_messages_are_read_in_gib():
+  read = plan_lib._compile_error_figures  # pylint: disable=protected-access
+  assert read(RuntimeError(
+      "RESOURCE_EXHAUSTED: Ran out of memory on HBM, the total memory "
+      "required for HLO temporaries (44.87G) exceeds available HBM "
+      "(15.75G).")) == {"temporaries": 44.87, "usable_hbm": 15.75}
+  assert read(RuntimeError(
+      "RESOURCE_EXHAUSTED: XLA:TPU compile permanent error. Ran out of "
+      "memory in memory space hbm. Used 16.52G of 15.75G hbm. Exceeded hbm "
+      "capacity by 784.0M.")) == {"total": 16.52, "usable_hbm": 15.75}
+
+
+def test_a_step_that_does_not_fit_gets_a_suggestion():
+  config = tiny_config(mesh__shape=(4, 8))
+  tip = plan_lib.suggestion(config, {"total": 15.6}, state_gib=4.0,
+                            budget_gib=14.0)
+  assert tip.startswith("1.6 GiB over the budget")
+  assert "remat_policy=full" in tip and "num_microbatches=2" in tip
+  assert 'mesh.shape="(2,16)"' in tip
+  # A state that alone fills the chip needs more chips, not remat.
+  tip = plan_lib.suggestion(config, {"total": 30.0}, state_gib=12.0,
+                            budget_gib=14.0)
+  assert "larger slice" in tip and "remat" not in tip
+
+
+def _plan_command(tmp_path, *args):
+  return subprocess.run(
+      [sys.executable, "-m", "jaxrlhf.plan", "--config=configs/quickstart.py",
+       *args], env=quiet_env(), capture_output=True, text=True, cwd=REPO)
+
+
+def test_command_line_plans_on_cpu_devices_and_writes_json(tmp_path):
+  out = tmp_path / "plan.json"
+  result = _plan_command(tmp_path, "--topology=cpu:2", f"--out={out}",
+                         *cli_args(mesh__shape="(2,1)"))
+  assert result.returncode == 0, result.stderr
+  assert result.stderr == ""
+  assert result.stdout.startswith("Plan: sft on t5 tiny")
+  plan = json.loads(out.read_text())
+  assert plan["chips"] == 2 and plan["mesh"] == {"data": 2, "model": 1}
+  assert plan["fits"] is None  # a CPU has no data sheet
+  memory = plan["memory_gib_per_chip"]
+  state = sum(plan["train_state_gib_per_chip"].values())
+  assert memory["arguments"] == pytest.approx(
+      state + plan["batch_gib_per_chip"], rel=1e-12)
+  # 16 rows of data.targets_length target tokens, all learned from.
+  assert plan["tokens_per_step"] == 16 * 16
+  assert plan["flops_per_chip_per_step"] > 0
+
+
+@pytest.mark.parametrize("args, message", [
+    ((), "--topology is required"),
+    (("--topology=cpu:x",), "cpu:N needs a device count"),
+    (("--topology=cpu:2", "--config.mesh.shape=(4,2)"),
+     "mesh.shape (4, 2) needs 8 devices but 2 are available"),
+])
+def test_command_line_errors_are_one_line(tmp_path, args, message):
+  result = _plan_command(tmp_path, *args)
+  assert result.returncode == 2
+  assert result.stderr.count("\n") == 1 and message in result.stderr, (
+      result.stderr)
+
+
+def _has_libtpu():
+  try:
+    import libtpu  # pylint: disable=g-import-not-at-top,unused-import
+    return True
+  except ImportError:
+    return False
+
+
+@pytest.mark.skipif(_has_libtpu(), reason="libtpu is installed here")
+def test_a_tpu_topology_without_libtpu_names_the_extra(tmp_path):
+  result = _plan_command(tmp_path, "--topology=v5e:2x2")
+  assert result.returncode == 2
+  assert '".[tpu-plan]"' in result.stderr and result.stderr.count("\n") == 1
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason=(
+    "libtpu is not installed: pip install -e \".[tpu-plan]\" plans for TPU "
+    "topologies"))
+def test_tiny_t5_plans_for_a_v5e_2x2_slice(tmp_path):
+  out = tmp_path / "plan.json"
+  result = _plan_command(tmp_path, "--topology=v5e:2x2", f"--out={out}",
+                         *cli_args(mesh__shape="(2,2)"))
+  assert result.returncode == 0, result.stderr
+  plan = json.loads(out.read_text())
+  assert plan["chips"] == 4 and plan["chip"]["name"] == "TPU v5e"
+  assert plan["fits"] and plan["chip"]["hbm_gib"] == 16
+  # A TPU lays small arrays out in padded tiles: at least the state.
+  state = sum(plan["train_state_gib_per_chip"].values())
+  assert plan["memory_gib_per_chip"]["arguments"] >= state
+  assert plan["step_time_lower_bound_s"] == pytest.approx(
+      plan["flops_per_chip_per_step"] / 197e12)
