@@ -10,10 +10,15 @@ import time
 
 import jax
 
+from jaxrlhf import accelerators
 from jaxrlhf import defaults
 
-# Dense bf16 peak per device, for MFU when --peak_tflops is not given.
-PEAK_TFLOPS = {"cpu": None, "gpu": 989.0, "tpu": 197.0}  # H100, v5e
+
+def peak_tflops():
+  """Dense bf16 peak of this machine's devices (jaxrlhf.accelerators), for
+  MFU when --peak_tflops is not given; None on a CPU."""
+  chip = accelerators.chip(jax.devices()[0].device_kind)
+  return chip.peak_bf16_tflops if chip else None
 
 
 def add_shape_flags(p: argparse.ArgumentParser, *, optimizer: str,

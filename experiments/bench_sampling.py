@@ -69,22 +69,13 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+from jaxrlhf import accelerators  # noqa: E402
 from jaxrlhf import console  # noqa: E402
 from jaxrlhf import models  # noqa: E402
 from jaxrlhf.models import hf_io  # noqa: E402
 from jaxrlhf.models import llama  # noqa: E402
 from jaxrlhf.models import sampling  # noqa: E402
 from jaxrlhf.models import t5  # noqa: E402
-
-# HBM bandwidth in GB/s by device kind (vendors' data sheets: H100 SXM5
-# 3.35 TB/s, H100 PCIe 2.0 TB/s, H200 4.8 TB/s, A100 80GB SXM 2.04 TB/s;
-# TPU v5e 819 GB/s, v5p 2,765 GB/s, v6e 1,640 GB/s).
-HBM_GBPS = {"H100 80GB HBM3": 3350, "NVIDIA H100 80GB HBM3": 3350,
-            "H100 PCIe": 2000, "NVIDIA H100 PCIe": 2000,
-            "NVIDIA H200": 4800, "H200": 4800,
-            "NVIDIA A100-SXM4-80GB": 2039, "TPU v5 lite": 819,
-            "TPU v5": 2765, "TPU v6 lite": 1640}
-
 
 def model_config(family: str, vocab_size: int, dtype: str, size: str):
   """T5 1.1 at `size`, and a Llama of about its size.
@@ -201,7 +192,8 @@ def bandwidth_bound(config, params, batch, prompt, new, gbps):
 def main(args):
   console.silence_library_noise(python_loggers=True)
   device = jax.devices()[0]
-  gbps = args.hbm_gbps or HBM_GBPS.get(device.device_kind, 0.0)
+  chip = accelerators.chip(device.device_kind)
+  gbps = args.hbm_gbps or (chip.hbm_gbps if chip else 0.0)
   have_torch = not args.no_transformers
   if have_torch:
     try:
