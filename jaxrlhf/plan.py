@@ -61,7 +61,7 @@ class PlanError(ValueError):
   """A topology that cannot be planned for here (one line)."""
 
 
-def _prepare_platform(topology: str) -> None:
+def prepare_platform(topology: str) -> None:
   """Environment for JAX before it starts: the host is the CPU, with N
   devices for `cpu:N`; libtpu is only asked to describe a topology, so its
   probing for local TPU chips and hosts is told there are none."""
@@ -369,7 +369,7 @@ def main(argv):
   config = cli.loaded_config()
   if not _TOPOLOGY.value:
     cli.fail("--topology is required, e.g. --topology=v5e:4x8 or cpu:8.")
-  _prepare_platform(_TOPOLOGY.value)
+  prepare_platform(_TOPOLOGY.value)
   from jaxrlhf import console  # pylint: disable=g-import-not-at-top
   console.silence_library_noise(python_loggers=True)
   try:

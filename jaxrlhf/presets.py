@@ -1,5 +1,7 @@
 """Shared settings of the paper-reproduction configs under configs/."""
 
+import ml_collections
+
 from jaxrlhf import defaults
 from jaxrlhf.data import file_layouts
 
@@ -140,6 +142,25 @@ def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
   c.train.log_every = 10
   c.checkpoint.every_steps = 200
   c.mesh.shape = (-1, 1)
+  return c
+
+
+def tldr_t5(algorithm: str, size: str, mesh_shape) -> ml_collections.ConfigDict:
+  """A stage of the TL;DR pipeline with a T5 1.1 model (bf16 compute, T5's
+  SentencePiece vocabulary, no dropout) on a TPU mesh; the stage's data and
+  settings are set by `tldr_data` / `tldr_ppo`."""
+  c = defaults.base_config()
+  c.algorithm = algorithm
+  c.model.size = size
+  c.model.dtype = "bfloat16"
+  c.model.vocab_size = 32128
+  c.model.dropout_rate = 0.0
+  c.data.files.vocabulary = T5_VOCABULARY
+  c.data.files.on_bad_row = "skip_and_report"
+  c.data.inputs_length = TLDR_QUERY_TOKENS
+  c.train.log_every = 10
+  c.checkpoint.every_steps = 200
+  c.mesh.shape = tuple(mesh_shape)
   return c
 
 

@@ -161,6 +161,29 @@ def test_paper_config_starts_when_sized_down(name, tmp_path, t5x_fixtures,
     assert summary["test/step"] == best["step"]
 
 
+def test_ppo_t5xl_starts_when_sized_down(tmp_path, t5x_fixtures,
+                                        ultrafeedback_reward_model):
+  """configs/ppo_t5xl.py as it fits a v5e 4x8 slice (fully sharded rules,
+  scanned layers started from t5x's unrolled checkpoint, remat, gradients
+  accumulated over micro-batches) on the tiny T5 and small TL;DR files."""
+  config = sized_down("ppo_t5xl.py", tmp_path, t5x_fixtures)
+  assert config.model.scan_layers and config.train.num_microbatches > 1
+  files = _tldr_files(tmp_path)
+  with config.unlocked():
+    config.data.files.train = files["sft_train"]
+    config.data.files.validation = files["sft_validation"]
+    config.data.inputs_length = 64
+    config.online.max_new_tokens = 8
+    config.online.reward_model_checkpoint = str(ultrafeedback_reward_model)
+    config.eval.judge_checkpoint = str(ultrafeedback_reward_model)
+    config.train.num_microbatches = 2
+  summary = loop.train(config, str(tmp_path / "run"))
+  rows = [json.loads(l) for l in open(tmp_path / "run" / "metrics.jsonl")]
+  losses = [r["loss"] for r in rows if "loss" in r]
+  assert len(losses) == 2 and all(np.isfinite(losses))
+  assert 0 <= summary["eval/win_rate"] <= 1
+
+
 # --- TL;DR on Pythia, sized down ------------------------------------------------
 
 TLDR_WORDS = "the cat sat on mat dog log a and met model learns".split()

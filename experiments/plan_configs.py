@@ -1,0 +1,156 @@
+r"""Ahead-of-time plans of the committed configs on their TPU slices, and of
+the headline run's memory options (`jaxrlhf.plan`).
+
+  pip install -e ".[tpu-plan]"
+  python experiments/plan_configs.py --out=experiments/results/plans
+  python experiments/plan_configs.py --out=experiments/results/plans \
+      --options --only=dro_t5xl
+
+Writes `<name>.json` per config (the plan as `python -m jaxrlhf.plan
+--config=... --topology=...` prints it) and, with --options, one JSON per
+variant of the chosen configs (remat policy x scanned layers x sharding x
+micro-batches), then `plans.md`: a table of everything in --out. Every
+plan is a compilation of the real train step for the slice's chips on
+this CPU host; one process plans them all, one after the other.
+"""
+
+import argparse
+import json
+import os
+import pathlib
+import sys
+
+REPO = pathlib.Path(__file__).resolve().parents[1]
+
+# name -> (config file[:argument], TPU slice). The paper configs run on the
+# slice their mesh names; the TL;DR pipeline's (mesh (-1, 1): every chip
+# data-parallel) is planned for 8 chips, the paper's 8 GPUs.
+CONFIGS = {
+    "dro_t5xl": ("configs/dro_t5xl.py", "v5e:4x8"),
+    "dro_t5l": ("configs/dro_t5l.py", "v5e:4x4"),
+    "kto": ("configs/kto.py", "v5e:4x4"),
+    "kto_xl": ("configs/kto.py:xl", "v5e:4x8"),
+    "dpo": ("configs/dpo.py", "v5e:4x4"),
+    "ipo": ("configs/ipo.py", "v5e:4x4"),
+    "slic": ("configs/slic.py", "v5e:4x4"),
+    "reward_model": ("configs/reward_model.py", "v5e:4x4"),
+    "ppo_t5xl": ("configs/ppo_t5xl.py", "v5e:4x8"),
+    "tldr_pythia_sft": ("configs/tldr_pythia_sft.py", "v5e:2x4"),
+    "tldr_pythia_rm": ("configs/tldr_pythia_rm.py", "v5e:2x4"),
+    "tldr_pythia_dpo": ("configs/tldr_pythia_dpo.py", "v5e:2x4"),
+    "tldr_pythia_ppo": ("configs/tldr_pythia_ppo.py", "v5e:2x4"),
+}
+
+# The options compared for a config (--options): name -> overrides.
+REMAT = ("none", "dots_saveable", "full")
+
+
+def options():
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  out = {}
+  for rules_name, rules in (("standard", sharding.STANDARD_RULES),
+                            ("fully_sharded", sharding.FULLY_SHARDED_RULES)):
+    for scan in (False, True):
+      for remat in REMAT:
+        out[f"{rules_name}-{'scan' if scan else 'unrolled'}-{remat}"] = {
+            "sharding.logical_axis_rules": rules,
+            "model.scan_layers": scan, "model.remat_policy": remat,
+            "train.num_microbatches": 1}
+    out[f"{rules_name}-scan-full-2micro"] = {
+        "sharding.logical_axis_rules": rules, "model.scan_layers": True,
+        "model.remat_policy": "full", "train.num_microbatches": 2}
+  return out
+
+
+def _load(spec: str):
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
+  path, _, arg = spec.partition(":")
+  return defaults.load_config_file(REPO / path, arg or None)
+
+
+def _summary_row(name: str, plan) -> str:
+  m = plan["memory_gib_per_chip"]
+  total = m.get("total")
+  model = plan["model"]
+  fits = {True: "yes", False: "**no**", None: "-"}[plan["fits"]]
+  memory = (f"{total:.2f}" if total is not None else
+            f"> {plan.get('chip', {}).get('hbm_gib', '?')} (temporaries "
+            f"{m.get('temporaries', 0):.1f})")
+  return (f"| {name} | {plan['algorithm']} | {model['arch']} "
+          f"{model['size']} | {plan['topology']} | "
+          f"{'x'.join(str(v) for v in plan['mesh'].values())} | "
+          f"{model['remat_policy']} | {'yes' if model['scan_layers'] else 'no'} "
+          f"| {plan['num_microbatches']} | {memory} | "
+          f"{sum(plan['train_state_gib_per_chip'].values()):.2f} | {fits} | "
+          f"{plan['flops_per_chip_per_step'] / 1e12:.2f} | "
+          f"{plan.get('step_time_lower_bound_s', 0) * 1e3:.0f} | "
+          f"{plan['compile_seconds']:.0f} |")
+
+
+def write_table(out: pathlib.Path) -> None:
+  rows = []
+  for path in sorted(out.glob("*.json")):
+    plan = json.loads(path.read_text())
+    rows.append(_summary_row(path.stem, plan))
+  header = (
+      "| plan | algorithm | model | slice | mesh | remat | scanned | "
+      "micro-batches | memory/chip GiB | state/chip GiB | fits with 2 GiB "
+      "free | TFLOP/chip/step | step >= ms | compile s |\n"
+      "|---|---|---|---|---|---|---|---|---|---|---|---|---|---|")
+  (out / "plans.md").write_text(header + "\n" + "\n".join(rows) + "\n")
+
+
+def main():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--out", required=True)
+  p.add_argument("--only", default="",
+                 help="comma-separated names of CONFIGS (default: all)")
+  p.add_argument("--options", action="store_true",
+                 help="plan each option of `options()` for the chosen "
+                 "configs instead of the configs as committed")
+  p.add_argument("--skip_existing", action="store_true")
+  args = p.parse_args()
+  names = args.only.split(",") if args.only else list(CONFIGS)
+  unknown = sorted(set(names) - set(CONFIGS))
+  if unknown:
+    sys.exit(f"error: --only: unknown {unknown}; choose from {list(CONFIGS)}")
+  sys.path.insert(0, str(REPO))
+  from jaxrlhf import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  plan_lib.prepare_platform("tpu")
+  from jaxrlhf import console  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
+  console.silence_library_noise(python_loggers=True)
+  out = pathlib.Path(args.out)
+  out.mkdir(parents=True, exist_ok=True)
+  devices = {}
+  for name in names:
+    spec, topology = CONFIGS[name]
+    variants = ({f"{name}.{k}": v for k, v in options().items()}
+                if args.options else {name: {}})
+    for label, overrides in variants.items():
+      target = out / f"{label}.json"
+      if args.skip_existing and target.exists():
+        continue
+      config = _load(spec)
+      defaults.apply_overrides(config, overrides)
+      if topology not in devices:
+        devices[topology] = plan_lib.topology_devices(topology)
+      try:
+        plan = plan_lib.make_plan(config, devices[topology],
+                                  topology=topology)
+      except ValueError as e:
+        print(f"{label}: {e}", flush=True)
+        continue
+      plan["config"] = spec
+      plan["overrides"] = {k: v for k, v in overrides.items()
+                           if k != "sharding.logical_axis_rules"}
+      if "sharding.logical_axis_rules" in overrides:
+        plan["overrides"]["sharding"] = label.split(".")[-1].split("-")[0]
+      target.write_text(json.dumps(plan, indent=1) + "\n")
+      print(f"== {label}\n{plan_lib.describe(plan)}", flush=True)
+  write_table(out)
+
+
+if __name__ == "__main__":
+  os.environ.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
+  main()
