@@ -26,4 +26,9 @@ def get_config(size: str = "large"):
   c.kto.beta = 5.0
   c.kto.desirable_weight = 1.0
   c.kto.undesirable_weight = 1.0
+  # KTO's KL baseline and desirability are statistics of the whole batch:
+  # no micro-batches; each layer's activations are recomputed instead
+  # (experiments/results/plans/).
+  c.train.num_microbatches = 1
+  c.model.remat_policy = "full"
   return c

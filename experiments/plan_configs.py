@@ -3,13 +3,14 @@ the headline run's memory options (`jaxrlhf.plan`).
 
   pip install -e ".[tpu-plan]"
   python experiments/plan_configs.py --out=experiments/results/plans
-  python experiments/plan_configs.py --out=experiments/results/plans \
-      --options --only=dro_t5xl
+  python experiments/plan_configs.py --out=experiments/results/plans/options \
+      --only=dro_t5xl --options=all
 
 Writes `<name>.json` per config (the plan as `python -m jaxrlhf.plan
 --config=... --topology=...` prints it) and, with --options, one JSON per
-variant of the chosen configs (remat policy x scanned layers x sharding x
-micro-batches), then `plans.md`: a table of everything in --out. Every
+variant of the chosen configs (`OPTIONS`: sharding rules x scanned layers x
+remat policy x micro-batches), then `plans.md`: a table of everything in
+--out. Every
 plan is a compilation of the real train step for the slice's chips on
 this CPU host; one process plans them all, one after the other.
 """
@@ -41,25 +42,34 @@ CONFIGS = {
     "tldr_pythia_ppo": ("configs/tldr_pythia_ppo.py", "v5e:2x4"),
 }
 
-# The options compared for a config (--options): name -> overrides.
-REMAT = ("none", "dots_saveable", "full")
+# The options compared for a config (--options): name -> (sharding rules,
+# scanned layers, remat policy, micro-batches). Unrolled T5-XL steps take
+# about 20 minutes each to compile on a host CPU, scanned ones 3 to 5.
+OPTIONS = {
+    "standard-unrolled-none": ("standard", False, "none", 1),
+    "standard-unrolled-none-2micro": ("standard", False, "none", 2),
+    "standard-unrolled-dots": ("standard", False, "dots_saveable", 1),
+    "standard-unrolled-full": ("standard", False, "full", 1),
+    "standard-scan-none": ("standard", True, "none", 1),
+    "standard-scan-dots": ("standard", True, "dots_saveable", 1),
+    "standard-scan-dots-2micro": ("standard", True, "dots_saveable", 2),
+    "standard-scan-full": ("standard", True, "full", 1),
+    "standard-scan-full-2micro": ("standard", True, "full", 2),
+    "fully_sharded-scan-dots": ("fully_sharded", True, "dots_saveable", 1),
+    "fully_sharded-scan-dots-2micro": ("fully_sharded", True,
+                                       "dots_saveable", 2),
+    "fully_sharded-scan-full": ("fully_sharded", True, "full", 1),
+}
 
 
-def options():
+def option_overrides(name: str):
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
-  out = {}
-  for rules_name, rules in (("standard", sharding.STANDARD_RULES),
-                            ("fully_sharded", sharding.FULLY_SHARDED_RULES)):
-    for scan in (False, True):
-      for remat in REMAT:
-        out[f"{rules_name}-{'scan' if scan else 'unrolled'}-{remat}"] = {
-            "sharding.logical_axis_rules": rules,
-            "model.scan_layers": scan, "model.remat_policy": remat,
-            "train.num_microbatches": 1}
-    out[f"{rules_name}-scan-full-2micro"] = {
-        "sharding.logical_axis_rules": rules, "model.scan_layers": True,
-        "model.remat_policy": "full", "train.num_microbatches": 2}
-  return out
+  rules, scan, remat, micro = OPTIONS[name]
+  return {"sharding.logical_axis_rules": {
+              "standard": sharding.STANDARD_RULES,
+              "fully_sharded": sharding.FULLY_SHARDED_RULES}[rules],
+          "model.scan_layers": scan, "model.remat_policy": remat,
+          "train.num_microbatches": micro}
 
 
 def _load(spec: str):
@@ -105,9 +115,10 @@ def main():
   p.add_argument("--out", required=True)
   p.add_argument("--only", default="",
                  help="comma-separated names of CONFIGS (default: all)")
-  p.add_argument("--options", action="store_true",
-                 help="plan each option of `options()` for the chosen "
-                 "configs instead of the configs as committed")
+  p.add_argument("--options", default="",
+                 help="'all' or comma-separated names of OPTIONS: plan "
+                 "these variants of the chosen configs instead of the "
+                 "configs as committed")
   p.add_argument("--skip_existing", action="store_true")
   args = p.parse_args()
   names = args.only.split(",") if args.only else list(CONFIGS)
@@ -125,7 +136,8 @@ def main():
   devices = {}
   for name in names:
     spec, topology = CONFIGS[name]
-    variants = ({f"{name}.{k}": v for k, v in options().items()}
+    chosen = args.options.split(",") if args.options != "all" else OPTIONS
+    variants = ({f"{name}.{k}": option_overrides(k) for k in chosen}
                 if args.options else {name: {}})
     for label, overrides in variants.items():
       target = out / f"{label}.json"
@@ -142,10 +154,8 @@ def main():
         print(f"{label}: {e}", flush=True)
         continue
       plan["config"] = spec
-      plan["overrides"] = {k: v for k, v in overrides.items()
-                           if k != "sharding.logical_axis_rules"}
-      if "sharding.logical_axis_rules" in overrides:
-        plan["overrides"]["sharding"] = label.split(".")[-1].split("-")[0]
+      if args.options:
+        plan["option"] = label.split(".", 1)[1]
       target.write_text(json.dumps(plan, indent=1) + "\n")
       print(f"== {label}\n{plan_lib.describe(plan)}", flush=True)
   write_table(out)

@@ -3,6 +3,7 @@
 import ml_collections
 
 from jaxrlhf import defaults
+from jaxrlhf import sharding
 from jaxrlhf.data import file_layouts
 
 # T5's public SentencePiece model (what T5 1.1 checkpoints were trained with).
@@ -13,7 +14,9 @@ def ultrafeedback_offline(algorithm: str, size: str, mesh_shape, num_steps: int)
   """An offline run on UltraFeedback from a T5X SFT checkpoint, with the DRO
   paper's settings (section 4): Adafactor with decay rate 0.8, 150 linear
   warm-up steps, learning rate 1e-4, batch 32, tau = 1, checkpoints every
-  2,000 steps, rewards (ratings) normalised to mean 0 and variance 1.
+  2,000 steps, rewards (ratings) normalised to mean 0 and variance 1. How
+  the step fits the slice (scanned layers, micro-batches, sharding) is set
+  from its plan (`python -m jaxrlhf.plan`) and changes no number.
 
   The paths are fields to point at your copies:
     init.policy_checkpoint   the T5X SFT checkpoint (policy and reference);
@@ -49,7 +52,27 @@ def ultrafeedback_offline(algorithm: str, size: str, mesh_shape, num_steps: int)
   c.eval.every_steps = 0
   c.mesh.shape = tuple(mesh_shape)
   c.mesh.axis_names = ("data", "model")
+  # Fitted to 16 GiB v5e chips with 2 GiB to spare at the fewest FLOPs
+  # (experiments/results/plans/): scanned layers that keep their matmul
+  # outputs, each batch's gradient accumulated over 2 micro-batches, and for
+  # T5-XL the parameters split over the data axis as well.
+  scanned_layers(c)
+  c.train.num_microbatches = 2
+  if size == "xl":
+    c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
   return c
+
+
+def scanned_layers(c) -> None:
+  """Each layer stack compiled once (`model.scan_layers`: a T5-XL step
+  compiles in minutes instead of about 20 on a host CPU), saving only the
+  matmul outputs of each layer for the backward pass: a scanned stack saves
+  every intermediate of its layers unless told what to keep, and
+  `dots_saveable` keeps what the FLOPs are spent on (the backward pass
+  recomputes only element-wise work). T5X checkpoints, unrolled, are
+  restacked when loaded. experiments/results/plans/ compares the options."""
+  c.model.scan_layers = True
+  c.model.remat_policy = "dots_saveable"
 
 
 # --- the DRO paper's evaluation -----------------------------------------------------
@@ -141,7 +164,12 @@ def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
                  batch_size=batch_size, episodes=episodes)
   c.train.log_every = 10
   c.checkpoint.every_steps = 200
+  # Every chip data-parallel (the paper: 8 GPUs), each network's parameters,
+  # gradients and optimizer state split over them (on 16 GiB TPU chips a
+  # replicated Pythia-1B with AdamW would not fit).
   c.mesh.shape = (-1, 1)
+  c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+  scanned_layers(c)
   return c
 
 

@@ -133,6 +133,13 @@ LONGEST_FIRST = ("test_quickstart.py", "test_eight_devices.py",
                  "test_configs.py")
 
 
+def pytest_configure(config):
+  # pytest-xdist reorders loadscope modules by their number of tests unless
+  # told not to, which started the quickstart's one long run last.
+  if hasattr(config.option, "loadscopereorder"):
+    config.option.loadscopereorder = False
+
+
 def pytest_collection_modifyitems(session, config, items):
   """Orders whole modules (a module's tests stay together and in their order,
   or pytest would set its module fixtures up again)."""

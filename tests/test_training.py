@@ -244,6 +244,29 @@ def test_microbatches_give_the_full_batch_gradient():
                micro[2], full[2])
 
 
+@pytest.mark.parametrize("algorithm,overrides,statistic", [
+    ("kto", {}, "KL baseline z0 and which completions are desirable"),
+    ("kto_thumbs", {}, "KL baseline z0"),
+    ("dro_v", {"dro__single_value_per_batch": True}, "one per batch"),
+])
+def test_micro_batches_are_refused_where_the_loss_uses_batch_statistics(
+    algorithm, overrides, statistic):
+  """KTO's KL baseline and batch-mean desirability, DRO-V's single value per
+  batch: a micro-batch's estimate is another loss, so it is refused before
+  anything is written (the loop's preflight runs this check)."""
+  config = tiny_config(algorithm=algorithm, train__num_microbatches=2,
+                       **overrides)
+  with pytest.raises(ValueError, match=statistic) as error:
+    algorithms.check_rows(config, 1)
+  assert str(error.value).startswith("config.train.num_microbatches: ")
+  config.train.num_microbatches = 1
+  algorithms.check_rows(config, 1)
+  # DRO-V with a value per prompt is a mean over examples: micro-batches
+  # add up to the batch.
+  algorithms.check_rows(tiny_config(algorithm="dro_v",
+                                    train__num_microbatches=2), 1)
+
+
 @pytest.mark.parametrize("flags,message", [
     (["--config.model.no_such_field=1"],
      "unknown config field 'model.no_such_field'"),

@@ -79,10 +79,15 @@ class Offline:
     precomputable_reference: the loss reads the reference only as
       log pi_ref(completion | prompt) of each example's own completions,
       so `reference_logprobs.mode = "precomputed"` may compute them once.
+    batch_statistics: optional (config) -> what the loss estimates from the
+      whole batch (KTO's KL baseline), or None: micro-batches would
+      estimate it from each micro-batch and change the loss, so
+      `train.num_microbatches` > 1 is refused naming it.
   """
   loss: Callable[..., Tuple[Any, Metrics]]
   share: Optional[Callable[..., Callable]] = None
   precomputable_reference: bool = False
+  batch_statistics: Optional[Callable[[Any], Optional[str]]] = None
 
 
 @dataclasses.dataclass(frozen=True)

@@ -186,7 +186,12 @@ ALGORITHM = base.Algorithm(
     networks=base.Networks(trainable=networks, frozen=reference.reference,
                            checkpoints=checkpoints, optimizers=optimizers,
                            update_scales=update_scales, reference=True),
-    training=base.Offline(loss=loss, precomputable_reference=True),
+    training=base.Offline(
+        loss=loss, precomputable_reference=True,
+        batch_statistics=lambda c: ("its value (one per batch: "
+                                    "dro.single_value_per_batch)"
+                                    if c.dro.single_value_per_batch
+                                    else None)),
     evaluation=reference.AGAINST_REFERENCE,
     config_groups=(GROUP, reference.REFERENCE_LOGPROBS),
 )

@@ -138,7 +138,9 @@ ALGORITHM = base.Algorithm(
     "mean, the DRO paper's baseline).",
     data="trajectory",
     networks=reference.POLICY_AND_REFERENCE,
-    training=base.Offline(loss=loss),
+    training=base.Offline(loss=loss, batch_statistics=lambda c: (
+        "its KL baseline z0 and which completions are desirable (reward "
+        "above the batch mean)")),
     evaluation=reference.AGAINST_REFERENCE,
     config_groups=(GROUP,),
 )
@@ -148,7 +150,8 @@ THUMBS = base.Algorithm(
     summary="KTO on thumbs up/down labels.",
     data="thumbs",
     networks=reference.POLICY_AND_REFERENCE,
-    training=base.Offline(loss=loss),
+    training=base.Offline(loss=loss,
+                          batch_statistics=lambda c: "its KL baseline z0"),
     evaluation=reference.AGAINST_REFERENCE,
     config_groups=(GROUP,),
     pipeline_stage=False,

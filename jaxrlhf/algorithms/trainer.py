@@ -402,6 +402,15 @@ def check_rows(algorithm: base.Algorithm, config, data_parallel: int) -> None:
     online_lib.check_rows(algorithm, config, data_parallel)
     return
   batch = config.train.batch_size
+  statistics = algorithm.training.batch_statistics
+  estimated = statistics(config) if statistics else None
+  if estimated and config.train.num_microbatches > 1:
+    raise ValueError(
+        f"config.train.num_microbatches: {algorithm.name} estimates "
+        f"{estimated} from the whole batch; micro-batches would estimate it "
+        "from each micro-batch and change the loss. Keep it at 1 and fit "
+        "memory with model.remat_policy or the fully sharded rules "
+        "(jaxrlhf.sharding.FULLY_SHARDED_RULES).")
   update.check_split(batch, config.train.num_microbatches, data_parallel,
                      what=f"train.batch_size {batch}",
                      field="train.batch_size")
