@@ -43,33 +43,41 @@ CONFIGS = {
 }
 
 # The options compared for a config (--options): name -> (sharding rules,
-# scanned layers, remat policy, micro-batches). Unrolled T5-XL steps take
-# about 20 minutes each to compile on a host CPU, scanned ones 3 to 5.
+# scanned layers, remat policy, micro-batches, mesh shape or None for the
+# config's). Unrolled T5-XL steps take about 20 minutes each to compile on a
+# host CPU, scanned ones 3 to 5.
 OPTIONS = {
-    "standard-unrolled-none": ("standard", False, "none", 1),
-    "standard-unrolled-none-2micro": ("standard", False, "none", 2),
-    "standard-unrolled-dots": ("standard", False, "dots_saveable", 1),
-    "standard-unrolled-full": ("standard", False, "full", 1),
-    "standard-scan-none": ("standard", True, "none", 1),
-    "standard-scan-dots": ("standard", True, "dots_saveable", 1),
-    "standard-scan-dots-2micro": ("standard", True, "dots_saveable", 2),
-    "standard-scan-full": ("standard", True, "full", 1),
-    "standard-scan-full-2micro": ("standard", True, "full", 2),
-    "fully_sharded-scan-dots": ("fully_sharded", True, "dots_saveable", 1),
+    "standard-unrolled-none": ("standard", False, "none", 1, None),
+    "standard-unrolled-none-2micro": ("standard", False, "none", 2, None),
+    "standard-unrolled-dots": ("standard", False, "dots_saveable", 1, None),
+    "standard-unrolled-full": ("standard", False, "full", 1, None),
+    "standard-scan-none": ("standard", True, "none", 1, None),
+    "standard-scan-dots": ("standard", True, "dots_saveable", 1, None),
+    "standard-scan-dots-2micro": ("standard", True, "dots_saveable", 2, None),
+    "standard-scan-full": ("standard", True, "full", 1, None),
+    "standard-scan-full-8x4": ("standard", True, "full", 1, (8, 4)),
+    "standard-scan-full-2micro": ("standard", True, "full", 2, None),
+    "fully_sharded-scan-dots": ("fully_sharded", True, "dots_saveable", 1,
+                                None),
     "fully_sharded-scan-dots-2micro": ("fully_sharded", True,
-                                       "dots_saveable", 2),
-    "fully_sharded-scan-full": ("fully_sharded", True, "full", 1),
+                                       "dots_saveable", 2, None),
+    "fully_sharded-scan-dots-2micro-8x4": ("fully_sharded", True,
+                                           "dots_saveable", 2, (8, 4)),
+    "fully_sharded-scan-full": ("fully_sharded", True, "full", 1, None),
 }
 
 
 def option_overrides(name: str):
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
-  rules, scan, remat, micro = OPTIONS[name]
-  return {"sharding.logical_axis_rules": {
-              "standard": sharding.STANDARD_RULES,
-              "fully_sharded": sharding.FULLY_SHARDED_RULES}[rules],
-          "model.scan_layers": scan, "model.remat_policy": remat,
-          "train.num_microbatches": micro}
+  rules, scan, remat, micro, mesh = OPTIONS[name]
+  overrides = {"sharding.logical_axis_rules": {
+                   "standard": sharding.STANDARD_RULES,
+                   "fully_sharded": sharding.FULLY_SHARDED_RULES}[rules],
+               "model.scan_layers": scan, "model.remat_policy": remat,
+               "train.num_microbatches": micro}
+  if mesh is not None:
+    overrides["mesh.shape"] = mesh
+  return overrides
 
 
 def _load(spec: str):

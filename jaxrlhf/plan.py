@@ -176,7 +176,7 @@ def suggestion(config, memory: Dict[str, float], state_gib: float,
                 "(split activations over more model shards)")
   total = memory.get("total", memory.get("temporaries", 0.0) + state_gib)
   over = total - budget_gib
-  return (f"{over:.1f} GiB over the budget, mostly activations and "
+  return (f"{over:.2f} GiB over the budget, mostly activations and "
           f"gradients: try {'; or '.join(tips)}.")
 
 

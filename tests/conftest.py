@@ -1,3 +1,4 @@
+import gc
 import os
 import pathlib
 
@@ -138,6 +139,15 @@ def pytest_configure(config):
   # told not to, which started the quickstart's one long run last.
   if hasattr(config.option, "loadscopereorder"):
     config.option.loadscopereorder = False
+
+
+def pytest_sessionfinish(session, exitstatus):
+  # An xdist worker is stopped with KeyboardInterrupt; landing in JAX's
+  # garbage-collection callback, it printed a traceback per worker as an
+  # "unraisable exception". The tests are done: JAX need not collect.
+  del session, exitstatus
+  gc.callbacks[:] = [c for c in gc.callbacks
+                     if getattr(c, "__name__", "") != "_xla_gc_callback"]
 
 
 def pytest_collection_modifyitems(session, config, items):

@@ -156,7 +156,7 @@ def test_a_step_that_does_not_fit_gets_a_suggestion():
   config = tiny_config(mesh__shape=(4, 8))
   tip = plan_lib.suggestion(config, {"total": 15.6}, state_gib=4.0,
                             budget_gib=14.0)
-  assert tip.startswith("1.6 GiB over the budget")
+  assert tip.startswith("1.60 GiB over the budget")
   assert "remat_policy=full" in tip and "num_microbatches=2" in tip
   assert 'mesh.shape="(2,16)"' in tip
   # A state that alone fills the chip needs more chips, not remat.
