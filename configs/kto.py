@@ -11,6 +11,7 @@ slice. The other settings are the DRO-V runs' (presets.ultrafeedback_offline).
 """
 
 from jaxrlhf import presets
+from jaxrlhf import sharding
 
 # T5 size -> (mesh, train steps), section 4 "Compute and hyperparameters".
 PAPER_RUNS = {"large": ((4, 4), 40_000), "xl": ((4, 8), 20_000)}
@@ -27,8 +28,14 @@ def get_config(size: str = "large"):
   c.kto.desirable_weight = 1.0
   c.kto.undesirable_weight = 1.0
   # KTO's KL baseline and desirability are statistics of the whole batch:
-  # no micro-batches; each layer's activations are recomputed instead
-  # (experiments/results/plans/).
+  # no micro-batches. T5-L fits a 4x4 slice keeping every matmul's output
+  # once its parameters are split over the data axis too; T5-XL does not, so
+  # each of its layers' activations are recomputed instead (about a fifth
+  # more FLOPs). experiments/results/plans/ has both plans and the options.
   c.train.num_microbatches = 1
-  c.model.remat_policy = "full"
+  if size == "large":
+    c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+    c.model.remat_policy = "dots_saveable"
+  else:
+    c.model.remat_policy = "full"
   return c

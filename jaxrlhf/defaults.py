@@ -209,7 +209,8 @@ TRAIN = G("train", "The training run.", [
     F("num_microbatches", 1,
       "Gradient accumulation: the batch is split into this many "
       "micro-batches (online algorithms: each online.num_minibatches "
-      "minibatch is).", bounds=">0"),
+      "minibatch is; online.rollout_microbatches splits the rollout).",
+      bounds=">0"),
     F("z_loss", 0.0, "Weight of the z-loss (log Z)^2 that keeps the "
       "softmax normaliser near 0 (SFT).", bounds=">=0"),
     F("log_every", 50, "Console and metrics.jsonl every N steps.",

@@ -157,19 +157,32 @@ def _compile_error_figures(error: Exception) -> Dict[str, float]:
 
 
 def suggestion(config, memory: Dict[str, float], state_gib: float,
-               budget_gib: float) -> str:
-  """One line on what to change when the step does not fit `budget_gib`."""
+               budget_gib: float, algorithm=None) -> str:
+  """One line on what to change when the step does not fit `budget_gib`
+  (`algorithm`, when given: an online step's rollout is split by
+  online.rollout_microbatches, not by micro-batches; an algorithm that
+  estimates a statistic from the whole batch refuses micro-batches)."""
   if state_gib > budget_gib * 0.6:
     return (f"the train state alone takes {state_gib:.1f} GiB per chip: use "
             "a larger slice, or shard it over more chips (a larger model "
             "axis in config.mesh.shape).")
+  online = algorithm is not None and algorithm.online
+  statistics = (None if algorithm is None or online
+                else algorithm.training.batch_statistics)
   tips = []
-  if config.model.remat_policy == "none":
+  if config.model.remat_policy != "full":
     tips.append("--config.model.remat_policy=full (recompute each layer's "
                 "activations in the backward pass)")
-  micro = config.train.num_microbatches
-  tips.append(f"--config.train.num_microbatches={2 * micro} (activations of "
-              "half as many rows at a time)")
+  if not (statistics and statistics(config)):
+    micro = config.train.num_microbatches
+    tips.append(f"--config.train.num_microbatches={2 * micro} (activations "
+                "of half as many rows at a time" + (
+                    "; the updates only, not the rollout" if online else "")
+                + ")")
+  if online:
+    parts = config.online.rollout_microbatches
+    tips.append(f"--config.online.rollout_microbatches={2 * parts} (sample "
+                "and score half as many prompts at a time)")
   shape = tuple(config.mesh.shape)
   if len(shape) == 2 and shape[0] > 1 and shape[0] % 2 == 0:
     tips.append(f"--config.mesh.shape=\"({shape[0] // 2},{shape[1] * 2})\" "
@@ -288,7 +301,8 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
     })
     if not plan["fits"]:
       plan["suggestion"] = suggestion(config, memory,
-                                      sum(state_gib.values()), budget)
+                                      sum(state_gib.values()), budget,
+                                      trainer.algorithm)
   else:
     plan.update({"chip": None, "fits": None})
   return plan

@@ -464,3 +464,44 @@ def test_bad_online_configs_name_the_field(workdirs):
     with pytest.raises(ValueError, match="num_microbatches: 4 does not divide "
                        r"each minibatch update of ppo \(6 responses"):
       algorithms.build(config, mesh)
+  config = _config(workdirs, online__rollout_microbatches=3)
+  with _mesh_context(config) as mesh:
+    with pytest.raises(ValueError, match="rollout_microbatches: 8 prompts"):
+      algorithms.build(config, mesh)
+
+
+def test_a_rollout_in_parts_is_its_parts_in_prompt_order(workdirs):
+  """online.rollout_microbatches = 2: part p rolls out prompts p, p + 2, ...
+  with its own key; the step's rollout is the parts' rows put back so that
+  each prompt's k responses are adjacent and in the prompts' order."""
+  config = _config(workdirs, algorithm="grpo", online__samples_per_prompt=2,
+                   online__rollout_microbatches=2)
+  k, parts = 2, 2
+  with _mesh_context(config) as mesh:
+    trainer = algorithms.build(config, mesh)
+    state = trainer.init_state()
+    batch = sharding.global_batch(next(trainer.train_batches(0)), mesh,
+                                  trainer.rules)
+    prompts = np.asarray(batch["encoder_input_tokens"])
+    rng = jax.random.PRNGKey(3)
+    whole = jax.jit(lambda s, p: online.make_rollout(
+        trainer, s.params, s.frozen, p, rng))(state, prompts)
+    rngs = jax.random.split(rng, parts)
+    part = [jax.jit(lambda s, p, r: online._rollout_part(  # pylint: disable=protected-access
+        trainer, s.params, s.frozen, p, r))(state, prompts[p::parts], rngs[p])
+            for p in range(parts)]
+  # Each row's prompt, as the policy was fed it: prompt i's k rows at i * k.
+  np.testing.assert_array_equal(
+      np.asarray(whole.features["encoder_input_tokens"]),
+      np.repeat(prompts, k, axis=0))
+  for p in range(parts):
+    rows = np.concatenate([np.arange(i * k, (i + 1) * k)
+                           for i in range(p, len(prompts), parts)])
+    for name in ("logprobs", "mask", "scores"):
+      np.testing.assert_allclose(np.asarray(getattr(whole, name))[rows],
+                                 np.asarray(getattr(part[p], name)),
+                                 rtol=1e-5, atol=1e-6, err_msg=name)
+  # And a train step on it runs, with finite metrics.
+  with _mesh_context(config):
+    _, metrics = trainer.train_step(state, batch)
+  assert np.isfinite(float(metrics["loss"]))

@@ -163,6 +163,18 @@ def test_a_step_that_does_not_fit_gets_a_suggestion():
   tip = plan_lib.suggestion(config, {"total": 30.0}, state_gib=12.0,
                             budget_gib=14.0)
   assert "larger slice" in tip and "remat" not in tip
+  # An online step's rollout is not split by micro-batches.
+  assert "rollout" not in plan_lib.suggestion(config, {"total": 15.6}, 4.0,
+                                              14.0)
+  tip = plan_lib.suggestion(config, {"total": 15.6}, state_gib=4.0,
+                            budget_gib=14.0, algorithm=algorithms.get("ppo"))
+  assert "not the rollout" in tip
+  assert "online.rollout_microbatches=2 " in tip
+  # KTO estimates its KL baseline from the whole batch: no micro-batches.
+  tip = plan_lib.suggestion(tiny_config(algorithm="kto"), {"total": 15.6},
+                            state_gib=4.0, budget_gib=14.0,
+                            algorithm=algorithms.get("kto"))
+  assert "num_microbatches" not in tip and "remat_policy=full" in tip
 
 
 def _plan_command(tmp_path, *args):

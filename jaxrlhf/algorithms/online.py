@@ -127,6 +127,13 @@ ONLINE = config_schema.Group(
         F("num_minibatches", 1,
           "Minibatches (optimizer updates) per pass (Table 7: 1).",
           bounds=">0"),
+        F("rollout_microbatches", 1,
+          "Parts a step's rollout is sampled and scored in, one after "
+          "another (each holds batch_size / this many prompts): the "
+          "rollout's activations and KV caches shrink by about this factor "
+          "(train.num_microbatches splits only the updates). The responses "
+          "differ from an unsplit rollout's (each part draws its own random "
+          "numbers) but are drawn from the same policy.", bounds=">0"),
         F("clip_eps", 0.2,
           "Policy ratio clipping epsilon (Table 7: 0.2); GRPO's lower "
           "epsilon.", bounds=">0"),
@@ -202,6 +209,13 @@ def check_rows(algorithm, config, data_parallel: int) -> None:
         f"{'' if rows == total else ', selected'}) do not split into "
         f"{minibatches} equal minibatches.")
   per_minibatch = rows // minibatches
+  parts = config.online.rollout_microbatches
+  if batch % parts or (batch // parts) % data_parallel:
+    raise ValueError(
+        f"config.online.rollout_microbatches: {batch} prompts per step "
+        f"(train.batch_size) must split into {parts} equal parts, each a "
+        f"multiple of the {data_parallel} data-parallel shards; use a "
+        f"divisor of {batch // data_parallel}.")
   update_lib.check_split(
       per_minibatch, config.train.num_microbatches, data_parallel,
       what=(f"each minibatch update of {config.algorithm} "
@@ -344,7 +358,31 @@ POLICY_REFERENCE_AND_REWARD = base.Networks(
 
 def make_rollout(trainer, params, frozen, prompt_tokens, rng):
   """Samples `samples_per_prompt` responses per prompt (adjacent rows) and
-  scores them. prompt_tokens: [num_prompts, Lp]."""
+  scores them. prompt_tokens: [num_prompts, Lp].
+
+  With `online.rollout_microbatches` = P > 1, P parts of the prompts are
+  rolled out one after another (`jax.lax.map`) and their rows put back in
+  prompt order. Part p takes prompts p, p + P, ... (`split_microbatches`),
+  so each data shard's prompts feed every part and none move."""
+  parts = trainer.config.online.rollout_microbatches
+  if parts == 1:
+    return _rollout_part(trainer, params, frozen, prompt_tokens, rng)
+  per_part = jax.lax.map(
+      lambda a: _rollout_part(trainer, params, frozen, *a),
+      (update_lib.split_microbatches(prompt_tokens, parts),
+       jax.random.split(rng, parts)))
+  samples = trainer.online.samples_per_prompt
+
+  def merge(x):
+    # [P, prompts / P * k, ...] -> [prompts * k, ...]: prompt j * P + p's
+    # k responses stay adjacent (group algorithms compare them).
+    x = x.reshape((parts, x.shape[1] // samples, samples) + x.shape[2:])
+    x = jnp.swapaxes(x, 0, 1)
+    return x.reshape((-1,) + x.shape[3:])
+  return jax.tree.map(merge, per_part)
+
+
+def _rollout_part(trainer, params, frozen, prompt_tokens, rng):
   o, settings = trainer.config.online, trainer.online
   training = trainer.algorithm.training
   prompts = jnp.repeat(prompt_tokens, settings.samples_per_prompt, axis=0)
