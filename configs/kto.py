@@ -28,14 +28,11 @@ def get_config(size: str = "large"):
   c.kto.desirable_weight = 1.0
   c.kto.undesirable_weight = 1.0
   # KTO's KL baseline and desirability are statistics of the whole batch:
-  # no micro-batches. T5-L fits a 4x4 slice keeping every matmul's output
-  # once its parameters are split over the data axis too; T5-XL does not, so
-  # each of its layers' activations are recomputed instead (about a fifth
-  # more FLOPs). experiments/results/plans/ has both plans and the options.
+  # no micro-batches. Split over the data axis too, T5-L's parameters leave
+  # room on a 4x4 slice to keep every matmul's output; T5-XL's layers are
+  # recomputed in the backward pass instead (about a fifth more FLOPs).
+  # experiments/results/plans/ has both plans and the options compared.
   c.train.num_microbatches = 1
-  if size == "large":
-    c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
-    c.model.remat_policy = "dots_saveable"
-  else:
-    c.model.remat_policy = "full"
+  c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+  c.model.remat_policy = "dots_saveable" if size == "large" else "full"
   return c
