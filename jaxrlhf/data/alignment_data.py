@@ -103,12 +103,23 @@ def preprocessors(task_name: str, max_prompt_tokens: Optional[int] = None):
   ]
 
 
+def shuffle_buffer_size_for(source: seqio.DataSource,
+                            requested: Optional[int] = None
+                            ) -> Optional[int]:
+  """seqio's example shuffle buffer for a task over `source`: `requested`,
+  or none for a source that permutes a whole split afresh every pass
+  (`performs_internal_shuffling`, as the file sources do: a buffer after
+  the repeat would mix neighbouring passes), else seqio's default."""
+  if requested is not None or source.performs_internal_shuffling:
+    return requested
+  return seqio.SHUFFLE_BUFFER_SIZE
+
+
 def register_alignment_task(name: str, source: seqio.DataSource, kind,
                             vocabulary: seqio.Vocabulary, *,
                             prompt_add_eos: bool = True,
                             max_prompt_tokens: Optional[int] = None,
-                            shuffle_buffer_size: Optional[int] =
-                            seqio.SHUFFLE_BUFFER_SIZE,
+                            shuffle_buffer_size: Optional[int] = None,
                             overwrite: bool = False) -> seqio.Task:
   """Registers a seqio task of `kind` over any source of raw examples.
 
@@ -123,7 +134,9 @@ def register_alignment_task(name: str, source: seqio.DataSource, kind,
       converters drop it again).
     max_prompt_tokens: the prompt limit the source enforces; a smaller
       "prompt" feature length is then an error instead of a silent cut.
-    shuffle_buffer_size: seqio's example shuffle buffer.
+    shuffle_buffer_size: seqio's example shuffle buffer after the source
+      (`shuffle_buffer_size_for`: by default none for a source that
+      permutes each pass itself, such as the file sources).
     overwrite: replace a task already registered under `name`.
   """
   kind = kinds_lib.get_kind(kind)
@@ -136,7 +149,8 @@ def register_alignment_task(name: str, source: seqio.DataSource, kind,
       name, source=source,
       preprocessors=preprocessors(name, max_prompt_tokens),
       output_features=output_features(kind, vocabulary, prompt_add_eos),
-      shuffle_buffer_size=shuffle_buffer_size)
+      shuffle_buffer_size=shuffle_buffer_size_for(source,
+                                                  shuffle_buffer_size))
 
 
 def register_file_task(name: str,
@@ -154,8 +168,7 @@ def register_file_task(name: str,
                        normalize_rewards: Optional[bool] = None,
                        on_bad_row: str = "raise", seed: int = 0,
                        file_format: Optional[str] = None,
-                       shuffle_buffer_size: Optional[int] =
-                       seqio.SHUFFLE_BUFFER_SIZE,
+                       shuffle_buffer_size: Optional[int] = None,
                        overwrite: bool = False) -> seqio.Task:
   """Registers a seqio task that reads alignment data from files.
 
@@ -185,7 +198,9 @@ def register_file_task(name: str,
     on_bad_row: "raise" or "skip_and_report".
     seed: seed of random choices in layouts and of the source's shuffle.
     file_format: "jsonl" or "parquet" when the suffix does not say.
-    shuffle_buffer_size: seqio's example shuffle buffer.
+    shuffle_buffer_size: seqio's example shuffle buffer after the source
+      (`shuffle_buffer_size_for`: by default none for a source that
+      permutes each pass itself, such as the file sources).
     overwrite: replace a task already registered under `name`.
 
   Returns:

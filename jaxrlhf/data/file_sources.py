@@ -319,8 +319,11 @@ class AlignmentFileSource(seqio.DataSource):
     self._raw: Dict[str, SplitData] = {}
     self._loaded: Dict[str, SplitData] = {}
     self._reward_stats: Dict[str, RewardStats] = {}
+    # Each pass over a split is a fresh permutation of all of it
+    # (`get_dataset`), so seqio adds no shuffle buffer of its own.
     super().__init__(splits=tuple(self._split_paths),
-                     num_input_examples=None, caching_permitted=True)
+                     num_input_examples=None, caching_permitted=True,
+                     performs_internal_shuffling=True)
 
   # --- token counts --------------------------------------------------------
 

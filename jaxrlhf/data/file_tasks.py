@@ -106,7 +106,7 @@ class HeldOutPrompts(seqio.DataSource):
     self._assignment = None
     splits = ("train",) + tuple(s for s in HOLDOUT_SPLITS if self.counts[s])
     super().__init__(splits=splits, num_input_examples=None,
-                     caching_permitted=True)
+                     caching_permitted=True, performs_internal_shuffling=True)
 
   def __getattr__(self, name):
     # layout, layout_options, kind, ...: the wrapped source's.
@@ -196,6 +196,7 @@ def register_demonstrations(name: str, source: seqio.DataSource,
     seqio.TaskRegistry.remove(name)
   return seqio.TaskRegistry.add(
       name, source=source,
+      shuffle_buffer_size=alignment_data.shuffle_buffer_size_for(source),
       preprocessors=[
           _as_inputs_and_targets,
           functools.partial(alignment_data.check_prompt_length_limit,

@@ -69,14 +69,20 @@ class BatchIterator:
                global_batch_size: int, seed: int, shuffle: bool = True,
                num_epochs: Optional[int] = None, position: int = 0,
                drop_remainder: bool = True):
-    get_task(task)
     self.position = position
     shard = seqio.ShardInfo(index=jax.process_index(),
                             num_shards=jax.process_count())
-    ds = seqio.get_dataset(
-        task, dict(feature_lengths), feature_converter, dataset_split=split,
-        shuffle=shuffle, num_epochs=num_epochs, shard_info=shard, seed=seed,
-        verbose=False)
+    task_obj = get_task(task)
+    options = {}
+    if (isinstance(task_obj, seqio.Task)
+        and task_obj.source.performs_internal_shuffling):
+      # seqio caches a split of fewer than 10,000 examples in memory after
+      # its source: every pass would replay the first pass's permutation.
+      options["try_in_mem_cache"] = False
+    ds = task_obj.get_dataset(
+        dict(feature_lengths), split=split, shuffle=shuffle,
+        num_epochs=num_epochs, shard_info=shard, seed=seed, **options)
+    ds = feature_converter(ds, dict(feature_lengths))
     ds = ds.batch(local_batch_size(global_batch_size),
                   drop_remainder=drop_remainder)
     self._iterator = ds.skip(position).as_numpy_iterator()
