@@ -19,10 +19,9 @@ optimizer states are split over the data axis too
 (sharding.FULLY_SHARDED_RULES), each layer's activations are recomputed in
 the backward pass, and each minibatch's gradient is accumulated over 16
 micro-batches. The plan leaves 2.01 GiB per chip free (the 2 GiB it asks
-for; 8 micro-batches left 1.98): the peak is the rollout (sampling and
-scoring all 512 prompts at once), which micro-batches do not split, so
-going from 8 to 16 saves only 0.03 GiB. experiments/results/plans/ has this
-config's plan
+for; 8 micro-batches left 1.98): the step's peak is not the updates'
+activations, which micro-batches split, so 8 -> 16 saves only 0.03 GiB.
+experiments/results/plans/ has this config's plan
 (`python -m jaxrlhf.plan --config=configs/ppo_t5xl.py --topology=v5e:4x8`).
 """
 
