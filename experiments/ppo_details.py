@@ -27,13 +27,16 @@ RLHF with PPO", Huang et al. 2024):
 Each run evaluates every `--eval_every` steps on 128 held-out prompts (2
 samples each at temperature 1): gold reward, win rate against the SFT
 policy, KL(pi || SFT), length, EOS rate and the reward model's score. The
-script writes `results.md` / `results.json` (one row per run) and four PNG
-plots into --out. Every stage resumes, so an interrupted run continues.
+script writes `results.md` / `results.json` (per run: each seed's figures,
+their mean and standard error; and the reward model's held-out pair
+accuracy) and four PNG plots (the first seed's) into --out. Every stage
+resumes, so an interrupted run continues.
 """
 
 import argparse
 import copy
 import json
+import math
 import os
 import pathlib
 import time
@@ -66,48 +69,75 @@ def read_metrics(workdir):
   return train, evals
 
 
+def summarise_run(train, evals):
+  """One run's figures: its last evaluation and its training statistics."""
+  last = evals[-1]
+  row = {
+      "steps": last["step"],
+      "gold_reward": last["eval/gold_reward"],
+      "sft_gold_reward": evals[0]["eval/reference_gold_reward"],
+      "win_rate_vs_sft": last["eval/win_rate"],
+      "win_rate_stderr": last["eval/win_rate_stderr"],
+      "reward_model_score": last["eval/reward_model_score"],
+      "sft_reward_model_score": evals[0]["eval/reward_model_score"],
+      "kl_to_sft": last["eval/kl"],
+      "length": last["eval/length"],
+      "eos_rate": last["eval/eos_rate"],
+      "train_eos_rate_last10": sum(r["eos_rate"] for r in train[-10:]) / 10,
+      "train_length_last10": sum(r["response_length"]
+                                 for r in train[-10:]) / 10,
+  }
+  m = sum(r["token_reward_mean"] for r in train) / len(train)
+  s = sum(r["token_reward_std"] for r in train) / len(train)
+  # Mean-preserving reward whitening adds L * m * (1 - 1/s) to the return
+  # of an L-token response (see jaxrlhf/algorithms/ppo.py).
+  row.update(token_reward_mean=m, token_reward_std=s,
+             whitening_bonus_per_token=m * (1 - 1 / s))
+  return row
+
+
 def summarise(all_runs, descriptions):
+  """{run: {"description", "seeds": {seed: figures}, "mean": figures,
+  "stderr": figures}}: the mean over seeds and its standard error (sample
+  standard deviation / sqrt(seeds))."""
   table = {}
-  for name, (train, evals) in all_runs.items():
-    last = evals[-1]
-    table[name] = {
-        "description": descriptions[name],
-        "steps": last["step"],
-        "gold_reward": last["eval/gold_reward"],
-        "sft_gold_reward": evals[0]["eval/reference_gold_reward"],
-        "win_rate_vs_sft": last["eval/win_rate"],
-        "win_rate_stderr": last["eval/win_rate_stderr"],
-        "reward_model_score": last["eval/reward_model_score"],
-        "sft_reward_model_score": evals[0]["eval/reward_model_score"],
-        "kl_to_sft": last["eval/kl"],
-        "length": last["eval/length"],
-        "eos_rate": last["eval/eos_rate"],
-        "train_eos_rate_last10": sum(r["eos_rate"] for r in train[-10:]) / 10,
-        "train_length_last10": sum(r["response_length"]
-                                   for r in train[-10:]) / 10,
-    }
-    m = sum(r["token_reward_mean"] for r in train) / len(train)
-    s = sum(r["token_reward_std"] for r in train) / len(train)
-    # Mean-preserving reward whitening adds L * m * (1 - 1/s) to the return
-    # of an L-token response (see jaxrlhf/algorithms/ppo.py).
-    table[name].update(token_reward_mean=m, token_reward_std=s,
-                       whitening_bonus_per_token=m * (1 - 1 / s))
+  for name, by_seed in all_runs.items():
+    rows = {seed: summarise_run(*runs) for seed, runs in by_seed.items()}
+    n = len(rows)
+    mean, stderr = {}, {}
+    for key in next(iter(rows.values())):
+      values = [r[key] for r in rows.values()]
+      mean[key] = sum(values) / n
+      var = (sum((v - mean[key]) ** 2 for v in values) / (n - 1)
+             if n > 1 else 0.0)
+      stderr[key] = math.sqrt(var / n)
+    table[name] = {"description": descriptions[name], "seeds": rows,
+                   "mean": mean, "stderr": stderr}
   return table
 
 
 def format_markdown(table):
+  seeds = len(next(iter(table.values()))["seeds"])
+
+  def cell(r, key, digits):
+    return (f"{r['mean'][key]:.{digits}f} ± {r['stderr'][key]:.{digits}f}")
+
   lines = [
-      "| run | steps | gold reward (SFT -> run) | win rate vs SFT | RM score "
-      "(SFT -> run) | KL(pi‖SFT) | length | EOS rate | m(1-1/s) |",
-      "|---|---|---|---|---|---|---|---|---|"]
+      f"Mean ± standard error over {seeds} seeds of the PPO runs (one SFT "
+      "policy and reward model).",
+      "",
+      "| run | steps | SFT gold reward | gold reward | win rate vs SFT | "
+      "SFT RM score | RM score | KL(pi‖SFT) | length | EOS rate | m(1-1/s) |",
+      "|---|---|---|---|---|---|---|---|---|---|---|"]
   for name, r in table.items():
+    m = r["mean"]
     lines.append(
-        f"| {name} | {r['steps']} | {r['sft_gold_reward']:.3f} -> "
-        f"{r['gold_reward']:.3f} | {r['win_rate_vs_sft']:.3f} ± "
-        f"{r['win_rate_stderr']:.3f} | {r['sft_reward_model_score']:.2f} -> "
-        f"{r['reward_model_score']:.2f} | {r['kl_to_sft']:.2f} | "
-        f"{r['length']:.2f} | {r['eos_rate']:.3f} | "
-        f"{r['whitening_bonus_per_token']:+.3f} |")
+        f"| {name} | {m['steps']:.0f} | {m['sft_gold_reward']:.3f} | "
+        f"{cell(r, 'gold_reward', 3)} | {cell(r, 'win_rate_vs_sft', 3)} | "
+        f"{m['sft_reward_model_score']:.2f} | "
+        f"{cell(r, 'reward_model_score', 2)} | {cell(r, 'kl_to_sft', 2)} | "
+        f"{cell(r, 'length', 2)} | {cell(r, 'eos_rate', 3)} | "
+        f"{cell(r, 'whitening_bonus_per_token', 3)} |")
   lines.append("")
   lines.append("Gold reward, win rate, KL (k1 on the policy's samples), "
                "length (tokens, EOS included) and EOS rate: 128 held-out "
@@ -124,6 +154,7 @@ def format_markdown(table):
 
 
 def plot(all_runs, out):
+  """The first seed's curves (`all_runs`: {run: (train rows, eval rows)})."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
@@ -229,6 +260,10 @@ def main():
                  help="PPO iterations per run (the over-optimisation run: 3x)")
   p.add_argument("--eval_every", type=int, default=25)
   p.add_argument("--only", default="", help="comma-separated runs")
+  p.add_argument("--seeds", default="0,1,2",
+                 help="comma-separated config.seed values of the PPO runs "
+                 "(sampling, prompt order); SFT, data and the reward model "
+                 "are made once")
   args = p.parse_args()
 
   from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
@@ -241,34 +276,42 @@ def main():
   config.eval.num_examples = 128
   config.pipeline.eval_samples_per_prompt = 2
   config.pipeline.online_steps = args.steps
-  offline_pipeline.run(config, args.workdir)
+  stages = offline_pipeline.run(config, args.workdir)
   sft_dir = os.path.join(args.workdir, "sft")
   rm_dir = os.path.join(args.workdir, "reward_model")
 
   all_runs, descriptions = {}, {}
   selected = [s for s in args.only.split(",") if s]
-  for name, (description, overrides) in runs(args.steps).items():
-    if selected and name not in selected:
-      continue
-    c = offline_pipeline.online_stage_config(config, "ppo", sft_dir, rm_dir)
-    defaults.apply_overrides(c, {"eval.every_steps": args.eval_every,
-                                 "train.log_every": 10, **overrides})
-    workdir = os.path.join(args.workdir, name)
-    print(f"=== {name}: {description}", flush=True)
-    loop.train(copy.deepcopy(c), workdir)
-    all_runs[name] = read_metrics(workdir)
-    descriptions[name] = description
+  seeds = [int(x) for x in args.seeds.split(",")]
+  for seed in seeds:
+    for name, (description, overrides) in runs(args.steps).items():
+      if selected and name not in selected:
+        continue
+      c = offline_pipeline.online_stage_config(config, "ppo", sft_dir, rm_dir)
+      defaults.apply_overrides(c, {"eval.every_steps": args.eval_every,
+                                   "train.log_every": 10, "seed": seed,
+                                   **overrides})
+      workdir = os.path.join(args.workdir, f"seed{seed}", name)
+      print(f"=== seed {seed}, {name}: {description}", flush=True)
+      loop.train(copy.deepcopy(c), workdir)
+      all_runs.setdefault(name, {})[seed] = read_metrics(workdir)
+      descriptions[name] = description
 
   os.makedirs(args.out, exist_ok=True)
   table = summarise(all_runs, descriptions)
   with open(os.path.join(args.out, "results.json"), "w") as f:
-    json.dump(table, f, indent=2, sort_keys=True)
+    json.dump({"runs": table,
+               "reward_model_heldout_pair_accuracy":
+                   stages["reward_model"]["eval/accuracy"],
+               "reward_model_heldout_pairs": config.eval.num_examples},
+              f, indent=2, sort_keys=True)
   markdown = format_markdown(table)
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(markdown)
   print(markdown)
   if not selected:
-    plot(all_runs, args.out)
+    plot({name: by_seed[seeds[0]] for name, by_seed in all_runs.items()},
+         args.out)
   print(f"Done in {(time.time() - started) / 60:.1f} min; results in "
         f"{args.out}")
 
