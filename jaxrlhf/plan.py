@@ -167,13 +167,11 @@ def suggestion(config, memory: Dict[str, float], state_gib: float,
             "a larger slice, or shard it over more chips (a larger model "
             "axis in config.mesh.shape).")
   online = algorithm is not None and algorithm.online
-  statistics = (None if algorithm is None or online
-                else algorithm.training.batch_statistics)
   tips = []
   if config.model.remat_policy != "full":
     tips.append("--config.model.remat_policy=full (recompute each layer's "
                 "activations in the backward pass)")
-  if not (statistics and statistics(config)):
+  if algorithm is None or not algorithm.whole_batch_statistic(config):
     micro = config.train.num_microbatches
     tips.append(f"--config.train.num_microbatches={2 * micro} (activations "
                 "of half as many rows at a time" + (

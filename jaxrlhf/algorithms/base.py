@@ -185,3 +185,9 @@ class Algorithm:
   @property
   def online(self) -> bool:
     return isinstance(self.training, Online)
+
+  def whole_batch_statistic(self, config) -> Optional[str]:
+    """What the loss estimates from the whole batch under `config` (so that
+    micro-batches would change it), or None."""
+    statistics = None if self.online else self.training.batch_statistics
+    return statistics(config) if statistics else None

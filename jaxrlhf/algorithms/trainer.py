@@ -402,8 +402,7 @@ def check_rows(algorithm: base.Algorithm, config, data_parallel: int) -> None:
     online_lib.check_rows(algorithm, config, data_parallel)
     return
   batch = config.train.batch_size
-  statistics = algorithm.training.batch_statistics
-  estimated = statistics(config) if statistics else None
+  estimated = algorithm.whole_batch_statistic(config)
   if estimated and config.train.num_microbatches > 1:
     raise ValueError(
         f"config.train.num_microbatches: {algorithm.name} estimates "
