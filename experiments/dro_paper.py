@@ -32,12 +32,19 @@ whose gold reward is a program, with the quickstart's tiny T5:
        dro_v_single_*   one network (the policy's logits as the value,
                         dro.value_source=policy_logits) and/or one value per
                         batch (Figure 5);
-  3. each policy's final checkpoint samples one completion (temperature 1)
-     for each of `--eval_prompts` prompts of the task's "test" split, which
-     no stage has seen; the gold reward decides each side-by-side
-     comparison (ties count 1/2). A win rate is the mean over seeds; its
-     +- is the standard error over seeds (the paper: over 5 folds of 1,000
-     prompts); "s.e. per run" is the binomial standard error over prompts.
+  3. checkpoint selection as the paper's: every `--select_every` steps each
+     run samples one completion (temperature 1) for each of
+     `--select_prompts` prompts of the task's "validation" split and keeps
+     the checkpoint that wins most against SFT's samples there
+     (checkpoint.best_metric eval/win_rate, <run>/best); the best tau of
+     each method is also picked by that validation win rate;
+  4. each chosen checkpoint samples one completion (temperature 1) for each
+     of `--eval_prompts` prompts of the task's "test" split, which no stage
+     has seen and nothing was selected on; the gold reward decides each
+     side-by-side comparison (ties count 1/2). A win rate is the mean over
+     seeds; its +- is the standard error over seeds (the paper: over 5
+     folds of 1,000 prompts); "s.e. per run" is the binomial standard
+     error over prompts.
 
 With `--labels=reward_model` the trajectories' rewards are instead the
 scores of the quickstart pipeline's reward model (trained on Bradley-Terry
@@ -46,8 +53,13 @@ normalised the same way, while the gold reward still judges: the training
 signal then differs from the judge, as UltraFeedback's ratings differ from
 the paper's PaLM 2 judge. Only the variants of Figures 1-2 and 4 run.
 
-The paper keeps the best of its checkpoints (every 2,000 steps) by win rate
-against SFT; here each run's last checkpoint is judged. The script writes
+With `--task=synthetic_summarize_graded` every stage runs on the graded
+task instead, whose prompts come in three difficulty levels the prompt
+shows (jaxrlhf/data/synthetic.py), and only Figure 5's variants run: the
+parameter-sharing ablation, where a value per prompt has something to
+learn. Trajectories whose completion ends exactly at the last slot are
+kept (the pipeline's own stages skip them, as its committed table was
+made). The script writes
 `results.md` / `results.json` and `dro_paper.png` into --out. Every stage
 and run resumes, and every evaluation is cached in the workdir, so an
 interrupted run continues.
@@ -77,6 +89,10 @@ PAPER = {
 }
 MULTIPLIERS = (0.1, 0.5, 5)
 TAUS = (0.1, 1, 5)
+GRADED_TASK = "synthetic_summarize_graded"
+# What --task=synthetic_summarize_graded runs: Figure 5.
+SHARING_VARIANTS = ("dro_v", "dro_v_single_value", "dro_v_single_net",
+                    "dro_v_single_net_single_value")
 
 
 def variants(learning_rate: float):
@@ -100,13 +116,17 @@ def variants(learning_rate: float):
   return out
 
 
-def run_config(config, algorithm, overrides, sft_dir, seed, data_settings):
+def run_config(config, algorithm, overrides, sft_dir, seed, data_settings,
+               select_every, select_prompts):
   """One variant's run config; `data_settings` are the config.data fields
-  of the trajectories it trains on (`offline_pipeline.data_task_settings`)."""
+  of the trajectories it trains on (`offline_pipeline.data_task_settings`).
+  Every `select_every` steps the policy is judged against SFT on
+  `select_prompts` validation prompts, and the best is kept in <run>/best."""
   from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
   p = config.pipeline
   rate = p.policy_learning_rate
-  return offline_pipeline.stage_config(config, algorithm, **data_settings, **{
+  return offline_pipeline.stage_config(config, algorithm, **{
+      **data_settings,
       "seed": seed,
       "train.num_steps": p.policy_steps,
       "init.policy_checkpoint": sft_dir,
@@ -115,9 +135,21 @@ def run_config(config, algorithm, overrides, sft_dir, seed, data_settings):
                                     p.policy_steps // 4),
       # The paper's default: one learning rate for policy and value.
       "dro.value_learning_rate": rate,
-      # No evaluation inside the run (its data task has no gold reward);
-      # this script judges every run itself on the test split.
-      "eval.task": "",
+      # Completions whose EOS falls on the last slot are whole completions.
+      "data.files.max_completion_tokens": config.data.targets_length,
+      # Checkpoint selection on the prompt task's validation split, judged
+      # by its gold reward (the paper: every 2,000 steps, against SFT); this
+      # script reports the chosen checkpoint on the test split itself.
+      "eval.task": config.data.task,
+      "eval.split": "validation",
+      "eval.every_steps": select_every,
+      "eval.num_examples": select_prompts,
+      "eval.num_samples": 1,
+      "eval.temperature": 1.0,
+      "eval.batch_size": 256,
+      "eval.judge": "gold_reward",
+      "checkpoint.best_metric": "eval/win_rate",
+      "checkpoint.every_steps": 0,
       **overrides,
   })
 
@@ -297,18 +329,63 @@ def over_seeds(values):
   return float(np.mean(v)), se
 
 
-def summarise(judged, seeds, sft_by_seed, kto_best):
-  """Every variant against SFT, and the paper's head-to-head comparisons."""
+def chosen_checkpoint(run_dir: str) -> dict:
+  """The checkpoint a run chose ({step, validation win rate}, from
+  <run>/best/best.json) and its DRO-V value loss over the last 50 steps."""
+  with open(os.path.join(run_dir, "best", "best.json")) as f:
+    best = json.load(f)
+  with open(os.path.join(run_dir, "metrics.jsonl")) as f:
+    losses = [r["value_loss"] for r in map(json.loads, f)
+              if "value_loss" in r]
+  return {"step": best["step"], "validation_win_rate": best["value"],
+          "final_value_loss": float(np.mean(losses[-50:])) if losses
+                              else None}
+
+
+def reward_variance(trajectory_file: str) -> dict:
+  """How the training rewards (normalised over the file, as training sees
+  them) vary: the mean variance among one prompt's samples, and the share
+  of the whole variance that lies between prompts' means (what a value per
+  prompt can explain and one value per batch cannot)."""
+  by_prompt = {}
+  with open(trajectory_file) as f:
+    for line in f:
+      row = json.loads(line)
+      by_prompt.setdefault(row["prompt"], []).append(row["reward"])
+  flat = np.concatenate([np.asarray(v, np.float64)
+                         for v in by_prompt.values()])
+  mean, std = flat.mean(), flat.std()
+  groups = [(np.asarray(v) - mean) / std for v in by_prompt.values()]
+  counts = np.array([len(g) for g in groups], np.float64)
+  means = np.array([g.mean() for g in groups])
+  return {
+      "within_prompt_mean_variance": float(np.mean([g.var() for g in groups
+                                                    if len(g) > 1])),
+      "between_prompt_share": float(np.sum(counts * means ** 2)
+                                    / np.sum(counts)),
+  }
+
+
+def summarise(judged, chosen, seeds, sft_by_seed):
+  """Every variant against SFT, and the paper's head-to-head comparisons.
+  The best tau of each method is the one whose chosen checkpoints won most
+  on the validation prompts (mean over seeds)."""
   rows = {}
 
   def add(row_name, first, second_by_seed):
     wins, ses = zip(*(win_rate(judged[first][s]["gold"], second_by_seed(s))
                       for s in seeds))
     mean, se = over_seeds(wins)
+    value_losses = [chosen[first][s]["final_value_loss"] for s in seeds]
     rows[row_name] = {
         "win_rate": mean, "win_rate_se_over_seeds": se,
         "win_rate_se_per_run": float(np.mean(ses)),
         "per_seed": list(wins),
+        "validation_win_rate": float(np.mean(
+            [chosen[first][s]["validation_win_rate"] for s in seeds])),
+        "chosen_steps": [chosen[first][s]["step"] for s in seeds],
+        "final_value_loss": (float(np.mean(value_losses))
+                             if None not in value_losses else None),
         "gold_reward": float(np.mean([judged[first][s]["gold"].mean()
                                       for s in seeds])),
         "kl_to_sft": float(np.mean([judged[first][s]["kl"].mean()
@@ -321,14 +398,18 @@ def summarise(judged, seeds, sft_by_seed, kto_best):
   sft = lambda s: sft_by_seed[s]["gold"]
   for name in judged:
     add(name, name, sft)
-  dro_v_best = max((n for n in judged
-                    if n == "dro_v" or n.startswith("dro_v_tau_")),
-                   key=lambda n: rows[n]["win_rate"])
-  add("dro_v_vs_kto", "dro_v", lambda s: judged[kto_best][s]["gold"])
-  add("best_dro_v_vs_best_kto", dro_v_best,
-      lambda s: judged[kto_best][s]["gold"])
-  rows["kto"] = dict(rows[kto_best], paper=PAPER["kto"], variant=kto_best)
-  rows["best_dro_v_vs_best_kto"]["variant"] = dro_v_best
+  by_validation = lambda n: rows[n]["validation_win_rate"]
+  kto_variants = [n for n in judged if n.startswith("kto_")]
+  if kto_variants:
+    kto_best = max(kto_variants, key=by_validation)
+    dro_v_best = max((n for n in judged
+                      if n == "dro_v" or n.startswith("dro_v_tau_")),
+                     key=by_validation)
+    add("dro_v_vs_kto", "dro_v", lambda s: judged[kto_best][s]["gold"])
+    add("best_dro_v_vs_best_kto", dro_v_best,
+        lambda s: judged[kto_best][s]["gold"])
+    rows["kto"] = dict(rows[kto_best], paper=PAPER["kto"], variant=kto_best)
+    rows["best_dro_v_vs_best_kto"]["variant"] = dro_v_best
   if "dro_v_single_value" in judged:
     add("dro_v_vs_single_value", "dro_v",
         lambda s: judged["dro_v_single_value"][s]["gold"])
@@ -376,45 +457,61 @@ SECTIONS = (
 )
 
 
-def format_markdown(rows, seeds, num_prompts):
-  taus = {"kto_tau": tau_of(rows["kto"]["variant"]),
-          "dro_tau": tau_of(rows["best_dro_v_vs_best_kto"]["variant"])}
+def format_markdown(rows, seeds, args):
+  taus = ({"kto_tau": tau_of(rows["kto"]["variant"]),
+           "dro_tau": tau_of(rows["best_dro_v_vs_best_kto"]["variant"])}
+          if "kto" in rows else {})
   lines = []
   for title, names, labels in SECTIONS:
     if not all(n in rows for n in names):
       continue  # a section whose variants did not run
     lines += [f"### {title}", "",
               "| comparison | win rate (first over second) | s.e. per run | "
-              "paper (T5-L) | gold reward | KL(pi‖SFT) | length |",
-              "|---|---|---|---|---|---|---|"]
+              "paper (T5-L) | validation win rate vs SFT | chosen steps | "
+              "gold reward | KL(pi‖SFT) | length | value loss |",
+              "|---|---|---|---|---|---|---|---|---|---|"]
     for name, label in zip(names, labels):
       r = rows[name]
       paper = f"{r['paper']:.1%}" if r.get("paper") else "-"
+      value_loss = (f"{r['final_value_loss']:.3f}"
+                    if r.get("final_value_loss") is not None else "-")
       lines.append(
           f"| {label.format(**taus)} | {r['win_rate']:.1%} ± "
           f"{r['win_rate_se_over_seeds']:.1%} | "
           f"{r['win_rate_se_per_run']:.1%} | {paper} | "
+          f"{r['validation_win_rate']:.1%} | "
+          f"{', '.join(map(str, r['chosen_steps']))} | "
           f"{r['gold_reward']:.3f} | {r['kl_to_sft']:.2f} | "
-          f"{r['length']:.2f} |")
+          f"{r['length']:.2f} | {value_loss} |")
     lines.append("")
   lines.append(
       f"SFT: gold reward {rows['sft']['gold_reward']:.3f}, length "
       f"{rows['sft']['length']:.2f}. Win rates: one sample per prompt on "
-      f"{num_prompts} test prompts, mean over seeds {list(seeds)} ± the "
+      f"{args.eval_prompts} test prompts, mean over seeds {list(seeds)} ± the "
       "standard error over seeds; 's.e. per run' is the binomial standard "
-      "error over prompts of one run. Gold reward, KL (k1, nats per "
+      "error over prompts of one run. Each run is represented by the "
+      f"checkpoint (every {args.select_every} steps) that won most against "
+      f"SFT on {args.select_prompts} validation prompts ('validation win "
+      "rate', 'chosen steps' per seed); the best tau of each method is "
+      "picked by that validation win rate. Gold reward, KL (k1, nats per "
       "response) and length (tokens, EOS included) are those of the first "
-      "policy of the row, on its own samples. The best tau of each method "
-      "is picked by its win rate against SFT, as the paper picks KTO's.")
+      "policy of the row, on its own test samples; 'value loss' is DRO-V's "
+      "value loss over the last 50 training steps.")
+  variance = rows["reward_variance"]
+  lines += ["", f"Training rewards (normalised): a prompt's samples vary by "
+            f"{variance['within_prompt_mean_variance']:.3f} on average; "
+            f"{variance['between_prompt_share']:.1%} of the variance lies "
+            "between prompts' means."]
   kl = rows["optimum_kl"]
-  lines += ["", "KL(pi* || SFT) of DRO-V's regularised optimum on the training "
-            "data (each prompt's SFT samples weighted by softmax(r / tau)) "
-            "against the DRO-V policies' measured KL:", "",
-            "| tau | optimum | DRO-V |", "|---|---|---|"]
-  for tau in TAUS:
-    name = "dro_v" if tau == 1 else f"dro_v_tau_{tau:g}"
-    lines.append(f"| {tau:g} | {kl[f'{tau:g}']:.3f} | "
-                 f"{rows[name]['kl_to_sft']:.3f} |")
+  if all(("dro_v" if t == 1 else f"dro_v_tau_{t:g}") in rows for t in TAUS):
+    lines += ["", "KL(pi* || SFT) of DRO-V's regularised optimum on the "
+              "training data (each prompt's SFT samples weighted by "
+              "softmax(r / tau)) against the DRO-V policies' measured KL:",
+              "", "| tau | optimum | DRO-V |", "|---|---|---|"]
+    for tau in TAUS:
+      name = "dro_v" if tau == 1 else f"dro_v_tau_{tau:g}"
+      lines.append(f"| {tau:g} | {kl[f'{tau:g}']:.3f} | "
+                   f"{rows[name]['kl_to_sft']:.3f} |")
   return "\n".join(lines) + "\n"
 
 
@@ -455,7 +552,10 @@ def plot(rows, out):
                  "dro_v_single_net", "dro_v_double_net"),
        ("double/single", "single/single", "single/multiple",
         "double/multiple"), "Figure 5: networks/values (vs SFT)")
-  axes[0].legend(fontsize=8)
+  for ax in axes:
+    if ax.get_legend_handles_labels()[0]:
+      ax.legend(fontsize=8)
+      break
   fig.tight_layout()
   fig.savefig(os.path.join(out, "dro_paper.png"), dpi=110)
   plt.close(fig)
@@ -470,7 +570,12 @@ def main():
   p.add_argument("--seeds", default="0,1,2")
   p.add_argument("--steps", type=int, default=300,
                  help="training steps of every variant")
-  p.add_argument("--eval_prompts", type=int, default=1000)
+  p.add_argument("--eval_prompts", type=int, default=1000,
+                 help="test prompts each chosen checkpoint is judged on")
+  p.add_argument("--select_every", type=int, default=100,
+                 help="steps between the checkpoints a run chooses from")
+  p.add_argument("--select_prompts", type=int, default=512,
+                 help="validation prompts the choice is made on")
   p.add_argument("--only", default="",
                  help="comma-separated variants (no table or plot)")
   p.add_argument("--labels", default="gold",
@@ -478,8 +583,14 @@ def main():
                  help="train on the gold reward (the judge itself), or on "
                       "the pipeline reward model's scores of the same "
                       "trajectories (Figures 1-2 and 4's variants only)")
+  p.add_argument("--task", default="synthetic_summarize",
+                 choices=("synthetic_summarize", GRADED_TASK),
+                 help="the prompts and gold reward; the graded task runs "
+                      "Figure 5's variants only")
   args = p.parse_args()
 
+  from jaxrlhf import console  # pylint: disable=g-import-not-at-top
+  console.silence_library_noise(python_loggers=True)
   from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
   from jaxrlhf import offline_pipeline  # pylint: disable=g-import-not-at-top
   from jaxrlhf.train import loop  # pylint: disable=g-import-not-at-top
@@ -487,6 +598,7 @@ def main():
   started = time.time()
   seeds = [int(s) for s in args.seeds.split(",")]
   config = defaults.load_config_file(REPO / "configs" / "quickstart.py")
+  config.data.task = args.task
   learned = args.labels == "reward_model"
   config.pipeline.stages = "sft,data,reward_model" if learned else "sft,data"
   config.pipeline.policy_steps = args.steps
@@ -505,16 +617,18 @@ def main():
   all_variants = variants(config.pipeline.policy_learning_rate)
   if learned:
     all_variants = {n: all_variants[n] for n in REWARD_MODEL_VARIANTS}
+  if args.task == GRADED_TASK:
+    all_variants = {n: all_variants[n] for n in SHARING_VARIANTS}
   selected = [s for s in args.only.split(",") if s]
   unknown = set(selected) - set(all_variants)
   if unknown:
     raise SystemExit(f"--only: unknown variants {sorted(unknown)}; choose "
                      f"from {sorted(all_variants)}.")
-  judged = {}
+  judged, chosen = {}, {}
   for name, (algorithm, overrides) in all_variants.items():
     if selected and name not in selected:
       continue
-    judged[name] = {}
+    judged[name], chosen[name] = {}, {}
     for seed in seeds:
       run_dir = os.path.join(args.workdir, "runs",
                              f"{prefix}{name}_seed{seed}")
@@ -522,23 +636,29 @@ def main():
       if not judge.has(prefix + name, seed):
         print(f"=== {prefix}{name}, seed {seed} "
               f"({(time.time() - started) / 60:.1f} min)", flush=True)
-        loop.train(copy.deepcopy(run_config(config, algorithm, overrides,
-                                            sft_dir, seed, data_settings)),
-                   run_dir)
-      judged[name][seed] = judge.outcomes(prefix + name, run_dir, seed)
+        loop.train(copy.deepcopy(run_config(
+            config, algorithm, overrides, sft_dir, seed, data_settings,
+            args.select_every, args.select_prompts)), run_dir)
+      chosen[name][seed] = chosen_checkpoint(run_dir)
+      judged[name][seed] = judge.outcomes(
+          prefix + name, os.path.join(run_dir, "best"), seed)
   if selected:
     return
   sft_by_seed = {s: judge.outcomes("sft", None, s) for s in seeds}
-  kto_best = max((n for n in judged if n.startswith("kto_")),
-                 key=lambda n: np.mean([win_rate(judged[n][s]["gold"],
-                                                 sft_by_seed[s]["gold"])[0]
-                                        for s in seeds]))
-  rows = summarise(judged, seeds, sft_by_seed, kto_best)
+  rows = summarise(judged, chosen, seeds, sft_by_seed)
   rows["optimum_kl"] = {f"{tau:g}": optimum_kl(data_file, tau) for tau in TAUS}
+  rows["reward_variance"] = reward_variance(data_file)
+  rows["setup"] = {
+      "task": args.task, "labels": args.labels, "seeds": seeds,
+      "steps": args.steps, "select_every": args.select_every,
+      "select_prompts": args.select_prompts,
+      "eval_prompts": args.eval_prompts,
+      "trajectories": sum(1 for _ in open(data_file)),
+      "minutes": round((time.time() - started) / 60, 1)}
   os.makedirs(args.out, exist_ok=True)
   with open(os.path.join(args.out, "results.json"), "w") as f:
     json.dump(rows, f, indent=2, sort_keys=True)
-  markdown = format_markdown(rows, seeds, args.eval_prompts)
+  markdown = format_markdown(rows, seeds, args)
   with open(os.path.join(args.out, "results.md"), "w") as f:
     f.write(markdown)
   print(markdown)

@@ -73,3 +73,44 @@ def test_registered_task_yields_encdec_batches():
   assert ex["decoder_loss_weights"].sum() == n + 1
   assert list(ex["encoder_input_tokens"][:len(first["inputs"].split()) + 1]) \
       == v.encode(first["inputs"]) + [1]
+
+
+def test_graded_task_prompts_differ_in_difficulty_and_show_it():
+  """The graded variant's demonstrations score by level (easy high, hard
+  low), each level's prompts use only its own words, and far more of the
+  demonstrations' reward variance lies between levels."""
+  graded = synthetic.make_examples("train", 3000, graded=True)
+  plain = synthetic.make_examples("train", 3000)
+  mean_by_level = {}
+  for level, spec in enumerate(synthetic.GRADED_LEVELS):
+    rows = [ex for ex in graded if ex["level"] == level]
+    assert 800 < len(rows) < 1200  # equal shares
+    for ex in rows:
+      assert set(synthetic.prompt_words(ex["inputs"])) <= set(spec.words)
+    mean_by_level[level] = np.mean([
+        synthetic.gold_reward(ex["inputs"], ex["targets"]) for ex in rows])
+  # The medium level has the plain task's mistake rates (its mean ~0.85).
+  assert mean_by_level[0] > 0.95 and 0.8 < mean_by_level[1] < 0.9
+  assert mean_by_level[2] < 0.65
+  rewards = np.array([synthetic.gold_reward(ex["inputs"], ex["targets"])
+                      for ex in graded])
+  level_means = np.array([mean_by_level[ex["level"]] for ex in graded])
+  assert level_means.var() / rewards.var() > 0.3
+  # The plain task is unchanged by the option: same stream, no level.
+  assert plain == synthetic.make_examples("train", 3000, graded=False)
+  assert "level" not in plain[0]
+
+
+def test_graded_task_is_registered_with_the_gold_reward():
+  assert tasks.gold_reward_for(tasks.SYNTHETIC_SUMMARIZE_GRADED) is (
+      synthetic.gold_reward)
+  ds = seqio.get_dataset(
+      tasks.SYNTHETIC_SUMMARIZE_GRADED, {"inputs": 16, "targets": 16},
+      seqio.EncDecFeatureConverter(pack=False), dataset_split="test",
+      shuffle=False)
+  ex = next(ds.as_numpy_iterator())
+  first = synthetic.make_examples("test", 1, graded=True)[0]
+  v = tasks.synthetic_vocabulary()
+  n = len(first["inputs"].split())
+  assert list(ex["encoder_input_tokens"][:n + 1]) == (
+      v.encode(first["inputs"]) + [1])

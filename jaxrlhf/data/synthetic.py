@@ -12,6 +12,14 @@ The SFT demonstrations are deliberately imperfect, like human-written
 summaries: some stop early, some repeat themselves, some mention a word the
 prompt never had. A model that imitates them inherits their mistakes, which
 leaves headroom for preference and reward optimisation above SFT.
+
+In the graded variant (`make_examples(..., graded=True)`) prompts differ in
+difficulty, and the prompt shows how hard it is: each prompt draws its words
+from one of `GRADED_LEVELS`' word pools, and the demonstrator's mistake
+rates are those of the level. SFT samples of an easy prompt then score high
+and those of a hard prompt low, so much of the reward's variance lies
+between prompts, which a value per prompt (DRO-V's V(x)) can learn and one
+value per batch cannot.
 """
 
 import dataclasses
@@ -34,6 +42,24 @@ class DemonstrationNoise:
   p_ramble: float = 0.25
   # Inserts one word the prompt does not contain (inaccurate).
   p_hallucinate: float = 0.15
+
+
+@dataclasses.dataclass(frozen=True)
+class Level:
+  """One difficulty level of the graded task: its word pool and noise."""
+  words: Sequence[str]
+  noise: DemonstrationNoise
+
+
+# Easy, medium and hard prompts, in equal shares; each level's words are its
+# own, so the prompt tells its level.
+GRADED_LEVELS = (
+    Level(WORDS[0:7], DemonstrationNoise(p_incomplete=0.05, p_ramble=0.03,
+                                         p_hallucinate=0.02)),
+    Level(WORDS[7:14], DemonstrationNoise()),
+    Level(WORDS[14:20], DemonstrationNoise(p_incomplete=0.9, p_ramble=0.8,
+                                           p_hallucinate=0.6)),
+)
 
 
 def ideal_summary(prompt_words: Sequence[str]) -> List[str]:
@@ -89,20 +115,28 @@ def _rng_for(split: str, seed: int) -> np.random.Generator:
 
 def make_examples(split: str, num_examples: int, seed: int = 0,
                   min_words: int = 4, max_words: int = 9,
-                  noise: DemonstrationNoise = DemonstrationNoise()):
+                  noise: DemonstrationNoise = DemonstrationNoise(),
+                  graded: bool = False):
   """Deterministic examples {"inputs", "targets", "ideal"} for one split.
 
   Each split draws from its own random stream, so held-out prompts do not
-  depend on how many training examples were made.
+  depend on how many training examples were made. `graded`: the graded
+  variant (module docstring; `noise` is then the levels'), whose examples
+  also carry their "level" (0 easy, 1 medium, 2 hard).
   """
-  rng = _rng_for(split, seed)
+  rng = _rng_for(f"graded/{split}" if graded else split, seed)
   examples = []
   for _ in range(num_examples):
+    vocabulary = WORDS
+    if graded:
+      level = int(rng.integers(len(GRADED_LEVELS)))
+      vocabulary, noise = (GRADED_LEVELS[level].words,
+                           GRADED_LEVELS[level].noise)
     n = int(rng.integers(min_words, max_words + 1))
     # Few distinct words per prompt, so repeats are common.
-    pool = rng.choice(len(WORDS), size=int(rng.integers(2, min(n, 6) + 1)),
-                      replace=False)
-    words = [WORDS[i] for i in rng.choice(pool, size=n)]
+    pool = rng.choice(len(vocabulary),
+                      size=int(rng.integers(2, min(n, 6) + 1)), replace=False)
+    words = [vocabulary[i] for i in rng.choice(pool, size=n)]
     ideal = ideal_summary(words)
     demo = list(ideal)
     if len(demo) > 1 and rng.random() < noise.p_incomplete:
@@ -113,9 +147,12 @@ def make_examples(split: str, num_examples: int, seed: int = 0,
       foreign = [w for w in WORDS if w not in ideal]
       demo.insert(int(rng.integers(0, len(demo) + 1)),
                   foreign[int(rng.integers(len(foreign)))])
-    examples.append({
+    example = {
         "inputs": " ".join([PROMPT_PREFIX] + words),
         "targets": " ".join(demo),
         "ideal": " ".join(ideal),
-    })
+    }
+    if graded:
+      example["level"] = level
+    examples.append(example)
   return examples

@@ -20,6 +20,11 @@ GoldReward = Callable[[str, str, bool], float]
 _GOLD_REWARDS: Dict[str, GoldReward] = {}
 
 SYNTHETIC_SUMMARIZE = "synthetic_summarize"
+# The same task with prompts of three difficulty levels (synthetic.py's
+# graded variant): same vocabulary and gold reward.
+SYNTHETIC_SUMMARIZE_GRADED = "synthetic_summarize_graded"
+_SYNTHETIC_GRADED = {SYNTHETIC_SUMMARIZE: False,
+                     SYNTHETIC_SUMMARIZE_GRADED: True}
 # "test" holds prompts no run trains or selects on, for experiments that
 # judge policies on more held-out prompts than "validation" has.
 SYNTHETIC_SPLIT_SIZES = {"train": 20000, "validation": 512, "test": 2000}
@@ -56,33 +61,38 @@ def synthetic_vocabulary() -> seqio.SentencePieceVocabulary:
 
 
 @functools.lru_cache(maxsize=None)
-def _synthetic_examples(split: str):
-  return synthetic.make_examples(split, SYNTHETIC_SPLIT_SIZES[split])
+def synthetic_examples(split: str, graded: bool = False):
+  """The examples of one split of the synthetic task (or its graded
+  variant), as `synthetic.make_examples` makes them."""
+  return synthetic.make_examples(split, SYNTHETIC_SPLIT_SIZES[split],
+                                 graded=graded)
 
 
-def _synthetic_dataset_fn(split, shuffle_files, seed=None):
+def _synthetic_dataset_fn(split, shuffle_files, seed=None, graded=False):
   del shuffle_files, seed  # One in-memory file; seqio shuffles examples.
-  examples = _synthetic_examples(split)
+  examples = synthetic_examples(split, graded)
   return tf.data.Dataset.from_tensor_slices({
       key: [ex[key] for ex in examples] for key in ("inputs", "targets")})
 
 
 def _register_builtin_tasks():
-  if SYNTHETIC_SUMMARIZE in seqio.TaskRegistry.names():
-    return
-  features = {
-      "inputs": seqio.Feature(synthetic_vocabulary(), add_eos=True),
-      "targets": seqio.Feature(synthetic_vocabulary(), add_eos=True),
-  }
-  seqio.TaskRegistry.add(
-      SYNTHETIC_SUMMARIZE,
-      source=seqio.FunctionDataSource(
-          _synthetic_dataset_fn, splits=tuple(SYNTHETIC_SPLIT_SIZES),
-          num_input_examples=SYNTHETIC_SPLIT_SIZES),
-      preprocessors=[seqio.preprocessors.tokenize,
-                     seqio.preprocessors.append_eos_after_trim],
-      output_features=features)
-  register_gold_reward(SYNTHETIC_SUMMARIZE, synthetic.gold_reward)
+  for name, graded in _SYNTHETIC_GRADED.items():
+    if name in seqio.TaskRegistry.names():
+      continue
+    features = {
+        "inputs": seqio.Feature(synthetic_vocabulary(), add_eos=True),
+        "targets": seqio.Feature(synthetic_vocabulary(), add_eos=True),
+    }
+    seqio.TaskRegistry.add(
+        name,
+        source=seqio.FunctionDataSource(
+            functools.partial(_synthetic_dataset_fn, graded=graded),
+            splits=tuple(SYNTHETIC_SPLIT_SIZES),
+            num_input_examples=SYNTHETIC_SPLIT_SIZES),
+        preprocessors=[seqio.preprocessors.tokenize,
+                       seqio.preprocessors.append_eos_after_trim],
+        output_features=features)
+    register_gold_reward(name, synthetic.gold_reward)
 
 
 _register_builtin_tasks()
