@@ -141,6 +141,15 @@ def pytest_configure(config):
     config.option.loadscopereorder = False
 
 
+def pytest_collection_finish(session):
+  # The test modules have imported TensorFlow, JAX and seqio: half a million
+  # objects that live as long as the worker. The garbage collector leaves
+  # them out of its passes (as jaxrlhf.main does), or every full pass of a
+  # test walks them all.
+  del session
+  gc.freeze()
+
+
 def pytest_sessionfinish(session, exitstatus):
   # An xdist worker is stopped with KeyboardInterrupt; landing in JAX's
   # garbage-collection callback, it printed a traceback per worker as an

@@ -317,3 +317,49 @@ def test_unwritable_workdir_gives_one_line_error(tmp_path):
   assert result.returncode == 2
   assert "is not a writable directory" in result.stderr
   assert "Traceback" not in result.stderr
+
+
+def test_a_new_run_loads_its_checkpoints_and_initialises_only_the_rest(
+    tmp_path):
+  """DRO-V from an SFT checkpoint: the policy, the frozen reference and the
+  value network's backbone are the checkpoint's; the value head is the
+  seeded initialisation a run without checkpoints gets; the optimizer
+  state is the optimizer's initialisation of those parameters; and the
+  loaded networks' random initialisation is never computed (the compiled
+  init does fewer operations than one that initialises every network)."""
+  from jaxrlhf.algorithms import pretrained  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.algorithms import state as state_lib  # pylint: disable=g-import-not-at-top
+  sft_dir = str(tmp_path / "sft")
+  loop.train(tiny_config(train__num_steps=2, checkpoint__every_steps=0),
+             sft_dir)
+  config = tiny_config(algorithm="dro_v", init__policy_checkpoint=sft_dir)
+  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
+  with jax.set_mesh(mesh):
+    trainer = algorithms.build(config, mesh)
+    assert set(trainer.algorithm.networks.checkpoints(trainer)) >= {
+        "params/policy", "frozen/reference", "params/value/backbone"}
+    state = trainer.init_state()
+    rng = jax.random.PRNGKey(config.seed)
+    fresh = trainer._init(rng)  # pylint: disable=protected-access
+    saved = pretrained.load_network_params(sft_dir, fresh.params["policy"],
+                                           "policy")
+    opt_init = trainer.tx.init(state.params)
+    abstract = state_lib.abstract_with_shardings(trainer.abstract_state,
+                                                 trainer.state_shardings)
+    targets = trainer.algorithm.networks.checkpoints(trainer)
+    cost = lambda loaded: trainer._init.lower(  # pylint: disable=protected-access
+        rng, loaded).compile().cost_analysis()
+    cost_all = cost(None)
+    cost_loaded = cost({t: state_lib.subtree(abstract, t) for t in targets})
+  same = lambda a, b: jax.tree.map(np.testing.assert_array_equal, a, b)
+  same(state.params["policy"], saved)
+  same(state.frozen["reference"], saved)
+  same(state.params["value"]["backbone"], saved)
+  with pytest.raises(AssertionError):  # the checkpoint is not the seeded init
+    same(fresh.params["policy"], saved)
+  value_head = {k: v for k, v in state.params["value"].items()
+                if k != "backbone"}
+  assert value_head
+  same(value_head, {k: fresh.params["value"][k] for k in value_head})
+  same(state.opt_state, opt_init)
+  assert cost_loaded["flops"] < 0.5 * cost_all["flops"]

@@ -50,6 +50,7 @@ from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.algorithms import pretrained
 from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.data import tasks as tasks_lib
@@ -282,17 +283,16 @@ class OnlineSettings:
 
   # --- the reward model ---------------------------------------------------------
 
-  def load_reward_model(self, trainer, state):
-    """The frozen reward model, and the networks initialised from it."""
+  def reward_model_networks(self, trainer, abstract_state):
+    """{target: loaded tree} of the frozen reward model and the networks
+    initialised from it, shaped and sharded as in `abstract_state`."""
     path = trainer.config.online.reward_model_checkpoint
-    frozen = dict(state.frozen)
-    frozen["reward"] = pretrained.load_network_params(path, frozen["reward"],
-                                                      "reward")
-    params = dict(state.params)
-    for name in trainer.algorithm.training.value_from_reward_model:
-      params[name] = pretrained.load_network_params(path, params[name],
-                                                    "reward")
-    return state.replace(params=params, frozen=frozen)
+    targets = ["frozen/reward"] + [
+        f"params/{name}"
+        for name in trainer.algorithm.training.value_from_reward_model]
+    return {target: pretrained.load_network_params(
+                path, state_lib.subtree(abstract_state, target), "reward")
+            for target in targets}
 
 
 def _reward_model(trainer) -> Tuple[Any, Any]:

@@ -71,9 +71,19 @@ def state_shardings(abstract_boxed, abstract_state, mesh, rules):
                                    abstract_state.algorithm_state))
 
 
+def _with_subtree(tree, keys, value):
+  """`tree` (nested dicts) with the node at `keys` replaced by `value`."""
+  if not keys:
+    return value
+  out = dict(tree)
+  out[keys[0]] = _with_subtree(tree[keys[0]], keys[1:], value)
+  return out
+
+
 def make_sharded_init(init_params: Callable, tx, mesh, rules,
                       algorithm_state: Mapping[str, float] = None):
-  """A jitted `rng -> TrainState` whose outputs are born sharded.
+  """A jitted `(rng, loaded=None) -> TrainState` whose outputs are born
+  sharded.
 
   Args:
     init_params: rng -> (trainable params, frozen params), possibly boxed
@@ -82,14 +92,25 @@ def make_sharded_init(init_params: Callable, tx, mesh, rules,
   Returns:
     (init_fn, shardings, abstract_state): parameters are created directly in
     their shardings on the devices; no full copy is ever made on one host.
+    `loaded` maps targets ("params/policy", "frozen/reward",
+    "params/value/encoder", ...) to trees already loaded from checkpoints
+    (sharded as the state's): they take those places, their random
+    initialisation is never computed (XLA removes it as dead code; the other
+    networks' values do not change), their buffers are donated to the state,
+    and the optimizer state is initialised from the final parameters.
   """
   initial = {k: np.float32(v) for k, v in (algorithm_state or {}).items()}
 
-  def init_state(rng):
+  def init_state(rng, loaded=None):
     params_rng, state_rng = jax.random.split(rng)
     params, frozen = nn.unbox(init_params(params_rng))
-    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
-                      opt_state=tx.init(params), frozen=frozen, rng=state_rng,
+    groups = {"params": params, "frozen": frozen}
+    for target, tree in (loaded or {}).items():
+      group, *keys = target.split("/")
+      groups[group] = _with_subtree(groups[group], keys, tree)
+    return TrainState(step=jnp.zeros((), jnp.int32), params=groups["params"],
+                      opt_state=tx.init(groups["params"]),
+                      frozen=groups["frozen"], rng=state_rng,
                       algorithm_state={k: jnp.asarray(v)
                                        for k, v in initial.items()})
 
@@ -98,7 +119,19 @@ def make_sharded_init(init_params: Callable, tx, mesh, rules,
   abstract_boxed = jax.eval_shape(init_params, rng)
   abstract_state = jax.eval_shape(init_state, rng)
   shardings = state_shardings(abstract_boxed, abstract_state, mesh, rules)
-  return jax.jit(init_state, out_shardings=shardings), shardings, abstract_state
+  return (jax.jit(init_state, out_shardings=shardings,
+                  donate_argnames="loaded"),
+          shardings, abstract_state)
+
+
+def subtree(tree, target: str):
+  """The node of a TrainState-like tree at `target` ("params/policy",
+  "frozen/reward", "params/value/encoder")."""
+  group, *keys = target.split("/")
+  node = getattr(tree, group)
+  for key in keys:
+    node = node[key]
+  return node
 
 
 def abstract_with_shardings(abstract_tree, shardings):

@@ -218,27 +218,25 @@ class Trainer:
     return networks.trainable(self, a), networks.frozen(self, b)
 
   def init_state(self):
-    """A new run's train state: the networks' initialisation, then the
-    checkpoints they start from (`Networks.checkpoints`), then what an
-    online algorithm reads from the reward model."""
-    state = self._init(jax.random.PRNGKey(self.config.seed))
+    """A new run's train state: the checkpoints its networks start from
+    (`Networks.checkpoints`, and what an online algorithm reads from the
+    reward model), then a random initialisation of the networks no
+    checkpoint fills (the others are never initialised)."""
+    abstract = state_lib.abstract_with_shardings(self.abstract_state,
+                                                 self.state_shardings)
+    loaded = {}
     for target, path in self.algorithm.networks.checkpoints(self).items():
       if not path:
         continue
-      group, name, *sub = target.split("/")
-      tree = getattr(state, group)
-      node = tree[name]
-      for key in sub:
-        node = node[key]
       try:
         self._check_checkpoint_vocabulary(target, path)
-        loaded = pretrained.load_lm_params(path, node, **self._hf_options())
+        loaded[target] = pretrained.load_lm_params(
+            path, state_lib.subtree(abstract, target), **self._hf_options())
       except ValueError as e:
         raise ValueError(f"{self._config_field_of(path)}: {e}") from None
-      tree = _replace_subtree(tree, [name] + sub, loaded)
-      state = state.replace(**{group: tree})
     if self.online:
-      state = self.online.load_reward_model(self, state)
+      loaded.update(self.online.reward_model_networks(self, abstract))
+    state = self._init(jax.random.PRNGKey(self.config.seed), loaded)
     if self.precomputed_reference:
       # A new run's policy is the reference: score with it rather than
       # load the checkpoint a second time.
@@ -414,10 +412,3 @@ def check_rows(algorithm: base.Algorithm, config, data_parallel: int) -> None:
                      what=f"train.batch_size {batch}",
                      field="train.batch_size")
 
-
-def _replace_subtree(tree, path, value):
-  if not path:
-    return value
-  out = dict(tree)
-  out[path[0]] = _replace_subtree(tree[path[0]], path[1:], value)
-  return out
