@@ -366,6 +366,37 @@ def reward_variance(trajectory_file: str) -> dict:
   }
 
 
+def reward_model_agreement(gold_file: str, learned_file: str,
+                           reward_model_dir: str) -> dict:
+  """How well the reward model's scores (the learned labels) follow the gold
+  reward on the training trajectories: their correlation, and the share of
+  a prompt's sample pairs with different gold rewards that the scores order
+  the same way; and its held-out pair accuracy (its run's last
+  evaluation)."""
+  read = lambda path: [json.loads(line) for line in open(path)]
+  gold, learned = read(gold_file), read(learned_file)
+  by_prompt = {}
+  for g, l in zip(gold, learned):
+    assert g["prompt"] == l["prompt"] and g["completion"] == l["completion"]
+    by_prompt.setdefault(g["prompt"], []).append((g["reward"], l["reward"]))
+  agree = total = 0
+  for pairs in by_prompt.values():
+    for i, (gi, li) in enumerate(pairs):
+      for gj, lj in pairs[i + 1:]:
+        if gi != gj:
+          total += 1
+          agree += (gi - gj) * (li - lj) > 0
+  with open(os.path.join(reward_model_dir, "metrics.jsonl")) as f:
+    accuracy = [r["eval/accuracy"] for r in map(json.loads, f)
+                if "eval/accuracy" in r]
+  return {
+      "correlation_with_gold": float(np.corrcoef(
+          [g["reward"] for g in gold], [l["reward"] for l in learned])[0, 1]),
+      "same_order_as_gold_within_prompt": agree / total,
+      "heldout_pair_accuracy": accuracy[-1],
+  }
+
+
 def summarise(judged, chosen, seeds, sft_by_seed):
   """Every variant against SFT, and the paper's head-to-head comparisons.
   The best tau of each method is the one whose chosen checkpoints won most
@@ -497,6 +528,14 @@ def format_markdown(rows, seeds, args):
       "response) and length (tokens, EOS included) are those of the first "
       "policy of the row, on its own test samples; 'value loss' is DRO-V's "
       "value loss over the last 50 training steps.")
+  if "reward_model" in rows:
+    rm = rows["reward_model"]
+    lines += ["", f"The reward model (the training labels): held-out pair "
+              f"accuracy {rm['heldout_pair_accuracy']:.1%}; on the training "
+              f"trajectories it orders "
+              f"{rm['same_order_as_gold_within_prompt']:.1%} of a prompt's "
+              "differently-rewarded sample pairs as the gold reward does "
+              f"(correlation {rm['correlation_with_gold']:.2f})."]
   variance = rows["reward_variance"]
   lines += ["", f"Training rewards (normalised): a prompt's samples vary by "
             f"{variance['within_prompt_mean_variance']:.3f} on average; "
@@ -648,6 +687,10 @@ def main():
   rows = summarise(judged, chosen, seeds, sft_by_seed)
   rows["optimum_kl"] = {f"{tau:g}": optimum_kl(data_file, tau) for tau in TAUS}
   rows["reward_variance"] = reward_variance(data_file)
+  if learned:
+    rows["reward_model"] = reward_model_agreement(
+        offline_pipeline.data_paths(args.workdir)["trajectory"]["train"],
+        data_file, os.path.join(args.workdir, "reward_model"))
   rows["setup"] = {
       "task": args.task, "labels": args.labels, "seeds": seeds,
       "steps": args.steps, "select_every": args.select_every,
