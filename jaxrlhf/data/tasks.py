@@ -61,16 +61,14 @@ def synthetic_vocabulary() -> seqio.SentencePieceVocabulary:
 
 
 @functools.lru_cache(maxsize=None)
-def synthetic_examples(split: str, graded: bool = False):
-  """The examples of one split of the synthetic task (or its graded
-  variant), as `synthetic.make_examples` makes them."""
+def _synthetic_examples(split: str, graded: bool = False):
   return synthetic.make_examples(split, SYNTHETIC_SPLIT_SIZES[split],
                                  graded=graded)
 
 
 def _synthetic_dataset_fn(split, shuffle_files, seed=None, graded=False):
   del shuffle_files, seed  # One in-memory file; seqio shuffles examples.
-  examples = synthetic_examples(split, graded)
+  examples = _synthetic_examples(split, graded)
   return tf.data.Dataset.from_tensor_slices({
       key: [ex[key] for ex in examples] for key in ("inputs", "targets")})
 
