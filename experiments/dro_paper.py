@@ -554,15 +554,38 @@ def format_markdown(rows, seeds, args):
   return "\n".join(lines) + "\n"
 
 
+# (title, variants, bar labels) of each panel of the plot.
+PANELS = (
+    ("Figures 1-2", ("dro_v", "kto", "dro_v_vs_kto", "best_dro_v_vs_best_kto"),
+     ("DRO-V vs SFT", "KTO vs SFT", "DRO-V vs KTO", "best DRO-V vs KTO")),
+    ("Figure 4: tau (win rate vs SFT)",
+     ("dro_v_tau_0.1", "dro_v", "dro_v_tau_5", "kto_tau_0.1", "kto_tau_1",
+      "kto_tau_5"),
+     ("DRO-V 0.1", "DRO-V 1", "DRO-V 5", "KTO 0.1", "KTO 1", "KTO 5")),
+    ("Figure 3: learning rate (win rate vs SFT)",
+     ("dro_v_lr_x0.1", "dro_v_lr_x0.5", "dro_v", "dro_v_lr_x5",
+      "dro_v_vlr_x0.1", "dro_v_vlr_x0.5", "dro_v_vlr_x5"),
+     ("joint 0.1L", "joint 0.5L", "joint L", "joint 5L", "V 0.1L", "V 0.5L",
+      "V 5L")),
+    ("Figure 5: networks/values (vs SFT)",
+     ("dro_v_single_value", "dro_v_single_net_single_value",
+      "dro_v_single_net", "dro_v_double_net"),
+     ("double/single", "single/single", "single/multiple",
+      "double/multiple")),
+)
+
+
 def plot(rows, out):
+  """dro_paper.png: a panel per figure whose variants ran, the miniature's
+  win rates (± s.e. over seeds) beside the paper's."""
   import matplotlib  # pylint: disable=g-import-not-at-top
   matplotlib.use("Agg")
   import matplotlib.pyplot as plt  # pylint: disable=g-import-not-at-top
 
-  def bars(ax, names, labels, title):
-    if not all(n in rows for n in names):
-      ax.set_axis_off()  # variants that did not run
-      return
+  panels = [p for p in PANELS if all(n in rows for n in p[1])]
+  fig, axes = plt.subplots(1, len(panels), figsize=(4.5 * len(panels), 4.4),
+                           squeeze=False)
+  for ax, (title, names, labels) in zip(axes[0], panels):
     ours = [rows[n]["win_rate"] for n in names]
     err = [rows[n]["win_rate_se_over_seeds"] for n in names]
     paper = [rows[n].get("paper") or np.nan for n in names]
@@ -574,27 +597,7 @@ def plot(rows, out):
     ax.set_xticklabels(labels, rotation=30, ha="right", fontsize=8)
     ax.set_ylim(min([0.3] + [v - 0.05 for v in ours]), 0.9)
     ax.set_title(title, fontsize=10)
-
-  fig, axes = plt.subplots(1, 4, figsize=(18, 4.4))
-  bars(axes[0], ("dro_v", "kto", "dro_v_vs_kto", "best_dro_v_vs_best_kto"),
-       ("DRO-V vs SFT", "KTO vs SFT", "DRO-V vs KTO",
-        "best DRO-V vs KTO"), "Figures 1-2")
-  bars(axes[1], ("dro_v_tau_0.1", "dro_v", "dro_v_tau_5", "kto_tau_0.1",
-                 "kto_tau_1", "kto_tau_5"),
-       ("DRO-V 0.1", "DRO-V 1", "DRO-V 5", "KTO 0.1", "KTO 1", "KTO 5"),
-       "Figure 4: tau (win rate vs SFT)")
-  bars(axes[2], ("dro_v_lr_x0.1", "dro_v_lr_x0.5", "dro_v", "dro_v_lr_x5",
-                 "dro_v_vlr_x0.1", "dro_v_vlr_x0.5", "dro_v_vlr_x5"),
-       ("joint 0.1L", "joint 0.5L", "joint L", "joint 5L", "V 0.1L", "V 0.5L",
-        "V 5L"), "Figure 3: learning rate (win rate vs SFT)")
-  bars(axes[3], ("dro_v_single_value", "dro_v_single_net_single_value",
-                 "dro_v_single_net", "dro_v_double_net"),
-       ("double/single", "single/single", "single/multiple",
-        "double/multiple"), "Figure 5: networks/values (vs SFT)")
-  for ax in axes:
-    if ax.get_legend_handles_labels()[0]:
-      ax.legend(fontsize=8)
-      break
+  axes[0][0].legend(fontsize=8)
   fig.tight_layout()
   fig.savefig(os.path.join(out, "dro_paper.png"), dpi=110)
   plt.close(fig)
