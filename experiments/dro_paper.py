@@ -6,6 +6,9 @@ r"""The DRO paper's comparisons and ablations, in miniature.
   python experiments/dro_paper.py --workdir=/tmp/dro_paper \
       --labels=reward_model \
       --out=experiments/results/dro_paper/reward_model_labels
+  python experiments/dro_paper.py --workdir=/tmp/dro_graded \
+      --task=synthetic_summarize_graded \
+      --out=experiments/results/dro_paper/graded_task
 
 "Offline Regularised Reinforcement Learning for Large Language Models
 Alignment" (Richemond et al. 2024) trains DRO-V and KTO on UltraFeedback
@@ -57,12 +60,13 @@ With `--task=synthetic_summarize_graded` every stage runs on the graded
 task instead, whose prompts come in three difficulty levels the prompt
 shows (jaxrlhf/data/synthetic.py), and only Figure 5's variants run: the
 parameter-sharing ablation, where a value per prompt has something to
-learn. Trajectories whose completion ends exactly at the last slot are
-kept (the pipeline's own stages skip them, as its committed table was
-made). The script writes
-`results.md` / `results.json` and `dro_paper.png` into --out. Every stage
-and run resumes, and every evaluation is cached in the workdir, so an
-interrupted run continues.
+learn.
+
+Trajectories whose completion ends exactly at the last slot are kept (the
+pipeline's own stages skip them, as its committed table was made). The
+script writes `results.md` / `results.json` (every figure of its README)
+and `dro_paper.png` into --out. Every stage and run resumes, and every
+evaluation is cached in the workdir, so an interrupted run continues.
 """
 
 import argparse
