@@ -8,7 +8,7 @@ labelled by the gold reward, a reward model is trained, DPO, KTO and DRO-V
 (offline) and PPO, RLOO, GRPO and rejection sampling (online, against the
 reward model) start from the SFT policy, and best-of-N is evaluated; the run
 ends with a table of win rates against SFT, also written to
-<workdir>/results.json. About 7.5 minutes on 2 CPU cores.
+<workdir>/results.json. About 5 minutes on 2 CPU cores.
 `--config.pipeline.stages=sft` runs only the SFT stage.
 """
 
