@@ -60,7 +60,7 @@ With `--task=synthetic_summarize_graded` every stage runs on the graded
 task instead, whose prompts come in three difficulty levels the prompt
 shows (jaxrlhf/data/synthetic.py), and only Figure 5's variants run: the
 parameter-sharing ablation, where a value per prompt has something to
-learn.
+learn (with either --labels).
 
 Trajectories whose completion ends exactly at the last slot are kept (the
 pipeline's own stages skip them, as its committed table was made). The
@@ -661,10 +661,10 @@ def main():
   judge = Judge(config, sft_dir, args.workdir, args.eval_prompts)
 
   all_variants = variants(config.pipeline.policy_learning_rate)
-  if learned:
-    all_variants = {n: all_variants[n] for n in REWARD_MODEL_VARIANTS}
   if args.task == GRADED_TASK:
     all_variants = {n: all_variants[n] for n in SHARING_VARIANTS}
+  elif learned:
+    all_variants = {n: all_variants[n] for n in REWARD_MODEL_VARIANTS}
   selected = [s for s in args.only.split(",") if s]
   unknown = set(selected) - set(all_variants)
   if unknown:
