@@ -628,7 +628,8 @@ def main():
                  choices=("gold", "reward_model"),
                  help="train on the gold reward (the judge itself), or on "
                       "the pipeline reward model's scores of the same "
-                      "trajectories (Figures 1-2 and 4's variants only)")
+                      "trajectories (on the plain task, Figures 1-2 and 4's "
+                      "variants only)")
   p.add_argument("--task", default="synthetic_summarize",
                  choices=("synthetic_summarize", GRADED_TASK),
                  help="the prompts and gold reward; the graded task runs "
