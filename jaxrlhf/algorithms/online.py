@@ -45,7 +45,6 @@ import ml_collections
 import numpy as np
 
 from jaxrlhf import config_schema
-from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.algorithms import pretrained
