@@ -295,25 +295,31 @@ class Judge:
     return out
 
 
-def optimum_kl(trajectory_file: str, tau: float) -> float:
-  """KL(pi* || SFT) of DRO-V's regularised optimum pi* ∝ pi_SFT exp(r/tau)
-  (the paper's equation 2) on the training data, averaged over prompts.
-
-  Each prompt's SFT samples stand for pi_SFT, so pi* weights them by
-  softmax(r/tau) and KL = sum_i w_i log(n w_i), with the rewards normalised
-  over the file as the training task normalises them.
-  """
+def normalised_rewards_by_prompt(trajectory_file: str):
+  """Each prompt's rewards in a trajectory file, normalised to mean 0 and
+  variance 1 over the file, as the training task normalises them."""
   by_prompt = {}
   with open(trajectory_file) as f:
     for line in f:
       row = json.loads(line)
       by_prompt.setdefault(row["prompt"], []).append(row["reward"])
-  rewards = np.concatenate([np.asarray(v, np.float64)
-                            for v in by_prompt.values()])
-  mean, std = rewards.mean(), rewards.std()
+  flat = np.concatenate([np.asarray(v, np.float64)
+                         for v in by_prompt.values()])
+  mean, std = flat.mean(), flat.std()
+  return [(np.asarray(v, np.float64) - mean) / std
+          for v in by_prompt.values()]
+
+
+def optimum_kl(trajectory_file: str, tau: float) -> float:
+  """KL(pi* || SFT) of DRO-V's regularised optimum pi* ∝ pi_SFT exp(r/tau)
+  (the paper's equation 2) on the training data, averaged over prompts.
+
+  Each prompt's SFT samples stand for pi_SFT, so pi* weights them by
+  softmax(r/tau) and KL = sum_i w_i log(n w_i).
+  """
   kls = []
-  for values in by_prompt.values():
-    z = (np.asarray(values) - mean) / std / tau
+  for values in normalised_rewards_by_prompt(trajectory_file):
+    z = values / tau
     w = np.exp(z - z.max())
     w /= w.sum()
     kls.append(float(np.sum(w * np.log(np.maximum(w * len(w), 1e-300)))))
@@ -351,15 +357,7 @@ def reward_variance(trajectory_file: str) -> dict:
   them) vary: the mean variance among one prompt's samples, and the share
   of the whole variance that lies between prompts' means (what a value per
   prompt can explain and one value per batch cannot)."""
-  by_prompt = {}
-  with open(trajectory_file) as f:
-    for line in f:
-      row = json.loads(line)
-      by_prompt.setdefault(row["prompt"], []).append(row["reward"])
-  flat = np.concatenate([np.asarray(v, np.float64)
-                         for v in by_prompt.values()])
-  mean, std = flat.mean(), flat.std()
-  groups = [(np.asarray(v) - mean) / std for v in by_prompt.values()]
+  groups = normalised_rewards_by_prompt(trajectory_file)
   counts = np.array([len(g) for g in groups], np.float64)
   means = np.array([g.mean() for g in groups])
   return {
