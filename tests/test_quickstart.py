@@ -27,7 +27,8 @@ def pipeline(tmp_path_factory):
        "--config.pipeline.online_steps=60", "--config.eval.num_examples=128",
        "--config.pipeline.stages=sft,data,reward_model,dpo,kto,dro_v,ppo,"
        "rloo,grpo,best_of_n"],
-      env=quiet_env(), capture_output=True, text=True, cwd=REPO)
+      env=quiet_env(optimised_xla=True), capture_output=True, text=True,
+      cwd=REPO)
   assert result.returncode == 0, result.stdout[-3000:] + result.stderr[-3000:]
   table = json.load(open(workdir / "results.json"))
   return workdir, table, result.stdout, result.stderr
