@@ -17,11 +17,14 @@ os.environ.setdefault("JAX_COMPILATION_CACHE_DIR",
 os.environ.setdefault("JAX_PERSISTENT_CACHE_MIN_COMPILE_TIME_SECS", "0")
 # The tests' models are tiny: compiling their steps costs far more than
 # running them, so XLA skips LLVM's expensive optimisations here (a third less
-# CPU in the suite). Floating-point results may differ from an optimised build
-# in the last bits, which no test depends on: exact comparisons are between
-# two runs under the same flags, fixtures are compared with tolerances.
+# CPU in the suite) and emits fusions the older way (without the new fusion
+# emitters, which compile slower: a third less CPU again in the tests that
+# train). Floating-point results may differ from an optimised build in the
+# last bits, which no test depends on: exact comparisons are between two runs
+# under the same flags, fixtures are compared with tolerances.
 TEST_XLA_FLAGS = ("--xla_backend_optimization_level=0 "
-                  "--xla_llvm_disable_expensive_passes=true")
+                  "--xla_llvm_disable_expensive_passes=true "
+                  "--xla_cpu_use_fusion_emitters=false")
 os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
                            + TEST_XLA_FLAGS).strip()
 FIXTURES = REPO / "tests" / "fixtures"
