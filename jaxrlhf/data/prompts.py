@@ -104,6 +104,7 @@ def _prompt_feature(task) -> str:
 
 
 @functools.lru_cache(maxsize=8)
+@pipeline.traced_as_written
 def _load_prompts(task, split: str, max_tokens: int, on_long: str,
                   suffix: str) -> Prompts:
   # The task object itself is the cache key (not its name or id(): the cache
@@ -217,6 +218,7 @@ class PromptBatches:
     return {PROMPT_FEATURE: self.prompts[local]}
 
 
+@pipeline.traced_as_written
 def held_out_prompts(task_name: str, split: str, max_tokens: int,
                      num_prompts: int, field: str = "config.eval.split"
                      ) -> Tuple[np.ndarray, List[str]]:
