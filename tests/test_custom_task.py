@@ -11,8 +11,10 @@ from conftest import synthetic_feedback_file, tiny_config
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import alignment_kinds
 from jaxrlhf.data import feature_converters
+from jaxrlhf.data import file_tasks
 from jaxrlhf.data import pipeline
 from jaxrlhf.data import prompts
+from jaxrlhf.data import synthetic
 from jaxrlhf.data import tasks
 from jaxrlhf.train import loop
 
@@ -91,9 +93,9 @@ def test_a_preprocessor_that_needs_autograph_gets_it():
 
 
 def test_the_built_in_pipelines_are_traced_as_written(tmp_path):
-  """No map function of the built-in tasks, the file tasks of each kind the
-  synthetic labeller writes or the feature converters needs AutoGraph (each
-  fallback builds the pipeline twice)."""
+  """No map function of the synthetic task, the file tasks (demonstrations
+  and each kind the synthetic labeller writes) or the feature converters
+  needs AutoGraph (each fallback builds the pipeline twice)."""
   before = pipeline.autograph_fallbacks
   for kind in ("pairs", "trajectory", "ranking"):
     alignment_data.register_file_task(
@@ -108,11 +110,19 @@ def test_the_built_in_pipelines_are_traced_as_written(tmp_path):
               kind, architecture,
               **({"num_completions": 2} if kind == "ranking" else {})),
           global_batch_size=2, seed=0))
-  for task in ("synthetic_summarize", "synthetic_summarize_graded"):
+  demonstrations = tmp_path / "demonstrations.jsonl"
+  demonstrations.write_text("".join(
+      json.dumps({"prompt": e["inputs"], "completion": e["targets"]}) + "\n"
+      for e in synthetic.make_examples("train", 8)))
+  file_tasks.register_demonstrations_task(
+      "test_traced_demonstrations", {"train": str(demonstrations),
+                                     "validation": str(demonstrations)},
+      vocabulary=tasks.synthetic_vocabulary(), max_prompt_tokens=64)
+  for task in ("synthetic_summarize", "test_traced_demonstrations"):
     for architecture in ("encoder_decoder", "decoder_only"):
       pipeline.eval_examples(
           task, "validation", {"inputs": 64, "targets": 16},
           feature_converters.sft_feature_converter(architecture), 4)
-    prompts.load_prompts(task, "train", 64)
+    prompts.load_prompts(task, "validation", 64)
     prompts.held_out_prompts(task, "validation", 64, 4)
   assert pipeline.autograph_fallbacks == before
