@@ -156,16 +156,15 @@ def eval_examples(task: str, split: str, feature_lengths: Mapping[str, int],
     # first examples would make tf.data discard that cache with a warning.
     options["try_in_mem_cache"] = False
 
-  def examples():
-    return task_obj.get_dataset(dict(feature_lengths), split=split,
-                                shuffle=False, shard_info=shard, num_epochs=1,
-                                **options)
-
+  # Read twice (texts, then features): the pass is in file order.
+  examples = task_obj.get_dataset(dict(feature_lengths), split=split,
+                                  shuffle=False, shard_info=shard,
+                                  num_epochs=1, **options)
   per_process = num_examples // jax.process_count()
-  raw = list(examples().take(per_process).as_numpy_iterator())
+  raw = list(examples.take(per_process).as_numpy_iterator())
   texts = [{k: ex[f"{k}_pretokenized"].decode() for k in ("inputs", "targets")
             if f"{k}_pretokenized" in ex} for ex in raw]
-  ds = feature_converter(examples(), dict(feature_lengths))
+  ds = feature_converter(examples, dict(feature_lengths))
   rows = list(ds.take(per_process).as_numpy_iterator())
   features = {k: np.stack([r[k] for r in rows]) for k in rows[0]}
   return features, texts
