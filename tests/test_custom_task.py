@@ -26,17 +26,21 @@ def _reverse_words_dataset(split, shuffle_files, seed=None):
       "inputs": words, "targets": [" ".join(w.split()[::-1]) for w in words]})
 
 
-def test_user_registered_task_trains(tmp_path):
-  vocabulary = tasks.synthetic_vocabulary()
-  if "user_reverse_words" not in seqio.TaskRegistry.names():
+def _register_words_task(name, *preprocessors):
+  """Registers (once) a task over the reversed-words examples, as a user
+  would: `preprocessors`, then seqio's tokenize and EOS."""
+  if name not in seqio.TaskRegistry.names():
     seqio.TaskRegistry.add(
-        "user_reverse_words",
-        source=seqio.FunctionDataSource(_reverse_words_dataset,
-                                        splits=("train", "validation")),
-        preprocessors=[seqio.preprocessors.tokenize,
+        name, source=seqio.FunctionDataSource(_reverse_words_dataset,
+                                              splits=("train", "validation")),
+        preprocessors=[*preprocessors, seqio.preprocessors.tokenize,
                        seqio.preprocessors.append_eos_after_trim],
-        output_features={k: seqio.Feature(vocabulary)
+        output_features={k: seqio.Feature(tasks.synthetic_vocabulary())
                          for k in ("inputs", "targets")})
+
+
+def test_user_registered_task_trains(tmp_path):
+  _register_words_task("user_reverse_words")
   config = tiny_config(data__task="user_reverse_words", train__num_steps=30,
                        optimizer__warmup_steps=0)
   summary = loop.train(config, str(tmp_path))
@@ -59,17 +63,8 @@ def _first_word_of_long_targets(example):
 
 
 def test_a_preprocessor_that_needs_autograph_gets_it():
+  _register_words_task("user_autograph_words", _first_word_of_long_targets)
   vocabulary = tasks.synthetic_vocabulary()
-  if "user_autograph_words" not in seqio.TaskRegistry.names():
-    seqio.TaskRegistry.add(
-        "user_autograph_words",
-        source=seqio.FunctionDataSource(_reverse_words_dataset,
-                                        splits=("train", "validation")),
-        preprocessors=[_first_word_of_long_targets,
-                       seqio.preprocessors.tokenize,
-                       seqio.preprocessors.append_eos_after_trim],
-        output_features={k: seqio.Feature(vocabulary)
-                         for k in ("inputs", "targets")})
   lengths = {"inputs": 8, "targets": 4}
   converter = feature_converters.sft_feature_converter("encoder_decoder")
   before = pipeline.autograph_fallbacks
