@@ -66,9 +66,11 @@ def check_workdir(workdir: str) -> None:
     failure = files.write_failure(e, f"the workdir {workdir}")
     if failure is not None:
       raise failure from None
+    # One line: TensorFlow's messages (gs:// paths) hold newlines.
+    reason = " ".join(str(e.strerror or e).split())
     raise WorkdirError(
         f"--workdir {workdir!r} is not a writable directory "
-        f"({e.strerror or e}); choose a path you can write to.") from e
+        f"({reason}); choose a path you can write to.") from e
 
 
 def config_text(config: ml_collections.ConfigDict) -> str:
