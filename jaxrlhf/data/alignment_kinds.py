@@ -32,7 +32,12 @@ Files of demonstrations (a prompt and its reference completion: the TL;DR
 SFT data, and the prompts online RL samples from) are read through the same
 file sources as kind `demonstrations` and become seqio `inputs`/`targets`
 tasks (`jaxrlhf.data.file_tasks`); no alignment loss reads that kind, so it
-is not in `KINDS`.
+is not in `KINDS`. Demonstrations may also carry extra columns, a prompt's
+other fields (a reference answer to check, unit tests to run), through to
+the reward functions of online RL (`jaxrlhf.rewards`): each is a string
+feature named `column_feature(name)`, "column:<name>", holding the value
+JSON-encoded so that numbers and lists survive (`encode_column_value`);
+`jaxrlhf.data.prompts.load_prompts` decodes them per prompt.
 
 In a seqio task of a kind, text features are tokenized with the task's
 vocabulary; every completion ends with EOS. `ranking` stores its completions
@@ -42,9 +47,16 @@ converters pad it to K rows and mark real rows in `completions_mask`.
 """
 
 import dataclasses
-from typing import Dict, Mapping, Optional, Tuple
+import json
+from typing import Any, Dict, Mapping, Optional, Tuple, Union
 
 PROMPT = "prompt"
+# Extra columns travel as string features with this prefix.
+COLUMN_FEATURE_PREFIX = "column:"
+# Reward functions receive the prompts and completions under these names
+# (jaxrlhf.rewards.host.RESERVED_NAMES, the same two: data may not import
+# rewards), so no extra column may have them.
+RESERVED_COLUMN_NAMES = ("prompts", "completions")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -97,3 +109,44 @@ def get_kind(kind) -> DataKind:
     raise ValueError(f"unknown data kind {kind!r}; the kinds are "
                      f"{sorted(KINDS)}.")
   return KINDS[kind]
+
+
+# --- extra columns -------------------------------------------------------------
+
+
+def column_feature(name: str) -> str:
+  """The seqio feature that carries extra column `name`."""
+  return COLUMN_FEATURE_PREFIX + name
+
+
+def column_of_feature(feature: str) -> Optional[str]:
+  """The extra column a feature carries, or None for any other feature."""
+  if feature.startswith(COLUMN_FEATURE_PREFIX):
+    return feature[len(COLUMN_FEATURE_PREFIX):]
+  return None
+
+
+def check_column_name(name: str, where: str,
+                      taken: Tuple[str, ...] = ()) -> None:
+  """An extra column's name becomes a keyword argument of reward functions:
+  it must be a Python identifier, and not one of `taken` or the reserved
+  names."""
+  if not (isinstance(name, str) and name.isidentifier()):
+    raise ValueError(f"{where}: extra column name {name!r} must be a Python "
+                     "identifier (reward functions take it as a keyword "
+                     "argument).")
+  if name in RESERVED_COLUMN_NAMES or name in taken:
+    raise ValueError(f"{where}: {name!r} cannot name an extra column: "
+                     f"{sorted(set(RESERVED_COLUMN_NAMES + taken))} are "
+                     "taken.")
+
+
+def encode_column_value(value: Any) -> str:
+  """JSON text of an extra column's value (TypeError if it has none)."""
+  return json.dumps(value, ensure_ascii=False)
+
+
+def decode_column_value(text: Union[bytes, str]) -> Any:
+  if isinstance(text, bytes):
+    text = text.decode("utf-8")
+  return json.loads(text)

@@ -15,7 +15,9 @@ Reasons: invalid_json, missing_field, wrong_type, empty_prompt,
 empty_completion, non_finite_reward (any reward, margin, confidence or score
 that is not a finite number, a numeric string such as "0.4" included),
 bad_label, prompt_too_long, completion_too_long, too_few_completions, too_many_completions, and the
-layouts' own: no_worse_completion, prompts_differ, unparsable_dialogue.
+layouts' own: no_worse_completion, prompts_differ, unparsable_dialogue,
+no_final_answer (a GSM8K answer without "#### <number>", a MATH solution
+without \\boxed{}).
 """
 
 import dataclasses

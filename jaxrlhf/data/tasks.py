@@ -12,7 +12,9 @@ from typing import Callable, Dict, Optional
 import seqio
 import tensorflow as tf
 
+from jaxrlhf.data import alignment_kinds
 from jaxrlhf.data import synthetic
+from jaxrlhf.data import synthetic_arithmetic
 from jaxrlhf.data import vocab
 
 # gold_reward(prompt, completion, finished) -> float, by task name.
@@ -28,6 +30,9 @@ _SYNTHETIC_GRADED = {SYNTHETIC_SUMMARIZE: False,
 # "test" holds prompts no run trains or selects on, for experiments that
 # judge policies on more held-out prompts than "validation" has.
 SYNTHETIC_SPLIT_SIZES = {"train": 20000, "validation": 512, "test": 2000}
+# Sums with an exact answer (synthetic_arithmetic.py): a verifiable task whose
+# prompts carry their `answer` column to the reward functions.
+SYNTHETIC_ARITHMETIC = "synthetic_arithmetic"
 
 
 def register_gold_reward(task_name: str, fn: GoldReward) -> None:
@@ -73,6 +78,41 @@ def _synthetic_dataset_fn(split, shuffle_files, seed=None, graded=False):
       key: [ex[key] for ex in examples] for key in ("inputs", "targets")})
 
 
+@functools.lru_cache(maxsize=None)
+def _arithmetic_examples(split: str):
+  return synthetic_arithmetic.make_examples(
+      split, synthetic_arithmetic.SPLIT_SIZES[split])
+
+
+def _arithmetic_dataset_fn(split, shuffle_files, seed=None):
+  del shuffle_files, seed  # One in-memory file; seqio shuffles examples.
+  examples = _arithmetic_examples(split)
+  return tf.data.Dataset.from_tensor_slices({
+      "inputs": [ex["inputs"] for ex in examples],
+      "targets": [ex["targets"] for ex in examples],
+      alignment_kinds.column_feature("answer"): [
+          alignment_kinds.encode_column_value(ex["answer"])
+          for ex in examples]})
+
+
+def _register_arithmetic_task():
+  if SYNTHETIC_ARITHMETIC in seqio.TaskRegistry.names():
+    return
+  arithmetic_vocabulary = synthetic_arithmetic.vocabulary()
+  seqio.TaskRegistry.add(
+      SYNTHETIC_ARITHMETIC,
+      source=seqio.FunctionDataSource(
+          _arithmetic_dataset_fn,
+          splits=tuple(synthetic_arithmetic.SPLIT_SIZES),
+          num_input_examples=synthetic_arithmetic.SPLIT_SIZES),
+      preprocessors=[seqio.preprocessors.tokenize,
+                     seqio.preprocessors.append_eos_after_trim],
+      output_features={
+          "inputs": seqio.Feature(arithmetic_vocabulary, add_eos=True),
+          "targets": seqio.Feature(arithmetic_vocabulary, add_eos=True)})
+  register_gold_reward(SYNTHETIC_ARITHMETIC, synthetic_arithmetic.gold_reward)
+
+
 def _register_builtin_tasks():
   for name, graded in _SYNTHETIC_GRADED.items():
     if name in seqio.TaskRegistry.names():
@@ -91,6 +131,7 @@ def _register_builtin_tasks():
                        seqio.preprocessors.append_eos_after_trim],
         output_features=features)
     register_gold_reward(name, synthetic.gold_reward)
+  _register_arithmetic_task()
 
 
 _register_builtin_tasks()

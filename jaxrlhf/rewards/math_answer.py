@@ -1,0 +1,169 @@
+"""Math answers: extracting the final answer, and a reward for a right one.
+
+`extract_answer(text, style)` finds a text's final answer (styles "boxed",
+"gsm8k", "auto", "regex"; `jaxrlhf.answers`, where the data layouts read
+answers too).
+
+`make_math_answer_reward(answer_column, style, pattern)` makes a reward
+function (the `jaxrlhf.rewards` convention): 1.0 when the completion's
+extracted answer equals the row's reference answer symbolically, 0.0 when
+it does not or no answer is found, None when the row has no reference.
+Equality is `math-verify`'s (`parse` then `verify`, as TRL's examples use
+it): 0.5 = 1/2 = \\frac{1}{2}, 1,000 = 1000, \\text{(B)} = B, x=3 = 3.
+The reference is read by `reference_answer`: the last `\\boxed{}` of a MATH
+solution, the number after `####` of a GSM8K answer, else the whole text
+(an answer column that holds just "72" or "\\frac{1}{2}").
+`math_answer_reward` is the one for column "answer" and style "auto".
+
+Timeouts. math-verify limits its own parsing and comparing time with
+`signal.alarm`, which works only in the main thread (elsewhere it raises).
+Called from the main thread, these functions keep that limit
+(`verify_timeout_s`); from any other thread (`host.score` runs reward
+functions in a worker thread) they turn it off, and the caller's time
+limit is the one that applies.
+"""
+
+import functools
+import logging
+import numbers
+import threading
+from typing import Callable, List, Optional, Sequence
+
+from jaxrlhf import answers
+from jaxrlhf import checks
+
+# The extraction is `jaxrlhf.answers`' (one reading of answers for the data
+# layouts and the rewards); re-exported here with the reward.
+STYLES = answers.STYLES
+extract_answer = answers.extract_answer
+reference_answer = answers.reference_answer
+last_boxed = answers.last_boxed
+gsm8k_answer = answers.gsm8k_answer
+
+
+# --- equality with math-verify -------------------------------------------------
+
+
+class _QuietTimeoutWarning(logging.Filter):
+  """math-verify warns once that its timeout is off; ours is on."""
+
+  def filter(self, record):
+    return not record.getMessage().startswith("Timeout is disabled")
+
+
+@functools.lru_cache(maxsize=None)
+def _math_verify():
+  # Imported on first use: math-verify brings sympy (seconds to import).
+  import math_verify  # pylint: disable=g-import-not-at-top
+  for name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(name).addFilter(_QuietTimeoutWarning())
+  return math_verify
+
+
+def _signal_timeout(seconds: int) -> Optional[int]:
+  if threading.current_thread() is threading.main_thread():
+    return seconds
+  return None
+
+
+def _parse(answer: str, timeout: Optional[int]) -> list:
+  text = answer.strip()
+  if not (text.startswith("$") and text.endswith("$") and len(text) > 1):
+    text = f"${text}$"
+  return _math_verify().parse(text, parsing_timeout=timeout)
+
+
+def answers_match(answer: str, reference: str, *,
+                  verify_timeout_s: int = 5) -> bool:
+  """Whether two extracted answers are equal as math (`math-verify`); when
+  either cannot be parsed, whether they are the same text."""
+  timeout = _signal_timeout(verify_timeout_s)
+  gold, guess = _parse(reference, timeout), _parse(answer, timeout)
+  if not gold or not guess:
+    return answer.strip() == reference.strip()
+  return bool(_math_verify().verify(gold, guess, timeout_seconds=timeout))
+
+
+def _reference_text(value, row: int, column: str) -> Optional[str]:
+  if value is None:
+    return None
+  if isinstance(value, str):
+    return value
+  if isinstance(value, numbers.Real) and not isinstance(value, bool):
+    return str(value)
+  raise ValueError(f"math answer reward: row {row}: column {column!r} holds "
+                   f"a {type(value).__name__} ({value!r}); a reference "
+                   "answer is text or a number.")
+
+
+def make_math_answer_reward(answer_column: str = "answer",
+                            style: str = "auto",
+                            pattern: Optional[str] = None, *,
+                            verify_timeout_s: int = 5) -> Callable:
+  """A reward function: 1.0 when a completion's final answer (extracted in
+  `style`, or with `pattern`'s group) equals the row's reference in column
+  `answer_column` (read by `reference_answer`), 0.0 otherwise, None for
+  rows without a reference (None or empty).
+
+  Args:
+    answer_column: the column of reference answers.
+    style: how a completion's answer is found (`STYLES`); "regex" when a
+      pattern is given.
+    pattern: a regex with one group around the answer.
+    verify_timeout_s: math-verify's own limit per parse or comparison, in
+      the main thread only (module docstring).
+  """
+  where = "make_math_answer_reward"
+  if pattern is not None:
+    answers.compile_pattern(pattern, where)
+    if style == "auto":
+      style = "regex"
+  checks.check_choice(where, "style", style, STYLES)
+  if style == "regex" and pattern is None:
+    raise ValueError(f"{where}: style='regex' needs a pattern with one "
+                     "group.")
+  if not (isinstance(answer_column, str) and answer_column.isidentifier()):
+    raise ValueError(f"{where}: answer_column={answer_column!r} must be a "
+                     "column name (a Python identifier).")
+
+  def math_answer_reward(prompts: Sequence[str], completions: Sequence[str],
+                         **columns) -> List[Optional[float]]:
+    del prompts  # The answer alone decides.
+    if answer_column not in columns:
+      raise ValueError(
+          f"math answer reward: the rows have no column {answer_column!r} "
+          f"(their columns: {sorted(columns)}); set answer_column to the "
+          "column that holds the reference answers.")
+    references = columns[answer_column]
+    matches = {}  # The samples of one prompt share its reference.
+    scores = []
+    for row, (completion, value) in enumerate(zip(completions, references)):
+      reference = _reference_text(value, row, answer_column)
+      gold = reference_answer(reference) if reference is not None else None
+      if gold is None:
+        scores.append(None)
+        continue
+      answer = extract_answer(completion, style,
+                              pattern if style == "regex" else None)
+      if answer is None:
+        scores.append(0.0)
+        continue
+      key = (gold, answer)
+      if key not in matches:
+        matches[key] = answers_match(answer, gold,
+                                   verify_timeout_s=verify_timeout_s)
+      scores.append(1.0 if matches[key] else 0.0)
+    return scores
+
+  return math_answer_reward
+
+
+_DEFAULT_REWARD = make_math_answer_reward()
+
+
+def math_answer_reward(prompts: Sequence[str], completions: Sequence[str],
+                       answer: Sequence, **unused) -> List[Optional[float]]:
+  """`make_math_answer_reward()`: the reference in column "answer", the
+  completion's answer found in style "auto"."""
+  del unused
+  return _DEFAULT_REWARD(prompts, completions, answer=answer)
