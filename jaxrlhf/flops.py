@@ -7,19 +7,26 @@ whose sampler decodes token by token appears several times cheaper than it
 is. This count walks the jaxpr instead: every matrix multiplication
 (`dot_general`: 2 x output elements x contracted size) times the trip
 count of each `scan` around it, the costlier branch of a `cond`, and the
-recomputation a rematerialised backward pass holds. Element-wise work is
+recomputation a rematerialised backward pass holds. A `while` loop is
+counted at its trip count's upper bound when its condition states one (see
+`while_trip_bound`: a counter from a constant, below a constant, stepped by
+a constant, as the sampler's stop-when-done loop is), so a plan counts the
+most a step can cost; otherwise its body once. Element-wise work is
 left out (as in MFU's "model FLOPs"): on accelerators it is a few percent
 of a transformer's.
 """
 
 import math
-from typing import Any
+from typing import Any, Optional
 
 import jax
 from jax.extend import core as jax_core
+import numpy as np
 
 
-def _sub_jaxprs(params) -> list:
+def sub_jaxprs(params) -> list:
+  """The jaxprs among an equation's parameters (a loop's body, a call's
+  callee, a cond's branches)."""
   found = []
   for value in params.values():
     values = value if isinstance(value, (tuple, list)) else (value,)
@@ -31,11 +38,71 @@ def _sub_jaxprs(params) -> list:
   return found
 
 
+def _literal(var):
+  """The Python number a jaxpr variable is bound to, or None if not a
+  scalar literal."""
+  if isinstance(var, jax_core.Literal) and np.ndim(var.val) == 0:
+    return var.val.item() if hasattr(var.val, "item") else var.val
+  return None
+
+
+def _conjuncts(jaxpr, var) -> list:
+  """The equations whose boolean results are and-ed into `var`."""
+  producer = {v: e for e in jaxpr.eqns for v in e.outvars}
+  found, todo = [], [var]
+  while todo:
+    var = todo.pop()
+    eqn = (None if isinstance(var, jax_core.Literal) else producer.get(var))
+    if eqn is None:
+      continue
+    if eqn.primitive.name == "and" and not eqn.outvars[0].aval.shape:
+      todo.extend(v for v in eqn.invars
+                  if not isinstance(v, jax_core.Literal))
+    else:
+      found.append(eqn)
+  return found
+
+
+def while_trip_bound(eqn) -> Optional[int]:
+  """An upper bound on the iterations of a `while` equation, or None.
+
+  Recognised: the condition is `i < n` (possibly and-ed with anything else,
+  e.g. "some row is still running"), where the loop variable i starts at a
+  literal i0 and the body returns i + s for a literal s > 0, and n is a
+  literal: at most ceil((n - i0) / s) iterations. The bound is what a step
+  costs when no early exit happens (the sampler with `stop_when_done`).
+  """
+  params = eqn.params
+  cond, body = params["cond_jaxpr"].jaxpr, params["body_jaxpr"].jaxpr
+  cond_carry = cond.invars[params["cond_nconsts"]:]
+  body_carry = body.invars[params["body_nconsts"]:]
+  init = eqn.invars[params["cond_nconsts"] + params["body_nconsts"]:]
+  body_producer = {v: e for e in body.eqns for v in e.outvars}
+  bounds = []
+  for test in _conjuncts(cond, cond.outvars[0]):
+    carried = [j for j, v in enumerate(cond_carry) if v is test.invars[0]]
+    if test.primitive.name != "lt" or not carried:
+      continue
+    i = carried[0]
+    limit, start = _literal(test.invars[1]), _literal(init[i])
+    update = (None if isinstance(body.outvars[i], jax_core.Literal)
+              else body_producer.get(body.outvars[i]))
+    if limit is None or start is None or update is None or (
+        update.primitive.name != "add"):
+      continue
+    a, b = update.invars
+    stride = (_literal(b) if a is body_carry[i] else
+              _literal(a) if b is body_carry[i] else None)
+    if stride and stride > 0:
+      bounds.append(max(0, math.ceil((limit - start) / stride)))
+  return min(bounds) if bounds else None
+
+
 def jaxpr_flops(jaxpr) -> float:
   """Matmul FLOPs of a (closed) jaxpr, loops counted by their trip count.
 
-  A `while` loop's trip count is not known before it runs: its body is
-  counted once (the framework's own loops are all scans).
+  A `while` loop's trip count is not known before it runs: it is counted at
+  `while_trip_bound`'s upper bound when there is one, else once.
   """
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   total = 0.0
@@ -50,8 +117,16 @@ def jaxpr_flops(jaxpr) -> float:
       total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"])
     elif name == "cond":
       total += max(jaxpr_flops(b) for b in eqn.params["branches"])
+    elif name == "while":
+      trips = while_trip_bound(eqn)
+      body = jaxpr_flops(eqn.params["body_jaxpr"])
+      test = jaxpr_flops(eqn.params["cond_jaxpr"])
+      if trips is None:
+        total += body + test
+      else:  # the condition is evaluated once more than the body runs
+        total += trips * body + (trips + 1) * test
     else:
-      total += sum(jaxpr_flops(sub) for sub in _sub_jaxprs(eqn.params))
+      total += sum(jaxpr_flops(sub) for sub in sub_jaxprs(eqn.params))
   return total
 
 

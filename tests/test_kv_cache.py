@@ -388,3 +388,157 @@ def test_decode_steps_do_not_copy_the_kv_cache(family):
   hlo = jax.jit(fn).lower(params, tokens).compile().as_text()
   assert "while/body" in hlo  # the decode loop is there to inspect
   assert _whole_cache_rewrites(hlo, batch * heads * length * head_dim) == []
+
+
+# ----------------------------------------------------------------------------
+# One prefill per prompt for its k samples (`num_samples`), and a decode loop
+# that stops once every row has ended (`stop_when_done`). The truth for both
+# is the plain path: the prompts repeated k times, decoded by the fixed scan.
+
+GROUP = 2  # samples per prompt
+BUDGET = 8  # max_new_tokens
+EOS = 2
+
+
+def _eos_biased(cls):
+  """`cls` whose EOS logit is raised by params["eos_bias"] at every step, so
+  that a random model's rows end early (or, at 0, some never do); a traced
+  parameter, so both cases run one compiled program."""
+  class EosBiased(cls):
+    def decode_step(self, *args, **kwargs):
+      logits = super().decode_step(*args, **kwargs)
+      return logits.at[..., EOS].add(self.get_variable("params", "eos_bias"))
+  return EosBiased
+
+
+_EosBiasedT5 = _eos_biased(t5.T5)
+_EosBiasedLlama = _eos_biased(llama.Llama)
+
+# Per family and greedy, an EOS bias with which every row ends before BUDGET
+# (asserted below); with 0 some rows never end.
+_ENDING_BIAS = {("t5", True): 5.0, ("t5", False): 4.0,
+                ("llama", True): 4.0, ("llama", False): 5.0}
+
+
+@pytest.fixture(scope="module")
+def group_sampling(t5_setup):
+  """family -> (EOS-biased model, params with eos_bias 0, prompts [P, Lp],
+  sample(params, prompts, **options) -> Samples)."""
+  _, t5_params, t5_prompts = t5_setup
+  t5_model = _EosBiasedT5(T5_CONFIG)
+  llama_model = _EosBiasedLlama(llama.LlamaConfig.preset("tiny",
+                                                         vocab_size=32))
+  one = jnp.ones((1, 6), jnp.int32)
+  llama_params = random_params(llama.Llama(llama_model.config), one, one, one,
+                               seed=1, scale=1.5)
+  bias = {"eos_bias": jnp.float32(0.0)}
+  return {
+      "t5": (t5_model, dict(t5_params, **bias), t5_prompts,
+             lambda p, x, **kw: sampling.sample_encoder_decoder(
+                 t5_model, p, x, jax.random.PRNGKey(4), BUDGET, eos_id=EOS,
+                 **kw)),
+      "llama": (llama_model, dict(llama_params, **bias), PROMPTS,
+                lambda p, x, **kw: sampling.sample_decoder_only(
+                    llama_model, p, x, x > 0, jax.random.PRNGKey(4), BUDGET,
+                    eos_id=EOS, **kw)),
+  }
+
+
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_shared_prefill_and_early_stop_equal_repeated_prompts(
+    family, group_sampling):
+  _, params, prompts, sample = group_sampling[family]
+
+  @jax.jit
+  def run(p):
+    """{(greedy, variant): Samples}, in one program (one compilation):
+    "repeated" (the truth: the prompts repeated, fixed loop), "shared"
+    (num_samples=GROUP), "shared_until_done" (and stop_when_done)."""
+    out = {}
+    for greedy in (True, False):
+      out[greedy, "repeated"] = sample(p, np.repeat(prompts, GROUP, 0),
+                                       greedy=greedy)
+      out[greedy, "shared"] = sample(p, prompts, num_samples=GROUP,
+                                     greedy=greedy)
+      out[greedy, "shared_until_done"] = sample(
+          p, prompts, num_samples=GROUP, stop_when_done=True, greedy=greedy)
+    return out
+
+  for greedy in (True, False):
+    for bias in (_ENDING_BIAS[family, greedy], 0.0):
+      out = jax.device_get(run(dict(params, eos_bias=jnp.float32(bias))))
+      truth = out[greedy, "repeated"]
+      ended = truth.has_eos
+      if bias:
+        assert ended.all(), (greedy, truth.tokens)
+      else:
+        assert ended.any() and not ended.all(), (greedy, truth.tokens)
+      # Row i * GROUP + j: sample j of prompt i, the same draws.
+      shared = out[greedy, "shared"]
+      np.testing.assert_array_equal(shared.tokens, truth.tokens)
+      np.testing.assert_allclose(shared.logprobs, truth.logprobs, atol=1e-5)
+      np.testing.assert_array_equal(shared.mask, truth.mask)
+      np.testing.assert_array_equal(shared.has_eos, truth.has_eos)
+      assert shared.num_steps == truth.num_steps == BUDGET
+      # The while loop writes exactly what the fixed scan writes.
+      early = out[greedy, "shared_until_done"]
+      for name in ("tokens", "logprobs", "mask", "has_eos"):
+        np.testing.assert_array_equal(getattr(early, name),
+                                      getattr(shared, name))
+      # It ran up to the column of the last row's EOS.
+      last_eos = np.max(np.argmax(truth.tokens == EOS, axis=1))
+      assert early.num_steps == (last_eos + 1 if ended.all() else BUDGET)
+      if bias:
+        assert early.num_steps < BUDGET
+
+
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_shared_prefill_saves_the_prefill_flops(family, group_sampling):
+  """FLOPs (counted from the jaxpr, nothing compiled): sharing saves exactly
+  GROUP - 1 prefills of the prompts; the while loop counts as the scan (its
+  bound, BUDGET - 1 steps). The samplers' traces are those of the test
+  above (jit's cache)."""
+  from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
+  model, params, prompts, sample = group_sampling[family]
+  if family == "t5":
+    def prefill(x):
+      encoded = model.apply({"params": params}, x, method=model.encode)
+      return model.apply({"params": params}, encoded, x,
+                         jnp.zeros((len(x), 1), jnp.int32), 0, BUDGET,
+                         method=model.decode_step, mutable=["cache"])
+  else:
+    def prefill(x):
+      mask = (x > 0).astype(jnp.int32)
+      cache_mask = jnp.pad(mask, ((0, 0), (0, BUDGET - 1)),
+                           constant_values=1)
+      return model.apply({"params": params}, x,
+                         layers.positions_from_mask(mask), cache_mask, 0,
+                         method=model.decode_step, mutable=["cache"])
+
+  def count(x, **options):
+    return flops.function_flops(
+        lambda p, x: sample(p, x, greedy=False, **options).tokens, params, x)
+  repeated = count(np.repeat(prompts, GROUP, 0))
+  shared = count(prompts, num_samples=GROUP)
+  one_prefill = flops.function_flops(prefill, prompts)
+  assert one_prefill > 0
+  assert shared == repeated - (GROUP - 1) * one_prefill
+  assert count(prompts, num_samples=GROUP, stop_when_done=True) == shared
+
+
+def test_rollout_sampling_passes_the_group_options_through(group_sampling):
+  """Traced only: P encoder-style prompts give P * GROUP rows, decoded by the
+  loop that stops early."""
+  from jaxrlhf.models import scoring  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.rl import rollout  # pylint: disable=g-import-not-at-top
+  model, params, _, _ = group_sampling["llama"]
+  right_padded = np.array([[5, 9, 0, 0], [4, 0, 0, 0], [7, 8, 6, 3]],
+                          np.int32)
+  fn = lambda p, x: rollout.sample_responses(
+      scoring.adapter_for(model), p, x, jax.random.PRNGKey(0),
+      max_new_tokens=BUDGET, temperature=1.0, eos_id=EOS,
+      num_samples=GROUP, stop_when_done=True)
+  samples = jax.eval_shape(fn, params, right_padded)
+  assert samples.tokens.shape == (3 * GROUP, BUDGET)
+  assert samples.num_steps.shape == ()
+  assert "while[" in str(jax.make_jaxpr(fn)(params, right_padded))

@@ -71,6 +71,31 @@ def test_flops_of_a_cond_are_its_costlier_branch():
   assert flops.function_flops(f, True, x, w) == 2 * (2 * 16 * 32 * 32)
 
 
+def test_flops_of_a_while_loop_with_a_counter_bound_are_the_bound():
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 32))
+  one = 2 * 16 * 32 * 32
+
+  def loop(x, w, start, limit, stride, early_exit=True):
+    def keep_going(c):
+      i, x = c
+      more = i < limit
+      return (more & (jnp.max(x) < 1e6)) if early_exit else more
+    return jax.lax.while_loop(keep_going, lambda c: (c[0] + stride,
+                                                     jnp.tanh(c[1] @ w)),
+                              (jnp.int32(start), x))[1]
+  # i = 1, 4, 7 run the body (ceil((10 - 1) / 3) = 3), and-ed with an
+  # early exit or not.
+  assert flops.function_flops(lambda x, w: loop(x, w, 1, 10, 3), x, w) == (
+      3 * one)
+  assert flops.function_flops(
+      lambda x, w: loop(x, w, 1, 10, 3, early_exit=False), x, w) == 3 * one
+  # No bound to read (a traced limit, or a counter that does not grow):
+  # the body once.
+  assert flops.function_flops(
+      lambda x, w, n: loop(x, w, 0, n, 1), x, w, 10) == one
+  assert flops.function_flops(lambda x, w: loop(x, w, 0, 10, 0), x, w) == one
+
+
 # --- a batch's layout from the config alone ----------------------------------------
 
 

@@ -168,3 +168,6 @@ def test_sampling_option_errors():
     sampling._check_options(0, 1.0, 0, 1.0)  # pylint: disable=protected-access
   with pytest.raises(ValueError, match="temperature"):
     sampling._check_options(4, -1.0, 0, 1.0)  # pylint: disable=protected-access
+  with pytest.raises(ValueError, match="num_samples"):
+    sampling._check_options(  # pylint: disable=protected-access
+        4, 1.0, 0, 1.0, num_samples=0)

@@ -10,19 +10,27 @@ Every sample is drawn for a fixed number of new tokens and then truncated
 after its first EOS, with the rest padded with 0, as the PPO
 implementation-details paper does (detail 23: "fixed-length response
 generation ... truncate after the EOS"); `has_eos` reports which samples
-ended. The per-token log-probs returned are those of the distribution the
-token was drawn from (temperature-scaled and top-k/top-p filtered; greedy
-uses temperature 1), so they can serve as the "old" log-probs of a
+ended. With `stop_when_done` the decode loop instead stops as soon as every
+row has ended (a `lax.while_loop`); the steps it skips would only have
+written that padding, so the outputs are the same, at their static
+[batch, max_new_tokens] shape, and `num_steps` says how many ran. The
+per-token log-probs returned are those of the distribution the token was
+drawn from (temperature-scaled and top-k/top-p filtered; greedy uses
+temperature 1), so they can serve as the "old" log-probs of a
 policy-gradient ratio when the scorer uses the same temperature.
 
 Both samplers use a KV cache (flax "cache" collection, see the models'
 `decode_step`): the prompt (T5: the encoder input; decoder-only: the
 left-padded prompt in one prefill pass) is processed once, then each new
-token costs one single-position step. They are jit-compiled (the model and
-the sampling options are static) and run under a mesh: call them inside
-`jax.set_mesh(mesh)` and `flax.linen.logical_axis_rules(rules)` with inputs
-sharded over the batch axis, and the models' logical constraints shard the
-activations and the cache (batch over data, heads over model).
+token costs one single-position step. With `num_samples=k` each prompt is
+prefilled once and its cache (and first logits) repeated for its k samples,
+which are then decoded as k adjacent rows: the same rows, cache and random
+draws as sampling `jnp.repeat(prompts, k, axis=0)`, at 1/k of the prefill.
+They are jit-compiled (the model and the sampling options are static) and
+run under a mesh: call them inside `jax.set_mesh(mesh)` and
+`flax.linen.logical_axis_rules(rules)` with inputs sharded over the batch
+axis, and the models' logical constraints shard the activations and the
+cache (batch over data, heads over model; a repeated cache keeps them).
 """
 
 import dataclasses
@@ -30,6 +38,7 @@ import functools
 from typing import Any, Callable, Tuple
 
 import flax
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
@@ -45,6 +54,10 @@ class Samples:
   logprobs: jax.Array   # [batch, max_new_tokens] float32, 0 where mask is 0
   mask: jax.Array       # [batch, max_new_tokens] float32, 1 up to the EOS
   has_eos: jax.Array    # [batch] bool
+  # int32 [], tokens drawn per row before the loop stopped: max_new_tokens,
+  # or fewer with `stop_when_done` (columns from it on are padding). None
+  # in Samples built by hand.
+  num_steps: jax.Array = None
 
 
 def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -72,15 +85,19 @@ def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
   return logits
 
 
-def _check_options(max_new_tokens, temperature, top_k, top_p):
+def _check_options(max_new_tokens, temperature, top_k, top_p,
+                   num_samples=1):
   for name, value in (("temperature", temperature), ("top_k", top_k),
-                      ("top_p", top_p)):
+                      ("top_p", top_p), ("num_samples", num_samples)):
     if isinstance(value, jax.Array):
       raise ValueError(f"{name} must be a Python number (the sampler is "
                        f"compiled for it), got a jax array {value!r}.")
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int, got "
                      f"{max_new_tokens!r}.")
+  if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
+    raise ValueError(f"num_samples must be a positive int, got "
+                     f"{num_samples!r}.")
   if not temperature >= 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got "
                      f"{temperature!r}.")
@@ -94,8 +111,8 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
                  step: Callable[[Any, jax.Array, jax.Array],
                                 Tuple[jax.Array, Any]],
                  rng: jax.Array, max_new_tokens: int, temperature: float,
-                 top_k: int, top_p: float, greedy: bool,
-                 eos_id: int) -> Samples:
+                 top_k: int, top_p: float, greedy: bool, eos_id: int,
+                 stop_when_done: bool = False) -> Samples:
   """Draws `max_new_tokens` tokens.
 
   Args:
@@ -103,6 +120,9 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
     cache: the model's KV cache after the prompt.
     step: (cache, token [batch], t) -> (logits [batch, vocab] of token t + 1,
       cache), feeding token t (the t-th new token, 0 after an EOS).
+    stop_when_done: stop once every row has drawn its EOS (a while loop)
+      instead of always running max_new_tokens - 1 steps (a scan); the
+      outputs are the same.
   """
   batch = first_logits.shape[0]
 
@@ -125,14 +145,36 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
     logprob = jnp.where(done, 0.0, logprob)
     return token, logprob, done | (token == eos_id), rng
 
+  done = jnp.zeros((batch,), bool)
+  first_logits = first_logits.astype(jnp.float32)
+  if stop_when_done:
+    tokens, logprobs, has_eos, num_steps = _decode_until_done(
+        first_logits, cache, step, draw, done, rng, max_new_tokens)
+  else:
+    tokens, logprobs, has_eos = _decode_fixed(
+        first_logits, cache, step, draw, done, rng, max_new_tokens)
+    num_steps = jnp.int32(max_new_tokens)
+  # Real tokens: everything up to and including the first EOS.
+  is_eos = tokens == eos_id
+  after_eos = (jnp.cumsum(is_eos, axis=-1) - is_eos) > 0
+  mask = (~after_eos).astype(jnp.float32)
+  return Samples(tokens=tokens, logprobs=logprobs * mask, mask=mask,
+                 has_eos=has_eos, num_steps=num_steps)
+
+
+def _decode_fixed(logits, cache, step, draw, done, rng, max_new_tokens):
+  """max_new_tokens draws and max_new_tokens - 1 steps, whether or not the
+  rows have ended. Returns (tokens, logprobs [batch, max_new_tokens],
+  has_eos [batch])."""
+  batch = logits.shape[0]
+
   def body(carry, t):
     logits, cache, done, rng = carry
     token, logprob, done, rng = draw(logits, done, rng)
     logits, cache = step(cache, token, t)
     return (logits, cache, done, rng), (token, logprob)
 
-  done = jnp.zeros((batch,), bool)
-  carry = (first_logits.astype(jnp.float32), cache, done, rng)
+  carry = (logits, cache, done, rng)
   # The last token is drawn outside the loop: feeding it would be wasted.
   if max_new_tokens > 1:
     carry, (tokens, logprobs) = jax.lax.scan(
@@ -144,12 +186,80 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
   last, last_logprob, has_eos, _ = draw(logits, done, rng)
   tokens = jnp.concatenate([tokens.T, last[:, None]], axis=1)
   logprobs = jnp.concatenate([logprobs.T, last_logprob[:, None]], axis=1)
-  # Real tokens: everything up to and including the first EOS.
-  is_eos = tokens == eos_id
-  after_eos = (jnp.cumsum(is_eos, axis=-1) - is_eos) > 0
-  mask = (~after_eos).astype(jnp.float32)
-  return Samples(tokens=tokens, logprobs=logprobs * mask, mask=mask,
-                 has_eos=has_eos)
+  return tokens, logprobs, has_eos
+
+
+def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens):
+  """`_decode_fixed`'s draws and steps in the same order (so the same rng
+  splits and tokens), stopping once every row is done: a step runs only when
+  some row still needs the token after it. The columns never drawn keep the
+  zeros (token 0, log-prob 0) a finished row's draws would have written.
+
+  Returns (tokens, logprobs [batch, max_new_tokens], has_eos [batch],
+  num_steps int32 []: the columns drawn).
+  """
+  batch = logits.shape[0]
+  token, logprob, done, rng = draw(logits, done, rng)
+  tokens = jnp.zeros((batch, max_new_tokens), jnp.int32).at[:, 0].set(token)
+  logprobs = jnp.zeros((batch, max_new_tokens),
+                       jnp.float32).at[:, 0].set(logprob)
+  tokens = nn.with_logical_constraint(tokens, ("batch", "length"))
+  logprobs = nn.with_logical_constraint(logprobs, ("batch", "length"))
+
+  # The counter t (the next column) starts at a literal 1, is compared with
+  # the literal max_new_tokens and grows by 1: `jaxrlhf.flops` reads that
+  # pattern as the loop's bound, max_new_tokens - 1 steps.
+  def keep_going(carry):
+    t, done = carry[0], carry[3]
+    return (t < max_new_tokens) & ~jnp.all(done)
+
+  def body(carry):
+    t, token, cache, done, rng, tokens, logprobs = carry
+    logits, cache = step(cache, token, t - 1)
+    token, logprob, done, rng = draw(logits, done, rng)
+    zero = jnp.zeros((), jnp.int32)
+    tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (zero, t))
+    logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None],
+                                            (zero, t))
+    return t + 1, token, cache, done, rng, tokens, logprobs
+
+  t, _, _, done, _, tokens, logprobs = jax.lax.while_loop(
+      keep_going, body,
+      (jnp.int32(1), token, cache, done, rng, tokens, logprobs))
+  return tokens, logprobs, done, t
+
+
+def _repeat_rows(x: jax.Array, num_samples: int, axis: int = 0,
+                 logical_axes=None) -> jax.Array:
+  """Row i of `x` (along `axis`) becomes rows i * k .. i * k + k - 1,
+  `jnp.repeat`'s layout, constrained to `logical_axes` when given."""
+  if num_samples == 1:
+    return x
+  x = jnp.repeat(x, num_samples, axis=axis)
+  if logical_axes is not None:
+    x = nn.with_logical_constraint(x, logical_axes)
+  return x
+
+
+def _repeat_cache(cache: Any, num_samples: int, batch: int,
+                  head_axis: str) -> Any:
+  """A prefilled KV cache for `batch` prompts as the cache of their
+  batch * num_samples samples (`_repeat_rows` along batch).
+
+  Every cache leaf is a `layers.update_kv_cache` or T5 cross-attention
+  array, [batch, heads, length, head_dim], with a leading [layers] axis
+  when the layers are scanned; `head_axis` is the heads' logical name
+  ("heads" for T5, "kv_heads" for decoder-only models), as they constrain it.
+  """
+  def repeat(x):
+    lead = x.ndim - 4
+    if lead not in (0, 1) or x.shape[lead] != batch:
+      raise ValueError(
+          f"num_samples: a KV-cache entry of shape {x.shape} is not "
+          f"[(layers,) batch={batch}, heads, length, head_dim].")
+    names = ("layers",) * lead + ("batch", head_axis, "length", "kv")
+    return _repeat_rows(x, num_samples, lead, names)
+  return jax.tree.map(repeat, cache)
 
 
 def _jit_static(fn, static_argnames):
@@ -179,15 +289,17 @@ def _inference_module(model):
 
 
 _STATIC = ("model", "max_new_tokens", "temperature", "top_k", "top_p",
-           "greedy", "eos_id")
+           "greedy", "eos_id", "num_samples", "stop_when_done")
 
 
 def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
                             max_new_tokens, temperature, top_k, top_p, greedy,
-                            eos_id):
+                            eos_id, num_samples, stop_when_done):
   model = _inference_module(model)
   encoder_input_tokens = jnp.asarray(encoder_input_tokens, jnp.int32)
   batch = encoder_input_tokens.shape[0]
+  # The prefill (the encoder, the cross-attention keys/values and the BOS
+  # step) runs once per prompt; its results are repeated for the samples.
   encoded = model.apply({"params": params}, encoder_input_tokens,
                         method=model.encode)
   # Decoder position 0 holds BOS (0); new token t is fed at position t + 1.
@@ -196,6 +308,10 @@ def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
   logits, variables = model.apply(
       {"params": params}, encoded, encoder_input_tokens, bos, 0, cache_length,
       method=model.decode_step, mutable=["cache"])
+  logits = _repeat_rows(logits[:, -1], num_samples, 0, ("batch", "vocab"))
+  cache = _repeat_cache(variables["cache"], num_samples, batch, "heads")
+  encoder_input_tokens = _repeat_rows(encoder_input_tokens, num_samples, 0,
+                                      ("batch", "length"))
 
   def step(cache, token, t):
     logits, variables = model.apply(
@@ -204,9 +320,8 @@ def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
         mutable=["cache"])
     return logits[:, -1].astype(jnp.float32), variables["cache"]
 
-  return _decode_loop(logits[:, -1], variables["cache"], step, rng,
-                      max_new_tokens, temperature, top_k, top_p, greedy,
-                      eos_id)
+  return _decode_loop(logits, cache, step, rng, max_new_tokens, temperature,
+                      top_k, top_p, greedy, eos_id, stop_when_done)
 
 
 _sample_encoder_decoder_jit = _jit_static(_sample_encoder_decoder, _STATIC)
@@ -215,7 +330,9 @@ _sample_encoder_decoder_jit = _jit_static(_sample_encoder_decoder, _STATIC)
 def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
                            max_new_tokens: int, temperature: float = 1.0,
                            top_k: int = 0, top_p: float = 1.0,
-                           greedy: bool = False, eos_id: int = 1) -> Samples:
+                           greedy: bool = False, eos_id: int = 1,
+                           num_samples: int = 1,
+                           stop_when_done: bool = False) -> Samples:
   """Samples completions from a T5 (`jaxrlhf.models.t5.T5`).
 
   Args:
@@ -229,23 +346,31 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
     greedy: argmax decoding; temperature 0 means the same (t5x's
       temperature_sample convention).
     eos_id: the end-of-sequence id.
+    num_samples: static k, samples per prompt: the prompts are encoded once
+      and row i * k + j of the result is sample j of prompt i, the same
+      draws as sampling `jnp.repeat(encoder_input_tokens, k, axis=0)`.
+    stop_when_done: static; stop decoding once every row has drawn its EOS
+      (the outputs are unchanged, `num_steps` counts the columns drawn).
   Returns:
-    Samples with [batch, max_new_tokens] tokens (no BOS; EOS kept, then 0),
-    log-probs, mask and [batch] has_eos.
+    Samples with [batch * num_samples, max_new_tokens] tokens (no BOS; EOS
+    kept, then 0), log-probs, mask, [batch * num_samples] has_eos and
+    num_steps.
   """
-  _check_options(max_new_tokens, temperature, top_k, top_p)
+  _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
   greedy = greedy or temperature == 0
   return _sample_encoder_decoder_jit(
       model=model, params=params, encoder_input_tokens=encoder_input_tokens,
       rng=rng, max_new_tokens=int(max_new_tokens),
       temperature=float(temperature) if not greedy else 1.0,
       top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
-      eos_id=int(eos_id))
+      eos_id=int(eos_id), num_samples=int(num_samples),
+      stop_when_done=bool(stop_when_done))
 
 
 def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
                          rng, max_new_tokens, temperature, top_k, top_p, greedy,
-                         eos_id, bidirectional_prompt):
+                         eos_id, num_samples, stop_when_done,
+                         bidirectional_prompt):
   model = _inference_module(model)
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   prompt_mask = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
@@ -257,9 +382,14 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
   positions = layers.positions_from_mask(prompt_mask)
   num_real = jnp.sum(prompt_mask, axis=-1)
   extra = {"bidirectional_prompt": True} if bidirectional_prompt else {}
+  # One prefill per prompt, repeated for its samples.
   logits, variables = model.apply(
       {"params": params}, prompt_tokens, positions, cache_mask, 0,
       method=model.decode_step, mutable=["cache"], **extra)
+  logits = _repeat_rows(logits, num_samples, 0, ("batch", "vocab"))
+  cache = _repeat_cache(variables["cache"], num_samples, batch, "kv_heads")
+  cache_mask = _repeat_rows(cache_mask, num_samples, 0, ("batch", "length"))
+  num_real = _repeat_rows(num_real, num_samples, 0, ("batch",))
 
   def step(cache, token, t):
     position = (num_real + t)[:, None].astype(jnp.int32)
@@ -269,8 +399,8 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
         mutable=["cache"])
     return logits.astype(jnp.float32), variables["cache"]
 
-  return _decode_loop(logits, variables["cache"], step, rng, max_new_tokens,
-                      temperature, top_k, top_p, greedy, eos_id)
+  return _decode_loop(logits, cache, step, rng, max_new_tokens, temperature,
+                      top_k, top_p, greedy, eos_id, stop_when_done)
 
 
 _sample_decoder_only_jit = _jit_static(
@@ -301,7 +431,9 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
                         rng, max_new_tokens: int, temperature: float = 1.0,
                         top_k: int = 0, top_p: float = 1.0,
                         greedy: bool = False, eos_id: int = 1,
-                        bidirectional_prompt: bool = False) -> Samples:
+                        bidirectional_prompt: bool = False,
+                        num_samples: int = 1,
+                        stop_when_done: bool = False) -> Samples:
   """Samples continuations from a decoder-only model.
 
   Works with `llama.Llama`, `gpt_neox.GPTNeoX` and
@@ -321,11 +453,17 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
     eos_id: the end-of-sequence id (Llama 3: 128001/128009, Pythia: 0, ...).
     bidirectional_prompt: prefix-LM prefill (t5x decoder-only with
       `inputs_bidirectional_attention=True`); T5xDecoderOnly only.
+    num_samples: static k, samples per prompt: each prompt is prefilled
+      once and row i * k + j of the result is sample j of prompt i, the same
+      draws as sampling the prompts repeated with `jnp.repeat(..., k,
+      axis=0)`.
+    stop_when_done: as in `sample_encoder_decoder`.
   Returns:
-    Samples of the NEW tokens only: [batch, max_new_tokens] tokens (EOS kept,
-    then 0), log-probs, mask, and [batch] has_eos.
+    Samples of the NEW tokens only: [batch * num_samples, max_new_tokens]
+    tokens (EOS kept, then 0), log-probs, mask, [batch * num_samples]
+    has_eos, and num_steps.
   """
-  _check_options(max_new_tokens, temperature, top_k, top_p)
+  _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
   _check_left_padded(prompt_attention_mask)
   greedy = greedy or temperature == 0
   return _sample_decoder_only_jit(
@@ -334,4 +472,6 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
       max_new_tokens=int(max_new_tokens),
       temperature=float(temperature) if not greedy else 1.0,
       top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
-      eos_id=int(eos_id), bidirectional_prompt=bool(bidirectional_prompt))
+      eos_id=int(eos_id), num_samples=int(num_samples),
+      stop_when_done=bool(stop_when_done),
+      bidirectional_prompt=bool(bidirectional_prompt))
