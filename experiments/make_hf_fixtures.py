@@ -224,6 +224,27 @@ def make_t5_tied(out, rng):
   _save_t5_fixture(model, out, rng)
 
 
+# tests/fixtures/hf/README.md (the versions are this script's; each
+# fixture's config.json names the transformers that wrote it).
+README = """\
+Tiny random Hugging Face checkpoints, built by transformers from a config
+(no download), and what transformers computed for them: `expected.npz`
+(float32 logits of fixed left- and right-padded inputs) and, for most,
+`generate.npz` (greedy `generate` through its KV cache). Made by
+transformers {transformers}, torch {torch} (see each config.json).
+
+- experiments/make_hf_fixtures.py: llama_gqa, llama_tied, pythia,
+  neox_sequential, neox_odd_rotary, t5_gated, t5_relu_tied, t5_tied;
+  experiments/make_hf_generate_fixtures.py: their generate.npz.
+- experiments/make_gemma_fixtures.py: gemma2 (alternating local/global
+  layers), gemma2_odd (three layers in the pattern its config lists).
+- experiments/make_family_fixtures.py: qwen2, qwen3, gemma3, mistral,
+  llama3_rope (Llama 3's rotary scaling, every band).
+
+Each script's docstring says what its fixtures exercise; `--only NAME`
+remakes one and leaves the others' files as they are.
+"""
+
 FIXTURES = {
     "llama_gqa": make_llama_gqa,
     "llama_tied": make_llama_tied,
@@ -252,11 +273,8 @@ def main():
     out.mkdir(parents=True, exist_ok=True)
     make(out, np.random.default_rng(SEED + i))
     print(f"wrote {out}")
-  (root / "README.md").write_text(
-      "Tiny random Hugging Face checkpoints and the logits transformers "
-      f"computed for them (transformers {transformers.__version__}, torch "
-      f"{torch.__version__}).\nRegenerate with `python "
-      "experiments/make_hf_fixtures.py`; see its docstring.\n")
+  (root / "README.md").write_text(README.format(
+      transformers=transformers.__version__, torch=torch.__version__))
   total = sum(p.stat().st_size for p in root.rglob("*") if p.is_file())
   print(json.dumps({"total_bytes": total}))
 

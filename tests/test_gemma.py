@@ -1,8 +1,10 @@
 """Gemma 2 against transformers: logits and greedy generation of the
-fixture transformers made (tests/fixtures/hf/gemma2, by
-experiments/make_gemma_fixtures.py: two local/global layer pairs, a sliding
-window shorter than the inputs, soft caps that bend the logits), the export
-back to transformers' file, and the scanned layout."""
+fixtures transformers made (by experiments/make_gemma_fixtures.py:
+tests/fixtures/hf/gemma2, four layers alternating local and global, a
+sliding window shorter than the inputs, soft caps that bend the logits;
+gemma2_odd, three layers in the pattern its config.json lists), the export
+back to transformers' file, and the scanned layout. test_hf_io.py loads the
+export of each in transformers itself (with torch installed)."""
 
 import dataclasses
 import functools
@@ -15,14 +17,16 @@ import pytest
 from jaxrlhf import models
 from jaxrlhf.models import gemma
 from jaxrlhf.models import hf_io
+from jaxrlhf.models import layers
 from jaxrlhf.models import sampling
 
-FIXTURE = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf" / "gemma2"
+HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
+SLIDING, FULL = layers.SLIDING_ATTENTION, layers.FULL_ATTENTION
 
 
 @functools.lru_cache(maxsize=None)
-def _loaded():
-  return hf_io.load_hf_checkpoint(FIXTURE)
+def _loaded(name="gemma2"):
+  return hf_io.load_hf_checkpoint(HF_FIXTURES / name)
 
 
 @functools.lru_cache(maxsize=None)
@@ -30,8 +34,8 @@ def _apply(config):
   return jax.jit(models.module_for_config(config).apply)
 
 
-def _logits(config, params):
-  e = np.load(FIXTURE / "expected.npz")
+def _logits(config, params, name="gemma2"):
+  e = np.load(HF_FIXTURES / name / "expected.npz")
   logits = _apply(config)({"params": params}, e["tokens"], e["positions"],
                           e["attention_mask"])
   return np.asarray(logits), e["logits"], e["attention_mask"] == 1
@@ -42,35 +46,49 @@ def test_config_reads_the_fixture():
   assert isinstance(config, gemma.GemmaConfig)
   assert (config.num_layers, config.sliding_window) == (4, 4)
   assert (config.attn_logit_softcap, config.final_logit_softcap) == (2.0, 5.0)
-  assert config.query_pre_attn_scalar == 6.0
+  assert config.query_pre_attn_scalar == 6
   assert (config.bos_token_id, config.eos_token_id) == (2, 1)
-  # Two pairs of a local and a global layer; the output layer is tied.
+  # The alternating pattern, local first, is the config's default; one
+  # parameter subtree per layer; the output layer is tied.
+  assert config.layer_types is None
+  assert config.attention_types == (SLIDING, FULL) * 2
   assert set(params["decoder"]) == {"token_embedder", "decoder_norm",
-                                    "layers_0", "layers_1"}
-  assert set(params["decoder"]["layers_1"]) == {"local", "global"}
+                                    "layers_0", "layers_1", "layers_2",
+                                    "layers_3"}
+  config, params = _loaded("gemma2_odd")
+  assert config.num_layers == 3
+  assert config.layer_types == (SLIDING, SLIDING, FULL)
+  assert "layers_2" in params["decoder"]
 
 
-def test_logits_match_transformers():
-  config, params = _loaded()
-  ours, theirs, real = _logits(config, params)
+@pytest.mark.parametrize("name", ["gemma2", "gemma2_odd"])
+def test_logits_match_transformers(name):
+  config, params = _loaded(name)
+  ours, theirs, real = _logits(config, params, name)
   assert (~real).any()  # left and right padding are exercised
   np.testing.assert_allclose(ours[real], theirs[real], atol=2e-5, rtol=1e-5)
 
 
-@pytest.mark.parametrize("change", [
-    dict(attn_logit_softcap=None), dict(final_logit_softcap=None),
-    dict(sliding_window=64), dict(query_pre_attn_scalar=8.0)])
-def test_the_fixture_exercises_each_gemma_detail(change):
+@pytest.mark.parametrize("name, change", [
+    ("gemma2", dict(attn_logit_softcap=None)),
+    ("gemma2", dict(final_logit_softcap=None)),
+    ("gemma2", dict(sliding_window=64)),
+    ("gemma2", dict(query_pre_attn_scalar=8)),
+    ("gemma2_odd", dict(layer_types=None))])
+def test_the_fixture_exercises_each_gemma_detail(name, change):
   """Without any one of them the logits are not transformers' (so the match
-  above is not an accident of inputs that never reach it)."""
-  config, params = _loaded()
-  ours, theirs, real = _logits(dataclasses.replace(config, **change), params)
+  above is not an accident of inputs that never reach it); gemma2_odd's
+  pattern is not the default one."""
+  config, params = _loaded(name)
+  ours, theirs, real = _logits(dataclasses.replace(config, **change), params,
+                               name)
   assert np.abs(ours[real] - theirs[real]).max() > 1e-2
 
 
-def test_greedy_generation_matches_transformers():
-  config, params = _loaded()
-  g = dict(np.load(FIXTURE / "generate.npz"))
+@pytest.mark.parametrize("name", ["gemma2", "gemma2_odd"])
+def test_greedy_generation_matches_transformers(name):
+  config, params = _loaded(name)
+  g = dict(np.load(HF_FIXTURES / name / "generate.npz"))
   # 6 prompt + 8 new tokens through a KV cache: the window slides.
   samples = sampling.sample_decoder_only(
       models.module_for_config(config), params, g["prompt_tokens"],
@@ -80,10 +98,11 @@ def test_greedy_generation_matches_transformers():
   assert bool(samples.has_eos[0]) and not bool(samples.has_eos[1])
 
 
-def test_export_gives_back_the_transformers_file(tmp_path):
-  config, params = _loaded()
+@pytest.mark.parametrize("name", ["gemma2", "gemma2_odd"])
+def test_export_gives_back_the_transformers_file(name, tmp_path):
+  config, params = _loaded(name)
   hf_io.export_hf_checkpoint(config, params, tmp_path)
-  original = hf_io.read_safetensors(FIXTURE)
+  original = hf_io.read_safetensors(HF_FIXTURES / name)
   exported = hf_io.read_safetensors(tmp_path)
   assert sorted(exported) == sorted(original)
   for key, value in original.items():
@@ -91,19 +110,31 @@ def test_export_gives_back_the_transformers_file(tmp_path):
   assert hf_io.load_hf_checkpoint(tmp_path)[0] == config
 
 
-def test_scanned_pairs_compute_the_same_logits():
-  config, _ = _loaded()
-  scanned, params = hf_io.load_hf_checkpoint(FIXTURE, scan_layers=True)
-  assert scanned.scan_layers
-  leaf = params["decoder"]["layers"]["local"]["mlp"]["wo"]["kernel"]
-  assert leaf.shape[0] == 2  # pairs stacked along the leading axis
-  ours, theirs, real = _logits(scanned, params)
+@pytest.mark.parametrize("name, options", [
+    ("gemma2", dict(scan_layers=True)),
+    ("gemma2_odd", dict(scan_layers=True, remat_policy="full")),
+    ("gemma2_odd", dict(remat_policy="dots_saveable"))])
+def test_scanned_and_rematerialised_layers_compute_the_same_logits(
+    name, options):
+  """One scanned layer body serves local and global layers (each layer's
+  window comes from its traced index), an odd count too; rematerialised,
+  an unrolled layer's index stays a Python value."""
+  config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / name, **options)
+  if config.scan_layers:
+    leaf = params["decoder"]["layers"]["mlp"]["wo"]["kernel"]
+    assert leaf.shape[0] == config.num_layers
+  ours, theirs, real = _logits(config, params, name)
   np.testing.assert_allclose(ours[real], theirs[real], atol=2e-5, rtol=1e-5)
 
 
 def test_config_errors_name_the_field():
-  with pytest.raises(ValueError, match="num_layers=3 must be even"):
-    gemma.GemmaConfig.preset("tiny", num_layers=3)
+  with pytest.raises(ValueError, match="query_pre_attn_scalar must be a "
+                     "positive integer"):
+    gemma.GemmaConfig.preset("tiny", query_pre_attn_scalar=6.0)
+  with pytest.raises(ValueError, match="layer_types has 2 entries for "
+                     "num_layers=3"):
+    gemma.GemmaConfig.preset("tiny", num_layers=3, layer_types=(SLIDING,
+                                                                FULL))
   with pytest.raises(ValueError, match="cannot soft-cap"):
     gemma.GemmaConfig.preset("tiny", attention_impl="dot_product")
   with pytest.raises(ValueError, match="Unknown gemma preset"):

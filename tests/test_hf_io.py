@@ -1,10 +1,13 @@
 """Hugging Face safetensors import/export.
 
 The fixtures in tests/fixtures/hf/ were written by transformers itself
-(experiments/make_hf_fixtures.py): tiny random checkpoints and the float32
-logits transformers computed. Loading them needs no torch. The export tests
-that load our files back into transformers skip when torch is not installed;
-the round trips through our own reader do not need it.
+(experiments/make_hf_fixtures.py, make_gemma_fixtures.py,
+make_family_fixtures.py): tiny random checkpoints and the float32 logits
+transformers computed. Loading them needs no torch. The export tests that
+load our files back into transformers (every fixture's, and random models')
+skip when torch is not installed; the round trips through our own reader,
+and the check that an export's config.json says what transformers' own
+said, in the same JSON types, do not need it.
 """
 
 import dataclasses
@@ -31,7 +34,10 @@ from jaxrlhf.models import t5
 
 HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 DECODER_ONLY = ("llama_gqa", "llama_tied", "pythia", "neox_sequential",
-                "neox_odd_rotary")
+                "neox_odd_rotary", "llama3_rope", "qwen2", "qwen3", "gemma3",
+                "mistral")
+# Tested on their own in test_gemma.py, exported here too.
+GEMMA2 = ("gemma2", "gemma2_odd")
 ENCODER_DECODER = ("t5_gated", "t5_relu_tied", "t5_tied")
 
 
@@ -348,6 +354,56 @@ def test_transformers_loads_our_export(kind, tmp_path):
                      position_ids=as_torch["positions"]).logits
   theirs = theirs.float().numpy()
   np.testing.assert_allclose(ours[real], theirs[real], atol=1e-5, rtol=1e-5)
+
+
+@pytest.mark.parametrize("name", DECODER_ONLY + GEMMA2)
+def test_exported_config_says_what_transformers_wrote(name, tmp_path):
+  """Every key of the export's config.json that transformers' own file has
+  holds the same value in the same JSON type (transformers 5 validates the
+  types: a float where it wants an int is refused)."""
+  config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / name)
+  hf_io.export_hf_checkpoint(config, params, tmp_path)
+  written = hf_io.read_hf_config(HF_FIXTURES / name)
+  exported = hf_io.read_hf_config(tmp_path)
+  shared = sorted(written.keys() & exported.keys())
+  assert "vocab_size" in shared
+  for key in shared:
+    assert (exported[key], type(exported[key])) == (
+        written[key], type(written[key])), key
+
+
+@pytest.mark.parametrize("name", DECODER_ONLY + GEMMA2 + ENCODER_DECODER)
+def test_transformers_loads_the_export_of_every_fixture(name, tmp_path):
+  """import -> export -> transformers' own from_pretrained computes the
+  logits transformers computed from its file."""
+  torch = pytest.importorskip("torch", reason="torch is not installed; "
+                              "`pip install torch==2.13.0 transformers`")
+  transformers = pytest.importorskip("transformers")
+  config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / name)
+  hf_io.export_hf_checkpoint(config, params, tmp_path)
+  e = {k: torch.from_numpy(v).long() if v.dtype.kind == "i" else v
+       for k, v in _expected(name).items()}
+  with torch.no_grad():
+    if name in ENCODER_DECODER:
+      model = transformers.T5ForConditionalGeneration.from_pretrained(
+          tmp_path, attn_implementation="eager")
+      real = e["decoder_target_tokens"].numpy() > 0
+      logits = model(
+          input_ids=e["encoder_input_tokens"],
+          attention_mask=(e["encoder_input_tokens"] > 0).long(),
+          decoder_input_ids=e["decoder_input_tokens"],
+          decoder_attention_mask=(e["decoder_target_tokens"] > 0).long()
+      ).logits
+    else:
+      model = transformers.AutoModelForCausalLM.from_pretrained(
+          tmp_path, attn_implementation="eager")
+      assert type(model).__name__ == hf_io.config_to_hf(config)[
+          "architectures"][0]
+      real = e["attention_mask"].numpy() == 1
+      logits = model(input_ids=e["tokens"], attention_mask=e["attention_mask"],
+                     position_ids=e["positions"]).logits
+  np.testing.assert_allclose(logits.float().numpy()[real],
+                             e["logits"][real], atol=2e-5, rtol=1e-5)
 
 
 @pytest.mark.parametrize("name", ["llama_gqa", "pythia"])
