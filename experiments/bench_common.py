@@ -2,21 +2,20 @@
 config they make, and timing.
 
 Each benchmark builds its trainer from `config_from_flags(args, algorithm)`
-so that a flag means the same in every script.
+so that a flag means the same in every script. JAX and jaxrlhf are imported
+where they are used, so that a script can parse its flags (and set thread
+counts, or run a process without JAX) first.
 """
 
 import argparse
 import time
 
-import jax
-
-from jaxrlhf import accelerators
-from jaxrlhf import defaults
-
 
 def peak_tflops():
   """Dense bf16 peak of this machine's devices (jaxrlhf.accelerators), for
   MFU when --peak_tflops is not given; None on a CPU."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import accelerators  # pylint: disable=g-import-not-at-top
   chip = accelerators.chip(jax.devices()[0].device_kind)
   return chip.peak_bf16_tflops if chip else None
 
@@ -43,6 +42,7 @@ def add_shape_flags(p: argparse.ArgumentParser, *, optimizer: str,
 def config_from_flags(args, algorithm: str, **overrides):
   """A validated config with the flags' model, shapes, optimizer and mesh,
   and `overrides` ({"online.num_epochs": 4}) of the script's own."""
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
   c = defaults.base_config()
   defaults.apply_overrides(c, {
       "algorithm": algorithm,
@@ -65,6 +65,7 @@ def config_from_flags(args, algorithm: str, **overrides):
 
 def timed(fn, *args, repeats: int):
   """(mean seconds per call after one compiling call, the last output)."""
+  import jax  # pylint: disable=g-import-not-at-top
   out = fn(*args)
   jax.block_until_ready(out)
   start = time.perf_counter()
@@ -75,12 +76,14 @@ def timed(fn, *args, repeats: int):
 
 
 def device_line(mesh) -> str:
+  import jax  # pylint: disable=g-import-not-at-top
   d = jax.devices()[0]
   return (f"device: {d.device_kind} x{jax.device_count()} ({d.platform}); "
           f"mesh {dict(mesh.shape)}")
 
 
 def peak_memory_line():
+  import jax  # pylint: disable=g-import-not-at-top
   stats = jax.devices()[0].memory_stats() or {}
   if "peak_bytes_in_use" in stats:
     return f"peak device memory: {stats['peak_bytes_in_use'] / 2**30:.2f} GiB"

@@ -33,7 +33,8 @@ import numpy as np
 import bench_common
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import online
+from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms import online_rewards
 from jaxrlhf.algorithms import ppo
 from jaxrlhf.rl import rollout as rollout_lib
 
@@ -68,16 +69,16 @@ def main():
                                   rules)
     o = c.online
     eos = trainer.vocabulary.eos_id
-    reward_lm = online.reward_lm(trainer)
+    reward_lm = online_rewards.reward_lm(trainer)
 
-    # The two halves of `online.make_rollout`, jitted apart.
+    # The two halves of `online_step.make_rollout`, jitted apart.
     @jax.jit
     def rollout(params, prompt_tokens, key):
       return rollout_lib.sample_responses(
           trainer.lm, params["policy"], prompt_tokens, key,
           max_new_tokens=trainer.online.max_new_tokens,
           temperature=o.temperature,
-          eos_id=eos)
+          eos_id=eos).tokens
 
     @jax.jit
     def scoring(params, frozen, prompt_tokens, tokens, kl_coef):
@@ -89,7 +90,7 @@ def main():
 
     @jax.jit
     def update(state, ro, targets, key):
-      return online.run_updates(
+      return online_step.run_updates(
           trainer, state, ppo.update_data(ro, targets),
           lambda params, minibatch: ppo.minibatch_loss(trainer, params,
                                                        minibatch), key)

@@ -177,7 +177,7 @@ def relabel_with_reward_model(config, workdir: str):
   from jaxrlhf.eval import evaluation  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models import heads  # pylint: disable=g-import-not-at-top
   from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
-  from jaxrlhf.algorithms import pretrained  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import pretrained  # pylint: disable=g-import-not-at-top
   gold_paths = offline_pipeline.data_paths(workdir)["trajectory"]
   paths = {split: path.replace(".jsonl", "_reward_model.jsonl")
            for split, path in gold_paths.items()}
@@ -269,7 +269,7 @@ class Judge:
   def outcomes(self, name: str, run_dir, seed: int):
     """{gold, kl, length, eos} per test prompt for one policy sample."""
     from jaxrlhf.eval import evaluation  # pylint: disable=g-import-not-at-top
-    from jaxrlhf.algorithms import pretrained  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.models import pretrained  # pylint: disable=g-import-not-at-top
     path = self._path(name, seed)
     if os.path.exists(path):
       with np.load(path) as f:

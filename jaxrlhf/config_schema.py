@@ -107,6 +107,11 @@ class Field:
     bounds: the allowed numeric range (see `parse_bounds`); required for a
       numeric field without `choices` (`ANY_NUMBER` when any is allowed).
     resumable: the field may change when the run resumes (see module doc).
+    path: the field names a file, a glob of files or a checkpoint the run
+      reads; when set, it must match something readable at start-up.
+    read_when: for a path field, (config) -> whether the run reads it (a
+      paper config's placeholder for a reward-model judge does not block a
+      run judged by a function); None = always.
   """
   name: str
   default: Any
@@ -115,6 +120,8 @@ class Field:
   choices: Optional[Sequence[Any]] = None
   bounds: Optional[str] = None
   resumable: bool = False
+  path: bool = False
+  read_when: Optional[Callable[[Any], bool]] = None
 
   def __post_init__(self):
     if self.default is None and self.type is None:
@@ -219,6 +226,12 @@ def resumable_paths(groups: Sequence[Union[Field, Group]], prefix: str = "",
   return out
 
 
+def path_fields(groups: Sequence[Union[Field, Group]]
+                ) -> Sequence[Tuple[str, Field]]:
+  """(dotted path, Field) of the fields that name files a run reads."""
+  return [(path, field) for path, field in walk(groups) if field.path]
+
+
 def checks_of(groups: Sequence[Union[Field, Group]]) -> Sequence[Check]:
   out = []
   for item in groups:
@@ -280,6 +293,8 @@ def render_markdown(groups: Sequence[Union[Field, Group]],
         doc = " ".join(f.doc.split()).replace("|", "\\|")
         if f.resumable:
           doc += " (May change when the run resumes.)"
+        if f.path:
+          doc += " (A path: when set, it must exist at start-up.)"
         lines.append(f"| `{f.name}` | {default} | {allowed} | {doc} |")
       lines.append("")
     for sub in group.fields:

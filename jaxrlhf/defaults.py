@@ -22,7 +22,6 @@ from jaxrlhf.algorithms import optimizers
 from jaxrlhf.data import file_sources
 from jaxrlhf.eval import judges
 from jaxrlhf.models import layers
-from jaxrlhf.train import best
 
 F = config_schema.Field
 G = config_schema.Group
@@ -56,6 +55,11 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 type=int, bounds=">0"),
               F("num_heads", None, "Overrides the preset's attention heads.",
                 type=int, bounds=">0"),
+              F("num_kv_heads", None,
+                "Overrides the preset's key/value heads (grouped-query "
+                "attention of the decoder-only families; unset with "
+                "num_heads set: one per query head when the preset has "
+                "one per query head).", type=int, bounds=">0"),
               F("num_encoder_layers", None,
                 "Overrides the preset's encoder depth (T5).", type=int,
                 bounds=">0"),
@@ -66,6 +70,12 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 type=int, bounds=">0"),
               F("mlp_dim", None, "Overrides the preset's MLP width.",
                 type=int, bounds=">0"),
+              F("family_fields", "",
+                "Any other field of the family's config, for a "
+                "from-scratch run, as 'field=value,...' (e.g. "
+                "'rope_theta=1000000.0,qkv_bias=True'; values are Python "
+                "literals); the fields are the family config's "
+                "(jaxrlhf/models/<family>.py); '' = the preset's."),
               F("mlp", "gated-gelu",
                 "'gated-gelu' (T5 1.1) or 'relu' (T5 1.0); T5 and "
                 "t5x_decoder_only.", choices=models.MLP_TYPES),
@@ -99,7 +109,7 @@ INIT = G("init", "Where the networks start.", [
       "Where the policy starts: '' = random initialisation; a T5X "
       "checkpoint (checkpoint_N or its model directory), or a jaxrlhf "
       "workdir whose latest checkpoint's policy is used (e.g. an SFT run's).",
-      ),
+      path=True),
 ])
 
 def _check_completion_limit(c) -> None:
@@ -132,17 +142,18 @@ FILES = G("files", "Alignment data from files on disk: when "
                 "Path or glob of training files (JSONL or Parquet; local or "
                 "any tf.io.gfile path such as gs://). config.data.task names "
                 "the task these files become; it must not be an already "
-                "registered task such as the default."),
+                "registered task such as the default.", path=True),
               F("validation", "",
                 "Held-out files, the 'validation' split: SFT and the reward "
                 "models evaluate on it (data.eval_split), algorithms that "
                 "train on pairs report their implicit reward's accuracy on "
                 "it, and with eval.task '' (and eval.judge 'reward_model' or "
                 "'function': files have no gold reward) the policy "
-                "algorithms are judged on its distinct prompts."),
+                "algorithms are judged on its distinct prompts.",
+                path=True),
               F("test", "",
                 "Held-out files, the 'test' split (e.g. for "
-                "eval.test_split)."),
+                "eval.test_split).", path=True),
               F("holdout_validation_prompts", 0,
                 "Hold this many distinct prompts of the training files out "
                 "as the 'validation' split (every row of such a prompt; "
@@ -153,12 +164,27 @@ FILES = G("files", "Alignment data from files on disk: when "
                 "The same for the 'test' split (disjoint from "
                 "'validation').", bounds=">=0"),
               F("layout", "columns",
-                "'columns' (with column_mapping), 'ultrafeedback', "
-                "'hh_rlhf', 'tldr' (the TL;DR comparisons), 'tldr_sft' (the "
-                "TL;DR SFT data: SFT trains on it, online RL samples its "
-                "prompts).", choices=file_sources.LAYOUTS),
+                "'columns' (with column_mapping; for SFT and online RL, "
+                "names other than prompt and completion there are extra "
+                "columns handed to reward functions, e.g. "
+                "'prompt=question,completion=solution,answer=final'), "
+                "'ultrafeedback', 'hh_rlhf', 'tldr' (the TL;DR comparisons), "
+                "'tldr_sft' (the TL;DR SFT data: SFT trains on it, online RL "
+                "samples its prompts), 'gsm8k' (question; the worked answer "
+                "as completion; the number after '####' as column 'answer'), "
+                "'math' (MATH: problem; solution; its last \\boxed{} as "
+                "column 'answer', and 'level' and 'type'), 'messages' "
+                "(conversations, lists of {role, content} messages, rendered "
+                "with the checkpoint's chat template: {'messages': [...]} "
+                "for SFT, one example per assistant message, the "
+                "conversation before it the prompt; {'prompt': [...], "
+                "'chosen': [reply], 'rejected': [reply]} or two whole "
+                "conversations {'chosen', 'rejected'} for pairs; prompts "
+                "end with the template's generation prompt).",
+                choices=file_sources.LAYOUTS),
               F("column_mapping", "",
-                "Layout 'columns': kind field -> file column, as "
+                "Layouts 'columns' and 'messages': kind field (or 'messages', "
+                "the conversation column) -> file column, as "
                 "'prompt=question,completion=answer,reward=score' ('' = the "
                 "fields' own names)."),
               F("vocabulary", "",
@@ -168,7 +194,17 @@ FILES = G("files", "Alignment data from files on disk: when "
                 "padding is not id 0, ids 0 and the padding trade places "
                 "so that padding is 0 and EOS is not: jaxrlhf.data."
                 "hf_tokenizer). '' = the built-in synthetic task's "
-                "vocabulary."),
+                "vocabulary.", path=True),
+              F("chat_template", "",
+                "Layout 'messages': a Jinja chat template file to render "
+                "conversations with, as transformers' apply_chat_template "
+                "does. '' = the vocabulary's own: chat_template.jinja beside "
+                "data.files.vocabulary, else the chat_template of the "
+                "tokenizer_config.json beside it.", path=True),
+              F("chat_template_kwargs", "",
+                "Layout 'messages': extra variables of the chat template, "
+                "a JSON object, e.g. '{\"enable_thinking\": false}' for "
+                "Qwen 3 ('' = none)."),
               F("normalize_rewards", True,
                 "Normalise trajectory rewards to mean 0, variance 1 over the "
                 "training files (the DRO paper does this for "
@@ -190,8 +226,12 @@ DATA = G("data", "What the run reads.", [
     F("train_split", "train", "The split training reads."),
     F("eval_split", "validation", "The split SFT and the reward models "
       "evaluate on."),
-    F("inputs_length", 16, "Prompt length in tokens, EOS included.",
-      bounds=">0"),
+    F("inputs_length", 16,
+      "Prompt length in tokens as the model reads it: a T5 encoder's input, "
+      "with the EOS the tasks append to a prompt (as t5x counts it); a "
+      "decoder-only model's prompt, which leaves that EOS out (prompts of "
+      "64 tokens and completions of 64: inputs_length 64, targets_length "
+      "64, sequences of 128).", bounds=">0"),
     F("targets_length", 16, "Completion length in tokens, EOS included.",
       bounds=">0"),
     F("task_modules", (), "Modules to import before looking up the task "
@@ -270,6 +310,10 @@ def _check_best_metric(c) -> None:
       "0; set it (the DRO paper: every 2,000 steps).")
 
 
+# Which way checkpoint.best_metric improves (jaxrlhf/train/best.py).
+BEST_MODES = ("max", "min")
+
+
 CHECKPOINT = G("checkpoint", "Checkpoints in <workdir>/checkpoints.", [
     F("every_steps", 200,
       "Save every N steps (and always at the end); 0 = only at the end.",
@@ -284,7 +328,7 @@ CHECKPOINT = G("checkpoint", "Checkpoints in <workdir>/checkpoints.", [
       "(a checkpoint other runs can start from; jaxrlhf/train/best.py); '' = "
       "off."),
     F("best_mode", "max", "Whether higher ('max') or lower ('min') "
-      "best_metric is better.", choices=best.MODES),
+      "best_metric is better.", choices=BEST_MODES),
 ], checks=(_check_best_metric,))
 
 def _check_folds(c) -> None:
@@ -321,7 +365,8 @@ EVAL = G("eval", "Evaluation before, during and after training.", [
       "e.g. an LLM judge as the papers use).", choices=judges.JUDGES),
     F("judge_checkpoint", "",
       "eval.judge 'reward_model': a reward_model run's workdir (its "
-      "vocabulary must be the policy's)."),
+      "vocabulary must be the policy's).", path=True,
+      read_when=lambda c: c.eval.judge == "reward_model"),
     F("judge_function", "",
       "eval.judge 'function': the import path 'package.module:function' of "
       "judge(prompts, first, second) -> P(first better) per prompt, in "
@@ -431,16 +476,6 @@ def validate(c: ml_collections.ConfigDict) -> None:
   sharding.as_rules(c.sharding.logical_axis_rules)
 
 
-# Fields that name files or checkpoints a run reads (globs for data files);
-# each set one must exist when a run starts (`check_paths`).
-PATH_FIELDS = ("init.policy_checkpoint", "online.reward_model_checkpoint",
-               "data.files.train", "data.files.validation", "data.files.test",
-               "data.files.vocabulary", "eval.judge_checkpoint",
-               "reward_model.normalize_files")
-# Path fields read only under a condition (a paper config's placeholder for
-# the reward-model judge does not block a run judged by a function).
-PATH_READ_WHEN = {"eval.judge_checkpoint":
-                      lambda c: c.eval.judge == "reward_model"}
 # What the paper configs put where a user's own path goes.
 PLACEHOLDER = "YOUR_BUCKET"
 
@@ -450,9 +485,9 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
   field (a placeholder, a missing file, or a remote path that cannot be
   reached, e.g. gs:// without network or credentials)."""
   import tensorflow as tf  # pylint: disable=g-import-not-at-top
-  for field in PATH_FIELDS:
+  for field, declared in config_schema.path_fields(groups()):
     pattern = config_schema.get(c, field)
-    if not pattern or not PATH_READ_WHEN.get(field, lambda _: True)(c):
+    if not pattern or (declared.read_when and not declared.read_when(c)):
       continue
     if PLACEHOLDER in pattern:
       raise ValueError(

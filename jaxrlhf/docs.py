@@ -12,6 +12,7 @@ import sys
 from jaxrlhf import algorithms
 from jaxrlhf import config_schema
 from jaxrlhf import defaults
+from jaxrlhf.algorithms import reference
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -21,6 +22,8 @@ def _algorithms_table() -> str:
            "| --- | --- | --- | --- |"]
   for algorithm in algorithms.REGISTRY.values():
     kind = "online" if algorithm.online else "offline"
+    if reference.precomputable(algorithm):
+      kind += " (reference log-probs may be precomputed)"
     lines.append(f"| `{algorithm.name}` | {algorithm.data} | {kind} | "
                  f"{algorithm.summary} |")
   return "\n".join(lines)

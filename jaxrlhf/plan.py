@@ -37,7 +37,7 @@ import os
 import re
 import sys
 import time
-from typing import Any, Dict, Optional
+from typing import Any, Dict
 
 from absl import app
 from absl import flags
@@ -171,7 +171,8 @@ def suggestion(config, memory: Dict[str, float], state_gib: float,
   if config.model.remat_policy != "full":
     tips.append("--config.model.remat_policy=full (recompute each layer's "
                 "activations in the backward pass)")
-  if algorithm is None or not algorithm.whole_batch_statistic(config):
+  if (algorithm is None
+      or not algorithm.training.whole_batch_statistic(config)):
     micro = config.train.num_microbatches
     tips.append(f"--config.train.num_microbatches={2 * micro} (activations "
                 "of half as many rows at a time" + (

@@ -121,9 +121,9 @@ def dro_paper_evaluation(c) -> None:
 
 # --- TL;DR with Pythia ("N+ implementation details of RLHF with PPO") ---------------
 
-# Prompt length: the query's 512 tokens (detail 2) plus the EOS the task
-# appends to every prompt, which the decoder-only layout drops again.
-TLDR_QUERY_TOKENS = 512 + 1
+# Prompt length: the query's 512 tokens (detail 2); a T5 encoder also reads
+# the EOS the task appends to every prompt (`models.prompt_feature_length`).
+TLDR_QUERY_TOKENS = 512
 # The SFT summaries and the PPO responses: 53 tokens with the leading space
 # and the EOS (detail 4; Table 7's sampled length); the preference data's
 # completions: up to 169 (detail 4).
@@ -187,7 +187,7 @@ def tldr_t5(algorithm: str, size: str, mesh_shape) -> ml_collections.ConfigDict:
   c.model.dropout_rate = 0.0
   c.data.files.vocabulary = T5_VOCABULARY
   c.data.files.on_bad_row = "skip_and_report"
-  c.data.inputs_length = TLDR_QUERY_TOKENS
+  c.data.inputs_length = TLDR_QUERY_TOKENS + 1
   c.train.log_every = 10
   c.checkpoint.every_steps = 200
   c.mesh.shape = tuple(mesh_shape)

@@ -139,8 +139,8 @@ def trainer_of(algorithm, config, mesh, workdir=None):
 # fixtures run once): two workers then finish together instead of one of
 # them starting a five-minute test when the rest is done.
 LONGEST_FIRST = ("test_quickstart.py", "test_eight_devices.py",
-                 "test_distributed.py", "test_training.py", "test_faults.py",
-                 "test_configs.py")
+                 "test_launch_clusters.py", "test_distributed.py",
+                 "test_training.py", "test_faults.py", "test_configs.py")
 
 
 def pytest_configure(config):

@@ -8,7 +8,7 @@ import pytest
 from conftest import from_scratch, tiny_config, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.eval import evaluation
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
@@ -68,7 +68,7 @@ def test_eval_kl_of_the_reference_against_itself_is_zero_at_any_temperature(
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     trainer = trainer_of(algorithm, config, mesh)
     params = trainer.init_state().params["policy"]
-    tokens, texts, judge = reference.eval_prompts(trainer)
+    tokens, texts, judge = policy_eval.eval_prompts(trainer)
     result = evaluation.compare_with_reference(
         trainer, params, params, tokens, texts, judge, temperature=0.7)
   assert result["eval/kl"] == 0.0

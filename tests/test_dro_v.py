@@ -23,9 +23,9 @@ from jaxrlhf import algorithms
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import dro
 from jaxrlhf.algorithms import optimizers
-from jaxrlhf.algorithms import reference
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
+from jaxrlhf.models import scoring
 
 
 @pytest.fixture(scope="module")
@@ -157,8 +157,8 @@ def test_policy_logits_value_is_the_first_step_logit(trajectories, arch):
     logps, values = jax.jit(
         lambda p, b: dro.logprobs_and_logit_values(trainer, p, b))(params,
                                                                    batch)
-    scored = reference.sequence_logprobs(trainer, params, batch,
-                                         ("completion",))["completion"]
+    scored = scoring.sequence_logprobs(trainer.lm, params, batch,
+                                       ("completion",))["completion"]
     if arch == "t5":
       prompt = batch["encoder_input_tokens"]
       start = jnp.zeros((prompt.shape[0], 1), jnp.int32)  # T5's BOS is PAD

@@ -21,7 +21,7 @@ import seqio
 from conftest import evaluated_by, from_scratch, tiny_config, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.checkpoint_files import restore_state_as_numpy
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import file_tasks
@@ -262,9 +262,9 @@ def test_implicit_reward_accuracy_on_held_out_pairs(tmp_path):
     trainer = trainer_of(from_scratch(algorithms.get("dpo")), config, mesh)
     policy = nn.unbox(trainer.init_lm(jax.random.PRNGKey(1)))
     ref = nn.unbox(trainer.init_lm(jax.random.PRNGKey(2)))
-    same = reference.implicit_reward_metrics(trainer, ref, ref)
-    got = reference.implicit_reward_metrics(trainer, policy, ref)
-    features = reference.held_out_pairs(trainer)
+    same = policy_eval.implicit_reward_metrics(trainer, ref, ref)
+    got = policy_eval.implicit_reward_metrics(trainer, policy, ref)
+    features = policy_eval.held_out_pairs(trainer)
 
     def logprob(params, name):
       logits = trainer.model.apply(
@@ -343,7 +343,7 @@ def test_the_best_checkpoint_is_kept_and_judged_on_the_test_split(
     def judged_at(step):
       params = restore_state_as_numpy(
           workdir / "checkpoints" / str(step) / "state")["params"]
-      return reference.against_reference(
+      return policy_eval.against_reference(
           trainer, state.replace(params=jax.tree.map(jnp.asarray, params)),
           split="test")
 

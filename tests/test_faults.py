@@ -20,7 +20,7 @@ import jax
 import numpy as np
 import pytest
 
-from conftest import REPO, evaluated_by, quiet_env, tiny_config
+from conftest import REPO, cli_args, evaluated_by, quiet_env, tiny_config
 from jaxrlhf import algorithms
 from jaxrlhf import checkpoint_files
 from jaxrlhf import config_schema
@@ -248,6 +248,55 @@ def test_a_dead_runs_lock_is_taken_over_and_a_resume_may_extend_the_run(
   assert _steps(run)[-1] == STEPS + 1
 
 
+# A new value of every field declared resumable; a field declared resumable
+# later must be added here, so that a real resume tests it too.
+_RULES = tuple((name, "tensor" if axis == "model" else axis)
+               for name, axis in defaults.base_config().sharding
+               .logical_axis_rules)
+RESUMABLE_CHANGES = {
+    "model.remat_policy": "full", "train.log_every": 2,
+    "train.lost_process_timeout_s": 90, "optimizer.learning_rate": 5e-3,
+    "optimizer.grad_clip_norm": 0.0, "checkpoint.every_steps": 1,
+    "checkpoint.keep": 2, "eval.every_steps": 1, "eval.batch_size": 8,
+    "mesh.shape": (1, -1), "mesh.axis_names": ("data", "tensor"),
+    "sharding.logical_axis_rules": _RULES, "pipeline.stages": "sft",
+    "pipeline.num_prompts": 10, "pipeline.num_eval_prompts": 10,
+    "pipeline.samples_per_prompt": 2, "pipeline.sampling_temperature": 0.5,
+    "pipeline.annotator_beta": 1.0, "pipeline.reward_model_steps": 10,
+    "pipeline.reward_model_learning_rate": 0.1, "pipeline.policy_steps": 10,
+    "pipeline.policy_learning_rate": 0.1,
+    "pipeline.eval_samples_per_prompt": 1, "pipeline.online_steps": 10,
+    "pipeline.online_learning_rate": 0.1, "pipeline.best_of_n": 2,
+}
+
+
+def test_every_field_declared_resumable_changes_on_a_real_resume(
+    reference, tmp_path, capsys):
+  """Each resumable field changed at once (gradient clipping turned off),
+  then clipping turned back on: both resumes go on from the checkpoint,
+  each naming its changes; README names every resumable field."""
+  declared = set(config_schema.resumable_paths(defaults.groups()))
+  assert declared == set(RESUMABLE_CHANGES) | {"train.num_steps"}
+  readme = (REPO / "README.md").read_text()
+  for field in declared:
+    group = field.split(".")[0]
+    assert f"`{field}`" in readme or f"`{group}.*`" in readme, field
+  run = _copy(reference, tmp_path)
+  overrides = {k.replace(".", "__"): v for k, v in RESUMABLE_CHANGES.items()}
+  capsys.readouterr()
+  loop.train(_config(train__num_steps=STEPS + 1, **overrides), str(run))
+  out = capsys.readouterr().out
+  assert f"Resuming at step {STEPS} with" in out
+  for field in declared:
+    assert f"config.{field} " in out, field
+  overrides["optimizer__grad_clip_norm"] = 1.0
+  loop.train(_config(train__num_steps=STEPS + 2, **overrides), str(run))
+  out = capsys.readouterr().out
+  assert f"Resuming at step {STEPS + 1} with" in out
+  assert "config.optimizer.grad_clip_norm 0.0 -> 1.0;" in out
+  assert _steps(run)[-1] == STEPS + 2
+
+
 def test_a_lock_from_another_host_is_stale_only_when_not_refreshed(tmp_path):
   import time  # pylint: disable=g-import-not-at-top
   other = dict(host="another-host", pid=1, process_start=None,
@@ -406,6 +455,64 @@ def test_a_full_disk_on_the_command_line_is_one_line_and_exit_status_1(
   assert lines[0].startswith("error: Could not write the checkpoint of step 1")
   assert "the disk is full" in lines[0]
   assert not _leftovers(tmp_path / "run")
+
+
+def _disk_usage(path) -> int:
+  """Bytes the files under `path` take on a tmpfs (whole 4 KiB pages)."""
+  page = 4096
+  return sum(-(-os.path.getsize(os.path.join(folder, name)) // page) * page
+             for folder, _, names in os.walk(path) for name in names)
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+  """Mounts a tmpfs of a given size at tmp_path / "disk" (unmounted after);
+  a real file system that fills up while orbax writes."""
+  mounted = []
+
+  def mount(size_bytes):
+    if os.geteuid() != 0:
+      pytest.skip("mounting a tmpfs needs root")
+    path = tmp_path / "disk"
+    path.mkdir()
+    subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size_bytes}",
+                    "tmpfs", str(path)], check=True)
+    mounted.append(path)
+    return path
+
+  yield mount
+  for path in mounted:
+    subprocess.run(["umount", str(path)], check=False)
+
+
+def test_a_disk_that_fills_in_the_middle_of_a_checkpoint_prints_one_line(
+    reference, small_disk):
+  """The copy of the reference run (checkpoints 2 and 4) resumes on a disk
+  with room for a third of a checkpoint more: the write of step 6 fails part of
+  the way through, in orbax's many concurrent writes. The console gets one
+  line and nothing after it (no "Task exception was never retrieved" of
+  the writes that failed with it); the checkpoints stay and verify."""
+  step_size = _disk_usage(reference / "checkpoints" / "2")
+  disk = small_disk(_disk_usage(reference) + step_size * 3 // 10)
+  run = _copy(reference, disk)
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxrlhf.main",
+       f"--config={REPO / 'configs' / 'quickstart.py'}", f"--workdir={run}",
+       *cli_args(train__num_steps=8, checkpoint__every_steps=2,
+                 checkpoint__keep=3)],
+      env=quiet_env(), capture_output=True, text=True, cwd=REPO)
+  assert result.returncode == 1, result.stderr
+  assert len(result.stderr.splitlines()) == 1, result.stderr
+  assert result.stderr.startswith(
+      "error: Could not write the checkpoint of step 6")
+  assert "the disk is full" in result.stderr
+  assert _steps(run) == [2, 4] and not _leftovers(run)
+  # The kept checkpoints verify: the same command resumes from step 4.
+  checkpointer = checkpointing.Checkpointer(str(run / "checkpoints"), keep=3)
+  try:
+    assert checkpointer._verified_step(_steps(run)) == STEPS  # pylint: disable=protected-access
+  finally:
+    checkpointer.close()
 
 
 # --- 5. smaller faults -------------------------------------------------------

@@ -201,7 +201,7 @@ def test_a_scanned_run_starts_from_an_unscanned_t5x_checkpoint(t5x_fixtures):
   """A trainer whose model scans its layers (the paper configs' layout)
   reads t5x's unrolled checkpoint into the stacked one, sharded like its
   state (`pretrained.load_lm_params`)."""
-  from jaxrlhf.algorithms import pretrained  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import pretrained  # pylint: disable=g-import-not-at-top
   path = str(t5x_fixtures / "encdec" / "checkpoint_3")
   _, config, unrolled = from_pretrained(path)
   scanned_config = dataclasses.replace(config, scan_layers=True)

@@ -27,7 +27,8 @@ import tensorflow as tf
 from conftest import tiny_config
 from jaxrlhf import algorithms
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import online
+from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms import online_rewards
 from jaxrlhf.algorithms import rejection_sampling
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf import checkpoint_files
@@ -118,9 +119,10 @@ def test_ppo_with_one_epoch_and_minibatch_is_the_policy_gradient_step(sgd_ppo):
   the step must equal SGD on those, with A and R from a plain-Python GAE."""
   trainer, state, batch = sgd_ppo
   cfg = trainer.config
-  reward_lm = online.reward_lm(trainer)
+  reward_lm = online_rewards.reward_lm(trainer)
   with _mesh_context(cfg):
-    rollout = jax.jit(lambda s, b: online.rollout_for_step(trainer, s, b))(
+    rollout = jax.jit(lambda s, b: online_step.rollout_for_step(trainer, s,
+                                                                b))(
         state, batch)
     values = np.asarray(heads.token_values(
         reward_lm, state.params["value"], rollout.features))
@@ -175,7 +177,7 @@ def test_rollout_truncates_after_eos_scores_at_eos_and_penalises_no_eos(
     sgd_ppo):
   trainer, state, batch = sgd_ppo
   cfg = trainer.config
-  reward_lm = online.reward_lm(trainer)
+  reward_lm = online_rewards.reward_lm(trainer)
   length = trainer.online.max_new_tokens
   prompts = np.asarray(batch["encoder_input_tokens"])[:3]
   eos = trainer.vocabulary.eos_id
@@ -484,12 +486,15 @@ def test_a_rollout_in_parts_is_its_parts_in_prompt_order(workdirs):
                                   trainer.rules)
     prompts = np.asarray(batch["encoder_input_tokens"])
     rng = jax.random.PRNGKey(3)
-    whole = jax.jit(lambda s, p: online.make_rollout(
+    whole = jax.jit(lambda s, p: online_step.make_rollout(
         trainer, s.params, s.frozen, p, rng))(state, prompts)
     rngs = jax.random.split(rng, parts)
-    part = [jax.jit(lambda s, p, r: online._rollout_part(  # pylint: disable=protected-access
+    # Each part as a rollout of its own prompts, with its own key.
+    config.online.rollout_microbatches = 1
+    part = [jax.jit(lambda s, p, r: online_step.make_rollout(
         trainer, s.params, s.frozen, p, r))(state, prompts[p::parts], rngs[p])
             for p in range(parts)]
+    config.online.rollout_microbatches = parts
   # Each row's prompt, as the policy was fed it: prompt i's k rows at i * k.
   np.testing.assert_array_equal(
       np.asarray(whole.features["encoder_input_tokens"]),

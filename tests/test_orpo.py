@@ -21,10 +21,10 @@ from conftest import one_device_mesh, synthetic_feedback_file, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import orpo
-from jaxrlhf.algorithms import reference
 from jaxrlhf.algorithms import sft
 from jaxrlhf.losses import orpo as orpo_losses
 from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.models import scoring
 
 CHOSEN = np.array([-4.0, -9.0, -2.5, -12.0, -0.3], np.float32)
 REJECTED = np.array([-6.0, -7.5, -2.0, -30.0, -9.0], np.float32)
@@ -140,11 +140,11 @@ def test_trains_without_a_reference_network(pairs):
     params = state.params["policy"]
     # The algorithm's loss is the paper's formula of the policy's own
     # log-probs and of the completions' token counts (EOS included).
-    logps = reference.sequence_logprobs(trainer, params, batch,
-                                        ("chosen", "rejected"))
+    logps = scoring.sequence_logprobs(trainer.lm, params, batch,
+                                      ("chosen", "rejected"))
     lengths = {n: np.sum(np.asarray(batch[f"{n}_decoder_target_tokens"]) > 0,
                          axis=-1) for n in ("chosen", "rejected")}
-    loss, _ = orpo.loss(trainer, state.params, {}, batch, None)
+    loss, _ = orpo.loss(trainer, state.params, state, batch, None)
     expected, _ = _paper_loss(
         np.asarray(logps["chosen"], np.float64),
         np.asarray(logps["rejected"], np.float64), lengths["chosen"],
@@ -154,7 +154,7 @@ def test_trains_without_a_reference_network(pairs):
     # completion given its prompt, averaged over pairs.
     with config.unlocked():
       config.orpo.odds_ratio_weight = 0.0
-    nll_only, _ = orpo.loss(trainer, state.params, {}, batch, None)
+    nll_only, _ = orpo.loss(trainer, state.params, state, batch, None)
     view = {"encoder_input_tokens": batch["encoder_input_tokens"]}
     view.update({k[len("chosen_"):]: v for k, v in batch.items()
                  if k.startswith("chosen_")})  # an SFT batch of the chosen

@@ -16,7 +16,7 @@ import pytest
 
 from conftest import from_scratch, tiny_config, trainer_of
 from jaxrlhf import algorithms
-from jaxrlhf.algorithms import reference as reference_lib
+from jaxrlhf.algorithms import precomputed_reference
 from jaxrlhf.algorithms import reference_cache
 from jaxrlhf import checkpoint_files
 from jaxrlhf.data import synthetic
@@ -166,8 +166,8 @@ def test_precomputed_run_equals_in_step_run_and_cache_is_reused_or_caught(
     assert builds.count == 1
     # A new run pointed at that stale cache recomputes it instead.
     trainer = algorithms.build(changed, mesh)
-    reference_lib.prepare_table(trainer, trainer.initial_policy_params,
-                                new_run=True)
+    trainer.precomputed_reference.prepare(trainer.initial_policy_params,
+                                          new_run=True)
   assert builds.count == 2
   manifest = reference_cache.read_manifest(str(cache))
   assert manifest["fingerprint"]["feature_lengths"]["chosen"] == 12
@@ -246,7 +246,7 @@ def test_cached_values_are_the_references_log_probs(setup, tmp_path, arch,
     trainer = trainer_of(algorithm_value, config, mesh)
     state = trainer.init_state()
     assert state.frozen == {}
-    table = trainer._reference_table  # pylint: disable=protected-access
+    table = trainer.precomputed_reference.table
   if reference:
     ref_params = checkpoint_files.restore_state_as_numpy(os.path.join(
         reference, "checkpoints", "0", "state"))["params"]["policy"]
@@ -331,9 +331,9 @@ def test_fingerprint_follows_the_checkpoint_step(tmp_path):
     (state / "_METADATA").write_text("{}")
 
   complete_step(100)
-  first = reference_lib.checkpoint_fingerprint(str(workdir))
+  first = precomputed_reference.checkpoint_fingerprint(str(workdir))
   complete_step(200)
-  second = reference_lib.checkpoint_fingerprint(str(workdir))
+  second = precomputed_reference.checkpoint_fingerprint(str(workdir))
   assert first["path"] == second["path"]
   assert first["resolved"].endswith(os.path.join("100", "state"))
   assert second["resolved"].endswith(os.path.join("200", "state"))

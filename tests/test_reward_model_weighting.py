@@ -25,7 +25,7 @@ from jaxrlhf.data import file_sources
 from jaxrlhf.data import synthetic
 from jaxrlhf.losses import reward_model as rm_losses
 from jaxrlhf.models import heads
-from jaxrlhf.algorithms import pretrained
+from jaxrlhf.models import pretrained
 from jaxrlhf.algorithms import reward_model
 from jaxrlhf.train import loop
 

@@ -140,9 +140,3 @@ def test_reinforce_baselines():
   np.testing.assert_allclose(running, 0.75 * 1.0 + 0.25 * 3.0)
   np.testing.assert_allclose(rl.reinforce_advantages(rewards, running),
                              [-0.5, 0.5, 4.5])
-
-
-def test_broadcast_to_tokens():
-  out = rl.broadcast_to_tokens(jnp.array([2.0, -1.0]),
-                               jnp.array([[1, 1, 0], [1, 0, 0]]))
-  np.testing.assert_allclose(out, [[2, 2, 0], [-1, 0, 0]])

@@ -189,11 +189,11 @@ def test_grpo_reductions_at_ratio_one(reduction, want):
   logprobs = jnp.log(jnp.array([[0.5, 0.1, 0.1, 0.1], [0.2, 0.3, 0.4, 0.1]]))
   mask = jnp.array([[1, 0, 0, 0], [1, 1, 1, 0]])
   # pi = pi_old = pi_ref: the loss is -A averaged per the reduction.
-  loss, metrics = rl.grpo_loss(logprobs, logprobs, logprobs,
-                               jnp.array([1.0, -2.0]), mask, kl_coef=0.04,
-                               reduction=reduction, max_length=4)
+  loss, metrics = rl.clipped_policy_gradient_loss(
+      logprobs, logprobs, logprobs, jnp.array([1.0, -2.0]), mask,
+      kl_coef=0.04, reduction=reduction, max_length=4)
   np.testing.assert_allclose(loss, want, rtol=1e-6)
-  np.testing.assert_allclose(metrics["kl"], 0.0, atol=1e-7)
+  np.testing.assert_allclose(metrics["loss_kl_k3"], 0.0, atol=1e-7)
 
 
 def test_grpo_asymmetric_clipping_and_k3_term():
@@ -203,15 +203,15 @@ def test_grpo_asymmetric_clipping_and_k3_term():
   advantages = jnp.array([[1.0, -1.0]])
   mask = jnp.ones((1, 2))
   k3 = math.log(2.0) - 0.5
-  grpo = functools.partial(rl.grpo_loss, logprobs, old_logprobs, ref_logprobs,
-                           advantages, mask, kl_coef=0.1,
-                           reduction="token_mean")
+  grpo = functools.partial(rl.clipped_policy_gradient_loss, logprobs,
+                           old_logprobs, ref_logprobs, advantages, mask,
+                           kl_coef=0.1, reduction="token_mean")
   # eps_high = 0.28 lets 1.25 through; the 0.75 < 0.8 token with A < 0 is
   # clipped to 0.8.
   loss, metrics = grpo(clip_eps_low=0.2, clip_eps_high=0.28)
   np.testing.assert_allclose(loss, (-1.25 + 0.1 * k3 + 0.8) / 2, rtol=1e-5)
   np.testing.assert_allclose(metrics["clip_fraction"], 0.5)
-  np.testing.assert_allclose(metrics["kl"], k3 / 2, rtol=1e-5)
+  np.testing.assert_allclose(metrics["loss_kl_k3"], k3 / 2, rtol=1e-5)
   loss, metrics = grpo(clip_eps_low=0.2, clip_eps_high=0.2)
   np.testing.assert_allclose(loss, (-1.2 + 0.1 * k3 + 0.8) / 2, rtol=1e-5)
   np.testing.assert_allclose(metrics["clip_fraction"], 1.0)
@@ -223,7 +223,7 @@ def test_grpo_kl_term_gradient_pulls_towards_reference():
   logprobs = jnp.log(jnp.array([[0.5, 0.1]]))
   ref_logprobs = jnp.log(jnp.array([[0.25, 0.4]]))
   mask = jnp.ones((1, 2))
-  grad = jax.grad(lambda lp: rl.grpo_loss(
+  grad = jax.grad(lambda lp: rl.clipped_policy_gradient_loss(
       lp, logprobs, ref_logprobs, jnp.zeros(1), mask, kl_coef=0.1,
       reduction="token_mean")[0])(logprobs)
   np.testing.assert_allclose(grad, [[0.1 * (1 - 0.5) / 2,
@@ -231,13 +231,13 @@ def test_grpo_kl_term_gradient_pulls_towards_reference():
 
 
 def test_one_update_of_the_clipped_surrogate_is_the_policy_gradient():
-  """REINFORCE and RLOO train with the clipped surrogate (group_rl): with
+  """REINFORCE and RLOO train with the clipped surrogate (jaxrlhf.algorithms.policy_gradient): with
   the sampling policy's own log-probs the ratio is 1 and the gradient is
   the REINFORCE estimator -A grad log pi(y|x) (RLHF book 11.1.1)."""
   logprobs = jnp.array([[-1.0, -2.0, -5.0], [-0.5, -5.0, -5.0]])
   mask = jnp.array([[1, 1, 0], [1, 0, 0]])
   advantages = jnp.array([2.0, -1.0])
-  grad = jax.grad(lambda lp: rl.grpo_loss(
+  grad = jax.grad(lambda lp: rl.clipped_policy_gradient_loss(
       lp, jax.lax.stop_gradient(lp), logprobs, advantages, mask, kl_coef=0.0,
       reduction="sequence_sum")[0])(logprobs)
   # -A d log pi(y|x) / d log pi(y_t): -2 on row 0's two tokens, +1 on row
@@ -252,5 +252,6 @@ def test_bad_shapes_and_options_are_clear_errors():
   with pytest.raises(ValueError, match="reduction='mean'"):
     rl.reduce_token_losses(RAGGED_LOSS, RAGGED_MASK, reduction="mean")
   with pytest.raises(ValueError, match="advantages has shape"):
-    rl.grpo_loss(jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2, 3)),
-                 jnp.zeros(3), jnp.ones((2, 3)))
+    rl.clipped_policy_gradient_loss(
+        jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros(3),
+        jnp.ones((2, 3)))

@@ -160,7 +160,3 @@ def test_adaptive_kl_controller_direction_and_exact_update():
   np.testing.assert_allclose(down, 0.1 * (1 - 0.00256), rtol=1e-6)
   assert float(up) > 0.1 > float(down)
   assert float(update(0.1, 6.0, 512)) == pytest.approx(0.1)
-
-
-def test_fixed_kl_controller_never_moves():
-  assert rl.fixed_kl_coef(0.05, 100.0, 512) == 0.05

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.losses.sft import token_logprobs
+from jaxrlhf.models.scoring import token_logprobs
 from jaxrlhf.models import heads
 from jaxrlhf.models import llama
 from jaxrlhf.models import scoring

@@ -18,9 +18,9 @@ from conftest import from_scratch, tiny_config
 from conftest import one_device_mesh, synthetic_feedback_file, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import reference
 from jaxrlhf.algorithms import simpo
 from jaxrlhf.losses import preference
+from jaxrlhf.models import scoring
 
 # Hand-made pairs: summed log-probs and completion lengths (EOS included).
 CHOSEN = np.array([-4.0, -9.0, -2.5, -12.0], np.float32)
@@ -119,11 +119,11 @@ def test_trains_without_a_reference_network(pairs):
     batch = sharding.global_batch(next(trainer.train_batches(0)), mesh, rules)
     # The algorithm's loss is the paper's formula of the policy's own
     # log-probs and of the completions' token counts (EOS included).
-    logps = reference.sequence_logprobs(trainer, state.params["policy"],
-                                        batch, ("chosen", "rejected"))
+    logps = scoring.sequence_logprobs(trainer.lm, state.params["policy"],
+                                      batch, ("chosen", "rejected"))
     lengths = {n: np.sum(np.asarray(batch[f"{n}_decoder_target_tokens"]) > 0,
                          axis=-1) for n in ("chosen", "rejected")}
-    loss, _ = simpo.loss(trainer, state.params, {}, batch, None)
+    loss, _ = simpo.loss(trainer, state.params, state, batch, None)
     np.testing.assert_allclose(loss, _paper_loss(
         np.asarray(logps["chosen"], np.float64),
         np.asarray(logps["rejected"], np.float64), lengths["chosen"],

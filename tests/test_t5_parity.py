@@ -7,9 +7,9 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.losses import sft as sft_losses
-from jaxrlhf.models import sampling
 from jaxrlhf.models import layers
+from jaxrlhf.models import sampling
+from jaxrlhf.models import scoring
 from jaxrlhf.models import t5
 from jaxrlhf.models.t5x_checkpoint import read_t5x_checkpoint
 
@@ -38,7 +38,7 @@ def test_logits_encoder_output_and_scores_match_t5x(encdec):
   encoded = model.apply({"params": params}, e["encoder_input_tokens"],
                         method=model.encode)
   np.testing.assert_allclose(encoded, e["encoder_output"], atol=1e-4, rtol=0)
-  scores = sft_losses.token_logprobs(logits, e["decoder_target_tokens"])
+  scores = scoring.token_logprobs(logits, e["decoder_target_tokens"])
   scores = scores * e["decoder_loss_weights"]
   np.testing.assert_allclose(scores, e["token_scores"], atol=1e-4, rtol=0)
   np.testing.assert_allclose(scores.sum(-1), e["score_batch"], atol=1e-4,

@@ -119,8 +119,8 @@ class _PoisonedBatches:
     return dict(batch, poison=np.full((rows,), poison, np.float32))
 
 
-def _poisoned_sft_loss(trainer, params, frozen, batch, rng):
-  loss, metrics = sft.loss(trainer, params, frozen, batch, rng)
+def _poisoned_sft_loss(trainer, params, state, batch, rng):
+  loss, metrics = sft.loss(trainer, params, state, batch, rng)
   return loss * jnp.mean(batch["poison"]), metrics
 
 
@@ -327,7 +327,7 @@ def test_a_new_run_loads_its_checkpoints_and_initialises_only_the_rest(
   state is the optimizer's initialisation of those parameters; and the
   loaded networks' random initialisation is never computed (the compiled
   init does fewer operations than one that initialises every network)."""
-  from jaxrlhf.algorithms import pretrained  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import pretrained  # pylint: disable=g-import-not-at-top
   from jaxrlhf.algorithms import state as state_lib  # pylint: disable=g-import-not-at-top
   sft_dir = str(tmp_path / "sft")
   loop.train(tiny_config(train__num_steps=2, checkpoint__every_steps=0),

@@ -4,40 +4,44 @@ Everything that lists algorithms derives from `REGISTRY`: the config's
 allowed values and its per-algorithm groups (`jaxrlhf.defaults`), the
 pipeline's stages (`jaxrlhf.offline_pipeline`) and the reference docs
 (`python -m jaxrlhf.docs`). To add one, write its module (an `Algorithm`
-value, `base.py`) and add it here.
+value, `base.py`) and add its name to `MODULES`.
 """
 
+import importlib
 from typing import Dict, Tuple
 
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import dpo
-from jaxrlhf.algorithms import dro
-from jaxrlhf.algorithms import group_rl
-from jaxrlhf.algorithms import kto
-from jaxrlhf.algorithms import orpo
-from jaxrlhf.algorithms import ppo
-from jaxrlhf.algorithms import rejection_sampling
-from jaxrlhf.algorithms import reward_model
-from jaxrlhf.algorithms import sft
-from jaxrlhf.algorithms import simpo
 from jaxrlhf.algorithms import trainer
 
-REGISTRY: Dict[str, base.Algorithm] = {a.name: a for a in (
-    sft.ALGORITHM,
-    reward_model.ALGORITHM,
-    reward_model.RANKING,
-    dpo.ALGORITHM,
-    simpo.ALGORITHM,
-    orpo.ALGORITHM,
-    kto.ALGORITHM,
-    kto.THUMBS,
-    dro.ALGORITHM,
-    ppo.ALGORITHM,
-    group_rl.RLOO,
-    group_rl.GRPO,
-    group_rl.REINFORCE,
-    rejection_sampling.ALGORITHM,
-)}
+# The modules that define algorithms, in the order of the docs' table and
+# the pipeline's stages: one line each. A module registers its `ALGORITHM`,
+# or every value of its `ALGORITHMS` when it defines several.
+MODULES = (
+    "sft",
+    "reward_model",
+    "dpo",
+    "tr_dpo",
+    "simpo",
+    "orpo",
+    "kto",
+    "bco",
+    "dro",
+    "ppo",
+    "rloo",
+    "grpo",
+    "reinforce",
+    "reinforce_pp",
+    "rejection_sampling",
+)
+
+
+def _algorithms_of(name: str) -> Tuple[base.Algorithm, ...]:
+  module = importlib.import_module(f"jaxrlhf.algorithms.{name}")
+  return getattr(module, "ALGORITHMS", None) or (module.ALGORITHM,)
+
+
+REGISTRY: Dict[str, base.Algorithm] = {
+    a.name: a for name in MODULES for a in _algorithms_of(name)}
 
 NAMES: Tuple[str, ...] = tuple(REGISTRY)
 
@@ -61,12 +65,14 @@ def config_groups():
 
 def check_rows(config, data_parallel: int) -> None:
   """`config.algorithm`'s batch splits: micro-batches, minibatches and data
-  shards (`trainer.check_rows`)."""
-  trainer.check_rows(get(config.algorithm), config, data_parallel)
+  shards (its `Training.check_rows`)."""
+  algorithm = get(config.algorithm)
+  algorithm.training.check_rows(algorithm, config, data_parallel)
 
 
-def build(config, mesh, workdir=None, shapes_only=False):
+def build(config, mesh, workdir=None, shapes_only=False, evaluate=True):
   """The `Trainer` of `config.algorithm` on `mesh` (`shapes_only`: from the
-  config alone, to compile its step without data; see `Trainer`)."""
+  config alone, to compile its step without data; `evaluate=False`: one
+  that never judges its policy; see `Trainer`)."""
   return trainer.Trainer(get(config.algorithm), config, mesh, workdir,
-                         shapes_only=shapes_only)
+                         shapes_only=shapes_only, evaluate=evaluate)

@@ -1,8 +1,9 @@
 """What an algorithm is: data and functions, composed, not subclassed.
 
 An `Algorithm` says which data it reads, which networks it trains and
-freezes (`Networks`), how it learns (`Offline`: a pure loss over a batch;
-or `Online`: rollout -> targets -> updates), how it is judged
+freezes (`Networks`), how it learns (its `Training`: `offline.Offline`, a
+pure loss over a batch, or `online.Online`, rollout -> targets -> updates),
+what it carries from step to step (`Carried`), how it is judged
 (`Evaluation`), and which config groups it owns. It is registered once, in
 `jaxrlhf/algorithms/__init__.py`; the config's allowed values, the
 pipeline's stages and the reference docs all derive from that registry.
@@ -13,9 +14,13 @@ vocabulary, feature layout) that the algorithm reads but does not build.
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable, Dict, Mapping, Optional, Sequence, Tuple
 
+import jax
+
 from jaxrlhf import config_schema
+from jaxrlhf import sharding
 
 # The data an algorithm reads: "sft" (a seqio task's inputs/targets), one of
 # the alignment kinds of `jaxrlhf.data.alignment_kinds` ("pairs", "ranking",
@@ -66,65 +71,107 @@ class Networks:
 
 
 @dataclasses.dataclass(frozen=True)
-class Offline:
-  """Learning from a dataset: one gradient update per batch.
+class Carried:
+  """What an algorithm carries from one train step to the next besides its
+  trained networks and their optimizer states.
+
+  `TrainState.algorithm_state` holds named values (scalars or arrays) that
+  `init` gives from the config: an adaptive KL coefficient, REINFORCE's
+  running baseline, BCO's running reward mean. A step may also change
+  frozen networks (`changes_frozen`: TR-DPO mixes the policy into its
+  reference). Both are checkpointed with the rest of the state, so a
+  resumed run carries on exactly; how a step updates them is its
+  `Training`'s business (`offline.Offline.carry`, an online algorithm's
+  targets).
 
   Attributes:
-    loss: (trainer, params, frozen, batch, rng) -> (loss, metrics), a pure
-      function: the loss is a mean over the batch's examples (for the
-      micro-batches to add up, see `update.mean_over_examples`).
-    share: optional (trainer, loss_fn, batch) -> loss_fn returning each
-      micro-batch's share of the batch loss, for a loss that is not a mean
-      over examples (SFT's mean over target tokens).
-    precomputable_reference: the loss reads the reference only as
-      log pi_ref(completion | prompt) of each example's own completions,
-      so `reference_logprobs.mode = "precomputed"` may compute them once.
-    batch_statistics: optional (config) -> what the loss estimates from the
-      whole batch (KTO's KL baseline), or None: micro-batches would
-      estimate it from each micro-batch and change the loss, so
-      `train.num_microbatches` > 1 is refused naming it.
+    init: (config) -> {name: initial value}.
+    changes_frozen: frozen networks the step updates; evaluation then
+      compares with the policy the run started from, loaded afresh, not
+      with the changed network.
   """
-  loss: Callable[..., Tuple[Any, Metrics]]
-  share: Optional[Callable[..., Callable]] = None
-  precomputable_reference: bool = False
-  batch_statistics: Optional[Callable[[Any], Optional[str]]] = None
+  init: Callable[[Any], Dict[str, Any]] = lambda config: {}
+  changes_frozen: Tuple[str, ...] = ()
 
 
-@dataclasses.dataclass(frozen=True)
-class Online:
-  """Learning from the policy's own samples: each train step is one
-  iteration of rollout -> targets -> updates (`online.online_step`).
+# Most algorithms carry nothing.
+NOTHING_CARRIED = Carried()
 
-  Attributes:
-    samples_per_prompt: responses per prompt when `online.samples_per_prompt`
-      is unset (the group size of RLOO/GRPO).
-    num_epochs: passes over each rollout when `online.num_epochs` is unset.
-    targets: (trainer, state, rollout) -> (update rows {name: [rows, ...]},
-      new algorithm state, metrics): what the updates train on (PPO's
-      advantages and returns; a group's advantages; the selected samples).
-    loss: (trainer, params, minibatch, algorithm_state) -> (loss, metrics)
-      of one update; algorithm_state is the step's carried state before
-      this step changes it (GRPO's in-loss KL coefficient).
-    loss_count: (trainer, minibatch) -> what the loss is a mean over, for
-      the micro-batches' shares (default: response tokens).
-    algorithm_state: (config) -> {name: initial scalar} carried between
-      steps.
-    update_rows: (config, prompts per step) -> rows the updates use
-      (default: every response).
-    sample_params: (trainer, params, frozen) -> the parameters responses are
-      sampled from (default: the policy).
-    value_from_reward_model: trainable networks initialised from the reward
-      model (PPO's value network, detail 22).
+
+class Training:
+  """How an algorithm learns: what each train step reads and does.
+
+  `jaxrlhf.algorithms.offline.Offline` (one gradient update per batch of a
+  dataset) and `jaxrlhf.algorithms.online.Online` (rollout -> targets ->
+  updates on the policy's own samples) implement it; the trainer calls
+  these and never asks which one it has. Every method takes the
+  `Trainer` first.
   """
-  samples_per_prompt: int
-  num_epochs: int
-  targets: Callable[..., Tuple[Any, Any, Metrics]]
-  loss: Callable[..., Tuple[Any, Metrics]]
-  loss_count: Optional[Callable[..., Any]] = None
-  algorithm_state: Optional[Callable[[Any], Dict[str, float]]] = None
-  update_rows: Optional[Callable[[Any, int], int]] = None
-  sample_params: Optional[Callable[..., Params]] = None
-  value_from_reward_model: Tuple[str, ...] = ()
+  # Whether a step samples from the policy (the online stages of the
+  # pipeline; the docs' table).
+  online = False
+
+  def setup(self, trainer) -> None:
+    """Resolves run settings onto the trainer, once, when it is built."""
+
+  def check_rows(self, algorithm, config, data_parallel: int) -> None:
+    """Refuses batch splits that cannot work, from the config alone."""
+    raise NotImplementedError
+
+  def whole_batch_statistic(self, config) -> Optional[str]:
+    """What the loss estimates from the whole batch (so that micro-batches
+    would change it), or None."""
+    del config
+    return None
+
+  def batches(self, trainer, position: int):
+    """This process's share of consecutive training batches from batch
+    `position` on (an iterator with a `position` attribute)."""
+    raise NotImplementedError
+
+  def batch_spec(self, trainer) -> Dict[str, Any]:
+    """{feature: jax.ShapeDtypeStruct} of a global training batch."""
+    raise NotImplementedError
+
+  def tokens_in(self, trainer, local_batch) -> int:
+    """Tokens this process's batch trains on (for tokens/s)."""
+    raise NotImplementedError
+
+  def loaded_networks(self, trainer, abstract_state) -> Dict[str, Any]:
+    """{target: loaded tree} a new run starts from besides
+    `Networks.checkpoints` (the reward model of online RL)."""
+    del trainer, abstract_state
+    return {}
+
+  def after_init(self, trainer, state) -> None:
+    """Work a new run does once its state exists (precomputing the
+    reference's log-probs)."""
+    del trainer, state
+
+  def optimizer(self, trainer, per_network, update_scales):
+    """The optax transformation of every trained network."""
+    raise NotImplementedError
+
+  def learning_rate(self, trainer, step):
+    """The policy's learning rate at train step `step` (before
+    `Networks.update_scales`)."""
+    raise NotImplementedError
+
+  def step(self, trainer, state, batch):
+    """One train step as a function to compile: (state, metrics)."""
+    raise NotImplementedError
+
+  def train_step_function(self, trainer):
+    """What the loop calls each step, (state, batch) -> (state, metrics):
+    `step` compiled once, the batch split over the data shards and the
+    state donated (its buffers reused)."""
+    return jax.jit(
+        functools.partial(self.step, trainer),
+        in_shardings=(trainer.state_shardings,
+                      sharding.batch_sharding(trainer.mesh, trainer.rules, 1)),
+        out_shardings=(trainer.state_shardings,
+                       sharding.replicated(trainer.mesh)),
+        donate_argnums=0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -153,7 +200,8 @@ class Algorithm:
     summary: one line for the docs.
     data: what it reads (SFT_DATA, an alignment kind, or PROMPTS).
     networks: its `Networks`.
-    training: `Offline` or `Online`.
+    training: its `Training` (`offline.Offline` or `online.Online`).
+    carried: what it carries between steps (`Carried`).
     evaluation: its `Evaluation`.
     config_groups: the config groups it reads besides the shared ones
       (several algorithms may share one, e.g. "online").
@@ -166,28 +214,25 @@ class Algorithm:
       data kind's default for the model's architecture.
     finish: (trainer, state) -> (state, metrics) after the last step,
       before the final save (reward normalisation).
-    pipeline_stage: runs as a stage of `jaxrlhf.offline_pipeline` (SFT, the
-      reward model, offline policies on pairs or trajectories, online).
+    pipeline_stage: runs as a stage of `jaxrlhf.offline_pipeline`, the
+      quickstart's pipeline (SFT, the reward model, offline policies on
+      pairs or trajectories, online); off unless an algorithm asks, so a
+      new algorithm does not change the quickstart's stages.
   """
   name: str
   summary: str
   data: str
   networks: Networks
-  training: Any
+  training: Training
   evaluation: Evaluation
+  carried: Carried = NOTHING_CARRIED
   config_groups: Sequence[config_schema.Group] = ()
   checks: Sequence[config_schema.Check] = ()
   feature_lengths: Optional[Callable[[Any], Dict[str, int]]] = None
   feature_converter: Optional[Callable[[Any], Any]] = None
   finish: Optional[Callable[[Any, Any], Tuple[Any, Metrics]]] = None
-  pipeline_stage: bool = True
+  pipeline_stage: bool = False
 
   @property
   def online(self) -> bool:
-    return isinstance(self.training, Online)
-
-  def whole_batch_statistic(self, config) -> Optional[str]:
-    """What the loss estimates from the whole batch under `config` (so that
-    micro-batches would change it), or None."""
-    statistics = None if self.online else self.training.batch_statistics
-    return statistics(config) if statistics else None
+    return self.training.online

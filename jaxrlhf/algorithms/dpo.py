@@ -6,8 +6,12 @@ jaxrlhf.algorithms.reference)."""
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
+from jaxrlhf.data import alignment_kinds
 from jaxrlhf.losses import preference
+from jaxrlhf.models import scoring
 
 F = config_schema.Field
 
@@ -32,16 +36,15 @@ GROUP = config_schema.Group(
           bounds=">=0"),
     ])
 
-COMPLETIONS = ("chosen", "rejected")
+PAIR = alignment_kinds.PAIRS.completion_fields  # ("chosen", "rejected")
 
 
-def loss(trainer, params, frozen, batch, rng):
+def loss(trainer, params, state, batch, rng):
   del rng
   cfg = trainer.config.dpo
-  pi = reference.sequence_logprobs(trainer, params["policy"], batch,
-                                   COMPLETIONS)
-  ref = reference.reference_logprobs(trainer, frozen, batch, COMPLETIONS)
-  lengths = reference.completion_lengths(trainer, batch, COMPLETIONS)
+  pi = scoring.sequence_logprobs(trainer.lm, params["policy"], batch, PAIR)
+  ref = reference.reference_logprobs(trainer, state, batch, PAIR)
+  lengths = scoring.completion_lengths(trainer.lm, batch, PAIR)
   return preference.direct_preference_loss(
       pi["chosen"], pi["rejected"], ref["chosen"], ref["rejected"],
       loss_type=cfg.loss_type, beta=cfg.beta,
@@ -57,7 +60,8 @@ ALGORITHM = base.Algorithm(
     "IPO, SLiC, with length normalisation and an NLL term (dpo.loss_type).",
     data="pairs",
     networks=reference.POLICY_AND_REFERENCE,
-    training=base.Offline(loss=loss, precomputable_reference=True),
-    evaluation=reference.AGAINST_REFERENCE,
+    training=offline.Offline(loss=loss, precomputable_reference=True),
+    evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP, reference.REFERENCE_LOGPROBS),
+    pipeline_stage=True,
 )

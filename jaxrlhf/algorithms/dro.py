@@ -34,11 +34,13 @@ import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
 from jaxrlhf.algorithms import sft
 from jaxrlhf.losses import dro as dro_losses
-from jaxrlhf.losses import sft as sft_losses
 from jaxrlhf.models import heads
+from jaxrlhf.models import scoring
 
 F = config_schema.Field
 
@@ -143,7 +145,7 @@ def logprobs_and_logit_values(trainer, params, batch):
       trainer.lm, params, completion_view(trainer, batch))
   weights = weights.astype(jnp.float32)
   token = trainer.config.dro.value_token_id
-  logprobs = jnp.sum(sft_losses.token_logprobs(logits, targets) * weights,
+  logprobs = jnp.sum(scoring.token_logprobs(logits, targets) * weights,
                      axis=-1)
   first = jnp.argmax(weights > 0, axis=-1)
   first_logits = jnp.take_along_axis(logits, first[:, None, None], axis=1)
@@ -160,17 +162,17 @@ def values(trainer, params, batch):
   return heads.prompt_values(trainer.lm, value_params, batch)
 
 
-def loss(trainer, params, frozen, batch, rng):
+def loss(trainer, params, state, batch, rng):
   del rng
   cfg = trainer.config.dro
   if cfg.value_source == POLICY_LOGITS:
     policy_logps, value = logprobs_and_logit_values(trainer, params["policy"],
                                                     batch)
   else:
-    policy_logps = reference.sequence_logprobs(
-        trainer, params["policy"], batch, ("completion",))["completion"]
+    policy_logps = scoring.sequence_logprobs(
+        trainer.lm, params["policy"], batch, ("completion",))["completion"]
     value = values(trainer, params, batch)
-  ref = reference.reference_logprobs(trainer, frozen, batch, ("completion",))
+  ref = reference.reference_logprobs(trainer, state, batch, ("completion",))
   policy_loss, value_loss, metrics = dro_losses.dro_v_losses(
       policy_logps, ref["completion"], value, batch["reward"], tau=cfg.tau,
       single_value_per_batch=cfg.single_value_per_batch)
@@ -186,12 +188,13 @@ ALGORITHM = base.Algorithm(
     networks=base.Networks(trainable=networks, frozen=reference.reference,
                            checkpoints=checkpoints, optimizers=optimizers,
                            update_scales=update_scales, reference=True),
-    training=base.Offline(
+    training=offline.Offline(
         loss=loss, precomputable_reference=True,
         batch_statistics=lambda c: ("its value (one per batch: "
                                     "dro.single_value_per_batch)"
                                     if c.dro.single_value_per_batch
                                     else None)),
-    evaluation=reference.AGAINST_REFERENCE,
+    evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP, reference.REFERENCE_LOGPROBS),
+    pipeline_stage=True,
 )

@@ -13,9 +13,12 @@ import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
 from jaxrlhf.data import feature_converters
 from jaxrlhf.losses import preference
+from jaxrlhf.models import scoring
 
 Array = jax.Array
 F = config_schema.Field
@@ -115,12 +118,12 @@ def with_mismatched_completions(batch):
 NAMES = ("completion", "mismatched")
 
 
-def loss(trainer, params, frozen, batch, rng):
+def loss(trainer, params, state, batch, rng):
   del rng
   cfg = trainer.config.kto
   batch = with_mismatched_completions(batch)
-  pi = reference.sequence_logprobs(trainer, params["policy"], batch, NAMES)
-  ref = reference.reference_logprobs(trainer, frozen, batch, NAMES)
+  pi = scoring.sequence_logprobs(trainer.lm, params["policy"], batch, NAMES)
+  ref = reference.reference_logprobs(trainer, state, batch, NAMES)
   if "label" in batch:
     desirable = batch["label"] > 0.5
   else:
@@ -138,11 +141,12 @@ ALGORITHM = base.Algorithm(
     "mean, the DRO paper's baseline).",
     data="trajectory",
     networks=reference.POLICY_AND_REFERENCE,
-    training=base.Offline(loss=loss, batch_statistics=lambda c: (
+    training=offline.Offline(loss=loss, batch_statistics=lambda c: (
         "its KL baseline z0 and which completions are desirable (reward "
         "above the batch mean)")),
-    evaluation=reference.AGAINST_REFERENCE,
+    evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),
+    pipeline_stage=True,
 )
 
 THUMBS = base.Algorithm(
@@ -150,9 +154,10 @@ THUMBS = base.Algorithm(
     summary="KTO on thumbs up/down labels.",
     data="thumbs",
     networks=reference.POLICY_AND_REFERENCE,
-    training=base.Offline(loss=loss,
-                          batch_statistics=lambda c: "its KL baseline z0"),
-    evaluation=reference.AGAINST_REFERENCE,
+    training=offline.Offline(loss=loss,
+                             batch_statistics=lambda c: "its KL baseline z0"),
+    evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),
-    pipeline_stage=False,
 )
+
+ALGORITHMS = (ALGORITHM, THUMBS)

@@ -48,9 +48,13 @@ def make_optimizer(opt: ml_collections.ConfigDict, num_steps: int):
     core = optax.sgd(learning_rate=schedule)
   else:
     raise ValueError(f"config.optimizer.name: unknown {opt.name!r}.")
-  if opt.grad_clip_norm > 0:
-    return optax.chain(optax.clip_by_global_norm(opt.grad_clip_norm), core)
-  return core
+  # The clipping stage is in the chain whether it clips or not: its state
+  # is empty either way, so the optimizer state has one structure for every
+  # value of grad_clip_norm, which a resumed run may change (0 turns it
+  # off, and then the gradient passes untouched).
+  clip = (optax.clip_by_global_norm(opt.grad_clip_norm)
+          if opt.grad_clip_norm > 0 else optax.identity())
+  return optax.chain(clip, core)
 
 
 def per_update_config(opt: ml_collections.ConfigDict, updates_per_step: int

@@ -8,9 +8,12 @@ compares the policy with the one it started from, loaded while it runs
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import dpo
+from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
+from jaxrlhf.data import alignment_kinds
 from jaxrlhf.losses import orpo
+from jaxrlhf.models import scoring
 
 F = config_schema.Field
 
@@ -23,11 +26,13 @@ GROUP = config_schema.Group(
     ])
 
 
-def loss(trainer, params, frozen, batch, rng):
-  del frozen, rng
-  pi = reference.sequence_logprobs(trainer, params["policy"], batch,
-                                   dpo.COMPLETIONS)
-  lengths = reference.completion_lengths(trainer, batch, dpo.COMPLETIONS)
+PAIR = alignment_kinds.PAIRS.completion_fields
+
+
+def loss(trainer, params, state, batch, rng):
+  del state, rng
+  pi = scoring.sequence_logprobs(trainer.lm, params["policy"], batch, PAIR)
+  lengths = scoring.completion_lengths(trainer.lm, batch, PAIR)
   return orpo.orpo_loss(
       pi["chosen"], pi["rejected"], lengths["chosen"], lengths["rejected"],
       odds_ratio_weight=trainer.config.orpo.odds_ratio_weight)
@@ -39,7 +44,8 @@ ALGORITHM = base.Algorithm(
     "term, without a reference model.",
     data="pairs",
     networks=reference.POLICY_ONLY,
-    training=base.Offline(loss=loss),
-    evaluation=reference.AGAINST_REFERENCE,
+    training=offline.Offline(loss=loss),
+    evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),
+    pipeline_stage=True,
 )

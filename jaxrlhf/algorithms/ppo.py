@@ -2,7 +2,7 @@
 
 "The N+ implementation details of RLHF with PPO" (Huang et al. 2024,
 details 20-25, Table 7), after Stiennon et al. 2020 / Ziegler et al. 2019.
-One train step is one PPO iteration (`online.online_step`):
+One train step is one PPO iteration (`online.Online.step`):
 
   rollout     the policy samples a fixed number of tokens at temperature 0.7,
               cut after the first EOS; the frozen reward model scores the EOS
@@ -37,7 +37,12 @@ import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import kl_control
 from jaxrlhf.algorithms import online
+from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms import online_config
+from jaxrlhf.algorithms import online_eval
+from jaxrlhf.algorithms import online_rewards
 from jaxrlhf.algorithms import reference
 from jaxrlhf.losses import common
 from jaxrlhf.rl import kl as kl_lib
@@ -72,7 +77,7 @@ GROUP = config_schema.Group(
 def networks(trainer, rng):
   a, b = jax.random.split(rng)
   return {"policy": trainer.init_lm(a),
-          "value": online.init_reward_net(trainer, b)}
+          "value": online_rewards.init_reward_net(trainer, b)}
 
 
 def optimizers(trainer):
@@ -89,7 +94,8 @@ def values(trainer, value_params, features):
   decoder-only value network, the position before t;
   `rollout.response_values`). `features` are laid out for the value network,
   which has the reward model's architecture (detail 22)."""
-  return rollout_lib.response_values(online.reward_lm(trainer), value_params,
+  return rollout_lib.response_values(online_rewards.reward_lm(trainer),
+                                     value_params,
                                      features, trainer.online.max_new_tokens)
 
 
@@ -120,7 +126,7 @@ def update_data(rollout, targets):
 
 def targets(trainer, state, rollout):
   """The update rows, the next KL coefficient, and the targets' metrics."""
-  kl_coef = state.algorithm_state["kl_coef"]
+  kl_coef = kl_control.coefficient(state)
   estimator = trainer.config.online.kl_estimator
   target = rollout_targets(trainer, state.params["value"], rollout, kl_coef)
   mask = rollout.mask
@@ -141,9 +147,9 @@ def targets(trainer, state, rollout):
       "value_mean": jnp.sum(target["old_values"] * mask) / count,
       "reward_per_token_mean": jnp.sum(target["rewards"] * mask) / count,
   }
-  algorithm_state = dict(state.algorithm_state,
-                         kl_coef=online.next_kl_coef(trainer, kl_coef,
-                                                     rollout))
+  algorithm_state = dict(state.algorithm_state, **{
+      kl_control.KL_COEF: kl_control.next_coefficient(trainer, kl_coef,
+                                                      rollout)})
   return update_data(rollout, target), algorithm_state, metrics
 
 
@@ -151,7 +157,7 @@ def minibatch_loss(trainer, params, minibatch, algorithm_state=None):
   """PPO's loss on one minibatch of rollout rows."""
   del algorithm_state
   cfg = trainer.config
-  logprobs, entropy, mask = online.policy_logprobs(trainer, params, minibatch)
+  logprobs, entropy, mask = online_step.policy_logprobs(trainer, params, minibatch)
   value = values(trainer, params["value"], minibatch)
   return ppo_lib.ppo_loss(
       logprobs, minibatch["old_logprobs"], minibatch["advantages"], value,
@@ -173,12 +179,13 @@ ALGORITHM = base.Algorithm(
         trainable=networks, frozen=online.frozen_reference_and_reward,
         checkpoints=reference.policy_and_reference_checkpoints,
         optimizers=optimizers, reference=True),
-    training=base.Online(
+    training=online.Online(
         samples_per_prompt=1, num_epochs=4,  # Table 7: K = 4
         targets=targets, loss=minibatch_loss,
-        algorithm_state=online.kl_coef_state,
         value_from_reward_model=("value",)),  # detail 22
-    evaluation=online.EVALUATION,
-    config_groups=(online.ONLINE, GROUP),
-    checks=(online.check_online,),
+    carried=kl_control.carried("online.kl_coef"),
+    evaluation=online_eval.EVALUATION,
+    config_groups=(online_config.ONLINE, online_rewards.GROUP, GROUP),
+    checks=(online_config.check_online,),
+    pipeline_stage=True,
 )

@@ -24,7 +24,10 @@ import numpy as np
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import online
-from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms import online_config
+from jaxrlhf.algorithms import online_eval
+from jaxrlhf.algorithms import online_rewards
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.eval import evaluation
 from jaxrlhf.losses import common
 from jaxrlhf.rl import best_of_n as best_of_n_lib
@@ -50,12 +53,18 @@ GROUP = config_schema.Group(
     ])
 
 
-def update_rows(config, num_prompts):
-  """The responses a step fine-tunes on."""
+def update_rows(config, num_prompts, num_responses):
+  """The responses a step fine-tunes on (of the `num_responses` it
+  samples)."""
   cfg = config.rejection_sampling
   if cfg.selection == "top_per_prompt":
     return num_prompts
-  return config.train.batch_size if cfg.top_k is None else cfg.top_k
+  rows = config.train.batch_size if cfg.top_k is None else cfg.top_k
+  if not 1 <= rows <= num_responses:
+    raise ValueError(
+        f"config.rejection_sampling.top_k: {rows} must be between 1 and the "
+        f"{num_responses} responses sampled per step.")
+  return rows
 
 
 def sample_params(trainer, params, frozen):
@@ -71,7 +80,7 @@ def selected_rows(trainer, scores):
   if trainer.config.rejection_sampling.selection == "top_per_prompt":
     best = best_of_n_lib.top_per_prompt(grouped)
     return jnp.arange(grouped.shape[0], dtype=jnp.int32) * n + best
-  k = update_rows(trainer.config, trainer.config.train.batch_size)
+  k = update_rows(trainer.config, grouped.shape[0], scores.shape[0])
   prompt, completion, _ = best_of_n_lib.top_k_overall(grouped, k)
   return prompt * n + completion
 
@@ -105,13 +114,13 @@ ALGORITHM = base.Algorithm(
     "of N samples per prompt (or the best K of a batch).",
     data=base.PROMPTS,
     networks=online.POLICY_REFERENCE_AND_REWARD,
-    training=base.Online(
+    training=online.Online(
         samples_per_prompt=8, num_epochs=1, targets=targets, loss=loss,
-        algorithm_state=online.kl_coef_state, update_rows=update_rows,
-        sample_params=sample_params),
-    evaluation=online.EVALUATION,
-    config_groups=(online.ONLINE, GROUP),
-    checks=(online.check_online,),
+        update_rows=update_rows, sample_params=sample_params),
+    evaluation=online_eval.EVALUATION,
+    config_groups=(online_config.ONLINE, online_rewards.GROUP, GROUP),
+    checks=(online_config.check_online,),
+    pipeline_stage=True,
 )
 
 
@@ -131,7 +140,7 @@ def best_of_n_evaluation(trainer, state, n: int) -> Dict[str, float]:
     rewards: Beirami et al. 2024).
   """
   cfg = trainer.config
-  prompts = reference.eval_prompts(trainer)
+  prompts = policy_eval.eval_prompts(trainer)
   if prompts is None:
     raise ValueError(f"best-of-N needs a judge: "
                      f"{cfg.eval.task or cfg.data.task!r} has no gold reward "
@@ -145,7 +154,7 @@ def best_of_n_evaluation(trainer, state, n: int) -> Dict[str, float]:
         trainer, policy, tokens, greedy=False,
         temperature=cfg.eval.temperature,
         seed=cfg.seed + 7919 * (k + 1) + j) for j in range(n)]
-    scores = np.stack([online.reward_scores(trainer, state.frozen["reward"],
+    scores = np.stack([online_rewards.reward_scores(trainer, state.frozen["reward"],
                                             tokens, s)
                        for s in candidates], axis=1)  # [prompts, n]
     best = np.asarray(best_of_n_lib.top_per_prompt(jnp.asarray(scores)))

@@ -26,6 +26,7 @@ from jaxrlhf import config_schema
 from jaxrlhf import console
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import offline
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import file_layouts
 from jaxrlhf.data import file_tasks
@@ -76,7 +77,7 @@ GROUP = config_schema.Group(
           "Files of SFT demonstrations (layout normalize_layout) registered "
           "as the task normalize_on_task at start-up, for normalising on "
           "data read from files (the TL;DR SFT data, detail 15); '' = "
-          "normalize_on_task is a registered task."),
+          "normalize_on_task is a registered task.", path=True),
         F("normalize_layout", "tldr_sft",
           "The layout of normalize_files ('tldr_sft', or 'columns' with "
           "prompt and completion columns).",
@@ -116,8 +117,8 @@ def pair_rewards(trainer, reward_params, batch):
   return jnp.split(rewards, 2)
 
 
-def pairs_loss(trainer, params, frozen, batch, rng):
-  del frozen, rng
+def pairs_loss(trainer, params, state, batch, rng):
+  del state, rng
   cfg = trainer.config.reward_model
   chosen, rejected = pair_rewards(trainer, params["reward"], batch)
   margin = batch["margin"] if cfg.use_margin and "margin" in batch else None
@@ -205,7 +206,7 @@ def register_normalization_files(trainer) -> None:
   file_tasks.register_demonstrations_task(
       rm.normalize_on_task, {rm.normalize_split: rm.normalize_files},
       vocabulary=trainer.vocabulary, layout=rm.normalize_layout,
-      max_prompt_tokens=cfg.data.inputs_length,
+      max_prompt_tokens=trainer.prompt_length,
       max_completion_tokens=cfg.data.targets_length,
       on_bad_row=cfg.data.files.on_bad_row, seed=cfg.seed)
 
@@ -257,7 +258,7 @@ def reference_features(trainer) -> Dict[str, np.ndarray]:
     shard = seqio.ShardInfo(index=jax.process_index(),
                             num_shards=jax.process_count())
     try:
-      ds = task.get_dataset({"inputs": cfg.data.inputs_length,
+      ds = task.get_dataset({"inputs": trainer.prompt_length,
                              "targets": cfg.data.targets_length},
                             split=rm.normalize_split, shuffle=False,
                             shard_info=shard, num_epochs=1)
@@ -272,7 +273,7 @@ def reference_features(trainer) -> Dict[str, np.ndarray]:
                             "reward": tf.constant(0.0, tf.float32)})
     converter = alignment_data.feature_converter_for(
         "trajectory", trainer.architecture, **trainer.converter_options())
-    ds = converter(ds, {"prompt": cfg.data.inputs_length,
+    ds = converter(ds, {"prompt": trainer.prompt_length,
                         "completion": cfg.data.targets_length})
     if rm.normalize_num_examples:
       ds = ds.take(pipeline.local_batch_size(rm.normalize_num_examples))
@@ -361,7 +362,7 @@ ALGORITHM = base.Algorithm(
     "PPO detail 15).",
     data="pairs",
     networks=NETWORKS,
-    training=base.Offline(loss=pairs_loss),
+    training=offline.Offline(loss=pairs_loss),
     evaluation=base.Evaluation(evaluate=evaluate_pairs, describe=describe,
                                check=check_normalize_task),
     config_groups=(GROUP,),
@@ -376,7 +377,7 @@ def ranking_feature_lengths(trainer):
   # seqio trims a ranking's first axis to the "completions" length, so it
   # must be at least K (the converter checks).
   c = trainer.config
-  return {"prompt": c.data.inputs_length,
+  return {"prompt": trainer.prompt_length,
           "completions": max(c.data.targets_length,
                              c.reward_model.num_completions)}
 
@@ -407,8 +408,8 @@ def ranking_loss(trainer, rewards, mask):
   return rm_losses.plackett_luce_loss(rewards, mask)
 
 
-def rankings_loss(trainer, params, frozen, batch, rng):
-  del frozen, rng
+def rankings_loss(trainer, params, state, batch, rng):
+  del state, rng
   rewards = ranked_rewards(trainer, params["reward"], batch)
   return ranking_loss(trainer, rewards, batch["completions_mask"])
 
@@ -431,12 +432,13 @@ RANKING = base.Algorithm(
     "Bradley-Terry on all K-choose-2 pairs (InstructGPT).",
     data="ranking",
     networks=NETWORKS,
-    training=base.Offline(loss=rankings_loss),
+    training=offline.Offline(loss=rankings_loss),
     evaluation=base.Evaluation(evaluate=evaluate_rankings, describe=describe,
                                check=check_normalize_task),
     config_groups=(GROUP,),
     finish=finish,
     feature_lengths=ranking_feature_lengths,
     feature_converter=ranking_feature_converter,
-    pipeline_stage=False,
 )
+
+ALGORITHMS = (ALGORITHM, RANKING)

@@ -15,6 +15,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import offline
 from jaxrlhf.data import pipeline
 from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation
@@ -51,9 +52,9 @@ def target_weights(lm, batch):
   return batch["loss_weights"][:, 1:]
 
 
-def loss(trainer, params, frozen, batch, rng):
+def loss(trainer, params, state, batch, rng):
   """Mean token cross-entropy of one (micro-)batch, and its token sums."""
-  del frozen
+  del state
   dropout_rng = rng if trainer.config.model.dropout_rate > 0 else None
   logits, targets, weights = next_token_targets(trainer.lm, params["policy"],
                                                 batch, dropout_rng)
@@ -144,6 +145,6 @@ ALGORITHM = base.Algorithm(
     "seqio task's (inputs, targets).",
     data=base.SFT_DATA,
     networks=base.Networks(trainable=policy, checkpoints=checkpoints),
-    training=base.Offline(loss=loss, share=token_mean_share),
+    training=offline.Offline(loss=loss, share=token_mean_share),
     evaluation=base.Evaluation(evaluate=evaluate, describe=describe),
 )

@@ -18,9 +18,12 @@ runs (`reference.POLICY_ONLY`).
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import dpo
+from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
+from jaxrlhf.data import alignment_kinds
 from jaxrlhf.losses import preference
+from jaxrlhf.models import scoring
 
 F = config_schema.Field
 
@@ -35,12 +38,14 @@ GROUP = config_schema.Group(
     ])
 
 
-def loss(trainer, params, frozen, batch, rng):
-  del frozen, rng
+PAIR = alignment_kinds.PAIRS.completion_fields
+
+
+def loss(trainer, params, state, batch, rng):
+  del state, rng
   cfg = trainer.config.simpo
-  pi = reference.sequence_logprobs(trainer, params["policy"], batch,
-                                   dpo.COMPLETIONS)
-  lengths = reference.completion_lengths(trainer, batch, dpo.COMPLETIONS)
+  pi = scoring.sequence_logprobs(trainer.lm, params["policy"], batch, PAIR)
+  lengths = scoring.completion_lengths(trainer.lm, batch, PAIR)
   return preference.direct_preference_loss(
       pi["chosen"], pi["rejected"], None, None, loss_type="dpo",
       beta=cfg.beta, target_margin=cfg.gamma, length_normalize=True,
@@ -54,7 +59,8 @@ ALGORITHM = base.Algorithm(
     "token log-likelihood) with a target margin gamma.",
     data="pairs",
     networks=reference.POLICY_ONLY,
-    training=base.Offline(loss=loss),
-    evaluation=reference.AGAINST_REFERENCE,
+    training=offline.Offline(loss=loss),
+    evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),
+    pipeline_stage=True,
 )

@@ -5,8 +5,11 @@ and none defines: the task and its vocabulary, the model and its scoring
 adapter, the feature layout, the optimizer(s), the sharded train state and
 its initialisation, and the jitted train step, compiled once. The
 algorithm's own functions (`jaxrlhf.algorithms.base`) receive the trainer
-and read these parts. The loop (`jaxrlhf.train.loop`) drives a trainer
-through `init_state`, `train_batches`, `train_step`, `evaluate` and
+and read these parts; what differs between learning from a dataset and
+learning from the policy's own samples is the algorithm's `Training`
+(`offline.Offline`, `online.Online`), which the trainer calls without asking
+which one it is. The loop (`jaxrlhf.train.loop`) drives a trainer through
+`init_state`, `train_batches`, `train_step`, `evaluate` and
 `finish_training`.
 """
 
@@ -14,26 +17,21 @@ from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 import seqio
 
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import online as online_lib
-from jaxrlhf.algorithms import optimizers
-from jaxrlhf.algorithms import pretrained
-from jaxrlhf.algorithms import reference
 from jaxrlhf.algorithms import state as state_lib
-from jaxrlhf.algorithms import update
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import feature_converters
 from jaxrlhf.data import file_tasks
 from jaxrlhf.data import pipeline
-from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
 from jaxrlhf.models import build_model
 from jaxrlhf.models import planned_vocab_size
+from jaxrlhf.models import prompt_feature_length
+from jaxrlhf.models import pretrained
 from jaxrlhf.models import scoring
 
 
@@ -50,15 +48,21 @@ class Trainer:
     feature_lengths, feature_converter: how batches are laid out.
     tx: the optax optimizer of all trained networks.
     online: `online.OnlineSettings` of an online algorithm, else None.
+    precomputed_reference: the offline run's `PrecomputedReference` when
+      `reference_logprobs.mode` is "precomputed", else None.
     state_shardings, abstract_state: of the train state.
-    train_step: the jitted (state, batch) -> (state, metrics).
+    train_step: (state, batch) -> (state, metrics): the algorithm's step
+      compiled once (its `Training.train_step_function`).
     shapes_only: built from the config alone, to lay out and compile the
       step (`jaxrlhf.plan`): no data file, vocabulary file or checkpoint is
       read, and the trainer cannot train or evaluate.
+    evaluate: False builds a trainer that never judges its policy (what its
+      evaluation would read is not checked; `evaluate` returns {}).
   """
 
   def __init__(self, algorithm: base.Algorithm, config, mesh,
-               workdir: Optional[str] = None, shapes_only: bool = False):
+               workdir: Optional[str] = None, shapes_only: bool = False,
+               evaluate: bool = True):
     self.algorithm = algorithm
     for check in algorithm.checks:
       check(config)
@@ -87,6 +91,10 @@ class Trainer:
     self.model, self.model_config = build_model(config.model,
                                                 self.vocabulary.vocab_size)
     self.lm = scoring.adapter_for(self.model)
+    # Prompts of data.inputs_length tokens as the model reads them, with the
+    # EOS the task appends (`models.prompt_feature_length`).
+    self.prompt_length = prompt_feature_length(config.model,
+                                               config.data.inputs_length)
     self.architecture = ("encoder_decoder" if self.lm.is_encoder_decoder
                          else "decoder_only")
     self.feature_lengths = (algorithm.feature_lengths(self)
@@ -95,41 +103,37 @@ class Trainer:
     self.feature_converter = (algorithm.feature_converter(self)
                               if algorithm.feature_converter
                               else self._default_feature_converter())
+    # Set by the algorithm's Training where it applies.
     self.online = None
-    if algorithm.online:
-      self.online = online_lib.OnlineSettings.create(self)
-    self.precomputed_reference = (
-        config.reference_logprobs.mode == "precomputed")
-    self._reference_table = None
+    self.precomputed_reference = None
     self._once = {}
-    if algorithm.evaluation.check and not shapes_only:
+    algorithm.training.setup(self)
+    # evaluate=False: a trainer that never judges its policy (`evaluate`
+    # returns {}), e.g. stepped from a notebook on batches of its own.
+    self._evaluates = evaluate
+    if algorithm.evaluation.check and evaluate and not shapes_only:
       algorithm.evaluation.check(self)
     self.tx = self._make_optimizer()
-    self._check_rows()
-    algorithm_state = (algorithm.training.algorithm_state(config)
-                       if self.online and algorithm.training.algorithm_state
-                       else {})
+    algorithm.training.check_rows(
+        algorithm, config, sharding.data_parallel_size(mesh, self.rules))
     self._init, self.state_shardings, self.abstract_state = (
         state_lib.make_sharded_init(self._init_networks, self.tx, mesh,
-                                    self.rules, algorithm_state))
+                                    self.rules,
+                                    algorithm.carried.init(config)))
     # The running sum of micro-batch gradients, split over the data shards.
     self.accumulator_shardings = sharding.spread_over_batch_axes(
         self.abstract_state.params, self.state_shardings.params, mesh,
         self.rules)
-    batch_sharding = sharding.batch_sharding(self.mesh, self.rules, 1)
-    self.train_step = jax.jit(
-        self._step, in_shardings=(self.state_shardings, batch_sharding),
-        out_shardings=(self.state_shardings, sharding.replicated(mesh)),
-        donate_argnums=0)
+    self.train_step = algorithm.training.train_step_function(self)
 
   # --- data --------------------------------------------------------------------
 
   def _default_feature_lengths(self) -> Dict[str, int]:
     data = self.config.data
     if self.algorithm.data in (base.SFT_DATA, base.PROMPTS):
-      return {"inputs": data.inputs_length, "targets": data.targets_length}
+      return {"inputs": self.prompt_length, "targets": data.targets_length}
     kind = alignment_data.get_kind(self.algorithm.data)
-    lengths = {"prompt": data.inputs_length}
+    lengths = {"prompt": self.prompt_length}
     for field in kind.completion_fields:
       lengths[field] = data.targets_length
     return lengths
@@ -151,49 +155,17 @@ class Trainer:
   def train_batches(self, position: int):
     """This process's share of consecutive training batches from batch
     `position` on (an iterator with a `position` attribute)."""
-    if self.online:
-      return self.online.prompt_batches(self.config, position)
-    batches = pipeline.BatchIterator(
-        self.config.data.task, self.config.data.train_split,
-        self.feature_lengths, self.feature_converter,
-        self.config.train.batch_size, seed=self.config.seed, shuffle=True,
-        position=position)
-    if self.precomputed_reference:
-      return reference.with_precomputed_logprobs(self, batches)
-    return batches
+    return self.algorithm.training.batches(self, position)
 
   def batch_spec(self) -> Dict[str, jax.ShapeDtypeStruct]:
     """The global shape and dtype of each feature of a training batch, from
     the config alone (no data is read): what `train_step` is compiled for."""
-    batch = self.config.train.batch_size
-    if self.online:
-      return prompts_lib.prompt_batch_spec(batch,
-                                           self.config.data.inputs_length)
-    kind = (None if self.algorithm.data == base.SFT_DATA
-            else self.algorithm.data)
-    spec = {name: jax.ShapeDtypeStruct((batch,) + tuple(s.shape),
-                                       s.dtype.as_numpy_dtype)
-            for name, s in feature_converters.output_spec(
-                self.feature_converter, kind, self.feature_lengths).items()}
-    if self.precomputed_reference:
-      spec.update(reference.precomputed_spec(self, batch))
-    return spec
+    return self.algorithm.training.batch_spec(self)
 
   def tokens_in(self, local_batch) -> int:
     """Tokens a train step learns from, over all processes (tokens/s):
-    completion tokens offline, sampled tokens online (a fixed number per
-    response, detail 23)."""
-    if self.online:
-      rows = (len(local_batch["encoder_input_tokens"])
-              * self.online.samples_per_prompt)
-      return rows * self.online.max_new_tokens * jax.process_count()
-    n = sum(int(np.sum(v)) for k, v in local_batch.items()
-            if k.endswith("loss_weights"))
-    return n * jax.process_count()
-
-  def _check_rows(self):
-    check_rows(self.algorithm, self.config,
-               sharding.data_parallel_size(self.mesh, self.rules))
+    completion tokens offline, sampled tokens online."""
+    return self.algorithm.training.tokens_in(self, local_batch)
 
   # --- networks ----------------------------------------------------------------
 
@@ -231,17 +203,12 @@ class Trainer:
       try:
         self._check_checkpoint_vocabulary(target, path)
         loaded[target] = pretrained.load_lm_params(
-            path, state_lib.subtree(abstract, target), **self._hf_options())
+            path, state_lib.subtree(abstract, target), **self.hf_options())
       except ValueError as e:
         raise ValueError(f"{self._config_field_of(path)}: {e}") from None
-    if self.online:
-      loaded.update(self.online.reward_model_networks(self, abstract))
+    loaded.update(self.algorithm.training.loaded_networks(self, abstract))
     state = self._init(jax.random.PRNGKey(self.config.seed), loaded)
-    if self.precomputed_reference:
-      # A new run's policy is the reference: score with it rather than
-      # load the checkpoint a second time.
-      reference.prepare_table(self, lambda: state.params["policy"],
-                              new_run=True)
+    self.algorithm.training.after_init(self, state)
     return state
 
   def initial_policy_params(self):
@@ -254,19 +221,21 @@ class Trainer:
         lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
         self.abstract_state.params["policy"],
         self.state_shardings.params["policy"])
-    return pretrained.load_lm_params(path, target, **self._hf_options())
+    return pretrained.load_lm_params(path, target, **self.hf_options())
 
-  def _hf_options(self):
+  def hf_options(self):
     """What a Hugging Face checkpoint needs to load into this run: the model,
     and the ids the vocabulary exchanges (`hf_tokenizer`)."""
     return {"module": self.model,
             "token_swap": getattr(self.vocabulary, "token_swap", None)}
 
   def reference_params(self, state):
-    """The frozen reference policy: in the state, or loaded when the run
-    keeps none there (precomputed reference log-probs, reference-free
-    losses)."""
-    if "reference" in state.frozen:
+    """The policy the run started from, which evaluation compares with: the
+    frozen reference in the state, or loaded afresh when the run keeps none
+    there (precomputed reference log-probs, reference-free losses) or its
+    step changes it (TR-DPO)."""
+    if ("reference" in state.frozen
+        and "reference" not in self.algorithm.carried.changes_frozen):
       return state.frozen["reference"]
     return self.initial_policy_params()
 
@@ -311,52 +280,15 @@ class Trainer:
     per_network = networks.optimizers(self) if networks.optimizers else None
     scales = networks.update_scales(self) if networks.update_scales else None
     self._policy_update_scale = (scales or {}).get("policy", 1.0)
-    if self.online:
-      return self.online.make_optimizer(self.config, per_network, scales)
-    steps_total = self.config.train.num_steps
-    if not per_network:
-      if scales:
-        raise ValueError(f"{self.algorithm.name}: Networks.update_scales "
-                         "needs Networks.optimizers (one optimizer per "
-                         "network).")
-      return optimizers.make_optimizer(self.config.optimizer, steps_total)
-    return optimizers.make_network_optimizers(per_network, steps_total, scales)
+    return self.algorithm.training.optimizer(self, per_network, scales)
 
   def learning_rate(self, step):
     """The policy's learning rate at train step `step`, times the factor its
     updates are scaled by (`Networks.update_scales`: DRO-V's 1/tau)."""
-    if self.online:
-      rate = self.online.learning_rate(self.config, step)
-    else:
-      rate = optimizers.learning_rate_schedule(
-          self.config.optimizer, self.config.train.num_steps)(step)
+    rate = self.algorithm.training.learning_rate(self, step)
     if self._policy_update_scale == 1:
       return rate
     return rate * self._policy_update_scale
-
-  def _step(self, state, batch):
-    if self.online:
-      return online_lib.online_step(self, state, batch)
-    return self._offline_step(state, batch)
-
-  def _offline_step(self, state, batch):
-    training = self.algorithm.training
-    rng, step_rng = jax.random.split(state.rng)
-    micro = self.config.train.num_microbatches
-
-    def loss_fn(params, mb, mb_rng):
-      return training.loss(self, params, state.frozen, mb, mb_rng)
-
-    if training.share is None:
-      share = update.mean_over_examples(loss_fn, micro)
-    else:
-      share = training.share(self, loss_fn, batch)
-    params, opt_state, metrics = update.gradient_update(
-        self.tx, state.params, state.opt_state, batch, step_rng, share, micro,
-        self.accumulator_shardings)
-    metrics["learning_rate"] = self.learning_rate(state.step)
-    return state.replace(step=state.step + 1, params=params,
-                         opt_state=opt_state, rng=rng), metrics
 
   # --- the end and evaluation ---------------------------------------------------
 
@@ -368,11 +300,16 @@ class Trainer:
     return self.algorithm.finish(self, state)
 
   def evaluate(self, state) -> Dict[str, float]:
-    """Evaluation metrics ("eval/..." keys)."""
+    """Evaluation metrics ("eval/..." keys); {} for a trainer built with
+    evaluate=False."""
+    if not self._evaluates:
+      return {}
     return self.algorithm.evaluation.evaluate(self, state)
 
   def evaluation_description(self) -> str:
     """What `evaluate` measures on, for the console lines."""
+    if not self._evaluates:
+      return "no evaluation"
     return self.algorithm.evaluation.describe(self)
 
   def once(self, key: str, make):
@@ -390,25 +327,3 @@ def files_kind(algorithm: base.Algorithm) -> str:
   if algorithm.data in (base.SFT_DATA, base.PROMPTS):
     return file_tasks.DEMONSTRATIONS
   return algorithm.data
-
-
-def check_rows(algorithm: base.Algorithm, config, data_parallel: int) -> None:
-  """Each update's rows split into the micro-batches and over the
-  data-parallel shards; from the config alone (the loop checks it before
-  anything is written, the trainer again when built)."""
-  if algorithm.online:
-    online_lib.check_rows(algorithm, config, data_parallel)
-    return
-  batch = config.train.batch_size
-  estimated = algorithm.whole_batch_statistic(config)
-  if estimated and config.train.num_microbatches > 1:
-    raise ValueError(
-        f"config.train.num_microbatches: {algorithm.name} estimates "
-        f"{estimated} from the whole batch; micro-batches would estimate it "
-        "from each micro-batch and change the loss. Keep it at 1 and fit "
-        "memory with model.remat_policy or the fully sharded rules "
-        "(jaxrlhf.sharding.FULLY_SHARDED_RULES).")
-  update.check_split(batch, config.train.num_microbatches, data_parallel,
-                     what=f"train.batch_size {batch}",
-                     field="train.batch_size")
-

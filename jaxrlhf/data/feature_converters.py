@@ -268,7 +268,10 @@ class _DecoderConverter(_AlignmentFeatureConverter):
   Args:
     strip_prompt_eos: drop a trailing EOS from the prompt (on by default: a
       T5-style task appends EOS to prompts, and a decoder-only model must not
-      read EOS in front of its completion).
+      read EOS in front of its completion); the prompt then takes one slot
+      less than its task feature length (which counts that EOS), so a task
+      length of L + 1 lays out prompts of up to L tokens in L slots
+      (`models.prompt_feature_length`).
     eos_id: the EOS id to strip (T5's 1 by default).
     prompt_bos_id: when set, this id starts every prompt (Llama-style BOS);
       the prompt length grows by one.
@@ -285,7 +288,8 @@ class _DecoderConverter(_AlignmentFeatureConverter):
     super().__init__(**kwargs)
 
   def _prompt_length(self, task_feature_lengths) -> int:
-    extra = 0 if self.prompt_bos_id is None else 1
+    extra = ((0 if self.prompt_bos_id is None else 1)
+             - (1 if self.strip_prompt_eos else 0))
     return task_feature_lengths[self.PROMPT_FEATURE] + extra
 
   def _output_key(self, field: str, suffix: str) -> str:

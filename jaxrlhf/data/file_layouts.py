@@ -14,7 +14,11 @@ Layouts (what a row looks like):
   a row take the kind's default (`margin` 0, `confidence` 1,
   `annotation_batch` -1, `prompt_weight` 1, which the source then replaces by
   per-prompt weights unless told not to); `reward` and `label` are required;
-  a label is true/false or 1/0.
+  a label is true/false or 1/0. For demonstrations, any other name in the
+  mapping is an extra column carried to the reward functions of online RL
+  (`alignment_kinds`): {"prompt": "question", "completion": "solution",
+  "answer": "final_answer"} gives every prompt an `answer`, read from the
+  file's "final_answer" (a row without it is a bad row).
 * "ultrafeedback" (trajectory, pairs, ranking): openbmb/UltraFeedback rows,
   {"instruction": str, "completions": [{"response": str, "overall_score":
   float, "fine-grained_score": float, "annotations": {aspect: {"Rating": "4",
@@ -61,6 +65,48 @@ Layouts (what a row looks like):
   the TL;DR query as above, with the same paragraph truncation (detail 2);
   the completion is the summary with a leading space (detail 3; the task
   appends the EOS).
+* "gsm8k" (demonstrations): GSM8K rows {"question", "answer"}, the answer
+  a worked solution ending in "#### <number>". The prompt is the question,
+  the completion the whole answer as it is (calculator annotations
+  "<<48/2=24>>" included), so SFT can train on it; the extra column
+  `answer` is the number after the last "####", thousands separators
+  dropped ("#### 1,200" -> "1200"). A row without one is reported as
+  `no_final_answer`.
+* "math" (demonstrations): MATH rows {"problem", "solution", "level",
+  "type"}. The prompt is the problem, the completion the solution; the
+  extra column `answer` is the content of the solution's last \\boxed{...}
+  (nested braces kept: "\\frac{1}{2}"), and `level` and `type` are carried
+  as they are (None where a row has none). A solution without a \\boxed{}
+  answer is reported as `no_final_answer`.
+* "messages" (demonstrations, pairs): conversations, lists of {"role",
+  "content"} messages, rendered with the checkpoint's own chat template
+  (`chat_templates`; the source's `chat_template`). A prompt is the
+  conversation before an assistant reply rendered with the generation
+  prompt (what the policy reads before it speaks); its completion is the
+  reply as the template renders it, ending with the template's end-of-turn
+  token, which is the task's EOS when it is the vocabulary's EOS
+  (`chat_templates.ChatTemplate.reply_text`). Demonstrations: {"messages":
+  [...]} (the TRL / H4 conversational layout) gives one example per
+  assistant message (option `turns="all"`, the default; "last" keeps the
+  last one), each with the conversation before it as the prompt, so SFT's
+  loss is on every assistant turn and nowhere else; {"prompt": [...],
+  "completion": [assistant message]} (TRL's prompt-completion layout)
+  gives one. Pairs: {"prompt": [...], "chosen": [assistant message],
+  "rejected": [assistant message]} (TRL's explicit-prompt preference
+  layout), or {"chosen": [...conversation], "rejected": [...conversation]}
+  (HuggingFaceH4/ultrafeedback_binarized, Anthropic HH as messages), two
+  conversations that must agree up to their last message, an assistant
+  reply in both (`prompts_differ` otherwise); a string "prompt" beside
+  them (H4's) is not read. A reply message may also be given as the object
+  itself rather than a list of one. `column_mapping` may rename the
+  columns ("messages=conversation") and, for demonstrations, name extra
+  columns, as for "columns"; mapped scalar columns of pairs (margin, ...)
+  are read too. Bad rows: `no_assistant_turn` (nothing to learn from),
+  `chat_template_error` (the template refused the conversation, e.g.
+  Gemma's "roles must alternate"), `template_not_prefix` (the template
+  renders the history differently once the reply follows:
+  `chat_templates.split_reply`); a conversation with several replies keeps
+  its good ones.
 """
 
 import dataclasses
@@ -72,10 +118,14 @@ from typing import (Any, Callable, Dict, Iterator, Mapping, Optional, Tuple,
 import numpy as np
 
 from jaxrlhf.data import alignment_kinds as kinds_lib
+from jaxrlhf.data import chat_templates
 from jaxrlhf.data import row_checks
+from jaxrlhf import answers
 
 BadRow = row_checks.BadRow
 as_number = row_checks.as_number
+# The key of an example's extra columns ({name: value}), beside its fields.
+EXTRA_COLUMNS = "extra_columns"
 
 
 @dataclasses.dataclass
@@ -89,6 +139,10 @@ class RowContext:
   prompt_tokens: Optional[Callable[[str], int]]
   max_prompt_tokens: Optional[int]
   rng_factory: Callable[[], np.random.Generator]
+  # Layout "columns", demonstrations: extra column name -> file column.
+  extra_columns: Mapping[str, str] = dataclasses.field(default_factory=dict)
+  # Layout "messages": the template conversations are rendered with.
+  chat_template: Optional[chat_templates.ChatTemplate] = None
 
   @functools.cached_property
   def rng(self) -> np.random.Generator:
@@ -126,7 +180,25 @@ def _columns_layout(record, ctx: RowContext) -> RowResult:
       yield BadRow("missing_field", f"column {column!r} (field {field!r}) is "
                    "missing or null.")
       return
+  if ctx.extra_columns:
+    extras = _extra_values(record, ctx)
+    if isinstance(extras, BadRow):
+      yield extras
+      return
+    example[EXTRA_COLUMNS] = extras
   yield example
+
+
+def _extra_values(record, ctx: RowContext) -> Union[Dict[str, Any], BadRow]:
+  """The row's values of the extra columns a column mapping names."""
+  extras = {}
+  for name, column in ctx.extra_columns.items():
+    value = _get_path(record, column)
+    if value is None:
+      return BadRow("missing_field", f"column {column!r} (extra column "
+                    f"{name!r}) is missing or null.")
+    extras[name] = value
+  return extras
 
 
 def _ultrafeedback_aspect_mean(annotations, what: str) -> Union[float, BadRow]:
@@ -364,6 +436,209 @@ def _tldr_sft_layout(record, ctx: RowContext) -> RowResult:
   yield {"prompt": prompt, "completion": _with_leading_space(summary)}
 
 
+def _text_fields(record, names) -> Union[Tuple[str, ...], BadRow]:
+  """The row's string fields `names`, or why they cannot be read."""
+  values = []
+  for name in names:
+    value = record.get(name)
+    if value is None:
+      return BadRow("missing_field", f"{name!r} is missing or null.")
+    if not isinstance(value, str):
+      return BadRow("wrong_type", f"{name!r} must be a string, got "
+                    f"{type(value).__name__}.")
+    values.append(value)
+  return tuple(values)
+
+
+def _gsm8k_layout(record, ctx: RowContext) -> RowResult:
+  del ctx
+  fields = _text_fields(record, ("question", "answer"))
+  if isinstance(fields, BadRow):
+    yield fields
+    return
+  question, solution = fields
+  final = answers.gsm8k_answer(solution)
+  if final is None:
+    yield BadRow("no_final_answer", "'answer' has no final answer "
+                 "'#### <number>'.")
+    return
+  yield {"prompt": question, "completion": solution,
+         EXTRA_COLUMNS: {"answer": final}}
+
+
+def _math_layout(record, ctx: RowContext) -> RowResult:
+  del ctx
+  fields = _text_fields(record, ("problem", "solution"))
+  if isinstance(fields, BadRow):
+    yield fields
+    return
+  problem, solution = fields
+  final = answers.last_boxed(solution)
+  if final is None:
+    yield BadRow("no_final_answer", "'solution' has no \\boxed{...} final "
+                 "answer.")
+    return
+  yield {"prompt": problem, "completion": solution,
+         EXTRA_COLUMNS: {"answer": final, "level": record.get("level"),
+                         "type": record.get("type")}}
+
+
+# --- conversations (layout "messages") -----------------------------------------
+
+
+def _column(ctx: RowContext, name: str) -> str:
+  return ctx.column_mapping.get(name, name)
+
+
+def _messages(value, column: str, single_reply: bool = False
+              ) -> Union[list, BadRow]:
+  """A column's list of messages (one message object counts as a list of
+  one where a reply is expected), or why it is not one."""
+  if single_reply and isinstance(value, Mapping):
+    value = [value]
+  if not isinstance(value, (list, tuple)) or not value:
+    return BadRow("wrong_type", f"column {column!r} must be a non-empty list "
+                  "of messages, objects with a 'role' and a 'content'.")
+  for i, message in enumerate(value):
+    if not isinstance(message, Mapping) or not isinstance(
+        message.get("role"), str):
+      return BadRow("wrong_type", f"{column}[{i}] is not a message: an "
+                    "object with a string 'role' (and its 'content').")
+  return list(value)
+
+
+def _single_reply(value, column: str) -> Union[Mapping[str, Any], BadRow]:
+  """The one assistant message of a reply column."""
+  messages = _messages(value, column, single_reply=True)
+  if isinstance(messages, BadRow):
+    return messages
+  roles = [m["role"] for m in messages]
+  if roles != [chat_templates.ASSISTANT]:
+    return BadRow("wrong_type", f"column {column!r} must hold one assistant "
+                  f"message (the reply), got roles {roles}.")
+  return messages[0]
+
+
+def _split(ctx: RowContext, context, reply, where: str
+           ) -> Union[Tuple[str, str], BadRow]:
+  """(prompt, completion) texts of a reply after its context."""
+  try:
+    return chat_templates.split_reply(ctx.chat_template, context, reply)
+  except chat_templates.NotAPrefixError as e:
+    return BadRow("template_not_prefix", f"{where}: {e}")
+  except chat_templates.ChatTemplateError as e:
+    return BadRow("chat_template_error", f"{where}: the chat template "
+                  f"({ctx.chat_template.origin}) refused the conversation: "
+                  f"{e}")
+
+
+def _messages_demonstrations(record, ctx: RowContext) -> RowResult:
+  extras = _extra_values(record, ctx)
+  if isinstance(extras, BadRow):
+    yield extras
+    return
+  column = _column(ctx, "messages")
+  conversation = _get_path(record, column)
+  if conversation is not None:
+    messages = _messages(conversation, column)
+    if isinstance(messages, BadRow):
+      yield messages
+      return
+    turns = chat_templates.assistant_turns(messages)
+    if not turns:
+      yield BadRow("no_assistant_turn", f"column {column!r} has no "
+                   "assistant message to learn from (roles "
+                   f"{[m['role'] for m in messages]}).")
+      return
+    if ctx.options["turns"] == "last":
+      turns = turns[-1:]
+    pairs = [(messages[:i], messages[i], f"{column}[{i}]") for i in turns]
+  else:
+    prompt_column = _column(ctx, kinds_lib.PROMPT)
+    completion_column = _column(ctx, "completion")
+    prompt = _get_path(record, prompt_column)
+    completion = _get_path(record, completion_column)
+    if prompt is None or completion is None:
+      yield BadRow("missing_field", f"no conversation: neither column "
+                   f"{column!r} nor both {prompt_column!r} and "
+                   f"{completion_column!r}.")
+      return
+    context = _messages(prompt, prompt_column)
+    reply = _single_reply(completion, completion_column)
+    for value in (context, reply):
+      if isinstance(value, BadRow):
+        yield value
+        return
+    pairs = [(context, reply, completion_column)]
+  for context, reply, where in pairs:
+    split = _split(ctx, context, reply, where)
+    if isinstance(split, BadRow):
+      yield split  # The conversation's other replies are still learnt.
+      continue
+    yield {"prompt": split[0], "completion": split[1],
+           EXTRA_COLUMNS: dict(extras)}
+
+
+def _messages_pairs(record, ctx: RowContext) -> RowResult:
+  columns = {f: _column(ctx, f) for f in ("prompt", "chosen", "rejected")}
+  values = {f: _get_path(record, c) for f, c in columns.items()}
+  for field in ("chosen", "rejected"):
+    if values[field] is None:
+      yield BadRow("missing_field", f"column {columns[field]!r} is missing "
+                   "or null.")
+      return
+  replies = {}
+  if isinstance(values["prompt"], (list, tuple)):
+    # TRL's explicit prompt: the shared turns, then one reply each.
+    context = _messages(values["prompt"], columns["prompt"])
+    if isinstance(context, BadRow):
+      yield context
+      return
+    for field in ("chosen", "rejected"):
+      replies[field] = _single_reply(values[field], columns[field])
+  else:
+    # Two whole conversations that differ in their last (assistant) turn.
+    conversations = {}
+    for field in ("chosen", "rejected"):
+      messages = _messages(values[field], columns[field])
+      if isinstance(messages, BadRow):
+        yield messages
+        return
+      conversations[field] = messages
+      replies[field] = messages[-1]
+      if messages[-1]["role"] != chat_templates.ASSISTANT:
+        yield BadRow("unparsable_dialogue", f"column {columns[field]!r} "
+                     "must end with the assistant reply being compared, not "
+                     f"a {messages[-1]['role']!r} message.")
+        return
+    context = conversations["chosen"][:-1]
+    if context != conversations["rejected"][:-1]:
+      yield BadRow("prompts_differ", "the chosen and rejected conversations "
+                   "differ before their last message.")
+      return
+  example = {}
+  for field in ("chosen", "rejected"):
+    if isinstance(replies[field], BadRow):
+      yield replies[field]
+      return
+    split = _split(ctx, context, replies[field], columns[field])
+    if isinstance(split, BadRow):
+      yield split
+      return
+    example[kinds_lib.PROMPT], example[field] = split
+  for field in ctx.kind.scalar_fields:
+    value = _get_path(record, _column(ctx, field))
+    if value is not None:
+      example[field] = value
+  yield example
+
+
+def _messages_layout(record, ctx: RowContext) -> RowResult:
+  if ctx.kind.name == kinds_lib.DEMONSTRATIONS.name:
+    return _messages_demonstrations(record, ctx)
+  return _messages_pairs(record, ctx)
+
+
 @dataclasses.dataclass(frozen=True)
 class Layout:
   name: str
@@ -372,12 +647,23 @@ class Layout:
   option_defaults: Mapping[str, Any]
   # Normalise rewards unless told otherwise (DRO paper on UltraFeedback).
   normalizes_rewards: bool = False
+  # The extra columns every example of the layout carries (a row's value
+  # may be None); layout "columns" adds those its column mapping names.
+  extra_columns: Tuple[str, ...] = ()
+  # Whether a column mapping may rename the columns it reads: the kind's
+  # fields and these names of its own (extra columns too, for
+  # demonstrations).
+  maps_columns: bool = False
+  own_columns: Tuple[str, ...] = ()
+  # Whether rows are conversations rendered with a chat template.
+  uses_chat_template: bool = False
 
 
 LAYOUTS: Dict[str, Layout] = {
     layout.name: layout for layout in (
         Layout("columns", _columns_layout,
-               tuple(kinds_lib.KINDS) + (kinds_lib.DEMONSTRATIONS.name,), {}),
+               tuple(kinds_lib.KINDS) + (kinds_lib.DEMONSTRATIONS.name,), {},
+               maps_columns=True),
         Layout("ultrafeedback", _ultrafeedback_layout,
                ("trajectory", "pairs", "ranking"), {"score": "overall"},
                normalizes_rewards=True),
@@ -387,6 +673,14 @@ LAYOUTS: Dict[str, Layout] = {
         Layout("tldr_sft", _tldr_sft_layout,
                (kinds_lib.DEMONSTRATIONS.name,),
                {"truncate_post_paragraphs": True}),
+        Layout("gsm8k", _gsm8k_layout, (kinds_lib.DEMONSTRATIONS.name,), {},
+               extra_columns=("answer",)),
+        Layout("math", _math_layout, (kinds_lib.DEMONSTRATIONS.name,), {},
+               extra_columns=("answer", "level", "type")),
+        Layout("messages", _messages_layout,
+               (kinds_lib.DEMONSTRATIONS.name, kinds_lib.PAIRS.name),
+               {"turns": "all"}, maps_columns=True, own_columns=("messages",),
+               uses_chat_template=True),
     )}
 
 
@@ -409,4 +703,8 @@ def check_layout_options(layout: Layout, options: Mapping[str, Any]):
                      f"'fine_grained', got {merged['score']!r}.")
   if layout.name == "tldr" and not merged["confidence_scale"] > 0:
     raise ValueError("layout_options['confidence_scale'] must be > 0.")
+  if layout.name == "messages" and merged["turns"] not in ("all", "last"):
+    raise ValueError("layout_options['turns'] must be 'all' (every assistant "
+                     "message is a completion) or 'last', got "
+                     f"{merged['turns']!r}.")
   return merged

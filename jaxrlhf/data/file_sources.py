@@ -11,13 +11,21 @@ File formats: `.jsonl`, `.json` (one JSON object per line, as in the TL;DR
 comparison files), `.parquet`; `.gz` after either JSON suffix is gunzipped.
 Row numbers in messages count from 1 (the line number of a JSON-lines file).
 
-The layouts ("columns", "ultrafeedback", "hh_rlhf", "tldr") are described in
-`file_layouts`; the bad-row policy and reasons in `row_checks`: a bad row is
-never dropped silently; it raises `BadRowError` with its file and row
-(`on_bad_row="raise"`, the default) or is skipped, counted by reason
+The layouts ("columns", "ultrafeedback", "hh_rlhf", "tldr", "tldr_sft",
+"gsm8k", "math", and "messages": conversations rendered with the
+checkpoint's chat template, `chat_templates`) are described in
+`file_layouts`; the bad-row policy and
+reasons in `row_checks`: a bad row is never dropped silently; it raises
+`BadRowError` with its file and row (`on_bad_row="raise"`, the default) or
+is skipped, counted by reason
 (`bad_row_counts(split)`), kept with its message (`bad_rows(split)`) and
 summarised in a log line when the split is loaded
 (`on_bad_row="skip_and_report"`).
+
+Demonstrations may carry extra columns (`extra_columns`: the GSM8K and MATH
+layouts' `answer`, or names a "columns" mapping adds) as JSON-encoded string
+features (`alignment_kinds.column_feature`), for the reward functions of
+online RL; a value that JSON cannot hold is a `wrong_type` bad row.
 
 Pairs get a `prompt_weight` per pair (`equal_prompt_weights`) under which
 every prompt of a split weighs the same in a weighted mean, however many
@@ -37,6 +45,7 @@ import tensorflow as tf
 
 from jaxrlhf import console
 from jaxrlhf.data import alignment_kinds as kinds_lib
+from jaxrlhf.data import chat_templates
 from jaxrlhf.data import file_layouts
 from jaxrlhf.data import row_checks
 
@@ -228,9 +237,13 @@ class AlignmentFileSource(seqio.DataSource):
   Args:
     paths: a file, a glob, a list of them (the "train" split), or a mapping
       split -> file(s).
-    kind: the data kind ("pairs", "ranking", "trajectory", "thumbs").
-    layout: "columns", "ultrafeedback", "hh_rlhf" or "tldr".
-    column_mapping: for layout "columns": kind field -> column name.
+    kind: the data kind ("pairs", "ranking", "trajectory", "thumbs"), or
+      `alignment_kinds.DEMONSTRATIONS`.
+    layout: a name in `LAYOUTS` ("columns", "ultrafeedback", "hh_rlhf",
+      "tldr", "tldr_sft", "gsm8k", "math", "messages").
+    column_mapping: for layouts "columns" and "messages": kind field (or
+      the layout's own column, "messages") -> column name; for
+      demonstrations, other names are extra columns (name -> column).
     layout_options: layout-specific options (see `file_layouts`).
     vocabulary: the task's vocabulary; needed for token limits and TL;DR
       paragraph truncation.
@@ -253,6 +266,9 @@ class AlignmentFileSource(seqio.DataSource):
     seed: seed of the layouts' random choices (UltraFeedback pairs) and of
       the default shuffle.
     file_format: "jsonl" or "parquet" when the suffix does not say.
+    chat_template: layout "messages": the `chat_templates.ChatTemplate` to
+      render conversations with; None: the vocabulary's own
+      (`chat_templates.for_vocabulary`).
   """
 
   def __init__(self, paths, *, kind, layout: str = "columns",
@@ -267,7 +283,8 @@ class AlignmentFileSource(seqio.DataSource):
                normalize_rewards: Optional[bool] = None,
                on_bad_row: str = "raise", seed: int = 0,
                file_format: Optional[str] = None,
-               prompt_weights: bool = True):
+               prompt_weights: bool = True,
+               chat_template: Optional[chat_templates.ChatTemplate] = None):
     self.kind = kinds_lib.get_kind(kind)
     if layout not in LAYOUTS:
       raise ValueError(f"unknown layout {layout!r}; expected one of "
@@ -279,14 +296,35 @@ class AlignmentFileSource(seqio.DataSource):
     self.layout_options = file_layouts.check_layout_options(
         self.layout, dict(layout_options or {}))
     self.column_mapping = dict(column_mapping or {})
-    if self.column_mapping and layout != "columns":
-      raise ValueError(f"column_mapping applies to layout 'columns', not "
-                       f"{layout!r}.")
-    unknown = set(self.column_mapping) - set(self.kind.fields)
-    if unknown:
+    if self.column_mapping and not self.layout.maps_columns:
+      raise ValueError(f"column_mapping applies to layouts "
+                       f"{[n for n, l in LAYOUTS.items() if l.maps_columns]}"
+                       f", not {layout!r}.")
+    # The names a mapping renames: the kind's fields and the layout's own.
+    renamed = self.kind.fields + self.layout.own_columns
+    unknown = set(self.column_mapping) - set(renamed)
+    if unknown and self.kind.name != kinds_lib.DEMONSTRATIONS.name:
       raise ValueError(f"column_mapping: {sorted(unknown)} are not fields of "
                        f"kind {self.kind.name!r}; its fields are "
-                       f"{list(self.kind.fields)}.")
+                       f"{list(renamed)} (extra columns are "
+                       "carried for demonstrations only).")
+    # Demonstrations: names other than the kind's fields are extra columns.
+    self._mapped_extras = {name: column for name, column
+                           in self.column_mapping.items()
+                           if name not in renamed}
+    for name in self._mapped_extras:
+      kinds_lib.check_column_name(name, "column_mapping", taken=renamed)
+    self.column_mapping = {field: column for field, column
+                           in self.column_mapping.items()
+                           if field in renamed}
+    if chat_template is not None and not self.layout.uses_chat_template:
+      raise ValueError(f"chat_template applies to layout 'messages', not "
+                       f"{layout!r}.")
+    self.chat_template = (
+        (chat_template or chat_templates.for_vocabulary(vocabulary))
+        if self.layout.uses_chat_template else None)
+    self.extra_columns = self.layout.extra_columns + tuple(
+        self._mapped_extras)
     if on_bad_row not in ON_BAD_ROW:
       raise ValueError(f"on_bad_row={on_bad_row!r}; expected one of "
                        f"{ON_BAD_ROW}.")
@@ -359,10 +397,11 @@ class AlignmentFileSource(seqio.DataSource):
               prompt_tokens=self._limits.prompt_tokens,
               max_prompt_tokens=self.max_prompt_tokens,
               rng_factory=functools.partial(
-                  np.random.default_rng, [self.seed, file_index, row]))
+                  np.random.default_rng, [self.seed, file_index, row]),
+              extra_columns=self._mapped_extras,
+              chat_template=self.chat_template)
           results = [
-              item if isinstance(item, BadRow)
-              else row_checks.check_example(item, self.kind, self._limits)
+              item if isinstance(item, BadRow) else self._check(item)
               for item in self.layout.parse(record, ctx)]
         for item in results:
           if isinstance(item, BadRow):
@@ -379,7 +418,7 @@ class AlignmentFileSource(seqio.DataSource):
           else:
             examples.append(item)
     columns = {field: [ex[field] for ex in examples]
-               for field in self.kind.fields}
+               for field in self.kind.fields + self.extra_columns}
     data = SplitData(columns=columns, num_examples=len(examples),
                      num_rows=num_rows, bad_row_counts=counts, bad_rows=kept,
                      files=files)
@@ -390,6 +429,22 @@ class AlignmentFileSource(seqio.DataSource):
           f"(bad rows by reason: {counts}). Check the layout "
           f"({self.layout.name!r}) and kind ({self.kind.name!r}).")
     return data
+
+  def _check(self, example: dict) -> Union[dict, BadRow]:
+    """The checked example with its extra columns, or a BadRow."""
+    extras = example.pop(file_layouts.EXTRA_COLUMNS, {})
+    checked = row_checks.check_example(example, self.kind, self._limits)
+    if isinstance(checked, BadRow):
+      return checked
+    for name in self.extra_columns:
+      value = extras.get(name)
+      try:
+        kinds_lib.encode_column_value(value)
+      except (TypeError, ValueError):
+        return BadRow("wrong_type", f"extra column {name!r} holds a "
+                      f"{type(value).__name__}, which JSON cannot hold.")
+      checked[name] = value
+    return checked
 
   def _log_summary(self, split: str, data: SplitData):
     if data.bad_row_counts:
@@ -515,6 +570,11 @@ class AlignmentFileSource(seqio.DataSource):
             np.array([len(r) for r in rows], np.int64))
       else:
         tensors[field] = np.array([values[i] for i in index], dtype=object)
+    for name in self.extra_columns:
+      values = data.columns[name]
+      tensors[kinds_lib.column_feature(name)] = np.array(
+          [kinds_lib.encode_column_value(values[i]) for i in index],
+          dtype=object)
     ds = tf.data.Dataset.from_tensor_slices(tensors)
     if self.kind.ranked:
       # Slices of a ragged tensor come out as ragged_rank-0 specs; an identity

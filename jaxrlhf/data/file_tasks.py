@@ -7,7 +7,9 @@ demonstrations, a prompt and its reference completion (the TL;DR SFT data,
 layout "tldr_sft"), which become a seqio task with `inputs` and `targets`
 like any SFT task (`register_demonstrations_task`). Either way the files'
 vocabulary is `data.files.vocabulary`: a SentencePiece model or a Hugging
-Face `tokenizer.json` (`vocab.from_file`).
+Face `tokenizer.json` (`vocab.from_file`). Conversations (layout
+"messages") are rendered with that tokenizer's chat template, or the Jinja
+file `data.files.chat_template` (`files_chat_template`).
 
 Splits: `data.files.train` is "train", `data.files.validation` is
 "validation" and `data.files.test` is "test". A dataset with no held-out
@@ -25,8 +27,10 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from jaxrlhf import models
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import alignment_kinds
+from jaxrlhf.data import chat_templates
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
@@ -42,6 +46,25 @@ def files_vocabulary(config) -> seqio.Vocabulary:
   built-in synthetic task's."""
   path = config.data.files.vocabulary
   return vocab.from_file(path) if path else tasks.synthetic_vocabulary()
+
+
+def files_chat_template(config, vocabulary: seqio.Vocabulary
+                        ) -> Optional[chat_templates.ChatTemplate]:
+  """The chat template config.data.files' conversations are rendered with
+  (layout "messages"): `chat_template`'s file or the vocabulary's own, with
+  the variables of `chat_template_kwargs`; None for other layouts."""
+  files = config.data.files
+  layout = file_sources.LAYOUTS.get(files.layout)
+  if layout is None or not layout.uses_chat_template:
+    if files.chat_template or files.chat_template_kwargs:
+      raise ValueError(
+          "config.data.files.chat_template / chat_template_kwargs: the "
+          f"chat template renders conversations (layout 'messages'); layout "
+          f"{files.layout!r} reads none.")
+    return None
+  return chat_templates.for_vocabulary(
+      vocabulary, files.chat_template,
+      chat_templates.parse_variables(files.chat_template_kwargs))
 
 
 def parse_column_mapping(text: str) -> Optional[Dict[str, str]]:
@@ -181,9 +204,15 @@ class HeldOutPrompts(seqio.DataSource):
 
 
 def _as_inputs_and_targets(dataset: tf.data.Dataset) -> tf.data.Dataset:
-  return dataset.map(lambda ex: {"inputs": ex[alignment_kinds.PROMPT],
-                                 "targets": ex["completion"]},
-                     num_parallel_calls=tf.data.AUTOTUNE)
+  """prompt -> inputs, completion -> targets; extra columns kept as they
+  are (`alignment_kinds.column_feature`), for the prompts of online RL."""
+  def convert(ex):
+    out = {"inputs": ex[alignment_kinds.PROMPT],
+           "targets": ex["completion"]}
+    out.update({key: value for key, value in ex.items()
+                if alignment_kinds.column_of_feature(key) is not None})
+    return out
+  return dataset.map(convert, num_parallel_calls=tf.data.AUTOTUNE)
 
 
 def register_demonstrations(name: str, source: seqio.DataSource,
@@ -191,7 +220,8 @@ def register_demonstrations(name: str, source: seqio.DataSource,
                             max_prompt_tokens: Optional[int] = None
                             ) -> seqio.Task:
   """Registers (replacing) a seqio `inputs`/`targets` task over a source of
-  demonstrations: SFT trains on it, online RL samples from its `inputs`."""
+  demonstrations: SFT trains on it, online RL samples from its `inputs`
+  (and hands its extra columns to the reward functions)."""
   if name in seqio.TaskRegistry.names():
     seqio.TaskRegistry.remove(name)
   return seqio.TaskRegistry.add(
@@ -214,8 +244,8 @@ def register_demonstrations_task(name: str, paths, *,
                                  layout: str = "columns", **source_options
                                  ) -> seqio.Task:
   """Registers demonstrations read from files (`file_sources`' layouts
-  "tldr_sft" and "columns" with prompt/completion) as an `inputs`/`targets`
-  task. `source_options` are `AlignmentFileSource`'s."""
+  "tldr_sft", "gsm8k", "math" and "columns" with prompt/completion) as an
+  `inputs`/`targets` task. `source_options` are `AlignmentFileSource`'s."""
   source = file_sources.AlignmentFileSource(
       paths, kind=alignment_kinds.DEMONSTRATIONS, layout=layout,
       vocabulary=vocabulary, **source_options)
@@ -238,12 +268,15 @@ def register_task_from_files(config, kind: str) -> None:
         "(pairs, rankings, trajectories, thumbs) and demonstrations.")
   name = config.data.task
   check_task_name(name, "config.data.task", "config.data.files.train")
-  for field in ("train", "validation", "test", "vocabulary"):
+  for field in ("train", "validation", "test", "vocabulary", "chat_template"):
     pattern = files[field]
     if pattern and not tf.io.gfile.glob(pattern):
       raise ValueError(f"config.data.files.{field}: no file matches "
                        f"{pattern!r}.")
   vocabulary = files_vocabulary(config)
+  # The prompt's tokens with the EOS the task appends to it.
+  max_prompt_tokens = models.prompt_feature_length(config.model,
+                                                   config.data.inputs_length)
   paths = {split: files[split] for split in ("train", "validation", "test")
            if files[split]}
   source = file_sources.AlignmentFileSource(
@@ -253,20 +286,21 @@ def register_task_from_files(config, kind: str) -> None:
       layout=files.layout,
       column_mapping=parse_column_mapping(files.column_mapping),
       vocabulary=vocabulary,
-      max_prompt_tokens=config.data.inputs_length,
+      max_prompt_tokens=max_prompt_tokens,
       # Both lengths count the EOS the task appends.
       max_completion_tokens=(files.max_completion_tokens
                              or config.data.targets_length),
       normalize_rewards=files.normalize_rewards and kind == "trajectory",
-      on_bad_row=files.on_bad_row, seed=config.seed)
+      on_bad_row=files.on_bad_row, seed=config.seed,
+      chat_template=files_chat_template(config, vocabulary))
   counts = {"validation": files.holdout_validation_prompts,
             "test": files.holdout_test_prompts}
   if any(counts.values()):
     source = HeldOutPrompts(source, counts, config.seed)
   if kind == DEMONSTRATIONS:
     register_demonstrations(name, source, vocabulary,
-                            max_prompt_tokens=config.data.inputs_length)
+                            max_prompt_tokens=max_prompt_tokens)
   else:
     alignment_data.register_alignment_task(
         name, source, kind, vocabulary,
-        max_prompt_tokens=config.data.inputs_length, overwrite=True)
+        max_prompt_tokens=max_prompt_tokens, overwrite=True)

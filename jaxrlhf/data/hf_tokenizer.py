@@ -177,6 +177,7 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
         if t.special)
 
     config = self._read_config(tokenizer_config_file)
+    self._config = config
     eos = self._resolve("eos", eos_id, config, EOS_TOKEN_NAMES)
     if eos is None:
       raise ValueError(
@@ -343,6 +344,23 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
   def tokenizer(self) -> tokenizers.Tokenizer:
     """The underlying `tokenizers.Tokenizer`."""
     return self._tokenizer
+
+  @property
+  def tokenizer_config(self) -> dict:
+    """The tokenizer_config.json read ({} when there is none): its special
+    tokens and chat template (`jaxrlhf.data.chat_templates`)."""
+    return json.loads(json.dumps(self._config))
+
+  @property
+  def add_special_tokens(self) -> bool:
+    """Whether `encode` lets the tokenizer's post-processor add its special
+    tokens (off by default; a chat template writes them itself)."""
+    return self._add_special_tokens
+
+  def token_text(self, model_id: int) -> Optional[str]:
+    """The token a model id stands for ("<|im_end|>"), or None for an id
+    the tokenizer does not have (a new padding id)."""
+    return self._token(self.to_model_id(int(model_id)))
 
   @property
   def eos_id(self) -> int:

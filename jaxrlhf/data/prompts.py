@@ -11,6 +11,13 @@ the split, then shuffles through a 1000-example buffer, so no example comes
 more than 1000 places before its file position, and passes mix at their
 boundaries: of the first 3,000 examples served from a 3,000-example split,
 339 were repeats.)
+
+Host-side reward functions (`jaxrlhf.rewards`) score a completion from its
+text, its prompt's text and the prompt's other fields (a reference answer,
+unit tests): `Prompts.texts` and `Prompts.columns` hold them per prompt,
+aligned with `Prompts.tokens`, so a batch's are looked up by prompt index.
+The columns are the task's extra column features
+(`alignment_kinds.column_feature`), decoded.
 """
 
 import dataclasses
@@ -21,6 +28,7 @@ import jax
 import numpy as np
 import tensorflow as tf
 
+from jaxrlhf.data import alignment_kinds
 from jaxrlhf.data import pipeline
 
 
@@ -60,9 +68,18 @@ def fit_prompt(text: str, encode: Callable[[str], List[int]], max_tokens: int,
       prompt does not end with `suffix`, or no paragraph break is left to
       cut at.
   """
+  tokens, cuts, _ = _fit_prompt(text, encode, max_tokens, on_long=on_long,
+                                suffix=suffix, separator=separator)
+  return tokens, cuts
+
+
+def _fit_prompt(text: str, encode: Callable[[str], List[int]],
+                max_tokens: int, *, on_long: str, suffix: str,
+                separator: str = "\n") -> Tuple[List[int], int, str]:
+  """`fit_prompt`, and the text it kept."""
   tokens = encode(text)
   if len(tokens) <= max_tokens:
-    return tokens, 0
+    return tokens, 0, text
   if on_long == "raise":
     raise PromptTooLongError(f"it has {len(tokens)} tokens, more than "
                              f"{max_tokens}")
@@ -83,14 +100,19 @@ def fit_prompt(text: str, encode: Callable[[str], List[int]], max_tokens: int,
     body = body[:cut].rstrip()
     cuts += 1
     tokens = encode(body + suffix)
-  return tokens, cuts
+  return tokens, cuts, body + suffix
 
 
 @dataclasses.dataclass
 class Prompts:
-  """A split's prompts, fitted and padded."""
+  """A split's prompts, fitted and padded, with their texts and columns."""
   tokens: np.ndarray  # [num_prompts, max_tokens] int32, 0-padded
   num_cut: int        # prompts that lost paragraphs
+  # [num_prompts] each prompt's text as the policy sees it (after any cut).
+  texts: List[str] = dataclasses.field(default_factory=list)
+  # Extra column name -> [num_prompts] values, e.g. {"answer": ["72", ...]};
+  # {} for a task without extra columns.
+  columns: Dict[str, list] = dataclasses.field(default_factory=dict)
 
 
 def _prompt_feature(task) -> str:
@@ -115,62 +137,82 @@ def _load_prompts(task, split: str, max_tokens: int, on_long: str,
   vocabulary = feature.vocabulary
   eos = [vocabulary.eos_id] if feature.add_eos else []
   encode = lambda text: list(vocabulary.encode(text)) + eos
-  rows, num_cut = [], 0
+  rows, texts, num_cut = [], [], 0
   text_key = f"{name}_pretokenized"
   ds = task.get_dataset(None, split=split, shuffle=False, num_epochs=1)
+  has_text = text_key in ds.element_spec
+  # "column:answer" -> "answer": the task's extra columns.
+  column_features = {}
+  for key in ds.element_spec:
+    column = alignment_kinds.column_of_feature(key)
+    if column is not None:
+      column_features[key] = column
   ds = ds.map(lambda ex: {"tokens": ex[name], "length": tf.size(ex[name]),
-                          "text": ex.get(text_key, "")})
+                          "text": ex[text_key] if has_text else "",
+                          **{f: ex[f] for f in column_features}})
+  columns = {column: [] for column in column_features.values()}
   # Batched reading: per-example iteration costs more than the rest.
-  examples = (
-      (tokens[:length], text)
-      for batch in ds.padded_batch(1024).as_numpy_iterator()
-      for tokens, length, text in zip(batch["tokens"], batch["length"],
-                                      batch["text"]))
-  for index, (tokens, text) in enumerate(examples):
-    if len(tokens) > max_tokens:
-      text = text.decode()
-      try:
-        tokens, cuts = fit_prompt(text, encode, max_tokens, on_long=on_long,
-                                  suffix=suffix)
-      except PromptTooLongError as e:
-        fixes = ("shorten or drop that row, or raise config.data."
-                 "inputs_length" if on_long == "cut_paragraph" else
-                 "set config.online.long_prompts='cut_paragraph' to drop "
-                 "trailing paragraphs (detail 2), or raise "
-                 "config.data.inputs_length")
-        raise PromptTooLongError(
-            f"config.data.task {task_name!r}, split {split!r}, row {index} "
-            f"({text[:60]!r}...): {e} (config.data.inputs_length). "
-            f"To fix: {fixes}.") from None
-      num_cut += cuts > 0
-    rows.append(np.asarray(tokens, np.int32))
+  for batch in ds.padded_batch(1024).as_numpy_iterator():
+    for i, (tokens, length, text) in enumerate(zip(
+        batch["tokens"], batch["length"], batch["text"])):
+      tokens = tokens[:length]
+      for feature, column in column_features.items():
+        columns[column].append(
+            alignment_kinds.decode_column_value(batch[feature][i]))
+      if has_text:
+        text = text.decode()
+      else:  # A task that keeps no text: its tokens say it.
+        text = vocabulary.decode(
+            [t for t in tokens.tolist() if t != vocabulary.eos_id])
+      index = len(rows)
+      if len(tokens) > max_tokens:
+        try:
+          tokens, cuts, text = _fit_prompt(text, encode, max_tokens,
+                                           on_long=on_long, suffix=suffix)
+        except PromptTooLongError as e:
+          fixes = ("shorten or drop that row, or raise config.data."
+                   "inputs_length" if on_long == "cut_paragraph" else
+                   "set config.online.long_prompts='cut_paragraph' to drop "
+                   "trailing paragraphs (detail 2), or raise "
+                   "config.data.inputs_length")
+          raise PromptTooLongError(
+              f"config.data.task {task_name!r}, split {split!r}, row {index} "
+              f"({text[:60]!r}...): {e} (config.data.inputs_length). "
+              f"To fix: {fixes}.") from None
+        num_cut += cuts > 0
+      rows.append(np.asarray(tokens, np.int32))
+      texts.append(text)
   if not rows:
     raise ValueError(f"config.data.task {task_name!r} has no prompts in split "
                      f"{split!r}.")
   padded = np.zeros((len(rows), max_tokens), np.int32)
   for i, row in enumerate(rows):
     padded[i, :len(row)] = row
-  return Prompts(padded, num_cut)
+  return Prompts(padded, num_cut, texts, columns)
 
 
 def load_prompts(task_name: str, split: str, max_tokens: int, *,
                  on_long: str = "cut_paragraph", suffix: str = "") -> Prompts:
   """The prompts of a split of a registered task, fitted to `max_tokens`
-  (`fit_prompt`); read once per process and task object."""
+  (`fit_prompt`), with their texts and extra columns; read once per
+  process and task object."""
   return _load_prompts(pipeline.get_task(task_name), split, max_tokens,
                        on_long, suffix)
 
 
-# The one feature of an online batch: prompts [batch, data.inputs_length],
+# The features of an online batch: the prompts [batch, prompt length],
 # right-padded, with T5's name (`jaxrlhf.rl.rollout` left-pads them for a
-# decoder-only policy inside the step).
+# decoder-only policy inside the step), and each prompt's index in the
+# split's `Prompts`, where the host finds its text and columns.
 PROMPT_FEATURE = "encoder_input_tokens"
+PROMPT_INDEX = "prompt_index"
 
 
 def prompt_batch_spec(global_batch_size: int, length: int):
   """{feature: jax.ShapeDtypeStruct} of a global batch of prompts."""
   return {PROMPT_FEATURE: jax.ShapeDtypeStruct((global_batch_size, length),
-                                               np.int32)}
+                                               np.int32),
+          PROMPT_INDEX: jax.ShapeDtypeStruct((global_batch_size,), np.int32)}
 
 
 class PromptBatches:
@@ -215,7 +257,8 @@ class PromptBatches:
     start = jax.process_index() * self.local_batch_size
     local = indices[start:start + self.local_batch_size]
     self.position += 1
-    return {PROMPT_FEATURE: self.prompts[local]}
+    return {PROMPT_FEATURE: self.prompts[local],
+            PROMPT_INDEX: local.astype(np.int32)}
 
 
 @pipeline.traced_as_written

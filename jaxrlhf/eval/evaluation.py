@@ -104,7 +104,8 @@ def sample(trainer, params, prompt_tokens: np.ndarray, *, greedy: bool,
       _prompt_features(trainer, prompt_tokens), cfg.eval.batch_size,
       trainer.mesh, trainer.rules)):
     out = fn(params, batch, jax.random.PRNGKey(seed * 100003 + i))
-    parts.append(jax.tree.map(local_rows, out))
+    # The per-row arrays; the decode steps a batch ran are its own.
+    parts.append(jax.tree.map(local_rows, out.replace(num_steps=None)))
   merged = jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
   return merged
 

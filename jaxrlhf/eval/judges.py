@@ -43,7 +43,7 @@ import ml_collections
 import numpy as np
 
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import pretrained
+from jaxrlhf.models import pretrained
 from jaxrlhf.data import tasks as tasks_lib
 from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation

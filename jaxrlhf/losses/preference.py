@@ -114,15 +114,11 @@ def direct_preference_loss(policy_chosen_logps: Array,
       mean above is weighted by them.
   Returns:
     (loss scalar, metrics) with `loss`, `preference_loss` (without NLL),
-    `nll`, `chosen_reward` and `rejected_reward` (mean implicit rewards
-    beta * (log pi - log pi_ref) of the same normalised log-ratios that enter
-    Delta), `reward_accuracy` (chosen implicit reward above rejected, ties 1/2),
-    `reward_margin` (mean beta * Delta), `log_ratio_gap` (mean Delta).
+    `nll`, `log_ratio_gap` (mean Delta) and the implicit-reward metrics of
+    the same normalised log-ratios that enter Delta
+    (`implicit_reward_metrics`).
   """
   where = "direct_preference_loss"
-  if loss_type not in PAIRWISE_LOSS_TYPES:
-    raise ValueError(f"{where}: unknown loss_type {loss_type!r}; choose one of "
-                     f"{PAIRWISE_LOSS_TYPES}.")
   _rank("policy_chosen_logps", policy_chosen_logps, 1, where)
   if reference_free:
     ref_chosen_logps = jnp.zeros_like(policy_chosen_logps)
@@ -131,11 +127,57 @@ def direct_preference_loss(policy_chosen_logps: Array,
     raise ValueError(f"{where}: ref_chosen_logps and ref_rejected_logps are "
                      "required unless reference_free=True.")
   checks.check_same_shape(where, policy_chosen_logps=policy_chosen_logps,
-                    policy_rejected_logps=policy_rejected_logps,
-                    ref_chosen_logps=ref_chosen_logps,
-                    ref_rejected_logps=ref_rejected_logps,
-                    chosen_lengths=chosen_lengths,
-                    rejected_lengths=rejected_lengths, weights=weights)
+                          policy_rejected_logps=policy_rejected_logps,
+                          ref_chosen_logps=ref_chosen_logps,
+                          ref_rejected_logps=ref_rejected_logps,
+                          chosen_lengths=chosen_lengths,
+                          rejected_lengths=rejected_lengths, weights=weights)
+  _check_options(where, loss_type, beta, label_smoothing, target_margin)
+  if length_normalize and (chosen_lengths is None or rejected_lengths is None):
+    raise ValueError(f"{where}: length_normalize=True needs chosen_lengths and "
+                     "rejected_lengths ([batch] completion token counts).")
+  if not (_is_static_number(nll_coef) and nll_coef == 0) and (
+      chosen_lengths is None):
+    raise ValueError(f"{where}: nll_coef != 0 needs chosen_lengths to "
+                     "normalise the chosen NLL per token.")
+
+  if weights is None:
+    weights = jnp.ones(jnp.shape(policy_chosen_logps), jnp.float32)
+  chosen_log_ratio = policy_chosen_logps - jax.lax.stop_gradient(
+      ref_chosen_logps)
+  rejected_log_ratio = policy_rejected_logps - jax.lax.stop_gradient(
+      ref_rejected_logps)
+  if length_normalize:
+    chosen_log_ratio = chosen_log_ratio / jnp.maximum(chosen_lengths, 1)
+    rejected_log_ratio = rejected_log_ratio / jnp.maximum(rejected_lengths, 1)
+  delta = chosen_log_ratio - rejected_log_ratio
+  preference_loss = common.masked_mean(pairwise_losses(
+      loss_type, delta, beta=beta, target_margin=target_margin,
+      label_smoothing=label_smoothing, slic_delta=slic_delta), weights)
+  if chosen_lengths is not None:
+    nll = common.masked_mean(
+        -policy_chosen_logps / jnp.maximum(chosen_lengths, 1), weights)
+  else:
+    nll = jnp.zeros((), preference_loss.dtype)
+  loss = preference_loss + nll_coef * nll
+  metrics = {
+      "loss": loss,
+      "preference_loss": preference_loss,
+      "nll": nll,
+      "log_ratio_gap": common.masked_mean(jax.lax.stop_gradient(delta),
+                                          weights),
+      **implicit_reward_metrics(beta * chosen_log_ratio,
+                                beta * rejected_log_ratio, weights),
+  }
+  return loss, metrics
+
+
+def _check_options(where, loss_type, beta, label_smoothing, target_margin):
+  """The loss type and the options that are Python numbers (a traced value
+  cannot be checked)."""
+  if loss_type not in PAIRWISE_LOSS_TYPES:
+    raise ValueError(f"{where}: unknown loss_type {loss_type!r}; choose one of "
+                     f"{PAIRWISE_LOSS_TYPES}.")
   if _is_static_number(beta) and beta <= 0:
     raise ValueError(f"{where}: beta must be > 0, got {beta}.")
   if _is_static_number(label_smoothing):
@@ -155,62 +197,45 @@ def direct_preference_loss(policy_chosen_logps: Array,
     raise ValueError(f"{where}: target_margin applies to {_LOGISTIC_LOSS_TYPES}"
                      f" only; for {loss_type!r} use its own parameter "
                      "(slic_delta, or beta for ipo).")
-  if length_normalize and (chosen_lengths is None or rejected_lengths is None):
-    raise ValueError(f"{where}: length_normalize=True needs chosen_lengths and "
-                     "rejected_lengths ([batch] completion token counts).")
-  if not (_is_static_number(nll_coef) and nll_coef == 0) and (
-      chosen_lengths is None):
-    raise ValueError(f"{where}: nll_coef != 0 needs chosen_lengths to "
-                     "normalise the chosen NLL per token.")
 
-  if weights is None:
-    weights = jnp.ones(jnp.shape(policy_chosen_logps), jnp.float32)
-  ref_chosen_logps = jax.lax.stop_gradient(ref_chosen_logps)
-  ref_rejected_logps = jax.lax.stop_gradient(ref_rejected_logps)
-  chosen_log_ratio = policy_chosen_logps - ref_chosen_logps
-  rejected_log_ratio = policy_rejected_logps - ref_rejected_logps
-  if length_normalize:
-    chosen_log_ratio = chosen_log_ratio / jnp.maximum(chosen_lengths, 1)
-    rejected_log_ratio = rejected_log_ratio / jnp.maximum(rejected_lengths, 1)
-  delta = chosen_log_ratio - rejected_log_ratio
+
+def pairwise_losses(loss_type: str, delta: Array, *, beta, target_margin=0.0,
+                    label_smoothing=0.0, slic_delta=1.0) -> Array:
+  """f of the module docstring for each pair: [batch] losses of the
+  log-ratio differences delta [batch]."""
   logits = beta * delta - target_margin
   eps = label_smoothing
-
   if loss_type == "dpo":
-    per_pair = jax.nn.softplus(-logits)
-  elif loss_type == "cdpo":
-    per_pair = (1 - eps) * jax.nn.softplus(-logits) + eps * jax.nn.softplus(
-        logits)
-  elif loss_type == "robust_dpo":
-    per_pair = ((1 - eps) * jax.nn.softplus(-logits)
-                - eps * jax.nn.softplus(logits)) / (1 - 2 * eps)
-  elif loss_type == "ipo":
-    per_pair = jnp.square(delta - 1.0 / (2.0 * beta))
-  else:  # slic
-    per_pair = jax.nn.relu(slic_delta - beta * delta)
-  preference_loss = common.masked_mean(per_pair, weights)
+    return jax.nn.softplus(-logits)
+  if loss_type == "cdpo":
+    return (1 - eps) * jax.nn.softplus(-logits) + eps * jax.nn.softplus(logits)
+  if loss_type == "robust_dpo":
+    return ((1 - eps) * jax.nn.softplus(-logits)
+            - eps * jax.nn.softplus(logits)) / (1 - 2 * eps)
+  if loss_type == "ipo":
+    return jnp.square(delta - 1.0 / (2.0 * beta))
+  return jax.nn.relu(slic_delta - beta * delta)  # slic
 
-  if chosen_lengths is not None:
-    nll = common.masked_mean(-policy_chosen_logps / jnp.maximum(chosen_lengths, 1),
-                         weights)
-  else:
-    nll = jnp.zeros((), preference_loss.dtype)
-  loss = preference_loss + nll_coef * nll
 
-  chosen_reward = jax.lax.stop_gradient(beta * chosen_log_ratio)
-  rejected_reward = jax.lax.stop_gradient(beta * rejected_log_ratio)
-  metrics = {
-      "loss": loss,
-      "preference_loss": preference_loss,
-      "nll": nll,
+def implicit_reward_metrics(chosen_reward: Array, rejected_reward: Array,
+                            weights: Optional[Array] = None) -> Metrics:
+  """What a pairwise loss reports of its implicit rewards (e.g. beta * (log
+  pi - log pi_ref) of each completion, [batch] each): their means
+  `chosen_reward` and `rejected_reward`, `reward_accuracy` (the chosen one
+  above the rejected one, ties 1/2) and `reward_margin` (the mean
+  difference); weighted means when `weights` are given."""
+  if weights is None:
+    weights = jnp.ones(jnp.shape(chosen_reward), jnp.float32)
+  chosen_reward = jax.lax.stop_gradient(chosen_reward)
+  rejected_reward = jax.lax.stop_gradient(rejected_reward)
+  return {
       "chosen_reward": common.masked_mean(chosen_reward, weights),
       "rejected_reward": common.masked_mean(rejected_reward, weights),
       "reward_accuracy": common.masked_mean(
           common.win_indicator(chosen_reward, rejected_reward), weights),
-      "reward_margin": common.masked_mean(chosen_reward - rejected_reward, weights),
-      "log_ratio_gap": common.masked_mean(jax.lax.stop_gradient(delta), weights),
+      "reward_margin": common.masked_mean(chosen_reward - rejected_reward,
+                                          weights),
   }
-  return loss, metrics
 
 
 def kto_loss(policy_logps: Array,

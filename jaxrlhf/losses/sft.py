@@ -4,21 +4,6 @@ import jax
 import jax.numpy as jnp
 
 
-def token_logprobs(logits, targets):
-  """log p(target_t) under softmax(logits_t), in float32.
-
-  Args:
-    logits: [batch, length, vocab].
-    targets: [batch, length] int token ids.
-  Returns:
-    [batch, length] log-probabilities.
-  """
-  logits = logits.astype(jnp.float32)
-  log_z = jax.nn.logsumexp(logits, axis=-1)
-  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
-  return target_logits - log_z
-
-
 def cross_entropy_loss(logits, targets, weights, z_loss=0.0):
   """Weighted mean token cross-entropy, with t5x's optional z-loss.
 

@@ -8,11 +8,12 @@
 their names, and loading, export, sampling and scoring look a family up
 here (`family_of`). A family is one module (its network, config, presets
 and Hugging Face mapping) ending in a `family.Family` value; to add one,
-write its module and add it to the tuple below. Sampling with a KV cache is
+write its module and add its name to `MODULES` below. Sampling with a KV cache is
 in `jaxrlhf.models.sampling`, the scoring API in `jaxrlhf.models.scoring`.
 """
 
 import functools
+import importlib
 from typing import Dict, Tuple
 
 import flax.linen as nn
@@ -20,19 +21,26 @@ import jax
 import ml_collections
 
 from jaxrlhf.models import family
-from jaxrlhf.models import gemma
-from jaxrlhf.models import gpt_neox
-from jaxrlhf.models import llama
 from jaxrlhf.models import t5
-from jaxrlhf.models import t5x_decoder_only
 
-FAMILIES: Dict[str, family.Family] = {f.name: f for f in (
-    t5.FAMILY,
-    llama.FAMILY,
-    gpt_neox.FAMILY,
-    t5x_decoder_only.FAMILY,
-    gemma.FAMILY,
-)}
+# The modules of the model families, one line each, in the order of
+# `config.model.arch`'s choices; each ends with its `FAMILY`.
+MODULES = (
+    "t5",
+    "llama",
+    "gpt_neox",
+    "t5x_decoder_only",
+    "gemma",
+    "gemma3",
+    "qwen2",
+    "qwen3",
+    "mistral",
+)
+
+FAMILIES: Dict[str, family.Family] = {
+    f.name: f for f in (
+        importlib.import_module(f"jaxrlhf.models.{name}").FAMILY
+        for name in MODULES)}
 
 ARCHITECTURES = tuple(FAMILIES)
 # config.model.mlp's values (T5 and t5x's decoder-only model).
@@ -48,10 +56,12 @@ def get_family(name: str) -> family.Family:
 
 
 def family_of(config_or_module) -> family.Family:
-  """The family of a model config or module."""
+  """The family of a model config or module: the one whose config class is
+  the config's own class (a config derived from another family's is its
+  own family, not that one's)."""
   config = getattr(config_or_module, "config", config_or_module)
   for candidate in FAMILIES.values():
-    if isinstance(config, candidate.config_cls):
+    if type(config) is candidate.config_cls:  # pylint: disable=unidiomatic-typecheck
       return candidate
   raise TypeError(f"No model family for {type(config).__name__}; registered "
                   f"configs: {[f.config_cls.__name__ for f in FAMILIES.values()]}.")
@@ -124,6 +134,17 @@ def planned_vocab_size(model_cfg: ml_collections.ConfigDict) -> int:
   if model_cfg.vocab_size:
     return model_cfg.vocab_size
   return get_family(model_cfg.arch).preset(model_cfg.size).vocab_size
+
+
+def prompt_feature_length(model_cfg: ml_collections.ConfigDict,
+                          inputs_length: int) -> int:
+  """The task feature length of prompts of `inputs_length` tokens as the
+  model reads them (`config.data.inputs_length`). Tasks append an EOS to
+  every prompt: a T5 encoder reads it, so inputs_length counts it, as t5x
+  counts its inputs; a decoder-only model's feature converter drops it, so
+  the task holds one token more than the inputs_length the model reads."""
+  return inputs_length + (0 if get_family(model_cfg.arch).encoder_decoder
+                          else 1)
 
 
 def build_model(model_cfg: ml_collections.ConfigDict, task_vocab_size: int):

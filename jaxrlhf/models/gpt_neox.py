@@ -34,38 +34,27 @@ Array = jax.Array
 
 
 @dataclasses.dataclass(frozen=True)
-class GPTNeoXConfig:
-  """Hyper-parameters of a GPT-NeoX-style model (t5x-style field names)."""
+class GPTNeoXConfig(family.DecoderConfig):
+  """Hyper-parameters of a GPT-NeoX-style model: the shared fields of
+  `family.DecoderConfig` (Pythia 1B's values as defaults; one key/value
+  head per query head, each emb_dim / num_heads wide) and its own."""
   vocab_size: int = 50304
   emb_dim: int = 2048
   num_heads: int = 8
   num_layers: int = 16
   mlp_dim: int = 8192
+  max_length: int = 2048
   # Fraction of each head's channels that are rotated (Pythia: 0.25).
   rotary_pct: float = 0.25
-  rope_theta: float = 10000.0
   use_parallel_residual: bool = True
-  norm_epsilon: float = 1e-5
   # HF hidden_act: 'gelu' is the exact erf form Pythia uses.
   mlp_activation: str = "gelu"
-  max_length: int = 2048
-  # Compute dtype; parameters are always float32.
-  dtype: Any = "float32"
-  scan_layers: bool = False
-  remat_policy: str = "none"
-  attention_impl: str = "xla"
-  # GPT-NeoX never ties; the field exists for the shared decoder code.
-  tie_embeddings: bool = False
-  # Generation ids of the checkpoint's tokenizer (HF config.json), carried
-  # so that an export stops where the import did; None = not set.
-  bos_token_id: Optional[int] = None
-  eos_token_id: Optional[int] = None
-  pad_token_id: Optional[int] = None
 
-  def __post_init__(self):
+  def check(self):
     if self.emb_dim % self.num_heads:
       raise ValueError(f"GPTNeoXConfig: emb_dim={self.emb_dim} must be a "
                        f"multiple of num_heads={self.num_heads}.")
+    super().check()
     if layers.rotated_channels(self.rotary_dim) > self.head_dim:
       raise ValueError(
           f"GPTNeoXConfig: rotary_pct={self.rotary_pct} of head_dim="
@@ -76,11 +65,6 @@ class GPTNeoXConfig:
                        "model (its embed_out is separate).")
     checks.check_choice("GPTNeoXConfig", "mlp_activation",
                         self.mlp_activation, layers.ACTIVATIONS)
-    checks.check_choice("GPTNeoXConfig", "attention_impl",
-                        self.attention_impl, layers.ATTENTION_IMPLS)
-    checks.check_choice("GPTNeoXConfig", "remat_policy",
-                        self.remat_policy, layers.REMAT_POLICIES)
-    layers.check_dtype(self.dtype, "GPTNeoXConfig.dtype")
 
   @property
   def head_dim(self) -> int:
@@ -134,7 +118,8 @@ class GPTNeoXBlock(nn.Module):
     attn = layers.Attention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads,
         head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
-        rope_theta=cfg.rope_theta, use_bias=True, dtype=dtype,
+        rope_theta=cfg.rope_theta, qkv_bias=True, out_bias=True,
+        dtype=dtype,
         attention_impl=cfg.attention_impl,
         name="self_attention")(h, positions, mask, cache_index)
     mlp = layers.Mlp(cfg.mlp_dim, (cfg.mlp_activation,), use_bias=True,
@@ -159,19 +144,14 @@ class GPTNeoX(layers.CausalLM):
 
 def from_run_config(model_cfg, vocab_size: int) -> GPTNeoXConfig:
   """`config.model` (arch 'gpt_neox') -> GPTNeoXConfig."""
-  family.refuse_fields(model_cfg, "gpt_neox", {
+  return family.decoder_from_run_config(FAMILY, model_cfg, vocab_size, {
       "mlp": ("gated-gelu", "has a fixed GELU MLP; leave config.model.mlp "
                  "at its default."),
       "logits_via_embedding": (False, "never ties its output layer."),
-      "dropout_rate": (0.0, "has no dropout.")})
-  overrides = family.decoder_only_overrides(model_cfg, vocab_size)
-  head_dim = overrides.pop("head_dim", None)
-  config = FAMILY.preset(model_cfg.size, **overrides)
-  if head_dim is not None and head_dim != config.head_dim:
-    raise ValueError(
-        f"config.model.head_dim: GPT-NeoX's head_dim is emb_dim / "
-        f"num_heads = {config.head_dim}, not {head_dim}; unset it.")
-  return config
+      "dropout_rate": (0.0, "has no dropout."),
+      "head_dim": (None, "splits emb_dim evenly over its heads (head_dim = "
+                   "emb_dim / num_heads); unset it."),
+      "num_kv_heads": (None, "has one key/value head per query head.")})
 
 
 # ----------------------------------------------------------------------------

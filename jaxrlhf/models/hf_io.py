@@ -224,7 +224,8 @@ def load_hf_checkpoint(path, **config_overrides):
     **config_overrides: fields of our config to set, e.g. dtype='bfloat16',
       scan_layers=True, remat_policy='full', attention_impl='dot_product'.
   Returns:
-    (config, params): a LlamaConfig, GPTNeoXConfig or t5.T5Config, and the
+    (config, params): the family's config (LlamaConfig, Qwen2Config,
+    GemmaConfig, GPTNeoXConfig, t5.T5Config, ...), and the
     parameter dict (float32 numpy arrays; `jax.device_put` them with the
     shardings you want) for `models.module_for_config(config).apply({'params': ...})`.
   Raises:
@@ -271,7 +272,7 @@ def export_hf_checkpoint(config, params, path, *, dtype: str = "float32",
   """Writes config.json and safetensors that `transformers` loads.
 
   Args:
-    config: our model config (LlamaConfig, GPTNeoXConfig or t5.T5Config).
+    config: our model config (of a family with a Hugging Face mapping).
     params: the model's parameters (boxed or not, numpy or jax arrays,
       scanned or unrolled as the config says).
     path: output directory (created).

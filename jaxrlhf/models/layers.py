@@ -23,6 +23,16 @@ head_dim], stacked along 'layers' when scanned) and attends over all T cached
 positions with `cache_mask`. `DecoderOnly.decode_step` is the entry point:
 one prefill call over a left-padded prompt (rotary positions from its mask),
 then one call per new token, each with `mutable=["cache"]`.
+
+Layers that attend differently (Gemma's sliding-window local layers between
+global ones, each kind with its own rotary base in Gemma 3; Mistral's window
+on every layer; Hugging Face's `layer_types`) are described by one
+`LayerAttention` per layer, and each block is given its layer's index: a
+Python int in an unrolled stack, a traced one in a scanned stack (its
+rotary frequencies and window are then looked up from per-layer tables), so
+`scan_layers` still scans one layer body and every pattern, of any length,
+keeps the `layers_i` parameter layout. A window only narrows the mask: the
+KV cache keeps every position.
 """
 
 import dataclasses
@@ -121,15 +131,18 @@ class RMSNorm(nn.Module):
   """x / sqrt(mean(x^2) + eps) * scale over the last axis, in float32.
 
   Matches Hugging Face's LlamaRMSNorm: statistics in float32, the normalised
-  value cast to the compute dtype, then multiplied by the scale.
+  value cast to the compute dtype, then multiplied by the scale. `axis_name`
+  is the scale's logical axis ("kv" for a norm over each head's channels).
   """
   epsilon: float = 1e-6
   dtype: Any = jnp.float32
+  axis_name: str = "embed"
 
   @nn.compact
   def __call__(self, x: Array) -> Array:
-    """x [..., embed] -> [..., embed] in `dtype`."""
-    scale = self.param("scale", _boxed(nn.initializers.ones, ("embed",)),
+    """x [..., features] -> [..., features] in `dtype`."""
+    scale = self.param("scale", _boxed(nn.initializers.ones,
+                                       (self.axis_name,)),
                        (x.shape[-1],), jnp.float32)
     x32 = x.astype(jnp.float32)
     normed = x32 * jax.lax.rsqrt(
@@ -368,16 +381,71 @@ def cache_mask(attention_mask: Array, cache_index, length: int) -> Array:
   return mask[:, None]
 
 
-def window_mask(q_length: int, k_length: int, window: int,
+def window_mask(q_length: int, k_length: int, window,
                 cache_index=None) -> Array:
   """bool [q_length, k_length]: key slot k is fewer than `window` slots
   before query slot q (k <= q is the causal mask's business). Queries sit
   at slots 0 .. q_length - 1, or at cache_index + 0 .. when decoding with a
   cache of k_length slots. Slots are array positions: with left padding and
-  no gaps they are the real tokens' position differences."""
+  no gaps they are the real tokens' position differences. `window` may be
+  traced (a scanned layer's, `layer_rope_and_window`)."""
   offset = 0 if cache_index is None else cache_index
   query_slots = offset + jnp.arange(q_length)
   return (query_slots[:, None] - jnp.arange(k_length)[None, :]) < window
+
+
+# Hugging Face's `layer_types` names: how a layer attends.
+FULL_ATTENTION = "full_attention"
+SLIDING_ATTENTION = "sliding_attention"
+LAYER_TYPES = (FULL_ATTENTION, SLIDING_ATTENTION)
+# The window of a layer without one when the window is looked up per layer.
+NO_WINDOW = np.iinfo(np.int32).max
+
+
+@dataclasses.dataclass(frozen=True)
+class LayerAttention:
+  """How one layer attends: its rotary base and scaling, and its window
+  (the keys fewer than `sliding_window` positions back; None: all earlier
+  keys). A model whose layers attend differently (Gemma's local and global
+  layers, each with its own rotary base in Gemma 3) gives `Attention` one
+  per layer (`layer_kinds`)."""
+  rope_theta: float = 10000.0
+  rope_scaling: Optional[RopeScaling] = None
+  sliding_window: Optional[int] = None
+
+
+def layer_rope_and_window(kinds: Sequence[LayerAttention], layer,
+                          rotary_dim: int):
+  """The rotary frequencies and the window of layer `layer` of `kinds`.
+
+  Args:
+    kinds: one `LayerAttention` per layer of the stack.
+    layer: the layer's index: a Python int (an unrolled stack), or a traced
+      int32 scalar (a scanned stack, whose one layer body serves every
+      layer); None when every layer attends alike.
+    rotary_dim: the rotated channels of a head.
+  Returns:
+    (inv_freq [ceil(rotary_dim / 2)], window). Static (numpy, int or None)
+    when the layer is known or every layer shares the value; otherwise
+    looked up from per-layer tables with the traced index, a layer without
+    a window getting NO_WINDOW (no limit).
+  """
+  of_kind = {k: rope_inverse_frequencies(rotary_dim, k.rope_theta,
+                                         k.rope_scaling) for k in set(kinds)}
+  freqs = [of_kind[k] for k in kinds]
+  windows = [k.sliding_window for k in kinds]
+  if isinstance(layer, (int, np.integer)):
+    return freqs[layer], windows[layer]
+  same_freqs = all(np.array_equal(f, freqs[0]) for f in freqs)
+  same_windows = len(set(windows)) == 1
+  if layer is None and not (same_freqs and same_windows):
+    raise ValueError("Layers that attend differently need their index "
+                     "(DecoderOnly's index_layers).")
+  inv_freq = freqs[0] if same_freqs else jnp.asarray(np.stack(freqs))[layer]
+  if same_windows:
+    return inv_freq, windows[0]
+  table = np.array([NO_WINDOW if w is None else w for w in windows], np.int32)
+  return inv_freq, jnp.asarray(table)[layer]
 
 
 def update_kv_cache(module: nn.Module, name: str, new: Array, cache_index,
@@ -408,8 +476,13 @@ class Attention(nn.Module):
   """Multi-head self-attention with grouped-query heads and rotary positions.
 
   Parameters: query/kernel [embed, heads, kv], key/kernel and value/kernel
-  [embed, kv_heads, kv], out/kernel [heads, kv, embed], and matching biases
-  when `use_bias`.
+  [embed, kv_heads, kv], out/kernel [heads, kv, embed]; biases of the
+  query, key and value projections with `qkv_bias` (Qwen2, GPT-NeoX), of
+  the output projection with `out_bias` (GPT-NeoX); with `qk_norm`, a norm
+  over each head's channels of the queries and of the keys before the
+  rotation (`query_norm`, `key_norm`: Qwen3, Gemma 3). With `layer_kinds`,
+  each layer of the stack has its own rotary base and window (Gemma's local
+  and global layers, Mistral's window), picked by the layer's index.
   """
   num_heads: int
   num_kv_heads: int
@@ -417,7 +490,11 @@ class Attention(nn.Module):
   rotary_dim: int
   rope_theta: float = 10000.0
   rope_scaling: Optional[RopeScaling] = None
-  use_bias: bool = False
+  qkv_bias: bool = False
+  out_bias: bool = False
+  # (name) -> a module normalising the last axis (head_dim) of queries and
+  # keys, or None.
+  qk_norm: Optional[Callable[[str], nn.Module]] = None
   dtype: Any = jnp.float32
   attention_impl: str = "xla"
   # The logits' multiplier (None: 1 / sqrt(head_dim); Gemma's is
@@ -425,15 +502,17 @@ class Attention(nn.Module):
   query_scale: Optional[float] = None
   # Soft cap of the attention logits (`softcap`); None: none.
   logit_softcap: Optional[float] = None
-  # Local attention: a query sees only the keys fewer than this many
-  # positions back (Gemma 2's sliding-window layers); None: all.
-  sliding_window: Optional[int] = None
+  # One `LayerAttention` per layer of the stack (then rope_theta and
+  # rope_scaling are not read): the layer's index (`__call__`'s `layer`)
+  # picks its rotary frequencies and its window.
+  layer_kinds: Tuple[LayerAttention, ...] = ()
 
   @nn.compact
   def __call__(self, x: Array, positions: Array, mask: Array,
-               cache_index: Optional[Array] = None) -> Array:
+               cache_index: Optional[Array] = None, layer=None) -> Array:
     """x [batch, length, embed], positions [batch, length], mask from
-    `causal_padding_mask` -> [batch, length, embed].
+    `causal_padding_mask` -> [batch, length, embed]. `layer`: this layer's
+    index in the stack, with `layer_kinds` (`layer_rope_and_window`).
 
     With `cache_index` (incremental decoding; apply with mutable=["cache"]):
     the rotated keys and the values of the `length` inputs are written at
@@ -445,13 +524,21 @@ class Attention(nn.Module):
     """
     def projection(heads, head_axis, name):
       return DenseGeneral((heads, self.head_dim), ("embed", head_axis, "kv"),
-                          use_bias=self.use_bias, dtype=self.dtype, name=name)
+                          use_bias=self.qkv_bias, dtype=self.dtype, name=name)
 
     query = projection(self.num_heads, "heads", "query")(x)
     key = projection(self.num_kv_heads, "kv_heads", "key")(x)
     value = projection(self.num_kv_heads, "kv_heads", "value")(x)
-    inv_freq = rope_inverse_frequencies(self.rotary_dim, self.rope_theta,
-                                        self.rope_scaling)
+    if self.qk_norm is not None:
+      query = self.qk_norm("query_norm")(query)
+      key = self.qk_norm("key_norm")(key)
+    if self.layer_kinds:
+      inv_freq, window = layer_rope_and_window(self.layer_kinds, layer,
+                                               self.rotary_dim)
+    else:
+      inv_freq = rope_inverse_frequencies(self.rotary_dim, self.rope_theta,
+                                          self.rope_scaling)
+      window = None
     query = apply_rotary_embedding(query, positions, inv_freq)
     key = apply_rotary_embedding(key, positions, inv_freq)
     kv_axes = ("batch", "length", "kv_heads", "kv")
@@ -464,15 +551,15 @@ class Attention(nn.Module):
                             mask.shape[-1], "kv_heads")
       value = update_kv_cache(self, "cached_value", value, cache_index,
                               mask.shape[-1], "kv_heads")
-    if self.sliding_window is not None:
-      mask = mask & window_mask(mask.shape[-2], mask.shape[-1],
-                                self.sliding_window, cache_index)
+    if window is not None:
+      mask = mask & window_mask(mask.shape[-2], mask.shape[-1], window,
+                                cache_index)
     out = attend(query, key, value, mask, impl=self.attention_impl,
                  scale=self.query_scale, logit_softcap=self.logit_softcap,
                  cache_layout=cached)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
-                        num_in_axes=2, use_bias=self.use_bias,
+                        num_in_axes=2, use_bias=self.out_bias,
                         dtype=self.dtype, name="out")(out)
 
 
@@ -802,6 +889,7 @@ def remat_policy(name: str):
 def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
                      remat_policy_name: str, *, num_args: int = 3,
                      static_argnums: Sequence[int] = (),
+                     layer_index: bool = False,
                      name: Optional[str] = None):
   """`num_layers` copies of `block(config)`.
 
@@ -821,7 +909,13 @@ def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
     static_argnums: positions (counting the block's `self` as 0) of
       arguments that are Python values, e.g. a `deterministic` flag; they
       are static for the rematerialised block.
+    layer_index: the block takes its layer's index as one more argument
+      after the `num_args` (for layers that differ, `LayerAttention`): a
+      Python int unrolled, a traced int32 scalar scanned; `run_layer_stack`
+      passes it when given the stack's `layer_count`.
   """
+  if layer_index and not scan_layers:
+    static_argnums = tuple(static_argnums) + (num_args + 2,)
   if remat_policy_name != "none":
     # Under scan, CSE across iterations cannot happen, so prevent_cse (which
     # blocks some XLA optimisations) is only needed unrolled.
@@ -833,7 +927,8 @@ def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
     scanned = nn.scan(
         block, variable_axes={"params": 0, "cache": 0},
         split_rngs={"params": True, "dropout": True},
-        in_axes=(nn.broadcast,) * num_args, length=num_layers,
+        in_axes=(nn.broadcast,) * num_args + ((0,) if layer_index else ()),
+        length=num_layers,
         metadata_params={nn.PARTITION_NAME: "layers"})
     return scanned(config, **named)
   if name is None:
@@ -841,12 +936,17 @@ def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
   return [block(config, name=f"{name}_{i}") for i in range(num_layers)]
 
 
-def run_layer_stack(layers, x: Array, *args) -> Array:
-  """Applies what `make_layer_stack` made; x [batch, length, embed]."""
+def run_layer_stack(layers, x: Array, *args,
+                    layer_count: Optional[int] = None) -> Array:
+  """Applies what `make_layer_stack` made; x [batch, length, embed]. With
+  `layer_count` (a stack made with `layer_index`), each layer also gets its
+  index."""
   if isinstance(layers, (list, tuple)):
-    for layer in layers:
-      x, _ = layer(x, *args)
+    for i, layer in enumerate(layers):
+      x, _ = layer(x, *args, *(() if layer_count is None else (i,)))
     return x
+  if layer_count is not None:
+    args += (jnp.arange(layer_count, dtype=jnp.int32),)
   x, _ = layers(x, *args)
   return x
 
@@ -874,15 +974,16 @@ class DecoderOnly(nn.Module):
   `config` needs: vocab_size, emb_dim, num_layers, dtype, scan_layers,
   remat_policy, tie_embeddings.
 
-  Options a family sets (`CausalLM.decoder_options`): `num_blocks`, the
-  stack's length when a block holds several layers (None: num_layers);
-  `embedding_multiplier`, applied to the embeddings (Gemma's sqrt(emb_dim));
-  `final_logit_softcap`, the output logits' soft cap (`softcap`).
+  Options a family sets (`CausalLM.decoder_options`): `index_layers`, the
+  block takes its layer's index as a last argument (layers that attend
+  differently: `LayerAttention`); `embedding_multiplier`, applied to the
+  embeddings (Gemma's sqrt(emb_dim)); `final_logit_softcap`, the output
+  logits' soft cap (`softcap`).
   """
   config: Any
   block: Any
   final_norm: Callable[[], nn.Module]
-  num_blocks: Optional[int] = None
+  index_layers: bool = False
   embedding_multiplier: Optional[float] = None
   final_logit_softcap: Optional[float] = None
 
@@ -890,10 +991,10 @@ class DecoderOnly(nn.Module):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
     self.token_embedder = Embed(cfg.vocab_size, cfg.emb_dim, dtype)
-    self.layers = make_layer_stack(self.block, cfg,
-                                   self.num_blocks or cfg.num_layers,
+    self.layers = make_layer_stack(self.block, cfg, cfg.num_layers,
                                    cfg.scan_layers, cfg.remat_policy,
-                                   num_args=3)  # positions, mask, cache_index
+                                   num_args=3,  # positions, mask, cache_index
+                                   layer_index=self.index_layers)
     self.decoder_norm = self.final_norm()
     if not cfg.tie_embeddings:
       self.logits_dense = OutputDense(cfg.vocab_size, dtype)
@@ -911,9 +1012,13 @@ class DecoderOnly(nn.Module):
     check_decoder_inputs(tokens, positions, attention_mask)
     mask = causal_padding_mask(attention_mask)
     x = self.embed(tokens)
-    x = run_layer_stack(self.layers, x, positions, mask, None)
+    x = run_layer_stack(self.layers, x, positions, mask, None,
+                        layer_count=self._layer_count())
     x = self.decoder_norm(x)
     return nn.with_logical_constraint(x, ("batch", "length", "embed"))
+
+  def _layer_count(self) -> Optional[int]:
+    return self.config.num_layers if self.index_layers else None
 
   def embed(self, tokens: Array) -> Array:
     """tokens [batch, length] -> embeddings [batch, length, embed]."""
@@ -945,7 +1050,8 @@ class DecoderOnly(nn.Module):
     """
     mask = cache_mask(attention_mask, cache_index, tokens.shape[-1])
     x = self.embed(tokens)
-    x = run_layer_stack(self.layers, x, positions, mask, cache_index)
+    x = run_layer_stack(self.layers, x, positions, mask, cache_index,
+                        layer_count=self._layer_count())
     # Only the last position's logits are needed: a prefill of a long prompt
     # would otherwise build a [batch, L, vocab] array.
     x = self.decoder_norm(x[:, -1:])
@@ -1018,7 +1124,7 @@ class CausalLM(nn.Module):
 
   Subclasses set `block_cls` and define `final_norm()`, a factory of the
   final normalisation module, and may define `decoder_options()`, the
-  `DecoderOnly` options of the family (block count, embedding multiplier,
+  `DecoderOnly` options of the family (layer indices, embedding multiplier,
   output soft cap).
   """
   config: Any

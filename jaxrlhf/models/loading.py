@@ -8,7 +8,8 @@
 
 - a Hugging Face folder: config.json (a supported `model_type` /
   `architectures`) and model.safetensors or a sharded index; read with
-  `hf_io.load_hf_checkpoint` (Llama, GPT-NeoX, T5);
+  `hf_io.load_hf_checkpoint` (every family with a Hugging Face mapping:
+  Llama, Qwen2, Qwen3, Mistral, Gemma 2 and 3, GPT-NeoX, T5);
 - a T5X checkpoint: a `checkpoint_<step>` directory, its `checkpoint` file,
   or a model directory holding them. T5X checkpoints carry no model config
   (t5x keeps it in gin files), so pass `model_config=` (a `t5.T5Config` or
@@ -460,8 +461,8 @@ def export_hf(module_or_config, params, path, **kwargs):
   `transformers` loads.
 
   Args:
-    module_or_config: a T5, Llama or GPTNeoX module or its config (scanned
-      layouts are unstacked first).
+    module_or_config: a module (or its config) of a family with a Hugging
+      Face mapping (scanned layouts are unstacked first).
     params: its parameters (boxed or not, host or device, sharded or not).
     path: output directory.
     **kwargs: `hf_io.export_hf_checkpoint` options: dtype ('float32',

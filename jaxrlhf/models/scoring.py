@@ -22,7 +22,20 @@ from typing import Dict, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.losses.sft import token_logprobs
+
+def token_logprobs(logits, targets):
+  """log p(target_t) under softmax(logits_t), in float32.
+
+  Args:
+    logits: [batch, length, vocab].
+    targets: [batch, length] int token ids.
+  Returns:
+    [batch, length] log-probabilities.
+  """
+  logits = logits.astype(jnp.float32)
+  log_z = jax.nn.logsumexp(logits, axis=-1)
+  target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  return target_logits - log_z
 
 
 def _key(name: Optional[str], suffix: str) -> str:
@@ -191,6 +204,22 @@ def score_many(lm, params, batch, names: Sequence[str], temperature=1.0,
   n = len(names)
   return {name: (lp, m) for name, lp, m in zip(
       names, jnp.split(logprobs, n), jnp.split(mask, n))}
+
+
+def sequence_logprobs(lm, params, batch, names: Sequence[str], rng=None
+                      ) -> Dict[str, jax.Array]:
+  """{name: [batch] log pi(completion | prompt)} of the completions `names`
+  (chosen and rejected, ...) from one forward pass (`score_many`)."""
+  scored = score_many(lm, params, batch, names, rng=rng)
+  return {n: jnp.sum(lp, axis=-1) for n, (lp, _) in scored.items()}
+
+
+def completion_lengths(lm, batch, names: Sequence[str]
+                       ) -> Dict[str, jax.Array]:
+  """{name: [batch] completion tokens (EOS included)}, any architecture."""
+  suffix = ("decoder_loss_weights" if lm.is_encoder_decoder
+            else "loss_weights")
+  return {n: jnp.sum(batch[_key(n, suffix)], axis=-1) for n in names}
 
 
 def last_token_states(hidden, mask):

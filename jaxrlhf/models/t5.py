@@ -393,9 +393,12 @@ def mlp_activations(model_cfg):
 
 def from_run_config(model_cfg, vocab_size: int) -> T5Config:
   """`config.model` (arch 't5') -> T5Config."""
-  return t5_config(model_cfg.size, vocab_size=vocab_size,
-                   mlp_activations=mlp_activations(model_cfg),
-                   **family.set_fields(model_cfg, _RUN_FIELDS))
+  family.refuse_fields(model_cfg, "t5", {
+      "num_kv_heads": (None, "has one key/value head per query head.")})
+  return family.with_family_fields(
+      t5_config(model_cfg.size, vocab_size=vocab_size,
+                mlp_activations=mlp_activations(model_cfg),
+                **family.set_fields(model_cfg, _RUN_FIELDS)), model_cfg)
 
 
 # ----------------------------------------------------------------------------

@@ -42,9 +42,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.losses import sft as sft_losses
 from jaxrlhf.models import family
 from jaxrlhf.models import layers
+from jaxrlhf.models import scoring
 from jaxrlhf.models import t5
 
 Array = jax.Array
@@ -447,7 +447,7 @@ def token_scores(model: T5xDecoderOnly, params, batch: Mapping[str, Array],
           batch, inputs_bidirectional_attention),
       decoder_segment_ids=batch.get("decoder_segment_ids"),
       method=model.t5x_logits)
-  logprobs = sft_losses.token_logprobs(logits, batch["decoder_target_tokens"])
+  logprobs = scoring.token_logprobs(logits, batch["decoder_target_tokens"])
   return logprobs * batch["decoder_loss_weights"].astype(jnp.float32)
 
 
@@ -547,7 +547,8 @@ def from_run_config(model_cfg, vocab_size: int) -> T5xDecoderOnlyConfig:
   family.refuse_fields(model_cfg, "t5x_decoder_only", {
       "scan_layers": (False, "has no scanned layout (t5x's decoder-only "
                       "checkpoints are unscanned)."),
-      "attention_impl": ("xla", "only has the 'xla' attention.")})
+      "attention_impl": ("xla", "only has the 'xla' attention."),
+      "num_kv_heads": (None, "has one key/value head per query head.")})
   overrides = family.decoder_only_overrides(model_cfg, vocab_size)
   for field in ("scan_layers", "attention_impl"):
     overrides.pop(field, None)
@@ -555,7 +556,8 @@ def from_run_config(model_cfg, vocab_size: int) -> T5xDecoderOnlyConfig:
       mlp_activations=t5.mlp_activations(model_cfg),
       logits_via_embedding=model_cfg.get("logits_via_embedding", False),
       dropout_rate=model_cfg.get("dropout_rate", 0.0))
-  return FAMILY.preset(model_cfg.size, **overrides)
+  return family.with_family_fields(FAMILY.preset(model_cfg.size, **overrides),
+                                   model_cfg)
 
 
 FAMILY = family.Family(

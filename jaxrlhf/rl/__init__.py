@@ -3,11 +3,13 @@
 Modules:
   rollout_rewards  EOS truncation, score at the last token, EOS penalty.
   kl               per-token KL estimators (k1/k2/k3), KL-penalised rewards,
-                   fixed and adaptive KL controllers.
-  advantages       GAE, reward/advantage whitening, RLOO, GRPO, REINFORCE.
+                   the adaptive KL controller.
+  advantages       GAE, reward/advantage whitening, RLOO, GRPO, REINFORCE,
+                   REINFORCE++.
   reductions       per-sequence / token / constant-length loss reductions.
   ppo              PPO rollout targets, clipped policy and value losses.
-  grpo             GRPO loss with the k3 KL term and asymmetric clipping.
+  policy_gradient  the clipped policy-gradient loss of RLOO, REINFORCE and
+                   GRPO (k3 KL term in the loss, asymmetric clipping).
   best_of_n        best-of-N / rejection-sampling selection, best-of-N KL.
 
 Every function is a jit-compatible function of arrays; string and integer
@@ -15,10 +17,10 @@ options are static (pass them with `static_argnames` or close over them).
 """
 
 from jaxrlhf.rl.advantages import batch_mean_baseline
-from jaxrlhf.rl.advantages import broadcast_to_tokens
 from jaxrlhf.rl.advantages import generalized_advantage_estimation
 from jaxrlhf.rl.advantages import grpo_advantages
 from jaxrlhf.rl.advantages import reinforce_advantages
+from jaxrlhf.rl.advantages import reinforce_pp_advantages
 from jaxrlhf.rl.advantages import rloo_advantages
 from jaxrlhf.rl.advantages import update_running_mean
 from jaxrlhf.rl.advantages import whiten_advantages
@@ -27,13 +29,12 @@ from jaxrlhf.rl.best_of_n import best_of_n_kl
 from jaxrlhf.rl.best_of_n import gather_per_prompt
 from jaxrlhf.rl.best_of_n import top_k_overall
 from jaxrlhf.rl.best_of_n import top_per_prompt
-from jaxrlhf.rl.grpo import grpo_loss
 from jaxrlhf.rl.kl import adaptive_kl_coef
-from jaxrlhf.rl.kl import fixed_kl_coef
 from jaxrlhf.rl.kl import kl_estimate
 from jaxrlhf.rl.kl import kl_penalized_sequence_rewards
 from jaxrlhf.rl.kl import per_token_rewards
 from jaxrlhf.rl.kl import sequence_kl
+from jaxrlhf.rl.policy_gradient import clipped_policy_gradient_loss
 from jaxrlhf.rl.ppo import clipped_surrogate
 from jaxrlhf.rl.ppo import entropy_from_logits
 from jaxrlhf.rl.ppo import explained_variance

@@ -196,10 +196,27 @@ def update_running_mean(running_mean, rewards, decay=0.9):
   return decay * running_mean + (1.0 - decay) * jnp.mean(rewards)
 
 
-def broadcast_to_tokens(sequence_values, mask):
-  """[batch] sequence-level advantages onto [batch, length] tokens (masked)."""
-  if sequence_values.shape != mask.shape[:1]:
-    raise ValueError(
-        f"broadcast_to_tokens: got {list(sequence_values.shape)} values for "
-        f"a mask of shape {list(mask.shape)}; expected [batch].")
-  return sequence_values[:, None] * mask.astype(sequence_values.dtype)
+def reinforce_pp_advantages(token_rewards, mask):
+  """REINFORCE++'s advantages (Hu 2025, "REINFORCE++: A Simple and Efficient
+  Approach for Aligning Large Language Models", eqs. 2-3).
+
+  The return of each token, G_t = sum_{s >= t} r_s over its response (gamma
+  1), of the per-token rewards (the score at the last token, -beta * KL_t at
+  every token: `kl.per_token_rewards`), normalised over every token of the
+  batch (the "global batch normalisation" that replaces a critic and a
+  per-prompt baseline): A_t = (G_t - mean) / std.
+
+  Args:
+    token_rewards: [batch, length] per-token rewards.
+    mask: [batch, length] response mask.
+
+  Returns:
+    [batch, length] advantages, zero outside the mask.
+  """
+  checks.check_same_shape("reinforce_pp_advantages",
+                          token_rewards=token_rewards, mask=mask)
+  mask = mask.astype(token_rewards.dtype)
+  rewards = token_rewards * mask
+  # Reverse cumulative sum along the response: the return of each token.
+  returns = jnp.flip(jnp.cumsum(jnp.flip(rewards, -1), axis=-1), -1) * mask
+  return whiten_advantages(returns, mask)

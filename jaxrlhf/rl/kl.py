@@ -124,14 +124,9 @@ def kl_penalized_sequence_rewards(scores, logprobs, ref_logprobs, mask,
                                         estimator)
 
 
-# KL controllers. The state is just the coefficient: a float or 0-d array
-# carried in the train state, updated once per rollout batch.
-
-
-def fixed_kl_coef(kl_coef, observed_kl, n_steps):
-  """Fixed controller: beta never changes (Table 7 uses beta = 0.05)."""
-  del observed_kl, n_steps
-  return kl_coef
+# The KL controller. Its state is just the coefficient: a float or 0-d
+# array carried in the train state, updated once per rollout batch (a fixed
+# coefficient is one that is never updated).
 
 
 def adaptive_kl_coef(kl_coef, observed_kl, n_steps, target, horizon):

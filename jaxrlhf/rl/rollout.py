@@ -38,7 +38,7 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.losses.sft import token_logprobs
+from jaxrlhf.models.scoring import token_logprobs
 from jaxrlhf.models import heads
 from jaxrlhf.models import layers
 from jaxrlhf.models import sampling
@@ -69,6 +69,13 @@ class Rollout:
   raw_scores: jax.Array    # [batch] reward model output at the last token
   scores: jax.Array        # [batch] raw_scores with the EOS trick applied
   reward_features: Dict[str, jax.Array] = None
+  # [batch, num rewards] each reward source's value (NaN: it does not
+  # apply); `scores` is then their weighted sum. None = the reward model's
+  # score alone.
+  rewards: jax.Array = None
+  # int32 [] decode steps the sampler ran (fewer than the response length
+  # when it stopped once every response had ended); None = not recorded.
+  decode_steps: jax.Array = None
 
 
 def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):
@@ -109,8 +116,9 @@ def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):
 
 
 def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
-                     temperature: float, eos_id: int):
-  """[batch, max_new_tokens] sampled tokens (EOS kept, zeros after it).
+                     temperature: float, eos_id: int, num_samples: int = 1,
+                     stop_when_done: bool = False) -> sampling.Samples:
+  """The policy's samples for the prompts, with their log-probs and stats.
 
   Args:
     lm: a scoring adapter (`scoring.EncoderDecoderLM` or `DecoderOnlyLM`).
@@ -119,17 +127,23 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
       (encoder-style; decoder-only policies see them left-padded without
       their EOS, see `left_pad_prompts`).
     rng: PRNG key.
+    num_samples: static k, responses per prompt: each prompt is prefilled
+      once; row i * k + j is response j to prompt i, the same draws as
+      sampling `jnp.repeat(prompt_tokens, k, axis=0)` with num_samples=1.
+    stop_when_done: static; stop decoding once every response has ended
+      (same outputs; `Samples.num_steps` counts the columns drawn).
+
+  Returns:
+    `sampling.Samples` of [batch * num_samples, max_new_tokens].
   """
+  options = dict(temperature=temperature, eos_id=eos_id,
+                 num_samples=num_samples, stop_when_done=stop_when_done)
   if lm.is_encoder_decoder:
-    samples = sampling.sample_encoder_decoder(
-        lm.module, params, prompt_tokens, rng, max_new_tokens,
-        temperature=temperature, eos_id=eos_id)
-  else:
-    tokens, mask = left_pad_prompts(prompt_tokens, eos_id)
-    samples = sampling.sample_decoder_only(
-        lm.module, params, tokens, mask, rng, max_new_tokens,
-        temperature=temperature, eos_id=eos_id)
-  return samples.tokens
+    return sampling.sample_encoder_decoder(
+        lm.module, params, prompt_tokens, rng, max_new_tokens, **options)
+  tokens, mask = left_pad_prompts(prompt_tokens, eos_id)
+  return sampling.sample_decoder_only(
+      lm.module, params, tokens, mask, rng, max_new_tokens, **options)
 
 
 def response_features(lm, prompt_tokens, response_tokens, response_mask,
@@ -168,15 +182,6 @@ def response_features(lm, prompt_tokens, response_tokens, response_mask,
           "attention_mask": attention_mask,
           "loss_weights": jnp.concatenate([jnp.zeros_like(prompt_mask),
                                            weights], axis=1)}
-
-
-def response_columns(lm, x, response_length: Optional[int]):
-  """The response part of a per-token array: all of it for encoder-decoder
-  models, the last `response_length` columns for decoder-only ones (None
-  keeps every column). x: [batch, T, ...]."""
-  if lm.is_encoder_decoder or response_length is None:
-    return x
-  return x[:, x.shape[1] - response_length:]
 
 
 def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
@@ -260,8 +265,10 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
   Args:
     lm: the policy's scoring adapter (the reference shares it).
     policy_params, reference_params: parameters of pi_old and pi_ref.
-    reward_lm: the reward model's scoring adapter (either architecture).
-    reward_params: {"backbone", "head"} of the reward model.
+    reward_lm: the reward model's scoring adapter (either architecture), or
+      None for a run without one (its raw scores and scores are then 0:
+      the caller adds the rewards it has).
+    reward_params: {"backbone", "head"} of the reward model (or None).
     prompt_tokens: [batch, Lp] int, encoder-style (right-padded).
     response_tokens: [batch, L] int, possibly with tokens after an EOS
       (they are replaced by `pad_id`, detail 23 step 2).
@@ -277,7 +284,8 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
       response_tokens, eos_id, pad_id)
   length = tokens.shape[1]
   features = response_features(lm, prompt_tokens, tokens, mask, eos_id)
-  if reward_lm.is_encoder_decoder == lm.is_encoder_decoder:
+  if reward_lm is None or (
+      reward_lm.is_encoder_decoder == lm.is_encoder_decoder):
     reward_features = features
   else:
     reward_features = response_features(reward_lm, prompt_tokens, tokens, mask,
@@ -287,9 +295,12 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
   ref_logprobs, _, _ = logprobs_and_entropy(lm, reference_params, features,
                                             None, temperature, length)
   # The reward head at the last real token: the EOS when there is one.
-  raw_scores = heads.sequence_rewards(reward_lm, reward_params,
-                                      reward_features)
-  if missing_eos_penalty is None:
+  if reward_lm is None:
+    raw_scores = jnp.zeros(has_eos.shape, jnp.float32)
+  else:
+    raw_scores = heads.sequence_rewards(reward_lm, reward_params,
+                                        reward_features)
+  if missing_eos_penalty is None or reward_lm is None:
     scores = raw_scores
   else:
     scores = rollout_rewards.replace_score_without_eos(
@@ -300,29 +311,33 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
       scores=scores, reward_features=reward_features))
 
 
-def rollout_metrics(rollout: Rollout, kl_coef, kl_estimator="k1"):
+def rollout_metrics(rollout: Rollout, kl_coef=None, kl_estimator="k1"):
   """Scalars that describe a rollout batch (the curves of Figure 12).
 
-  "score" is the (EOS-penalised) reward-model score, "kl" the mean
-  per-response KL(pi || pi_ref) estimate (k1, summed over tokens) and
-  "rlhf_reward" = score - kl_coef * KL with the configured estimator, the
-  objective PPO maximises.
+  "score" is the (EOS-penalised) score, "kl" the mean per-response
+  KL(pi || pi_ref) estimate (k1, summed over tokens) and, for an algorithm
+  with a KL coefficient, "rlhf_reward" = score - kl_coef * KL with the
+  configured estimator, the objective PPO maximises.
   """
   kl_k1 = kl_lib.sequence_kl(rollout.logprobs, rollout.ref_logprobs,
                              rollout.mask, "k1")
-  kl_used = kl_lib.sequence_kl(rollout.logprobs, rollout.ref_logprobs,
-                               rollout.mask, kl_estimator)
   lengths = jnp.sum(rollout.mask, axis=-1)
-  return {
+  metrics = {} if rollout.decode_steps is None else {
+      "decode_steps": rollout.decode_steps.astype(jnp.float32)}
+  metrics.update({
       "score": jnp.mean(rollout.scores),
       "raw_score": jnp.mean(rollout.raw_scores),
       "kl": jnp.mean(kl_k1),
-      "rlhf_reward": jnp.mean(rollout.scores - kl_coef * kl_used),
       "eos_rate": jnp.mean(rollout.has_eos.astype(jnp.float32)),
       "response_length": jnp.mean(lengths),
       "rollout_entropy": jnp.sum(rollout.entropy) / jnp.maximum(
           jnp.sum(rollout.mask), 1.0),
-  }
+  })
+  if kl_coef is not None:
+    kl_used = kl_lib.sequence_kl(rollout.logprobs, rollout.ref_logprobs,
+                                 rollout.mask, kl_estimator)
+    metrics["rlhf_reward"] = jnp.mean(rollout.scores - kl_coef * kl_used)
+  return metrics
 
 
 def minibatch_indices(rng, num_rows: int, num_epochs: int,

@@ -33,12 +33,11 @@ from etils import epath
 import jax
 
 from jaxrlhf import console
-from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import files
 
-MODES = ("max", "min")
 DIRECTORY = "best"
 SUMMARY = "best.json"
 
@@ -121,8 +120,8 @@ class BestCheckpoint:
         chosen_step = self.best["step"]
         if chosen_step != step:
           state = state.replace(params=self._best_params(state))
-      metrics = reference.against_reference(self._trainer, state,
-                                            split=self._test_split)
+      metrics = policy_eval.against_reference(self._trainer, state,
+                                              split=self._test_split)
       metrics = {"test/" + k.split("/", 1)[1]: v for k, v in metrics.items()}
       metrics["test/step"] = float(chosen_step)
       if metrics:

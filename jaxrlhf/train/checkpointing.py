@@ -30,6 +30,7 @@ import hashlib
 import json
 import logging
 import os
+import sys
 import threading
 import time
 from typing import Any, List, Optional, Tuple
@@ -364,7 +365,9 @@ class Checkpointer:
 
 def _wait_for_threads_started_after(running) -> None:
   """Waits (up to _THREAD_WAIT_S) until the threads that are not in
-  `running` have ended, those they start included."""
+  `running` have ended, those they start included. Orbax's own threads
+  raise their failure again from `join`: the failure of the same write,
+  which the caller reports."""
   deadline = time.monotonic() + _THREAD_WAIT_S
   while time.monotonic() < deadline:
     others = [t for t in threading.enumerate()
@@ -374,23 +377,35 @@ def _wait_for_threads_started_after(running) -> None:
     for thread in others:
       try:
         thread.join(timeout=max(deadline - time.monotonic(), 0))
-      except RuntimeError:  # not started yet
-        time.sleep(0.05)
+      except Exception as e:  # pylint: disable=broad-except
+        if "before it is started" in str(e):
+          time.sleep(0.05)
+        elif not _after_a_write_failure(e):
+          raise
+
+
+def _after_a_write_failure(error) -> bool:
+  """`error` is a failed write, or what orbax's threads meet after one
+  (their event loop closed under them)."""
+  return error is not None and (
+      write_failure(error, "") is not None or (
+          isinstance(error, RuntimeError) and any(
+              m in str(error) for m in ("Event loop is closed",
+                                        "cannot schedule new futures"))))
 
 
 @contextlib.contextmanager
 def _write_failures_held_back():
   """Orbax's writer threads log a failed write of theirs (and later fail to
-  reach their closed event loop) before the main thread raises the error;
-  the run reports a failed write in one line, so those records of a write
-  failure are held back. Anything else is reported as usual."""
+  reach their closed event loop, which tensorstore's callback threads print
+  as "unraisable" exceptions) before the main thread raises the error, and the
+  asyncio tasks that failed with it are reported as "never retrieved" when
+  they are collected, after the error line. The run reports a failed write
+  in one line, so those reports of a write failure are held back: during
+  the save, and once a write failed for the rest of the process (the run
+  stops next). Anything else is reported as usual."""
 
-  def after_a_write_failure(error) -> bool:
-    return error is not None and (
-        write_failure(error, "") is not None or (
-            isinstance(error, RuntimeError) and any(
-                m in str(error) for m in ("Event loop is closed",
-                                          "cannot schedule new futures"))))
+  after_a_write_failure = _after_a_write_failure
 
   class Filter(logging.Filter):
 
@@ -398,20 +413,32 @@ def _write_failures_held_back():
       error = record.exc_info[1] if record.exc_info else None
       return not after_a_write_failure(error)
 
-  previous_hook = threading.excepthook
+  previous = (threading.excepthook, sys.unraisablehook)
 
-  def hook(args):
+  def thread_hook(args):
     if not after_a_write_failure(args.exc_value):
-      previous_hook(args)
+      previous[0](args)
+
+  def unraisable_hook(args):
+    if not after_a_write_failure(args.exc_value):
+      previous[1](args)
 
   record_filter = Filter()
-  logging.getLogger("absl").addFilter(record_filter)
-  threading.excepthook = hook
+  loggers = [logging.getLogger(name) for name in ("absl", "asyncio")]
+  for logger in loggers:
+    logger.addFilter(record_filter)
+  threading.excepthook, sys.unraisablehook = thread_hook, unraisable_hook
+  failed = False
   try:
     yield
+  except BaseException:
+    failed = True
+    raise
   finally:
-    logging.getLogger("absl").removeFilter(record_filter)
-    threading.excepthook = previous_hook
+    if not failed:
+      for logger in loggers:
+        logger.removeFilter(record_filter)
+      threading.excepthook, sys.unraisablehook = previous
 
 
 def _move_tree(source: epath.Path, target: epath.Path) -> None:

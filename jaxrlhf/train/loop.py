@@ -13,7 +13,7 @@ through `init_state()` (or a restore into `abstract_state` and
 import contextlib
 import os
 import signal
-from typing import Dict, List, Optional
+from typing import Dict, Optional
 
 import jax
 import ml_collections
@@ -181,151 +181,213 @@ def train(config: ml_collections.ConfigDict, workdir: str,
 
 
 def _run(config, workdir, trainer) -> Dict[str, float]:
-  checkpointer = checkpointing.Checkpointer(
-      os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
-  best = best_lib.BestCheckpoint(config, workdir, trainer)
-  logger = None
+  run = _Run(config, workdir, trainer)
   try:
     with _StopFlag() as stop:
-      total = config.train.num_steps
-      restored = checkpointer.restore_latest(
-          state_lib.abstract_with_shardings(trainer.abstract_state,
-                                            trainer.state_shardings))
-      latest = restored[0] if restored else None
-      # Refuses a resume that is not the run its checkpoints describe.
-      changed = (workdir_lib.check_resumed_config(workdir, config, latest)
-                 if restored else None)
-      # Rows logged after the checkpoint we resume from (a crash between
-      # saves), or by a start that never saved, are dropped, so that
-      # metrics.jsonl reads as one uninterrupted run.
-      logger = metrics_lib.MetricsLogger(workdir, resume_step=latest)
-      summary: Dict[str, float] = {}
-      if restored:
-        _, state, position = restored
-        summary.update(logger.eval_before())
-        console.log(f"Resumed from checkpoint at step {latest} in "
-                    f"{checkpointer.directory}")
-        if changed:
-          workdir_lib.keep_previous_config(workdir, latest)
-          console.log(changed)
-      else:
-        state, position = trainer.init_state(), 0
-      step = int(jax.device_get(state.step))
-      batches = trainer.train_batches(position)
-      # The first batch is read now, so that bad data stops the run before
-      # the first evaluation (which can take minutes) rather than after it.
-      first_batch = next(batches) if step < total else None
-      write_run_config(workdir, config)
-      if latest is None:
-        before = trainer.evaluate(state)
-        # Rows skipped by data.files.on_bad_row=skip_and_report are counted
-        # in the first row too.
-        first_row = dict(before, **_bad_row_metrics(config))
-        if first_row:
-          logger.write(0, first_row)
-        if before:
-          console.log(f"Before training ({trainer.evaluation_description()}): "
-                      + _format(before))
-        summary.update({k.replace("eval/", "eval_before/"): v
-                        for k, v in before.items()})
-        final = before  # the evaluation at step `step` (0 here)
-        if step < total and stop.requested():
-          console.log(f"{stop.describe()} before the first step: nothing "
-                      "to save. Run the same command again to start.")
-          return summary
-      else:
-        final = logger.eval_at(step)
-      if step >= total and _all_processes_agree(bool(final) or latest is None):
-        # A finished run: its final evaluation is in metrics.jsonl already.
-        summary.update(final)
-        console.log(f"Already at step {step} of {total}; nothing to train.")
-        return summary
-      progress = metrics_lib.Progress(total)
-      pending: List = []  # (step, device metrics, tokens) not yet written
-      eval_every = config.eval.every_steps
-      ckpt_every = config.checkpoint.every_steps
-
-      def flush():
-        """Writes buffered metrics; raises at the first non-finite step."""
-        host = jax.device_get([(s, m) for s, m, _ in pending])
-        tokens = sum(t for s, _, t in pending if progress.timed(s))
-        for s, m in host:
-          if m.get("nonfinite", 0.0) > 0:
-            raise NonFiniteError(_nonfinite_message(
-                config, s, m, checkpointer.latest_step()))
-          logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
-        if host:
-          s, m = host[-1]
-          console.log(progress.line(s, m["loss"], tokens))
-        pending.clear()
-
-      first_step = True
-      while step < total:
-        if first_batch is None:
-          local = next(batches)
-        else:
-          local, first_batch = first_batch, None
-        batch = sharding.global_batch(local, trainer.mesh, trainer.rules)
-        state, step_metrics = trainer.train_step(state, batch)
-        step += 1
-        if first_step:
-          # It compiles the step: the rates and the ETA start after it.
-          jax.block_until_ready(step_metrics)
-          progress.first_step_done(step)
-          first_step = False
-        if step == total:
-          # Before the final save, so the last checkpoint holds the result.
-          state, final_metrics = trainer.finish_training(state)
-          step_metrics = dict(step_metrics, **final_metrics)
-        pending.append((step, step_metrics, trainer.tokens_in(local)))
-        stopping = stop.requested()
-        save_now = stopping or step == total or (
-            ckpt_every and step % ckpt_every == 0)
-        if save_now or step % config.train.log_every == 0:
-          flush()
-        if save_now:
-          checkpointer.save(step, state, batches.position)
-        if stopping:
-          console.log(
-              f"{stop.describe()}: saved a checkpoint at step {step} and "
-              "stopped. Run the same command again to resume.")
-          return summary
-        if eval_every and step % eval_every == 0 and step < total:
-          evaluated = trainer.evaluate(state)
-          if evaluated:
-            logger.write(step, evaluated)
-            console.log(
-                f"Evaluation (step {step}; "
-                f"{trainer.evaluation_description()}): " + _format(evaluated))
-          best.observe(step, evaluated, state)
-      # The final checkpoint is saved: a signal now lets the evaluation
-      # finish, a second one stops it (a rerun evaluates then).
-      try:
-        with stop.final_evaluation():
-          after = trainer.evaluate(state)
-      except _StopNow:
-        console.log(
-            f"Received {stop.signal_name} twice during the final evaluation: "
-            f"stopped it. The checkpoint at step {step} is saved; run the "
-            "same command again to evaluate it.")
-        return summary
-      if after:
-        logger.write(step, after)
-      summary.update(after)
-      if after:
-        console.log(f"After training (step {step}; "
-                    f"{trainer.evaluation_description()}): " + _format(after))
-      best.observe(step, after, state)
-      summary.update(best.finish(state, step, logger))
-      if stop.signalled_in_final_phase:
-        console.log(f"Received {stop.signal_name} during the final "
-                    "evaluation: finished it first; the run is complete.")
-      return summary
+      return run.go(stop)
   finally:
-    if logger is not None:
-      logger.close()
-    checkpointer.close()
-    best.close()
+    run.close()
+
+
+class _Run:
+  """One call of `train`: restore or start, train, evaluate, keep the best.
+
+  Its phases are methods so that each says what it does: `start` (resume
+  from the newest verified checkpoint or initialise, then the evaluation
+  before training), `train_steps` (steps, metrics, checkpoints, periodic
+  evaluations, signals), `finish` (the final evaluation and the best
+  checkpoint's test)."""
+
+  def __init__(self, config, workdir, trainer):
+    self.config, self.workdir, self.trainer = config, workdir, trainer
+    self.checkpointer = checkpointing.Checkpointer(
+        os.path.join(workdir, "checkpoints"), keep=config.checkpoint.keep)
+    self.best = best_lib.BestCheckpoint(config, workdir, trainer)
+    self.logger = None
+    self.summary: Dict[str, float] = {}
+
+  def close(self):
+    if self.logger is not None:
+      self.logger.close()
+    self.checkpointer.close()
+    self.best.close()
+
+  def go(self, stop: _StopFlag) -> Dict[str, float]:
+    started = self.start(stop)
+    if started is None:
+      return self.summary
+    state, step, batches, first_batch = started
+    state, step = self.train_steps(stop, state, step, batches, first_batch)
+    if step is None:  # stopped by a signal, its checkpoint saved
+      return self.summary
+    return self.finish(stop, state, step)
+
+  def start(self, stop: _StopFlag):
+    """(state, step, batches, first batch) to train from, or None when
+    there is nothing to train (finished already, or stopped before the
+    first step)."""
+    config, trainer = self.config, self.trainer
+    total = config.train.num_steps
+    restored = self.checkpointer.restore_latest(
+        state_lib.abstract_with_shardings(trainer.abstract_state,
+                                          trainer.state_shardings))
+    latest = restored[0] if restored else None
+    # Refuses a resume that is not the run its checkpoints describe.
+    changed = (workdir_lib.check_resumed_config(self.workdir, config, latest)
+               if restored else None)
+    # Rows logged after the checkpoint we resume from (a crash between
+    # saves), or by a start that never saved, are dropped, so that
+    # metrics.jsonl reads as one uninterrupted run.
+    self.logger = metrics_lib.MetricsLogger(self.workdir, resume_step=latest)
+    if restored:
+      _, state, position = restored
+      self.summary.update(self.logger.eval_before())
+      console.log(f"Resumed from checkpoint at step {latest} in "
+                  f"{self.checkpointer.directory}")
+      if changed:
+        workdir_lib.keep_previous_config(self.workdir, latest)
+        console.log(changed)
+    else:
+      state, position = trainer.init_state(), 0
+    step = int(jax.device_get(state.step))
+    batches = trainer.train_batches(position)
+    # The first batch is read now, so that bad data stops the run before
+    # the first evaluation (which can take minutes) rather than after it.
+    first_batch = next(batches) if step < total else None
+    write_run_config(self.workdir, config)
+    if latest is None:
+      final = self.evaluate_before(state)
+      if step < total and stop.requested():
+        console.log(f"{stop.describe()} before the first step: nothing "
+                    "to save. Run the same command again to start.")
+        return None
+    else:
+      final = self.logger.eval_at(step)
+    if step >= total and _all_processes_agree(bool(final) or latest is None):
+      # A finished run: its final evaluation is in metrics.jsonl already.
+      self.summary.update(final)
+      console.log(f"Already at step {step} of {total}; nothing to train.")
+      return None
+    return state, step, batches, first_batch
+
+  def evaluate_before(self, state) -> Dict[str, float]:
+    """The evaluation of a new run at step 0, logged with the counts of
+    rows skipped by data.files.on_bad_row=skip_and_report."""
+    before = self.trainer.evaluate(state)
+    first_row = dict(before, **_bad_row_metrics(self.config))
+    if first_row:
+      self.logger.write(0, first_row)
+    if before:
+      console.log(f"Before training "
+                  f"({self.trainer.evaluation_description()}): "
+                  + _format(before))
+    self.summary.update({k.replace("eval/", "eval_before/"): v
+                         for k, v in before.items()})
+    return before
+
+  def train_steps(self, stop: _StopFlag, state, step, batches, first_batch):
+    """Steps to config.train.num_steps; (state, step) at the end, or (state,
+    None) after a signal stopped the run (its checkpoint saved)."""
+    config, trainer = self.config, self.trainer
+    total = config.train.num_steps
+    progress = metrics_lib.Progress(total)
+    pending = _PendingMetrics(config, self.logger, progress,
+                              self.checkpointer)
+    eval_every = config.eval.every_steps
+    ckpt_every = config.checkpoint.every_steps
+    first_step = True
+    while step < total:
+      if first_batch is None:
+        local = next(batches)
+      else:
+        local, first_batch = first_batch, None
+      batch = sharding.global_batch(local, trainer.mesh, trainer.rules)
+      state, step_metrics = trainer.train_step(state, batch)
+      step += 1
+      if first_step:
+        # It compiles the step: the rates and the ETA start after it.
+        jax.block_until_ready(step_metrics)
+        progress.first_step_done(step)
+        first_step = False
+      if step == total:
+        # Before the final save, so the last checkpoint holds the result.
+        state, final_metrics = trainer.finish_training(state)
+        step_metrics = dict(step_metrics, **final_metrics)
+      pending.add(step, step_metrics, trainer.tokens_in(local))
+      stopping = stop.requested()
+      save_now = stopping or step == total or (
+          ckpt_every and step % ckpt_every == 0)
+      if save_now or step % config.train.log_every == 0:
+        pending.flush()
+      if save_now:
+        self.checkpointer.save(step, state, batches.position)
+      if stopping:
+        console.log(
+            f"{stop.describe()}: saved a checkpoint at step {step} and "
+            "stopped. Run the same command again to resume.")
+        return state, None
+      if eval_every and step % eval_every == 0 and step < total:
+        evaluated = trainer.evaluate(state)
+        if evaluated:
+          self.logger.write(step, evaluated)
+          console.log(
+              f"Evaluation (step {step}; "
+              f"{trainer.evaluation_description()}): " + _format(evaluated))
+        self.best.observe(step, evaluated, state)
+    return state, step
+
+  def finish(self, stop: _StopFlag, state, step) -> Dict[str, float]:
+    """The final evaluation (the final checkpoint is saved: a signal now
+    lets it finish, a second one stops it and a rerun evaluates), then the
+    best checkpoint's test."""
+    trainer = self.trainer
+    try:
+      with stop.final_evaluation():
+        after = trainer.evaluate(state)
+    except _StopNow:
+      console.log(
+          f"Received {stop.signal_name} twice during the final evaluation: "
+          f"stopped it. The checkpoint at step {step} is saved; run the "
+          "same command again to evaluate it.")
+      return self.summary
+    if after:
+      self.logger.write(step, after)
+      console.log(f"After training (step {step}; "
+                  f"{trainer.evaluation_description()}): " + _format(after))
+    self.summary.update(after)
+    self.best.observe(step, after, state)
+    self.summary.update(self.best.finish(state, step, self.logger))
+    if stop.signalled_in_final_phase:
+      console.log(f"Received {stop.signal_name} during the final "
+                  "evaluation: finished it first; the run is complete.")
+    return self.summary
+
+
+class _PendingMetrics:
+  """Step metrics kept on the device until the next log or save, so that
+  steps are not stalled by a device-to-host copy each."""
+
+  def __init__(self, config, logger, progress, checkpointer):
+    self._config, self._logger = config, logger
+    self._progress, self._checkpointer = progress, checkpointer
+    self._rows = []  # (step, device metrics, tokens)
+
+  def add(self, step, metrics, tokens):
+    self._rows.append((step, metrics, tokens))
+
+  def flush(self):
+    """Writes the buffered metrics; raises at the first non-finite step."""
+    host = jax.device_get([(s, m) for s, m, _ in self._rows])
+    tokens = sum(t for s, _, t in self._rows if self._progress.timed(s))
+    for s, m in host:
+      if m.get("nonfinite", 0.0) > 0:
+        raise NonFiniteError(_nonfinite_message(
+            self._config, s, m, self._checkpointer.latest_step()))
+      self._logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
+    if host:
+      s, m = host[-1]
+      console.log(self._progress.line(s, m["loss"], tokens))
+    self._rows.clear()
 
 
 def _nonfinite_message(config, step: int, metrics, last_saved) -> str:

@@ -1,0 +1,42 @@
+"""The KL coefficient an online algorithm carries, and its controller.
+
+PPO, RLOO and REINFORCE penalise the reward with beta * KL(pi || pi_ref)
+(`config.online.kl_coef`); GRPO weighs a KL term of its loss
+(`config.grpo.kl_coef`). Either coefficient is carried between steps in
+`TrainState.algorithm_state["kl_coef"]` (checkpointed), fixed or moved by
+Ziegler et al.'s adaptive controller (`config.online.adaptive_kl`). An
+algorithm without a KL term (rejection sampling) carries none.
+"""
+
+import jax.numpy as jnp
+
+from jaxrlhf import config_schema
+from jaxrlhf.algorithms import base
+from jaxrlhf.rl import kl as kl_lib
+
+KL_COEF = "kl_coef"
+
+
+def carried(coefficient_field: str) -> base.Carried:
+  """The carried state of an algorithm whose KL weight is the config field
+  `coefficient_field` ("online.kl_coef", "grpo.kl_coef")."""
+  return base.Carried(init=lambda config: {
+      KL_COEF: float(config_schema.get(config, coefficient_field))})
+
+
+def coefficient(state):
+  """The carried KL coefficient, or None for an algorithm without one."""
+  return state.algorithm_state.get(KL_COEF)
+
+
+def next_coefficient(trainer, kl_coef, rollout):
+  """The coefficient of the next step: unchanged, or Ziegler et al.'s
+  adaptive update from the rollout's mean per-response KL."""
+  o = trainer.config.online
+  if not o.adaptive_kl:
+    return kl_coef
+  observed = jnp.mean(kl_lib.sequence_kl(rollout.logprobs,
+                                         rollout.ref_logprobs, rollout.mask,
+                                         "k1"))
+  return kl_lib.adaptive_kl_coef(kl_coef, observed, rollout.mask.shape[0],
+                                 o.kl_target, o.kl_horizon)

@@ -1,0 +1,185 @@
+"""The config of online RL and its checks.
+
+Every online algorithm (`online.Online`) reads the `online` group: how
+responses are sampled (temperature, length, group size, rollout parts), the
+reward model and the EOS trick, the KL penalty and its controller, and how
+the updates use each rollout (epochs, minibatches, clipping); and the
+`rewards` group (`online_rewards`). `check_rows` refuses, from the config alone, batch splits a run
+could not make.
+"""
+
+from jaxrlhf import config_schema
+from jaxrlhf.algorithms import online_rewards
+from jaxrlhf.algorithms import update as update_lib
+from jaxrlhf.data import prompts as prompts_lib
+from jaxrlhf.rl import kl as kl_lib
+from jaxrlhf.rl import reductions
+
+F = config_schema.Field
+
+# "Table 7" is the PPO hyper-parameter table of "The N+ implementation
+# details of RLHF with PPO" (Huang et al. 2024).
+ONLINE = config_schema.Group(
+    "online",
+    "Online RL (the online algorithms of docs/config.md's table): every "
+    "train step samples responses to train.batch_size prompts of data.task "
+    "from the policy, scores them with the rewards of config.rewards and "
+    "updates the policy; init.policy_checkpoint is the policy's start and "
+    "the frozen reference.", [
+        F("reward_model_checkpoint", "",
+          "A jaxrlhf reward_model workdir: its latest params/reward scores "
+          "rollouts (and initialises PPO's value network, detail 22). Its "
+          "vocabulary must be the policy's. Required while "
+          "rewards.reward_model.weight is not 0.", path=True,
+          read_when=online_rewards.uses_reward_model),
+        F("temperature", 0.7,
+          "Sampling temperature of rollouts (Table 7: 0.7); the log-probs of "
+          "PPO ratios and of the KL penalty are computed at the same "
+          "temperature.", bounds=">0"),
+        F("max_new_tokens", None,
+          "Tokens sampled per response, a fixed number as in detail 23 (then "
+          "cut after the first EOS); unset = data.targets_length.",
+          type=int, bounds=">0"),
+        F("stop_when_done", True,
+          "Stop sampling once every response of a rollout (part) has ended "
+          "(a while loop over decode steps) instead of always drawing "
+          "max_new_tokens: the responses are the same, since the steps "
+          "after every EOS only write padding (detail 23's fixed length is "
+          "kept in the response tensors' shape), so only the time changes; "
+          "metrics log decode_steps. False = a fixed-length scan."),
+        F("eos_trick", True,
+          "The EOS trick (detail 23): a response with no EOS scores "
+          "missing_eos_penalty instead of the reward model's output (which "
+          "is only valid at an EOS, detail 13). False keeps the score at the "
+          "last token."),
+        F("missing_eos_penalty", -1.0,
+          "The score of a response without EOS under the EOS trick.",
+          bounds=config_schema.ANY_NUMBER),
+        F("kl_coef", 0.05,
+          "beta of the KL(pi || reference) penalty folded into the reward "
+          "(PPO per token; RLOO and REINFORCE per sequence); Table 7: 0.05. "
+          "GRPO puts its KL in the loss instead, with grpo.kl_coef.",
+          bounds=">=0"),
+        F("kl_estimator", "k1",
+          "Per-token KL estimator of the penalty: 'k1' (log ratio), 'k2', "
+          "'k3' (jaxrlhf/rl/kl.py). It shapes the reward of ppo, rloo and "
+          "reinforce; GRPO's loss always uses k3, so for grpo and "
+          "rejection_sampling it only changes the logged rlhf_reward.",
+          choices=kl_lib.KL_ESTIMATORS),
+        F("adaptive_kl", False,
+          "Adaptive KL coefficient (Ziegler et al. 2019): beta moves towards "
+          "keeping the mean per-response KL at kl_target, by at most 20% of "
+          "(responses per step / kl_horizon) per step. The coefficient is "
+          "part of the checkpointed train state. With grpo it adapts "
+          "grpo.kl_coef (the loss's KL weight); rejection_sampling has no KL "
+          "term and ignores it."),
+        F("kl_target", 6.0, "The adaptive controller's target KL.",
+          bounds=">0"),
+        F("kl_horizon", 10000, "The adaptive controller's horizon.",
+          bounds=">0"),
+        F("samples_per_prompt", None,
+          "Responses per prompt (the group size k of RLOO/GRPO, N of "
+          "rejection sampling); unset = the algorithm's default (1 for ppo "
+          "and reinforce, 4 for rloo and grpo, 8 for rejection_sampling). A "
+          "step trains on batch_size * k responses.", type=int, bounds=">0"),
+        F("num_epochs", None,
+          "Passes over each rollout batch; each pass reshuffles the "
+          "rollouts. Unset = 4 for ppo (Table 7: K = 4) and rloo (as TRL's "
+          "RLOO), 1 for the others.", type=int, bounds=">0"),
+        F("num_minibatches", 1,
+          "Minibatches (optimizer updates) per pass (Table 7: 1).",
+          bounds=">0"),
+        F("rollout_microbatches", 1,
+          "Parts a step's rollout is sampled and scored in, one after "
+          "another (each holds batch_size / this many prompts): the "
+          "rollout's activations and KV caches shrink by about this factor "
+          "(train.num_microbatches splits only the updates). The responses "
+          "differ from an unsplit rollout's (each part draws its own random "
+          "numbers) but are drawn from the same policy.", bounds=">0"),
+        F("clip_eps", 0.2,
+          "Policy ratio clipping epsilon (Table 7: 0.2); GRPO's lower "
+          "epsilon.", bounds=">0"),
+        F("pg_reduction", "sequence_sum",
+          "RLOO and REINFORCE: how per-token losses become one scalar "
+          "(jaxrlhf/rl/reductions.py); 'sequence_sum' treats the response as "
+          "one action (RLHF book 11.1.3).",
+          choices=reductions.LOSS_REDUCTIONS),
+        F("long_prompts", "cut_paragraph",
+          "Prompts longer than data.inputs_length: 'cut_paragraph' drops "
+          "trailing paragraphs (from the last newline) until the prompt fits "
+          "(detail 2; a prompt with no newline left is an error naming it); "
+          "'raise' stops at start-up naming the first one.",
+          choices=prompts_lib.LONG_PROMPT_POLICIES),
+        F("prompt_suffix", "",
+          "A prompt ending that cutting keeps (e.g. '\\n\\nTL;DR:'; a long "
+          "prompt that does not end with it is an error naming it); '' = "
+          "none (cut at the last newline)."),
+    ])
+
+
+def check_online(c) -> None:
+  """What every online algorithm needs: deterministic log-probs, and
+  rewards to train on (`online_rewards.check_rewards`)."""
+  config_schema.require(
+      c.model.dropout_rate == 0, "model.dropout_rate",
+      f"{c.model.dropout_rate}: online RL needs deterministic log-probs (PPO "
+      "details, detail 7: with dropout the ratios are not 1 before the first "
+      "update); set it to 0.")
+  online_rewards.check_rewards(c)
+
+
+def check_groups_of_two(c) -> None:
+  """RLOO and GRPO compare the responses to one prompt."""
+  config_schema.require(
+      c.online.samples_per_prompt is None or c.online.samples_per_prompt >= 2,
+      "online.samples_per_prompt",
+      f"{c.algorithm} compares the responses to one prompt; it needs at "
+      "least 2.")
+
+
+def resolve(value, default):
+  """`value`, or `default` while it is unset (None)."""
+  return default if value is None else value
+
+
+def check_rows(algorithm, config, data_parallel: int) -> None:
+  """The prompts split over the data shards, the rows of an update into
+  minibatches and micro-batches (`update.check_split`): from the config
+  alone, so that a run is refused before anything is written."""
+  training = algorithm.training
+  batch = config.train.batch_size
+  samples = resolve(config.online.samples_per_prompt,
+                     training.samples_per_prompt)
+  minibatches = config.online.num_minibatches
+  if batch % data_parallel:
+    raise ValueError(
+        f"config.train.batch_size: {batch} prompts per step cannot be split "
+        f"over {data_parallel} data-parallel shards; use a multiple of "
+        f"{data_parallel}.")
+  total = batch * samples
+  # An algorithm that selects rows refuses an impossible selection itself,
+  # naming its own field.
+  rows = (training.update_rows(config, batch, total) if training.update_rows
+          else total)
+  if rows % minibatches:
+    raise ValueError(
+        f"config.online.num_minibatches: {rows} responses per step "
+        f"(train.batch_size {batch} x {samples} per prompt"
+        f"{'' if rows == total else ', selected'}) do not split into "
+        f"{minibatches} equal minibatches.")
+  per_minibatch = rows // minibatches
+  parts = config.online.rollout_microbatches
+  if batch % parts or (batch // parts) % data_parallel:
+    raise ValueError(
+        f"config.online.rollout_microbatches: {batch} prompts per step "
+        f"(train.batch_size) must split into {parts} equal parts, each a "
+        f"multiple of the {data_parallel} data-parallel shards; use a "
+        f"divisor of {batch // data_parallel}.")
+  update_lib.check_split(
+      per_minibatch, config.train.num_microbatches, data_parallel,
+      what=(f"each minibatch update of {config.algorithm} "
+            f"({per_minibatch} responses: {rows} per step / "
+            f"online.num_minibatches {minibatches})"),
+      field="online.num_minibatches / config.train.num_microbatches")
+
+

@@ -1,0 +1,110 @@
+"""What the critic-free online algorithms share: a response's advantage
+comes from other rewards, not from a value network, and the update is the
+clipped policy gradient (`jaxrlhf.rl.policy_gradient`).
+
+Each step samples `online.samples_per_prompt` (k) responses per prompt,
+adjacent in the batch, and scores them as PPO does (EOS trick, reward at the
+EOS, log-probs at the sampling temperature; `jaxrlhf.rl.rollout`). An
+algorithm of this kind (`rloo`, `grpo`, `reinforce`) is its advantage
+function plus its `Clipping` (how the surrogate is clipped, reduced and
+regularised): `make_targets` and `make_loss` build the rest. With one
+epoch and one minibatch the ratio is 1 and the gradient is the plain policy
+gradient -A grad log pi (tests/test_rl_losses.py checks it); with more it
+keeps later updates near the sampling policy.
+"""
+
+import dataclasses
+from typing import Callable
+
+import jax.numpy as jnp
+
+from jaxrlhf.algorithms import kl_control
+from jaxrlhf.algorithms import online_step
+from jaxrlhf.rl import kl as kl_lib
+from jaxrlhf.rl import policy_gradient as policy_gradient_lib
+
+
+@dataclasses.dataclass(frozen=True)
+class Clipping:
+  """How an algorithm's clipped surrogate is reduced and regularised:
+  (eps_low, eps_high, reduction, whether its carried KL coefficient weighs
+  a KL term of the loss, the importance ratio's level and the objective of
+  `jaxrlhf.rl.policy_gradient`)."""
+  eps_low: float
+  eps_high: float
+  reduction: str
+  loss_kl: bool
+  ratio_level: str = "token"
+  objective: str = "clipped"
+
+
+def symmetric_clipping(config) -> Clipping:
+  """RLOO and REINFORCE: symmetric clipping, online.pg_reduction, the KL in
+  the reward."""
+  o = config.online
+  return Clipping(o.clip_eps, o.clip_eps, o.pg_reduction, loss_kl=False)
+
+
+def penalized_rewards(trainer, rollout, kl_coef):
+  """[rows] score - beta * KL(response) with the configured estimator."""
+  return kl_lib.kl_penalized_sequence_rewards(
+      rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask,
+      kl_coef, trainer.config.online.kl_estimator)
+
+
+def make_targets(advantages_fn: Callable):
+  """The targets of a critic-free algorithm from its advantage function
+  (trainer, state, rollout) -> ([rows], algorithm state, metrics); the
+  carried KL coefficient (if any) moves by the KL controller."""
+
+  def targets(trainer, state, rollout):
+    advantages, algorithm_state, metrics = advantages_fn(trainer, state,
+                                                         rollout)
+    data = dict(rollout.features, old_logprobs=rollout.logprobs,
+                ref_logprobs=rollout.ref_logprobs, advantages=advantages,
+                response_mask=rollout.mask)
+    metrics = dict(metrics, advantage_abs_mean=jnp.mean(jnp.abs(advantages)))
+    kl_coef = kl_control.coefficient(state)
+    if kl_coef is not None:
+      metrics[kl_control.KL_COEF] = kl_coef
+      algorithm_state = dict(
+          algorithm_state, **{kl_control.KL_COEF: kl_control.next_coefficient(
+              trainer, kl_coef, rollout)})
+    return data, algorithm_state, metrics
+
+  return targets
+
+
+def make_loss(clipping_fn: Callable):
+  """The clipped-surrogate loss of one minibatch under `clipping_fn`."""
+
+  def loss(trainer, params, minibatch, algorithm_state):
+    clipping = clipping_fn(trainer.config)
+    logprobs, entropy, mask = online_step.policy_logprobs(trainer, params,
+                                                     minibatch)
+    value, metrics = policy_gradient_lib.clipped_policy_gradient_loss(
+        logprobs, minibatch["old_logprobs"], minibatch["ref_logprobs"],
+        minibatch["advantages"], mask, clip_eps_low=clipping.eps_low,
+        clip_eps_high=clipping.eps_high,
+        kl_coef=(algorithm_state[kl_control.KL_COEF] if clipping.loss_kl
+                 else 0.0),
+        reduction=clipping.reduction,
+        max_length=trainer.online.max_new_tokens,
+        ratio_level=clipping.ratio_level, objective=clipping.objective)
+    metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(
+        jnp.sum(mask), 1.0)
+    return value, metrics
+
+  return loss
+
+
+def make_loss_count(clipping_fn: Callable):
+  """A token mean counts tokens; the other reductions are means over
+  responses (with a per-response or constant normaliser inside)."""
+
+  def count(trainer, minibatch):
+    if clipping_fn(trainer.config).reduction == "token_mean":
+      return online_step.token_count(trainer, minibatch)
+    return online_step.response_count(trainer, minibatch)
+
+  return count
