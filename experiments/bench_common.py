@@ -30,6 +30,11 @@ def add_shape_flags(p: argparse.ArgumentParser, *, optimizer: str,
   p.add_argument("--inputs_length", type=int, default=64)
   p.add_argument("--targets_length", type=int, default=64)
   p.add_argument("--vocab_size", type=int, default=32128)
+  for field in _DIMENSIONS:
+    p.add_argument(f"--{field}", type=int, default=None,
+                   help="overrides the size preset's" + (
+                       " (decoder layers; a T5's encoder too)"
+                       if field == "num_layers" else ""))
   p.add_argument("--dtype", default="float32")
   p.add_argument("--remat_policy", default="none")
   p.add_argument("--num_microbatches", type=int, default=1)
@@ -37,6 +42,27 @@ def add_shape_flags(p: argparse.ArgumentParser, *, optimizer: str,
   p.add_argument("--mesh", default="-1,1", help="data,model mesh shape")
   p.add_argument("--steps", type=int, default=steps,
                  help="timed repetitions")
+
+
+# Model dimensions a flag may override (config.model fields; num_layers is
+# num_decoder_layers, and a T5's num_encoder_layers too).
+_DIMENSIONS = ("emb_dim", "num_heads", "num_kv_heads", "head_dim", "mlp_dim",
+               "num_layers")
+
+
+def _dimension_overrides(args):
+  out = {}
+  for field in _DIMENSIONS:
+    value = getattr(args, field, None)
+    if value is None:
+      continue
+    if field == "num_layers":
+      out["model.num_decoder_layers"] = value
+      if args.arch == "t5":
+        out["model.num_encoder_layers"] = value
+    else:
+      out[f"model.{field}"] = value
+  return out
 
 
 def config_from_flags(args, algorithm: str, **overrides):
@@ -57,6 +83,7 @@ def config_from_flags(args, algorithm: str, **overrides):
       "data.inputs_length": args.inputs_length,
       "data.targets_length": args.targets_length,
       "mesh.shape": tuple(int(x) for x in args.mesh.split(",")),
+      **_dimension_overrides(args),
       **overrides,
   })
   defaults.validate(c)

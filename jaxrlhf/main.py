@@ -86,9 +86,11 @@ def main(argv):
       offline_pipeline.run(config, _WORKDIR.value)
       return
     summary = loop.train(config, _WORKDIR.value)
-  except (loop.NonFiniteError, loop.WriteError) as e:
-    # The run failed while training (a non-finite step, a full disk): its
-    # last complete checkpoint is kept, and running again resumes.
+  except (loop.NonFiniteError, loop.WriteError,
+          loop.RewardFunctionError) as e:
+    # The run failed while training (a non-finite step, a full disk, a
+    # reward function that failed on a row): its last complete checkpoint
+    # is kept, and running again resumes.
     print(f"error: {e}", file=sys.stderr)
     sys.exit(1)
   except ValueError as e:

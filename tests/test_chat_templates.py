@@ -14,6 +14,8 @@ import shutil
 import flax.linen as nn
 import jax
 import numpy as np
+import pyarrow as pa
+import pyarrow.parquet as pq
 import pytest
 import seqio
 
@@ -35,6 +37,8 @@ TEMPLATES = FIXTURES / "chat_templates"
 FAMILIES = ("qwen2_5", "qwen3", "llama3_1", "gemma3", "mistral_v0_3",
             "chatml_generation")
 TOKENIZERS = ("chat_qwen", "chat_llama3")
+TOKENIZER_CONFIG = (f"{FIXTURES}/tokenizers/chat_qwen/tokenizer_config.json "
+                    "chat_template")
 DEMONSTRATIONS = alignment_kinds.DEMONSTRATIONS
 
 
@@ -294,6 +298,50 @@ def test_pairs_from_a_prompt_and_replies_or_from_two_conversations(tmp_path):
   assert (first["margin"], second["margin"]) == (2.0, 1.0)
 
 
+def test_conversations_in_parquet_read_as_in_json_lines(tmp_path):
+  # Parquet gives every message of a column the same keys, null where a
+  # message has none: a null key is no key (as transformers drops them).
+  rows = [{"messages": [U1, A1, U2, A2]},
+          {"messages": [msg("user", "hi", name="ann"), A1]}]
+  path = tmp_path / "c.parquet"
+  pq.write_table(pa.Table.from_pylist(rows), str(path))
+  vocabulary = vocabulary_of("chat_qwen")
+
+  def read(path):
+    return file_sources.AlignmentFileSource(
+        str(path), kind=DEMONSTRATIONS, layout="messages",
+        vocabulary=vocabulary).examples()
+
+  assert read(path) == read(write_rows(tmp_path / "c.jsonl", rows))
+  pairs = [{"chosen": [U1, A1], "rejected": [msg("user", U1["content"],
+                                                 name=None), A2]}]
+  pq.write_table(pa.Table.from_pylist(pairs), str(tmp_path / "p.parquet"))
+  [pair] = file_sources.AlignmentFileSource(
+      str(tmp_path / "p.parquet"), kind="pairs", layout="messages",
+      vocabulary=vocabulary).examples()
+  assert (pair["chosen"], pair["rejected"]) == (A1["content"], A2["content"])
+
+
+def test_held_out_conversations_keep_all_their_turns(tmp_path):
+  """A later turn's prompt holds the earlier turns: a conversation is held
+  out whole, so no trained prompt is a prefix of a held-out one."""
+  rows = [{"messages": [msg("user", f"count to {n}."), msg("assistant", "one"),
+                        U2, A2]} for n in range(6)]
+  source = file_sources.AlignmentFileSource(
+      write_rows(tmp_path / "c.jsonl", rows), kind=DEMONSTRATIONS,
+      layout="messages", vocabulary=vocabulary_of("chat_qwen"))
+  held = file_tasks.HeldOutPrompts(source, {"validation": 2}, seed=0)
+
+  def prompts(split):
+    return [ex["prompt"].decode() for ex in held.get_dataset(
+        split, shuffle=False).as_numpy_iterator()]
+
+  train, validation = prompts("train"), prompts("validation")
+  assert (len(train), len(validation)) == (8, 4)
+  assert not any(a.startswith(b) or b.startswith(a)
+                 for a in train for b in validation)
+
+
 def test_bad_conversations_are_reported_with_file_row_and_fix(tmp_path):
   vocabulary = vocabulary_of("chat_qwen")
   rows = [
@@ -304,12 +352,14 @@ def test_bad_conversations_are_reported_with_file_row_and_fix(tmp_path):
       {"prompt": [U1], "chosen": [A1, A2], "rejected": [A1]},
       {"messages": [U1, A1, U2, A2]},
       {"prompt": [U1], "chosen": [A1], "rejected": [A2]},
+      {"messages": [A1, U1, A2]},
   ]
   path = write_rows(tmp_path / "bad.jsonl", rows)
   demos = file_sources.AlignmentFileSource(
       path, kind=DEMONSTRATIONS, layout="messages", vocabulary=vocabulary,
       on_bad_row="skip_and_report")
-  assert len(demos.examples()) == 2  # the last row's two replies
+  # Row 6's two replies and row 8's second.
+  assert len(demos.examples()) == 3
   assert [str(b) for b in demos.bad_rows()] == [
       f"{path}: row 1: wrong_type: column 'messages' must be a non-empty "
       "list of messages, objects with a 'role' and a 'content'.",
@@ -322,12 +372,15 @@ def test_bad_conversations_are_reported_with_file_row_and_fix(tmp_path):
       f"{path}: row 5: missing_field: no conversation: neither column "
       "'messages' nor both 'prompt' and 'completion'.",
       f"{path}: row 7: missing_field: no conversation: neither column "
-      "'messages' nor both 'prompt' and 'completion'."]
+      "'messages' nor both 'prompt' and 'completion'.",
+      f"{path}: row 8: chat_template_error: messages[0]: the chat template "
+      f"({TOKENIZER_CONFIG}) refused the conversation: no message to render "
+      "(an assistant reply needs a message before it)."]
   pairs = file_sources.AlignmentFileSource(
       path, kind="pairs", layout="messages", vocabulary=vocabulary,
       on_bad_row="skip_and_report")
-  assert len(pairs.examples()) == 1  # the last row
-  assert pairs.bad_row_counts() == {"missing_field": 4, "prompts_differ": 1,
+  assert len(pairs.examples()) == 1  # row 7
+  assert pairs.bad_row_counts() == {"missing_field": 5, "prompts_differ": 1,
                                     "wrong_type": 1}
   assert str(pairs.bad_rows()[4]) == (
       f"{path}: row 5: wrong_type: column 'chosen' must hold one assistant "

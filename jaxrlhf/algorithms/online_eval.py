@@ -1,7 +1,7 @@
 """How online algorithms are judged: against the reference, as every policy
-algorithm is (`policy_eval`), plus the reward model's mean score of the
-same samples (the proxy reward, to set against the gold reward when looking
-for over-optimisation)."""
+algorithm is (`policy_eval`), plus, for a run with a reward model, its mean
+score of the same samples (the proxy reward, to set against the gold reward
+when looking for over-optimisation)."""
 
 from typing import Dict
 
@@ -14,7 +14,7 @@ from jaxrlhf.eval import evaluation
 def evaluate(trainer, state) -> Dict[str, float]:
   metrics = policy_eval.against_reference(trainer, state)
   prompts = policy_eval.eval_prompts(trainer)
-  if prompts is None:
+  if prompts is None or not online_rewards.uses_reward_model(trainer.config):
     return metrics
   tokens = prompts[0]
   cfg = trainer.config

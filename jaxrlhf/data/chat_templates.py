@@ -53,7 +53,6 @@ close its turn and then stop where sampling stops.
 """
 
 import contextvars
-import dataclasses
 import datetime
 import json
 import os
@@ -66,6 +65,8 @@ import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
 import tensorflow as tf
+
+from jaxrlhf.data import hf_tokenizer
 
 # Where transformers (>= 4.51) saves a tokenizer's single template.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -183,7 +184,7 @@ def _environment() -> jinja2.Environment:
 _ENV = _environment()
 
 
-def _message_for_template(message: Mapping[str, Any]) -> Dict[str, Any]:
+def message_for_template(message: Mapping[str, Any]) -> Dict[str, Any]:
   """A message as transformers hands it to the template: null-valued keys
   dropped, its reasoning under `reasoning_content` and `thinking` too."""
   out = {key: value for key, value in message.items() if value is not None}
@@ -228,12 +229,16 @@ class ChatTemplate:
 
   def _context(self, messages, add_generation_prompt, tools, documents,
                variables) -> Dict[str, Any]:
+    if not messages:
+      # As transformers: templates read messages[0].
+      raise ChatTemplateError("no message to render (an assistant reply "
+                              "needs a message before it).")
     for i, message in enumerate(messages):
       if not isinstance(message, Mapping):
         raise ChatTemplateError(f"message {i} is a {type(message).__name__}, "
                                 "not an object with 'role' and 'content'.")
     return {**self.special_tokens, **self.variables, **variables,
-            "messages": [_message_for_template(m) for m in messages],
+            "messages": [message_for_template(m) for m in messages],
             "tools": None if tools is None else list(tools),
             "documents": None if documents is None else list(documents),
             "add_generation_prompt": bool(add_generation_prompt)}
@@ -335,19 +340,13 @@ def assistant_turns(messages: Sequence[Mapping[str, Any]]) -> List[int]:
 
 # --- loading --------------------------------------------------------------------
 
+# `from_files`' default EOS text: the tokenizer_config.json's eos_token.
+_CONFIG_EOS = object()
+
 
 def _read_text(path: str) -> str:
   with tf.io.gfile.GFile(path, "r") as f:
     return f.read()
-
-
-def _token_text(entry: Any) -> Optional[str]:
-  """tokenizer_config.json stores a token as a string or an AddedToken dict."""
-  if isinstance(entry, str):
-    return entry
-  if isinstance(entry, Mapping) and isinstance(entry.get("content"), str):
-    return entry["content"]
-  return None
 
 
 def special_tokens_of(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
@@ -355,7 +354,7 @@ def special_tokens_of(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
   tokenizer_config.json (the null or absent ones left out)."""
   out = {}
   for name in SPECIAL_TOKEN_NAMES:
-    text = _token_text(tokenizer_config.get(name))
+    text = hf_tokenizer.token_content(tokenizer_config.get(name))
     if text is not None:
       out[name] = text
   return out
@@ -386,7 +385,7 @@ def from_files(tokenizer_file: Optional[str] = None, *,
                template_file: str = "",
                tokenizer_config: Optional[Mapping[str, Any]] = None,
                variables: Optional[Mapping[str, Any]] = None,
-               eos_text: Any = "eos_token") -> ChatTemplate:
+               eos_text: Any = _CONFIG_EOS) -> ChatTemplate:
   """The chat template of a tokenizer's files (module docstring).
 
   Args:
@@ -431,7 +430,7 @@ def from_files(tokenizer_file: Optional[str] = None, *,
           "tokenizer_config.json (or chat_template.jinja) next to the "
           "tokenizer, or set config.data.files.chat_template to a Jinja "
           "file.")
-  if eos_text == "eos_token":
+  if eos_text is _CONFIG_EOS:
     eos_text = special_tokens.get("eos_token")
   return ChatTemplate(source, special_tokens=special_tokens,
                       variables=variables, eos_text=eos_text, origin=origin)
@@ -450,7 +449,6 @@ def for_vocabulary(vocabulary, template_file: str = "",
       tokenizer's own special tokens to every text it encodes (the template
       writes them: Llama 3's `<|begin_of_text|>` would come twice).
   """
-  from jaxrlhf.data import hf_tokenizer  # pylint: disable=g-import-not-at-top
   if isinstance(vocabulary, hf_tokenizer.HFTokenizerVocabulary):
     if vocabulary.add_special_tokens:
       raise ValueError(

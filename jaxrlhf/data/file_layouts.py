@@ -612,7 +612,9 @@ def _messages_pairs(record, ctx: RowContext) -> RowResult:
                      f"a {messages[-1]['role']!r} message.")
         return
     context = conversations["chosen"][:-1]
-    if context != conversations["rejected"][:-1]:
+    if ([chat_templates.message_for_template(m) for m in context] !=
+        [chat_templates.message_for_template(m)
+         for m in conversations["rejected"][:-1]]):
       yield BadRow("prompts_differ", "the chosen and rejected conversations "
                    "differ before their last message.")
       return

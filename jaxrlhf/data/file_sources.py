@@ -185,6 +185,8 @@ class SplitData:
   bad_row_counts: Dict[str, int]
   bad_rows: List[BadRowRecord]
   files: List[str]
+  # (file index, row) each example came from.
+  origins: List[Tuple[int, int]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -382,6 +384,7 @@ class AlignmentFileSource(seqio.DataSource):
     """Reads, parses and checks every row of a split's files (one pass)."""
     files = expand_paths(self._split_paths[split])
     examples: List[dict] = []
+    origins: List[Tuple[int, int]] = []
     counts: Dict[str, int] = {}
     kept: List[BadRowRecord] = []
     num_rows = 0
@@ -417,11 +420,12 @@ class AlignmentFileSource(seqio.DataSource):
               kept.append(record_)
           else:
             examples.append(item)
+            origins.append((file_index, row))
     columns = {field: [ex[field] for ex in examples]
                for field in self.kind.fields + self.extra_columns}
     data = SplitData(columns=columns, num_examples=len(examples),
                      num_rows=num_rows, bad_row_counts=counts, bad_rows=kept,
-                     files=files)
+                     files=files, origins=origins)
     self._log_summary(split, data)
     if not examples:
       raise ValueError(
@@ -508,6 +512,16 @@ class AlignmentFileSource(seqio.DataSource):
             **data.columns, "prompt_weight": [float(w) for w in weights]})
       self._loaded[split] = data
     return self._loaded[split]
+
+  def row_prompts(self, split: str = "train") -> List[str]:
+    """Per example, the prompt of the first example its file row gave: the
+    prompt it is held out with (`file_tasks.HeldOutPrompts`), so that the
+    turns of one conversation, whose later prompts hold the earlier
+    replies, stay in one split. Other layouts' rows give one prompt."""
+    data = self.load(split)
+    first: Dict[Tuple[int, int], str] = {}
+    return [first.setdefault(origin, prompt) for origin, prompt
+            in zip(data.origins, data.columns[kinds_lib.PROMPT])]
 
   def bad_row_metrics(self) -> Dict[str, float]:
     """The bad-row counts of every split read so far, as metrics:

@@ -112,8 +112,10 @@ class HeldOutPrompts(seqio.DataSource):
   a hash of (seed, prompt text), so the choice does not depend on file
   order; the first `counts["test"]` are the "test" split, the next
   `counts["validation"]` the "validation" split, and every row of any other
-  prompt stays in "train". Reward normalisation and pair weights are the
-  wrapped source's, over all its rows.
+  prompt stays in "train". The turns of a conversation (layout "messages")
+  go with its first prompt (`AlignmentFileSource.row_prompts`): a later
+  turn's prompt holds the earlier replies. Reward normalisation and pair
+  weights are the wrapped source's, over all its rows.
 
   Args:
     source: an `AlignmentFileSource` with a "train" split.
@@ -140,7 +142,8 @@ class HeldOutPrompts(seqio.DataSource):
   def _split_of_rows(self) -> np.ndarray:
     """[rows of the wrapped "train"] the split index (in `self.splits`)."""
     if self._assignment is None:
-      prompts = self.inner.load("train").columns[alignment_kinds.PROMPT]
+      # A conversation's turns go with its first prompt.
+      prompts = self.inner.row_prompts("train")
       distinct = sorted(set(prompts), key=lambda p: hashlib.sha256(
           f"{self.seed}\0{p}".encode("utf-8")).hexdigest())
       wanted = sum(self.counts.values())

@@ -79,7 +79,7 @@ SEQIO_PAD_ID = seqio.vocabularies.PAD_ID
 _UNSET = object()
 
 
-def _token_content(entry: Any) -> Optional[str]:
+def token_content(entry: Any) -> Optional[str]:
   """tokenizer_config.json stores a token as a string or an AddedToken dict."""
   if entry is None or isinstance(entry, str):
     return entry
@@ -284,7 +284,7 @@ class HFTokenizerVocabulary(seqio.Vocabulary):
     if explicit_none:
       return None
     key = f"{kind}_token"
-    content = _token_content(config.get(key)) if key in config else None
+    content = token_content(config.get(key)) if key in config else None
     if content is not None:
       token_id = self._tokenizer.token_to_id(content)
       if token_id is None:

@@ -14,8 +14,15 @@ axis of a mesh that shards `heads` (Llama 3 8B has 8 key/value heads and 32
 query heads), so a sharding plan may replicate it or shard it differently.
 
 Attention is split into projection (`Attention`), position encoding
-(`apply_rotary_embedding`) and the score/softmax/sum core (`attend`), with the
-mask built once per forward pass (`causal_padding_mask`). The KV cache for
+(`apply_rotary_embedding`) and the score/softmax/sum core (`attend`). A
+forward pass over whole sequences describes its mask once, as
+`CausalSegments`: causal attention within each row's segments, one per row
+unpacked (the attention mask's real tokens), one per packed example with
+packing's `segment_ids` (positions then restart at each segment). The XLA
+paths build the [length, length] mask from it (`causal_padding_mask` is
+the unpacked case); the fused kernels (`attention_impl` 'splash' on TPU,
+'dot_product_cudnn' on GPU; `fused_attention`) take the segment ids
+themselves and never build it. The KV cache for
 incremental decoding slots in between rotary and `attend`: with a
 `cache_index`, `Attention` writes the rotated keys and the values into the
 flax "cache" collection (`cached_key` / `cached_value` [batch, kv_heads, T,
@@ -46,10 +53,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import checks
+from jaxrlhf.models import fused_attention
 
 Array = jax.Array
 
-ATTENTION_IMPLS = ("xla", "dot_product", "dot_product_cudnn")
+ATTENTION_IMPLS = ("xla", "dot_product", "dot_product_cudnn", "splash")
+# The implementations that take Gemma's attention-logit soft cap.
+SOFTCAP_IMPLS = ("xla", "splash")
 
 # 'none' keeps every activation; 'full' recomputes the whole layer in the
 # backward pass; the rest are jax.checkpoint_policies names.
@@ -278,24 +288,58 @@ def positions_from_mask(attention_mask: Array) -> Array:
   return jnp.maximum(jnp.cumsum(mask, axis=-1) - 1, 0).astype(jnp.int32)
 
 
+@functools.partial(jax.tree_util.register_dataclass,
+                   data_fields=["segment_ids"],
+                   meta_fields=["max_runs", "cache_length"])
+@dataclasses.dataclass(frozen=True)
+class CausalSegments:
+  """Causal self-attention within segments: query q may attend to key k
+  when k <= q and both are in one segment (and, with a sliding window, q - k
+  < window). Segment id 0 is padding, every pad a segment of its own: a pad
+  attends to itself only (a fully masked softmax row would be a uniform
+  average, or NaN in fused kernels) and nothing attends to a pad.
+
+  Attributes:
+    segment_ids: int [batch, length]; unpacked rows pass the attention mask
+      (1 = real), packed rows packing's ids (1, 2, ... per example).
+    max_runs: packing's static bound on the runs of equal ids in a row (its
+      examples + 1, the padding), which cuDNN's packed layout needs; None
+      for the attention mask's one segment.
+    cache_length: a prefill's KV cache length T (`DecoderOnly.decode_step`
+      at cache index 0): the layers write their keys and values into a new
+      cache of T positions and attend over their own.
+  """
+  segment_ids: Array
+  max_runs: Optional[int] = None
+  cache_length: Optional[int] = None
+
+  def dense(self, window=None) -> Array:
+    """bool [batch, 1, length, length] (query, key)."""
+    ids = fused_attention.kernel_segment_ids(self.segment_ids)
+    length = ids.shape[-1]
+    causal = np.tril(np.ones((length, length), dtype=bool))
+    mask = causal[None] & (ids[:, :, None] == ids[:, None, :])
+    if window is not None:
+      mask = mask & window_mask(length, length, window)[None]
+    return mask[:, None]
+
+
 def causal_padding_mask(attention_mask: Array) -> Array:
   """Which keys each query may attend to: earlier-or-same real tokens.
 
   Every query may also attend to itself, even a pad: a left-pad query has no
   earlier real key, and a fully masked softmax row would otherwise be a
   uniform average (or NaN in fused kernels) whose gradient is wasted work at
-  best. Real queries are unaffected (they are real keys themselves).
+  best. Real queries are unaffected (they are real keys themselves). This is
+  `CausalSegments` of the attention mask.
 
   Args:
     attention_mask: [batch, length], 1 = real token, 0 = pad.
   Returns:
     bool [batch, 1, length, length] (query, key).
   """
-  real = jnp.asarray(attention_mask).astype(bool)
-  length = real.shape[-1]
-  causal = np.tril(np.ones((length, length), dtype=bool))
-  mask = (causal[None] & real[:, None, :]) | np.eye(length, dtype=bool)[None]
-  return mask[:, None]
+  real = jnp.asarray(attention_mask).astype(jnp.int32)
+  return CausalSegments(jnp.minimum(real, 1)).dense()
 
 
 def softcap(x: Array, cap: Optional[float]) -> Array:
@@ -306,10 +350,12 @@ def softcap(x: Array, cap: Optional[float]) -> Array:
   return jnp.tanh(x / cap) * cap
 
 
-def attend(query: Array, key: Array, value: Array, mask: Array, *,
+def attend(query: Array, key: Array, value: Array, mask, *,
            impl: str = "xla", scale: Optional[float] = None,
            logit_softcap: Optional[float] = None,
-           cache_layout: bool = False) -> Array:
+           cache_layout: bool = False, window=None,
+           window_choices: Optional[Sequence[Optional[int]]] = None
+           ) -> Array:
   """softmax(softcap(q k^T * scale) + mask) v with grouped key/value heads.
 
   Args:
@@ -318,13 +364,23 @@ def attend(query: Array, key: Array, value: Array, mask: Array, *,
       and query head h reads key/value head h // (heads // kv_heads). With
       `cache_layout` they are [batch, kv_heads, kv_length, head_dim], the KV
       cache's layout (`update_kv_cache`), read in place.
-    mask: bool [batch, 1, q_length, kv_length], True = may attend.
+    mask: bool [batch, 1, q_length, kv_length], True = may attend; or
+      `CausalSegments` (self-attention, q_length == kv_length), narrowed by
+      `window`.
     impl: 'xla' (einsums, softmax in float32), 'dot_product'
-      (`jax.nn.dot_product_attention`, letting JAX pick the kernel), or
-      'dot_product_cudnn' (its cuDNN fused kernel; GPU only).
+      (`jax.nn.dot_product_attention`, letting JAX pick the kernel),
+      'dot_product_cudnn' (its cuDNN fused kernel; GPU only; with packing's
+      segment ids cuDNN's packed layout, `fused_attention.cudnn`), or
+      'splash' (Pallas splash attention, TPU; interpreted elsewhere;
+      `fused_attention.splash`). The fused kernels read `CausalSegments`
+      without building the [length, length] mask; given a dense mask (a
+      decode step), 'splash' computes with the einsums of 'xla'.
     scale: the logits' multiplier (None: 1 / sqrt(head_dim)).
     logit_softcap: cap of the logits (`softcap`, before the mask); 'xla'
-      only.
+      and 'splash' (SOFTCAP_IMPLS).
+    window: with `CausalSegments`: None, or the keys fewer than `window`
+      slots back (a Python int, or a traced one of `window_choices`, the
+      windows of a scanned stack's layers).
   Returns:
     [batch, q_length, heads, head_dim] in query's dtype.
   """
@@ -332,10 +388,26 @@ def attend(query: Array, key: Array, value: Array, mask: Array, *,
   kv_heads = key.shape[1 if cache_layout else 2]
   if scale is None:
     scale = 1.0 / np.sqrt(head_dim)
-  if logit_softcap is not None and impl != "xla":
+  if impl not in ATTENTION_IMPLS:
+    raise ValueError(f"attention_impl={impl!r} is not supported; choose one "
+                     f"of {list(ATTENTION_IMPLS)}.")
+  if logit_softcap is not None and impl not in SOFTCAP_IMPLS:
     raise ValueError(f"attention_impl={impl!r} cannot soft-cap attention "
-                     "logits; use 'xla'.")
-  if impl == "xla" or cache_layout:
+                     f"logits; use one of {list(SOFTCAP_IMPLS)}.")
+  if isinstance(mask, CausalSegments):
+    if impl == "splash":
+      return fused_attention.splash(
+          query, key, value, mask.segment_ids, scale=scale, window=window,
+          window_choices=window_choices, logit_softcap=logit_softcap)
+    if impl == "dot_product_cudnn" and mask.max_runs is not None:
+      return fused_attention.cudnn(query, key, value, mask.segment_ids,
+                                   max_runs=mask.max_runs, scale=scale,
+                                   window=window)
+    mask = mask.dense(window)
+  elif window is not None:
+    raise ValueError("attend: a window narrows CausalSegments only; narrow a "
+                     "dense mask with window_mask.")
+  if impl in ("xla", "splash") or cache_layout:
     # Decoding reads the cache in its own layout with these einsums (one
     # query position: a fused kernel gains nothing there).
     kv = "bksh" if cache_layout else "bskh"
@@ -348,13 +420,10 @@ def attend(query: Array, key: Array, value: Array, mask: Array, *,
     probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
     out = jnp.einsum(f"bkgts,{kv}->btkgh", probs, value)
     return out.reshape(batch, q_len, heads, head_dim)
-  if impl in ("dot_product", "dot_product_cudnn"):
-    implementation = "cudnn" if impl == "dot_product_cudnn" else None
-    return jax.nn.dot_product_attention(
-        query, key, value, mask=mask, scale=scale,
-        implementation=implementation).astype(query.dtype)
-  raise ValueError(f"attention_impl={impl!r} is not supported; choose one of "
-                   f"{list(ATTENTION_IMPLS)}.")
+  implementation = "cudnn" if impl == "dot_product_cudnn" else None
+  return jax.nn.dot_product_attention(
+      query, key, value, mask=mask, scale=scale,
+      implementation=implementation).astype(query.dtype)
 
 
 def cache_mask(attention_mask: Array, cache_index, length: int) -> Array:
@@ -510,9 +579,10 @@ class Attention(nn.Module):
   @nn.compact
   def __call__(self, x: Array, positions: Array, mask: Array,
                cache_index: Optional[Array] = None, layer=None) -> Array:
-    """x [batch, length, embed], positions [batch, length], mask from
-    `causal_padding_mask` -> [batch, length, embed]. `layer`: this layer's
-    index in the stack, with `layer_kinds` (`layer_rope_and_window`).
+    """x [batch, length, embed], positions [batch, length], mask the
+    forward pass's `CausalSegments` (or a dense bool [batch, 1, length,
+    length]) -> [batch, length, embed]. `layer`: this layer's index in the
+    stack, with `layer_kinds` (`layer_rope_and_window`).
 
     With `cache_index` (incremental decoding; apply with mutable=["cache"]):
     the rotated keys and the values of the `length` inputs are written at
@@ -520,7 +590,9 @@ class Attention(nn.Module):
     `cached_value` [batch, kv_heads, T, head_dim], T = mask.shape[-1]
     (created as zeros on the first call), and the queries attend over all T
     cached positions; `mask` [batch, 1, length, T] (from `cache_mask`) hides
-    the pads and the positions not written yet.
+    the pads and the positions not written yet. A prefill may instead pass
+    `CausalSegments` with their cache_length T: the cache is written the
+    same way and the queries attend over their own keys.
     """
     def projection(heads, head_axis, name):
       return DenseGeneral((heads, self.head_dim), ("embed", head_axis, "kv"),
@@ -545,18 +617,33 @@ class Attention(nn.Module):
     query = nn.with_logical_constraint(query, ("batch", "length", "heads", "kv"))
     key = nn.with_logical_constraint(key, kv_axes)
     value = nn.with_logical_constraint(value, kv_axes)
-    cached = cache_index is not None
-    if cached:
-      key = update_kv_cache(self, "cached_key", key, cache_index,
-                            mask.shape[-1], "kv_heads")
-      value = update_kv_cache(self, "cached_value", value, cache_index,
-                              mask.shape[-1], "kv_heads")
-    if window is not None:
+    segments = isinstance(mask, CausalSegments)
+    if cache_index is not None:
+      # A prefill described by CausalSegments (`DecoderOnly.decode_step`)
+      # fills the cache and attends over its own keys, which are all the
+      # cache holds yet; other calls attend over the whole cache.
+      cache_length = mask.cache_length if segments else mask.shape[-1]
+      if cache_length is None:
+        raise ValueError("A KV-cache call with CausalSegments must give "
+                         "their cache_length (a prefill).")
+      cached_key = update_kv_cache(self, "cached_key", key, cache_index,
+                                   cache_length, "kv_heads")
+      cached_value = update_kv_cache(self, "cached_value", value,
+                                     cache_index, cache_length, "kv_heads")
+      if not segments:
+        key, value = cached_key, cached_value
+    window_choices = None
+    if segments:
+      if window is not None and not isinstance(window, (int, np.integer)):
+        window_choices = tuple(k.sliding_window for k in self.layer_kinds)
+    elif window is not None:
       mask = mask & window_mask(mask.shape[-2], mask.shape[-1], window,
                                 cache_index)
+      window = None
     out = attend(query, key, value, mask, impl=self.attention_impl,
                  scale=self.query_scale, logit_softcap=self.logit_softcap,
-                 cache_layout=cached)
+                 cache_layout=cache_index is not None and not segments,
+                 window=window, window_choices=window_choices)
     out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
     return DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
                         num_in_axes=2, use_bias=self.out_bias,
@@ -951,6 +1038,24 @@ def run_layer_stack(layers, x: Array, *args,
   return x
 
 
+def self_attention_segments(attention_mask: Array,
+                            segment_ids: Optional[Array] = None,
+                            max_segments: Optional[int] = None
+                            ) -> CausalSegments:
+  """The `CausalSegments` of a forward pass over whole sequences: the
+  attention mask's real tokens as one segment, or packing's segment ids
+  (`max_segments` examples at most per row)."""
+  if segment_ids is None:
+    real = jnp.minimum(jnp.asarray(attention_mask).astype(jnp.int32), 1)
+    return CausalSegments(real)
+  segment_ids = jnp.asarray(segment_ids).astype(jnp.int32)
+  if segment_ids.shape != jnp.shape(attention_mask):
+    raise ValueError(f"segment_ids has shape {segment_ids.shape}, the "
+                     f"attention mask {jnp.shape(attention_mask)}.")
+  return CausalSegments(
+      segment_ids, None if max_segments is None else max_segments + 1)
+
+
 def check_decoder_inputs(tokens, positions, attention_mask):
   """Shapes of the common decoder-only call, checked at trace time."""
   for name, arr in (("tokens", tokens), ("positions", positions),
@@ -1000,17 +1105,23 @@ class DecoderOnly(nn.Module):
       self.logits_dense = OutputDense(cfg.vocab_size, dtype)
 
   def hidden_states(self, tokens: Array, positions: Array,
-                    attention_mask: Array) -> Array:
+                    attention_mask: Array, segment_ids: Optional[Array] = None,
+                    max_segments: Optional[int] = None) -> Array:
     """The normalised last-layer states [batch, length, embed] (compute dtype).
 
     Args:
       tokens: int [batch, length].
       positions: int [batch, length]; `positions_from_mask(attention_mask)`
-        makes left- and right-padded rows agree.
+        makes left- and right-padded rows agree; packed rows restart them
+        at each example.
       attention_mask: [batch, length], 1 = real token, 0 = pad.
+      segment_ids: packed rows: int [batch, length], 1, 2, ... per example
+        (contiguous), 0 on padding; a token attends within its example.
+      max_segments: with `segment_ids`, the static bound on a row's examples
+        (the fused kernels' layouts need it).
     """
     check_decoder_inputs(tokens, positions, attention_mask)
-    mask = causal_padding_mask(attention_mask)
+    mask = self_attention_segments(attention_mask, segment_ids, max_segments)
     x = self.embed(tokens)
     x = run_layer_stack(self.layers, x, positions, mask, None,
                         layer_count=self._layer_count())
@@ -1048,7 +1159,17 @@ class DecoderOnly(nn.Module):
     Returns:
       float32 logits [batch, vocab] of the last of the L inputs.
     """
-    mask = cache_mask(attention_mask, cache_index, tokens.shape[-1])
+    length = tokens.shape[-1]
+    if (self.config.attention_impl == "splash"
+        and isinstance(cache_index, int) and cache_index == 0
+        and length > 1):
+      # A prefill through the fused kernel: the prompt's causal attention
+      # over its own keys, the padding on the left its own segments.
+      mask = CausalSegments(
+          jnp.minimum(jnp.asarray(attention_mask)[:, :length], 1).astype(
+              jnp.int32), cache_length=attention_mask.shape[-1])
+    else:
+      mask = cache_mask(attention_mask, cache_index, length)
     x = self.embed(tokens)
     x = run_layer_stack(self.layers, x, positions, mask, cache_index,
                         layer_count=self._layer_count())
@@ -1067,11 +1188,13 @@ class DecoderOnly(nn.Module):
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
 
   def __call__(self, tokens: Array, positions: Array,
-               attention_mask: Array) -> Array:
-    """tokens, positions, attention_mask [batch, length] -> float32 logits
-    [batch, length, vocab]."""
+               attention_mask: Array, segment_ids: Optional[Array] = None,
+               max_segments: Optional[int] = None) -> Array:
+    """tokens, positions, attention_mask [batch, length] (and packed rows'
+    segment_ids) -> float32 logits [batch, length, vocab]."""
     return self.logits_from_hidden(
-        self.hidden_states(tokens, positions, attention_mask))
+        self.hidden_states(tokens, positions, attention_mask, segment_ids,
+                           max_segments))
 
 
 def _stack(*xs):
@@ -1141,10 +1264,13 @@ class CausalLM(nn.Module):
                                **self.decoder_options())
 
   def hidden_states(self, tokens: Array, positions: Array,
-                    attention_mask: Array) -> Array:
+                    attention_mask: Array, segment_ids: Optional[Array] = None,
+                    max_segments: Optional[int] = None) -> Array:
     """[batch, length] inputs -> final normalised states [batch, length,
-    embed] in the compute dtype."""
-    return self.decoder.hidden_states(tokens, positions, attention_mask)
+    embed] in the compute dtype; packed rows also pass their segment_ids
+    (`DecoderOnly.hidden_states`)."""
+    return self.decoder.hidden_states(tokens, positions, attention_mask,
+                                      segment_ids, max_segments)
 
   def logits_from_hidden(self, hidden: Array) -> Array:
     """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
@@ -1158,7 +1284,9 @@ class CausalLM(nn.Module):
                                     cache_index)
 
   def __call__(self, tokens: Array, positions: Array,
-               attention_mask: Array) -> Array:
-    """tokens, positions, attention_mask [batch, length] -> float32 logits
-    [batch, length, vocab]."""
-    return self.decoder(tokens, positions, attention_mask)
+               attention_mask: Array, segment_ids: Optional[Array] = None,
+               max_segments: Optional[int] = None) -> Array:
+    """tokens, positions, attention_mask [batch, length] (and packed rows'
+    segment_ids) -> float32 logits [batch, length, vocab]."""
+    return self.decoder(tokens, positions, attention_mask, segment_ids,
+                        max_segments)

@@ -21,6 +21,11 @@ and to the t5x layout that checkpoints hold), `attention_impl='dot_product'`
 uses `jax.nn.dot_product_attention` with the relative-position and mask bias
 as its `bias`, and `remat_policy` rematerialises layers.
 
+Packing (t5x's packed layout): `encoder_segment_ids` and
+`decoder_segment_ids` confine every attention to one example of a packed
+row; the relative-position bias is unchanged, an example's tokens being
+contiguous.
+
 Incremental decoding: `T5.decode_step` keeps a KV cache in the flax "cache"
 collection (self-attention keys/values per decoder position, the encoder's
 cross-attention keys/values projected once); the relative-position bias of a
@@ -40,7 +45,8 @@ from jaxrlhf import checks
 from jaxrlhf.models import family
 from jaxrlhf.models import layers as layers_lib
 
-# T5's attention has no cuDNN variant (its bias is relative-position).
+# T5's attention adds a learned relative-position bias to every logit;
+# the fused kernels of the decoder-only families take no such bias.
 ATTENTION_IMPLS = ("xla", "dot_product")
 
 
@@ -82,6 +88,13 @@ class T5Config:
   attention_impl: str = "xla"
 
   def __post_init__(self):
+    if self.attention_impl in ("splash", "dot_product_cudnn"):
+      raise ValueError(
+          f"T5Config.attention_impl={self.attention_impl!r}: T5 adds a "
+          "learned relative-position bias to every attention logit, and "
+          "neither splash attention nor cuDNN's flash path takes an "
+          "arbitrary bias; use 'dot_product' (jax.nn.dot_product_attention "
+          "with the bias) or 'xla'.")
     checks.check_choice("T5Config", "attention_impl",
                         self.attention_impl, ATTENTION_IMPLS)
     checks.check_choice("T5Config", "remat_policy",
@@ -199,12 +212,23 @@ def _embedding(cfg):
                           attend_dtype=jnp.float32)
 
 
+def same_segment(mask, query_segment_ids, key_segment_ids):
+  """`mask` [batch, 1, q, k] AND query and key in one packed example (t5x's
+  packing: `encoder_segment_ids`, `decoder_segment_ids`); `mask` itself
+  without segment ids. The relative-position bias needs nothing more: a
+  packed example's tokens are contiguous, so their offsets are its own."""
+  if query_segment_ids is None:
+    return mask
+  return mask & (query_segment_ids[:, None, :, None]
+                 == key_segment_ids[:, None, None, :])
+
+
 class Encoder(nn.Module):
   config: T5Config
   shared_embedding: nn.Module
 
   @nn.compact
-  def __call__(self, tokens, deterministic=True):
+  def __call__(self, tokens, deterministic=True, segment_ids=None):
     cfg = self.config
     length = tokens.shape[-1]
     bias = layers_lib.RelativePositionBias(
@@ -212,8 +236,9 @@ class Encoder(nn.Module):
         bidirectional=True, dtype=cfg.compute_dtype, name="relpos_bias")(
             length, length)
     valid = tokens > 0
-    bias = layers_lib.mask_to_bias(layers_lib.pairwise_mask(valid, valid),
-                                   cfg.compute_dtype) + bias
+    mask = same_segment(layers_lib.pairwise_mask(valid, valid), segment_ids,
+                        segment_ids)
+    bias = layers_lib.mask_to_bias(mask, cfg.compute_dtype) + bias
     x = self.shared_embedding(tokens)
     x = _residual_dropout(cfg, x, deterministic)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -230,21 +255,29 @@ class Decoder(nn.Module):
   @nn.compact
   def __call__(self, encoded, encoder_tokens, decoder_input_tokens,
                decoder_valid, deterministic=True, return_hidden=False,
-               cache_index=None, cache_length=None):
+               cache_index=None, cache_length=None,
+               encoder_segment_ids=None, decoder_segment_ids=None):
     """Teacher-forced decoding, or with `cache_index` one incremental step.
 
     Incremental: `decoder_input_tokens` [batch, L] sit at positions
     cache_index .. cache_index + L - 1 of a KV cache of `cache_length`
     positions; every earlier position is a valid key (t5x's decode mode).
+    Packed rows (teacher-forced) pass both segment ids: a decoder token
+    attends to its own example's decoder tokens and encoder tokens.
     """
     cfg = self.config
     length = decoder_input_tokens.shape[-1]
     relpos = layers_lib.RelativePositionBias(
         cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
         bidirectional=False, dtype=cfg.compute_dtype, name="relpos_bias")
+    if (encoder_segment_ids is None) != (decoder_segment_ids is None):
+      raise ValueError("Packed T5 rows need both encoder_segment_ids and "
+                       "decoder_segment_ids.")
     if cache_index is None:
-      self_mask = layers_lib.pairwise_mask(decoder_valid, decoder_valid,
-                                           causal=True)
+      self_mask = same_segment(
+          layers_lib.pairwise_mask(decoder_valid, decoder_valid,
+                                   causal=True),
+          decoder_segment_ids, decoder_segment_ids)
       bias = relpos(length, length)
     else:
       if cache_length is None:
@@ -256,7 +289,9 @@ class Decoder(nn.Module):
       bias = relpos(length, cache_length, query_offset=cache_index)
     self_bias = layers_lib.mask_to_bias(self_mask, cfg.compute_dtype) + bias
     cross_bias = layers_lib.mask_to_bias(
-        layers_lib.pairwise_mask(decoder_valid, encoder_tokens > 0),
+        same_segment(layers_lib.pairwise_mask(decoder_valid,
+                                              encoder_tokens > 0),
+                     decoder_segment_ids, encoder_segment_ids),
         cfg.compute_dtype)
     y = self.shared_embedding(decoder_input_tokens)
     y = _residual_dropout(cfg, y, deterministic)
@@ -288,27 +323,35 @@ class T5(nn.Module):
     self.encoder = Encoder(cfg, self.token_embedder)
     self.decoder = Decoder(cfg, self.token_embedder)
 
-  def encode(self, encoder_input_tokens, deterministic=True):
-    """[batch, enc_len] tokens -> [batch, enc_len, emb_dim] encodings."""
-    return self.encoder(encoder_input_tokens, deterministic)
+  def encode(self, encoder_input_tokens, deterministic=True,
+             encoder_segment_ids=None):
+    """[batch, enc_len] tokens -> [batch, enc_len, emb_dim] encodings; packed
+    rows pass their segment ids (a token attends within its example)."""
+    return self.encoder(encoder_input_tokens, deterministic,
+                        encoder_segment_ids)
 
   def decode(self, encoded, encoder_input_tokens, decoder_input_tokens,
              decoder_target_tokens=None, deterministic=True,
-             return_hidden=False):
+             return_hidden=False, encoder_segment_ids=None,
+             decoder_segment_ids=None):
     """Teacher-forced decoder logits [batch, dec_len, vocab].
 
     As in t5x, decoder self-attention masks padding from
     `decoder_target_tokens > 0`; without targets every position is valid
     (causality alone then keeps position t from seeing later ones). With
     `return_hidden` the final normalised states [batch, dec_len, emb_dim] are
-    returned instead of logits (for reward and value heads).
+    returned instead of logits (for reward and value heads). Packed rows
+    pass both segment ids (t5x's packed layout; their decoder inputs start
+    each example with BOS).
     """
     if decoder_target_tokens is None:
       decoder_valid = jnp.ones(decoder_input_tokens.shape, bool)
     else:
       decoder_valid = decoder_target_tokens > 0
     return self.decoder(encoded, encoder_input_tokens, decoder_input_tokens,
-                        decoder_valid, deterministic, return_hidden)
+                        decoder_valid, deterministic, return_hidden,
+                        encoder_segment_ids=encoder_segment_ids,
+                        decoder_segment_ids=decoder_segment_ids)
 
   def decode_step(self, encoded, encoder_input_tokens, decoder_input_tokens,
                   cache_index, cache_length: int):
@@ -343,10 +386,13 @@ class T5(nn.Module):
 
   def __call__(self, encoder_input_tokens, decoder_input_tokens,
                decoder_target_tokens=None, deterministic=True,
-               return_hidden=False):
-    encoded = self.encode(encoder_input_tokens, deterministic)
+               return_hidden=False, encoder_segment_ids=None,
+               decoder_segment_ids=None):
+    encoded = self.encode(encoder_input_tokens, deterministic,
+                          encoder_segment_ids)
     return self.decode(encoded, encoder_input_tokens, decoder_input_tokens,
-                       decoder_target_tokens, deterministic, return_hidden)
+                       decoder_target_tokens, deterministic, return_hidden,
+                       encoder_segment_ids, decoder_segment_ids)
 
 
 # ----------------------------------------------------------------------------

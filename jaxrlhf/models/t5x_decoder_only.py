@@ -353,11 +353,14 @@ class T5xDecoderOnly(nn.Module):
   def setup(self):
     self.decoder = Decoder(self.config)
 
-  def hidden_states(self, tokens, positions, attention_mask):
+  def hidden_states(self, tokens, positions, attention_mask,
+                    segment_ids=None, max_segments=None):
     """Final normalised states [batch, length, embed] (for value/reward
-    heads) of the common signature."""
-    del positions
-    return self.decoder.hidden_states(tokens, attention_mask)
+    heads) of the common signature; packed rows pass their segment_ids
+    (t5x's `decoder_segment_ids`)."""
+    del positions, max_segments
+    return self.decoder.hidden_states(tokens, attention_mask,
+                                      decoder_segment_ids=segment_ids)
 
   def logits_from_hidden(self, hidden):
     """[batch, length, embed] -> float32 logits [batch, length, vocab]."""
@@ -403,11 +406,14 @@ class T5xDecoderOnly(nn.Module):
     return self.decoder.decode_step(tokens, positions, attention_mask,
                                     cache_index, bidirectional_prompt)
 
-  def __call__(self, tokens, positions, attention_mask):
-    """tokens, positions, attention_mask [batch, length] -> float32 logits
-    [batch, length, vocab] (the common decoder-only signature)."""
-    del positions
-    return self.decoder(tokens, attention_mask)
+  def __call__(self, tokens, positions, attention_mask, segment_ids=None,
+               max_segments=None):
+    """tokens, positions, attention_mask [batch, length] (and packed rows'
+    segment_ids) -> float32 logits [batch, length, vocab] (the common
+    decoder-only signature)."""
+    del positions, max_segments
+    return self.decoder(tokens, attention_mask,
+                        decoder_segment_ids=segment_ids)
 
 
 # ----------------------------------------------------------------------------

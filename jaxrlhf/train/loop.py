@@ -26,6 +26,7 @@ from jaxrlhf import sharding
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import pipeline
+from jaxrlhf.rewards import host as host_rewards
 from jaxrlhf.train import best as best_lib
 from jaxrlhf.train import checkpointing
 from jaxrlhf.train import files
@@ -40,6 +41,8 @@ class NonFiniteError(RuntimeError):
 
 WorkdirError = workdir_lib.WorkdirError
 WriteError = files.WriteError
+# A host reward function failed on a row (`jaxrlhf.rewards.host`).
+RewardFunctionError = host_rewards.RewardFunctionError
 check_workdir = workdir_lib.check_workdir
 write_run_config = workdir_lib.write_run_config
 # The lock a run holds on its workdir (taken by `train`; a pipeline of runs

@@ -1,0 +1,229 @@
+"""Online RL on rewards from several sources: a reward model, the task's
+gold reward, a function named by its import path and the math verifier,
+summed with their weights and each logged; the step split around the host;
+DAPO's dynamic sampling; PPO's value from the policy without a reward
+model; a failing reward function named in one line.
+
+Truths used: the rewards recomputed here from the decoded samples with the
+task's own gold reward, the function itself and the reward model's scores
+(the same samples: the step's random key); the fused compiled step, which
+the split step must equal when the host adds 0; the prompts' text.
+"""
+
+import os
+import subprocess
+import sys
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, cli_args, quiet_env, tiny_config
+from jaxrlhf import algorithms
+from jaxrlhf import checkpoint_files
+from jaxrlhf import sharding
+from jaxrlhf.algorithms import online_rewards
+from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms import state as state_lib
+from jaxrlhf.data import synthetic_arithmetic
+from jaxrlhf.eval import evaluation
+from jaxrlhf.models import heads
+from jaxrlhf.rewards import math_answer
+from jaxrlhf.train import checkpointing
+from jaxrlhf.train import loop
+
+TASK = "synthetic_arithmetic"
+
+
+def _write_workdir(path, config, state):
+  loop.prepare_workdir(str(path), config)
+  ckpt = checkpointing.Checkpointer(os.path.join(path, "checkpoints"), keep=1)
+  ckpt.save(1, state, 0)
+  ckpt.close()
+
+
+@pytest.fixture(scope="module")
+def workdirs(tmp_path_factory):
+  """A random tiny "SFT" policy on the arithmetic task and a reward model
+  on its backbone."""
+  root = tmp_path_factory.mktemp("online_rewards")
+  config = tiny_config(algorithm="sft", data__task=TASK)
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    trainer = algorithms.build(config, mesh, evaluate=False)
+    state = trainer.init_state()
+  _write_workdir(root / "sft", config, state)
+  reward = nn.unbox(heads.init_from_backbone(
+      jax.random.PRNGKey(7), state.params["policy"],
+      trainer.model_config.emb_dim))
+  reward_state = state_lib.TrainState(
+      step=jnp.zeros((), jnp.int32), params={"reward": reward}, opt_state={},
+      frozen={}, rng=jax.random.PRNGKey(0), algorithm_state={})
+  _write_workdir(root / "rm",
+                 tiny_config(algorithm="reward_model", data__task=TASK),
+                 reward_state)
+  return {"sft": str(root / "sft"), "rm": str(root / "rm")}
+
+
+def _config(workdirs, algorithm="grpo", **overrides):
+  base = dict(algorithm=algorithm, data__task=TASK,
+              init__policy_checkpoint=workdirs["sft"],
+              online__reward_model_checkpoint=workdirs["rm"],
+              online__samples_per_prompt=2, optimizer__warmup_steps=0,
+              train__batch_size=4, eval__num_examples=8)
+  base.update(overrides)
+  return tiny_config(**base)
+
+
+def _step(config, steps=1):
+  """(trainer, state before, batches, states and metrics of `steps`)."""
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    trainer = algorithms.build(config, mesh, evaluate=False)
+    state = trainer.init_state()
+    batches = trainer.train_batches(0)
+    out = []
+    for _ in range(steps):
+      batch = sharding.global_batch(next(batches), mesh, trainer.rules)
+      # (The step donates the state it is given.)
+      first = (jax.tree.map(jnp.copy, state), batch)
+      state, metrics = trainer.train_step(state, batch)
+      out.append((first, jax.device_get(metrics)))
+  return trainer, out
+
+
+def test_every_source_sums_with_its_weight_and_is_logged(workdirs):
+  """The reward model (0.5), the gold reward (1), a function by path (0.1)
+  and the math verifier (2): the step's score is their weighted sum on the
+  responses it sampled, each reward's mean is logged, with its share."""
+  config = _config(workdirs, rewards__reward_model__weight=0.5,
+                   rewards__gold_reward__weight=1.0,
+                   rewards__math_answer__weight=2.0,
+                   rewards__math_answer__style="gsm8k",
+                   rewards__functions="reward_functions:word_count=0.1",
+                   optimizer__learning_rate=0.0)
+  trainer, [((state, batch), metrics)] = _step(config)
+  # The same samples: the step's rollout key.
+  _, rollout_rng, _ = online_step.step_rngs(state)
+  with sharding.activate(config, jax.devices()[:1]):
+    samples = online_step.sample(trainer, state.params, state.frozen,
+                                 batch["encoder_input_tokens"], rollout_rng)
+    rm = online_rewards.reward_scores(
+        trainer, state.frozen["reward"],
+        np.repeat(np.asarray(batch["encoder_input_tokens"]), 2, axis=0),
+        jax.device_get(samples))
+  vocabulary = trainer.vocabulary
+  prompts = trainer.online.prompts
+  index = np.repeat(np.asarray(batch["prompt_index"]), 2)
+  texts = [vocabulary.decode(evaluation.until_eos(t, vocabulary.eos_id))
+           for t in np.asarray(samples.tokens)]
+  finished = np.asarray(samples.has_eos)
+  gold = np.array([synthetic_arithmetic.gold_reward(prompts.texts[i], t, f)
+                   for i, t, f in zip(index, texts, finished)])
+  words = np.array([len(t.split()) for t in texts], np.float64)
+  answers = [prompts.columns["answer"][i] for i in index]
+  verified = np.array(math_answer.make_math_answer_reward(style="gsm8k")(
+      None, texts, answer=answers), np.float64)
+  score = 0.5 * rm + gold + 0.1 * words + 2.0 * verified
+  np.testing.assert_allclose(metrics["score"], score.mean(), rtol=1e-5)
+  for name, values in (("reward_model", rm), ("gold_reward", gold),
+                       ("word_count", words), ("math_answer", verified)):
+    np.testing.assert_allclose(metrics[f"reward/{name}"], values.mean(),
+                               rtol=1e-5, atol=1e-6)
+  shares = [metrics[f"reward/{n}_share"] for n in
+            ("reward_model", "gold_reward", "word_count", "math_answer")]
+  np.testing.assert_allclose(sum(shares), 1.0, rtol=1e-5)
+  np.testing.assert_allclose(metrics["reward/word_count_share"],
+                             0.1 * words.sum() / (
+                                 0.5 * np.abs(rm).sum() + gold.sum()
+                                 + 0.1 * words.sum() + 2 * verified.sum()),
+                             rtol=1e-4)
+
+
+def test_the_split_step_equals_the_fused_one_when_the_host_adds_0(workdirs):
+  """The reward model alone (one compiled step) against the reward model
+  plus a function that scores 0 (the step split around the host): the
+  same samples, scores and update."""
+  fused_config = _config(workdirs)
+  split_config = _config(workdirs, rewards__functions="reward_functions:zero")
+  fused, [(_, fused_metrics)] = _step(fused_config)
+  split, [(_, split_metrics)] = _step(split_config)
+  assert not hasattr(fused.train_step, "fused")
+  assert hasattr(split.train_step, "fused")
+  for name in ("score", "raw_score", "kl", "loss", "response_length",
+               "grad_norm"):
+    np.testing.assert_allclose(split_metrics[name], fused_metrics[name],
+                               rtol=1e-5, atol=1e-7, err_msg=name)
+
+
+def test_a_run_without_a_reward_model_holds_none(workdirs):
+  """The gold reward alone: no reward model checkpoint is needed, none is
+  held; PPO's value network then starts from the policy."""
+  config = _config(workdirs, algorithm="ppo",
+                   online__reward_model_checkpoint="",
+                   rewards__reward_model__weight=0.0,
+                   rewards__gold_reward__weight=1.0,
+                   online__samples_per_prompt=1)
+  trainer, [((state, _), metrics)] = _step(config)
+  assert "reward" not in state.frozen and "raw_score" not in metrics
+  assert np.isfinite(metrics["loss"]) and "reward/gold_reward" in metrics
+  policy = checkpoint_files.restore_state_as_numpy(os.path.join(
+      workdirs["sft"], "checkpoints", "1", "state"))["params"]["policy"]
+  jax.tree.map(np.testing.assert_array_equal,
+               jax.device_get(state.params["value"]["backbone"]), policy)
+  del trainer
+
+
+def test_no_reward_at_all_is_refused_naming_the_field(workdirs):
+  config = _config(workdirs, rewards__reward_model__weight=0.0)
+  with pytest.raises(ValueError, match=r"^config.rewards: every reward's "):
+    loop.preflight(config, "/unused")
+  config = _config(workdirs, online__reward_model_checkpoint="")
+  with pytest.raises(ValueError,
+                     match=r"^config.online.reward_model_checkpoint: .*set "
+                     "rewards.reward_model.weight=0"):
+    loop.preflight(config, "/unused")
+
+
+def test_dynamic_sampling_trains_on_groups_that_vary(workdirs):
+  """A reward that scores every response of some prompts the same: such
+  groups are dropped and more prompts sampled (the prompt stream moves
+  on), up to the cap of rounds."""
+  config = _config(
+      workdirs, rewards__reward_model__weight=0.0,
+      rewards__functions="reward_functions:first_prompt_word_is_even",
+      grpo__dynamic_sampling=True, grpo__max_sampling_rounds=3)
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    trainer = algorithms.build(config, mesh, evaluate=False)
+    state = trainer.init_state()
+    batches = trainer.train_batches(0)
+    batch = sharding.global_batch(next(batches), mesh, trainer.rules)
+    state, metrics = trainer.train_step(state, batch)
+  rounds = metrics["dynamic_sampling/rounds"]
+  assert 1 <= rounds <= 3 and batches.position == rounds
+  assert 0 <= metrics["dynamic_sampling/dropped_fraction"] <= 1
+  assert np.isfinite(metrics["loss"])
+
+
+def test_a_failing_reward_function_stops_the_run_in_one_line(workdirs,
+                                                             tmp_path):
+  """On the command line: exit status 1, one line naming the function,
+  the row and what went wrong; with skip_and_report the rows are counted
+  in metrics.jsonl instead."""
+  overrides = dict(algorithm="grpo", data__task=TASK,
+                   init__policy_checkpoint=workdirs["sft"],
+                   rewards__reward_model__weight=0.0,
+                   rewards__functions="reward_functions:raises",
+                   online__samples_per_prompt=2, train__batch_size=4,
+                   train__num_steps=1, eval__num_examples=8)
+  env = quiet_env(PYTHONPATH=str(REPO / "tests"))
+  result = subprocess.run(
+      [sys.executable, "-m", "jaxrlhf.main",
+       f"--config={REPO / 'configs' / 'quickstart.py'}",
+       f"--workdir={tmp_path / 'run'}", *cli_args(**overrides)],
+      env=env, capture_output=True, text=True, cwd=REPO)
+  assert result.returncode == 1, result.stderr
+  lines = result.stderr.splitlines()
+  assert len(lines) == 1, result.stderr
+  assert lines[0].startswith("error: ") and "raises" in lines[0]
+  assert "row 0" in lines[0] and "the grader is down" in lines[0]
