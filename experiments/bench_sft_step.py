@@ -45,6 +45,8 @@ import time
 import numpy as np
 
 _WORKER_TAG = "@@bench "
+# This checkout, whose jaxrlhf the "ours" worker imports (installed or not).
+_REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
 
 def _parse(argv=None):
@@ -67,6 +69,10 @@ def _parse(argv=None):
                  help="per-device peak for MFU")
   p.add_argument("--no_trl", action="store_true",
                  help="our step only, even when TRL is installed")
+  p.add_argument("--baseline", default="",
+                 help="a directory holding another jaxrlhf package (e.g. a "
+                 "worktree of an earlier commit): its step runs too, in turn "
+                 "with ours, on the same weights and batch (before/after)")
   p.add_argument("--worker", default="", help=argparse.SUPPRESS)
   p.add_argument("--hf_dir", default="", help=argparse.SUPPRESS)
   p.add_argument("--trl_optimizer", default="{}", help=argparse.SUPPRESS)
@@ -238,7 +244,7 @@ def ours_worker(args, channel):
   with sharding.activate(c) as mesh:
     trainer = algorithms.build(c, mesh, evaluate=False)
     state = trainer.init_state()
-    if args.hf_dir:
+    if args.hf_dir and args.worker == "ours":
       hf_io.export_hf_checkpoint(trainer.model_config, state.params["policy"],
                                  args.hf_dir)
   if args.algorithm != "sft":
@@ -280,11 +286,12 @@ def ours_worker(args, channel):
       if command[0] != "run":
         break
       n = int(command[1])
-      t0 = time.perf_counter()
+      t0, cpu0 = time.perf_counter(), time.process_time()
       for _ in range(n):
         state, m = compiled(state, batch)
       jax.block_until_ready(m)
-      channel.send(seconds=(time.perf_counter() - t0) / n, rss=_rss())
+      channel.send(seconds=(time.perf_counter() - t0) / n,
+                   cpu_seconds=(time.process_time() - cpu0) / n, rss=_rss())
     channel.send(done=True, rss=_rss(),
                  memory=bench_common.peak_memory_line())
 
@@ -344,7 +351,7 @@ def trl_worker(args, channel):
       lr_scheduler_type="constant", bf16=False, fp16=False,
       gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
       report_to="none", save_strategy="no", disable_tqdm=True,
-      logging_steps=10**9, dataloader_num_workers=0, shuffle_dataset=False,
+      logging_steps=10**9, dataloader_num_workers=0,
       train_sampling_strategy="sequential",
       seed=0, model_init_kwargs={"dtype": torch.float32})
   tokenizer = _word_tokenizer(config["vocab_size"])
@@ -378,20 +385,22 @@ def trl_worker(args, channel):
     def __init__(self):
       self.todo = max(1, args.warmup)
       self.timed = False  # the warm-up steps are not reported
-      self.round = []
-      self.start = 0.0
+      self.round, self.cpu = [], []
+      self.start = self.cpu_start = 0.0
 
     def on_step_begin(self, *unused, **unused_kw):
-      self.start = time.perf_counter()
+      self.start, self.cpu_start = time.perf_counter(), time.process_time()
 
     def on_step_end(self, unused_args, unused_state, control, **unused_kw):
       self.round.append(time.perf_counter() - self.start)
+      self.cpu.append(time.process_time() - self.cpu_start)
       self.todo -= 1
       if self.todo > 0:
         return control
       if self.timed:
-        channel.send(seconds=sum(self.round) / len(self.round), rss=_rss())
-      self.timed, self.round = True, []
+        channel.send(seconds=sum(self.round) / len(self.round),
+                     cpu_seconds=sum(self.cpu) / len(self.cpu), rss=_rss())
+      self.timed, self.round, self.cpu = True, [], []
       command = channel.command()
       if command[0] == "run":
         self.todo = int(command[1])
@@ -460,7 +469,7 @@ def main():
   args = _parse()
   if args.worker:
     channel = _Channel()
-    if args.worker == "ours":
+    if args.worker in ("ours", "baseline"):
       ours_worker(args, channel)
     else:
       trl_worker(args, channel)
@@ -473,60 +482,82 @@ def main():
         if decoder_only else f"--arch={args.arch} is not decoder-only") + ".")
   argv = [a for a in sys.argv[1:] if not a.startswith("--hf_dir")]
   hf_dir = ""
-  if with_trl or args.algorithm != "sft":
+  if with_trl or args.baseline or args.algorithm != "sft":
     hf_dir = tempfile.mkdtemp(prefix="bench_sft_step_hf_")
     argv.append(f"--hf_dir={hf_dir}")
   env = dict(os.environ)
   env.setdefault("TF_CPP_MIN_LOG_LEVEL", "3")
 
-  ours = _Worker("ours", argv, env)
-  info = ours.receive()
-  trl_info = theirs = None
+  workers = {}
+  try:
+    _run(args, argv, env, with_trl, workers)
+  finally:
+    for worker in workers.values():
+      if worker.proc.poll() is None:
+        worker.proc.kill()
+
+
+def _run(args, argv, env, with_trl, workers):
+  """Starts the workers, takes the rounds in turn, prints the report."""
+  workers["ours"] = _Worker("ours", argv, dict(env, PYTHONPATH=os.pathsep.join(
+      [_REPO] + [p for p in [env.get("PYTHONPATH")] if p])))
+  info = {"ours": workers["ours"].receive()}
+  if args.baseline:
+    base_env = dict(env, PYTHONPATH=os.pathsep.join(
+        [os.path.abspath(args.baseline)] +
+        [p for p in [env.get("PYTHONPATH")] if p]))
+    workers["baseline"] = _Worker("baseline", argv, base_env)
+    info["baseline"] = workers["baseline"].receive()
   if with_trl:
     if args.optimizer != "adamw":
       print(f"note: ours runs {args.optimizer}, TRL AdamW (--optimizer=adamw "
             "for the same optimizer)")
-    opt = info["optimizer"]
-    theirs = _Worker("trl", argv + [f"--trl_optimizer={json.dumps(opt)}"],
-                     env)
-    trl_info = theirs.receive()
-  times = {"ours": [], "trl": []}
-  rss = {"ours": info["rss"], "trl": trl_info["rss"] if trl_info else None}
+    opt = info["ours"]["optimizer"]
+    workers["trl"] = _Worker(
+        "trl", argv + [f"--trl_optimizer={json.dumps(opt)}"], env)
+    info["trl"] = workers["trl"].receive()
+  times = {side: [] for side in workers}
+  cpu = {side: [] for side in workers}
   for _ in range(args.rounds):
-    for side, worker in (("ours", ours), ("trl", theirs)):
-      if worker is None:
-        continue
+    for side, worker in workers.items():
       worker.send(f"run {args.steps}")
       message = worker.receive()
       times[side].append(message["seconds"])
-      rss[side] = message["rss"]
-  final = ours.finish()
-  trl_final = theirs.finish() if theirs else None
-  _report(args, info, final, times, trl_info, trl_final)
+      cpu[side].append(message["cpu_seconds"])
+  final = {side: worker.finish() for side, worker in workers.items()}
+  _report(args, info, final, times, cpu)
 
 
-def _report(args, info, final, times, trl_info, trl_final):
-  b, li, lt = args.batch_size, args.inputs_length, args.targets_length
+def _step_line(step_s, cpu_s, args):
   target_tokens, all_tokens = tokens_per_step(args)
-  step_s = statistics.median(times["ours"])
-  print(info["device"])
-  print(f"model: {args.arch} {args.size} ({info['n_params'] / 1e6:.1f}M "
+  return (f"step time: {step_s * 1e3:.2f} ms | {1 / step_s:.2f} steps/s | "
+          f"{target_tokens / step_s:,.0f} target tokens/s | "
+          f"{all_tokens / step_s:,.0f} total tokens/s | CPU time "
+          f"{cpu_s * 1e3:.0f} ms/step")
+
+
+def _report(args, info, final, times, cpu):
+  b, li, lt = args.batch_size, args.inputs_length, args.targets_length
+  med = {side: (statistics.median(times[side]), statistics.median(cpu[side]))
+         for side in times}
+  ours = info["ours"]
+  step_s, cpu_s = med["ours"]
+  print(ours["device"])
+  print(f"model: {args.arch} {args.size} ({ours['n_params'] / 1e6:.1f}M "
         f"params, {args.dtype}); {args.algorithm}; batch {b} x ({li} in, "
         f"{lt} out{' x 2' if args.algorithm == 'dpo' else ''}); optimizer "
         f"{args.optimizer}; threads {args.threads or os.cpu_count()}; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
-  print(f"compile: {info['compile_s']:.1f} s")
-  print(f"step time: {step_s * 1e3:.2f} ms | {1 / step_s:.2f} steps/s | "
-        f"{target_tokens / step_s:,.0f} target tokens/s | "
-        f"{all_tokens / step_s:,.0f} total tokens/s  (median of "
-        f"{len(times['ours'])} rounds of {args.steps})")
-  flops, model = info["flops"], info["model_flops"]
+  print(f"compile: {ours['compile_s']:.1f} s")
+  print(_step_line(step_s, cpu_s, args) + f"  (medians of "
+        f"{len(times['ours'])} rounds of {args.steps} steps)")
+  flops, model = ours["flops"], ours["model_flops"]
   if flops:
     achieved = flops / step_s / 1e12
     line = f"FLOPs/step: {flops / 1e9:.2f} GFLOP | {achieved:.3f} TFLOP/s"
-    peak = info["peak_tflops"]
+    peak = ours["peak_tflops"]
     if peak:
-      line += (f" | MFU {achieved / (peak * info['device_count']):.1%} of "
+      line += (f" | MFU {achieved / (peak * ours['device_count']):.1%} of "
                f"{peak} TFLOP/s per device")
     print(line)
     if model:
@@ -534,29 +565,36 @@ def _report(args, info, final, times, trl_info, trl_final):
             f"{', + reference forward' if args.algorithm == 'dpo' else ''}): "
             f"{model / 1e9:.2f} GFLOP; the step's matmuls are "
             f"{flops / model:.2f}x that")
-  if final.get("memory"):
-    print(final["memory"])
-  print(f"peak RSS: ours {_gb(final['rss'][1])} (after importing jax "
-        f"{_gb(info['rss_jax'])}, after importing jaxrlhf "
-        f"{_gb(info['rss_imports'])})")
-  print(f"first step's loss: ours {info['first_loss']:.5f}")
-  if not trl_info:
-    return
-  trl_s = statistics.median(times["trl"])
-  print(f"TRL ({trl_info['versions']}; {trl_info['trainer']}, "
-        f"optim {trl_info['optimizer']}):")
-  print(f"  step time: {trl_s * 1e3:.2f} ms | {1 / trl_s:.2f} steps/s | "
-        f"{target_tokens / trl_s:,.0f} target tokens/s | "
-        f"{all_tokens / trl_s:,.0f} total tokens/s")
-  print(f"  peak RSS: {_gb(trl_final['rss'][1])} (after imports "
-        f"{_gb(trl_info['rss_imports'])})")
-  print(f"  first step's loss: {trl_info['first_loss']:.5f}")
-  per_round = [t / o for o, t in zip(times["ours"], times["trl"])]
-  print(f"ratio ours / TRL tokens/s: {trl_s / step_s:.2f}x (per round: "
-        + ", ".join(f"{r:.2f}" for r in per_round) + ")")
-  print("step times (ms), ours: " + ", ".join(
-      f"{t * 1e3:.0f}" for t in times["ours"]) + " | TRL: " + ", ".join(
-          f"{t * 1e3:.0f}" for t in times["trl"]))
+  if final["ours"].get("memory"):
+    print(final["ours"]["memory"])
+  print(f"peak RSS: {_gb(final['ours']['rss'][1])} (after importing jax "
+        f"{_gb(ours['rss_jax'])}, jaxrlhf {_gb(ours['rss_imports'])})")
+  print(f"first step's loss: {ours['first_loss']:.5f}")
+  for side in times:
+    if side == "ours":
+      continue
+    other = info[side]
+    side_s, side_cpu_s = med[side]
+    if side == "trl":
+      print(f"TRL ({other['versions']}; {other['trainer']}, optim "
+            f"{other['optimizer']}), the same model, batch and settings:")
+      print(f"  peak RSS: {_gb(final[side]['rss'][1])} (after imports "
+            f"{_gb(other['rss_imports'])})")
+    else:
+      print(f"baseline ({args.baseline}):")
+      print(f"  compile: {other['compile_s']:.1f} s | FLOPs/step: "
+            f"{other['flops'] / 1e9:.2f} GFLOP | peak RSS: "
+            f"{_gb(final[side]['rss'][1])}")
+    print("  " + _step_line(side_s, side_cpu_s, args))
+    print(f"  first step's loss: {other['first_loss']:.5f}")
+    per_round = [t / o for o, t in zip(times["ours"], times[side])]
+    name = "TRL" if side == "trl" else "baseline"
+    print(f"ratio ours / {name} tokens/s: {side_s / step_s:.2f}x (per "
+          "round: " + ", ".join(f"{r:.2f}" for r in per_round) +
+          f"); per CPU second: {side_cpu_s / cpu_s:.2f}x")
+  print("step times (ms), " + " | ".join(
+      f"{side}: " + ", ".join(f"{t * 1e3:.0f}" for t in times[side])
+      for side in times))
 
 
 if __name__ == "__main__":

@@ -41,6 +41,9 @@ CONFIGS = {
     "tldr_pythia_rm": ("configs/tldr_pythia_rm.py", "v5e:2x4"),
     "tldr_pythia_dpo": ("configs/tldr_pythia_dpo.py", "v5e:2x4"),
     "tldr_pythia_ppo": ("configs/tldr_pythia_ppo.py", "v5e:4x4"),
+    # GRPO (DAPO's settings) on GSM8K from Qwen2.5-1.5B: 128 questions x 16
+    # responses of 512 tokens per step.
+    "grpo_gsm8k": ("configs/grpo_gsm8k.py", "v5e:4x4"),
 }
 
 # The options compared for a config (--options): name -> (sharding rules,

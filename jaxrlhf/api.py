@@ -34,8 +34,8 @@ import numpy as np
 from jaxrlhf import algorithms
 from jaxrlhf import defaults
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.eval import evaluation
+from jaxrlhf.models import lora
 from jaxrlhf.train import checkpointing
 
 
@@ -64,8 +64,7 @@ class Run:
     """
     defaults.validate(config)
     self.config = config
-    self.mesh = sharding.create_mesh(config.mesh.shape,
-                                     config.mesh.axis_names, devices)
+    self.mesh = sharding.training_mesh(config, devices)
     self.rules = sharding.as_rules(config.sharding.logical_axis_rules)
     with self._active():
       self.trainer = algorithms.build(config, self.mesh, workdir,
@@ -91,8 +90,8 @@ class Run:
     directory = epath.Path(workdir) / "checkpoints"
     if not directory.exists():
       raise ValueError(f"{workdir} has no checkpoints to restore.")
-    abstract = state_lib.abstract_with_shardings(
-        self.trainer.abstract_state, self.trainer.state_shardings)
+    # (A LoRA run's checkpoints hold its adapters; its base is loaded.)
+    abstract = self.trainer.checkpoint_target()
     # keep: nothing is saved or pruned here (a damaged newer step is moved
     # aside, as a resumed run does).
     checkpointer = checkpointing.Checkpointer(str(directory), keep=1)
@@ -105,6 +104,7 @@ class Run:
           step, state, _ = restored
         else:
           state, _ = checkpointer.restore(step, abstract)
+        state = self.trainer.with_base(state, lora.read_base_record(workdir))
     finally:
       checkpointer.close()
     return state, step
@@ -154,7 +154,8 @@ class Run:
             f"({width}); shorten it or raise the length.")
       tokens[i, :len(row)] = row
     with self._active():
-      samples = evaluation.sample(trainer, state.params["policy"], tokens,
+      samples = evaluation.sample(trainer, trainer.view(state).params["policy"],
+                                  tokens,
                                   greedy=greedy, temperature=temperature,
                                   seed=seed)
     return evaluation.completion_texts(vocabulary, samples)

@@ -18,6 +18,7 @@ from jaxrlhf import algorithms
 from jaxrlhf import config_schema
 from jaxrlhf import models
 from jaxrlhf import sharding
+from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.data import file_sources
 from jaxrlhf.eval import judges
@@ -100,8 +101,15 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
               F("attention_impl", "xla",
                 "'xla' (einsums, float32 softmax) or 'dot_product' "
                 "(jax.nn.dot_product_attention, so fused kernels can be "
-                "used); decoder-only models also take "
-                "'dot_product_cudnn' (GPU).", choices=layers.ATTENTION_IMPLS),
+                "used; T5 passes its relative-position bias to it). The "
+                "decoder-only families also take the fused kernels, which "
+                "never build the [length, length] mask and read packing's "
+                "segment ids: 'splash' (Pallas splash attention on TPU, "
+                "causal and sliding windows, Gemma's soft cap; interpreted "
+                "elsewhere, slowly) and 'dot_product_cudnn' (cuDNN flash "
+                "attention, GPU; packed rows need sm90+). T5 takes neither: "
+                "no fused kernel takes its bias. t5x_decoder_only has "
+                "'xla' only.", choices=layers.ATTENTION_IMPLS),
           ])
 
 INIT = G("init", "Where the networks start.", [
@@ -133,6 +141,22 @@ def _check_held_out_files(c) -> None:
           f"{split!r} split, " + (
               "but data.files.train is not set." if not files.train else
               f"which data.files.{split} already is; set one of the two."))
+
+
+def _check_packing(c) -> None:
+  if not c.data.pack:
+    return
+  algorithm = algorithms.get(c.algorithm)
+  config_schema.require(
+      getattr(algorithm.training, "packs", False), "data.pack",
+      f"{c.algorithm!r} does not read packed rows (packing serves sft, "
+      "dpo, simpo, orpo and dro_v; KTO's KL baseline pairs each prompt "
+      "with another example's completion, which changes the rows' "
+      "lengths); set it to 0.")
+  config_schema.require(
+      c.reference_logprobs.mode == "in_step", "data.pack",
+      "packed rows need reference_logprobs.mode 'in_step' (precomputed "
+      "reference log-probs are stored per unpacked example); set it to 0.")
 
 
 FILES = G("files", "Alignment data from files on disk: when "
@@ -236,8 +260,17 @@ DATA = G("data", "What the run reads.", [
       bounds=">0"),
     F("task_modules", (), "Modules to import before looking up the task "
       "(they register tasks)."),
+    F("pack", 0,
+      "Training batches: 0 lays out one example per row; k > 0 packs up to "
+      "k whole examples into each row (first-fit, segment ids keep "
+      "attention within an example, positions restart), so less of a "
+      "batch is padding; train.batch_size then counts rows, and the loss "
+      "is the same mean over a batch's examples (or SFT's target tokens) "
+      "as unpacked. For sft, dpo, simpo, orpo and dro_v with "
+      "reference_logprobs.mode 'in_step'; evaluation reads unpacked "
+      "rows.", bounds=">=0"),
     FILES,
-])
+], checks=(_check_packing,))
 
 TRAIN = G("train", "The training run.", [
     F("num_steps", 600, "Train steps (a resumed run may extend them; with a "
@@ -443,7 +476,7 @@ PIPELINE = G("pipeline", "The pipeline of jaxrlhf.offline_pipeline "
 # The groups every run shares; each algorithm adds its own
 # (`algorithms.config_groups()`).
 SHARED = TOP + [MODEL, INIT, DATA, TRAIN, OPTIMIZER, CHECKPOINT, EVAL, MESH,
-                SHARDING, PIPELINE]
+                SHARDING, PIPELINE, lora_state.GROUP]
 
 
 def groups():

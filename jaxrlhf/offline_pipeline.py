@@ -107,7 +107,7 @@ def make_data(config, workdir: str, sft_workdir: str) -> None:
   gold = tasks.gold_reward_for(c.data.task)
   with sharding.activate(c) as mesh:
     trainer = algorithms.build(c, mesh)
-    params = trainer.init_state().params["policy"]
+    params = trainer.view(trainer.init_state()).params["policy"]
     for split, num_prompts in (("train", p.num_prompts),
                                ("validation", p.num_eval_prompts)):
       # Held-out pairs come from the end of the validation split, away from

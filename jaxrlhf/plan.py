@@ -215,11 +215,14 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
     batch_shardings = {k: sharding.batch_sharding(mesh, trainer.rules,
                                                   len(v.shape))
                        for k, v in batch.items()}
-    step_flops = flops.function_flops(trainer.train_step, state, batch)
+    # A step split around the host (host rewards) or between sampler and
+    # training devices is planned as its device work in one function.
+    step = getattr(trainer.train_step, "fused", trainer.train_step)
+    step_flops = flops.function_flops(step, state, batch)
     start = time.perf_counter()
     compile_error = None
     try:
-      compiled = trainer.train_step.lower(state, batch).compile()
+      compiled = step.lower(state, batch).compile()
     except Exception as e:  # pylint: disable=broad-except
       if "RESOURCE_EXHAUSTED" not in str(e) and "hbm" not in str(e):
         raise

@@ -89,15 +89,71 @@ def create_mesh(shape: Sequence[int], axis_names: Sequence[str],
                        devices=devices)
 
 
+def _sampler_device_count(config) -> int:
+  online = config.get("online")
+  return online.sampler_devices if online is not None else 0
+
+
+def split_devices(config, devices=None):
+  """(training devices, sampler devices) of a run over all (or the given)
+  devices: `online.sampler_devices` of them sample (each process gives an
+  equal share, its first local devices, so that it samples rows it
+  scores) and the rest train; no sampler devices when it is 0."""
+  devices = list(jax.devices() if devices is None else devices)
+  wanted = _sampler_device_count(config)
+  if not wanted:
+    return devices, []
+  processes = sorted({d.process_index for d in devices})
+  if wanted % len(processes) or wanted >= len(devices):
+    raise ValueError(
+        f"config.online.sampler_devices: {wanted} sampler devices out of "
+        f"{len(devices)} on {len(processes)} process(es) must leave devices "
+        "to train on and split equally over the processes; use a multiple of "
+        f"{len(processes)} below {len(devices)}.")
+  per_process = wanted // len(processes)
+  sampler = []
+  for p in processes:
+    sampler += [d for d in devices if d.process_index == p][:per_process]
+  chosen = set(sampler)
+  return [d for d in devices if d not in chosen], sampler
+
+
+def training_mesh(config, devices=None) -> Mesh:
+  """`config.mesh`'s mesh over the devices that train (all or the given
+  ones, less `online.sampler_devices`); errors name `config.mesh`."""
+  try:
+    return create_mesh(config.mesh.shape, config.mesh.axis_names,
+                       split_devices(config, devices)[0])
+  except ValueError as e:
+    if str(e).startswith("config."):
+      raise
+    raise ValueError(f"config.{e}") from None
+
+
+def sampler_mesh(config, devices=None):
+  """The mesh of `online.sampler_devices` (`config.mesh`'s axes, its -1
+  axis sized to fit them), or None when the run samples on the devices it
+  trains on."""
+  sampler = split_devices(config, devices)[1]
+  if not sampler:
+    return None
+  try:
+    return create_mesh(config.mesh.shape, config.mesh.axis_names, sampler)
+  except ValueError as e:
+    raise ValueError(f"config.online.sampler_devices: the sampler's "
+                     f"{len(sampler)} devices do not fit config.{e}") from None
+
+
 @contextlib.contextmanager
 def activate(config, devices=None) -> Iterator[Mesh]:
-  """Makes `config.mesh`'s mesh (over all or the given devices) and
-  `config.sharding`'s logical-axis rules current; yields the mesh.
+  """Makes `config.mesh`'s mesh (over all or the given devices, less the
+  sampler's: `training_mesh`) and `config.sharding`'s logical-axis rules
+  current; yields the mesh.
 
   Recipes, samplers and train steps built inside see both, which is how
   every run, script and test enters a config's mesh.
   """
-  mesh = create_mesh(config.mesh.shape, config.mesh.axis_names, devices)
+  mesh = training_mesh(config, devices)
   with jax.set_mesh(mesh), nn.logical_axis_rules(
       as_rules(config.sharding.logical_axis_rules)):
     yield mesh

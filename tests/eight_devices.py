@@ -15,6 +15,10 @@ and one compilation of each single-device step for all the checks):
   online   three PPO iterations (sampling, scoring, minibatch updates), the
            4x2 run with micro-batches, and the refusal of micro-batches whose
            rows do not split over the data shards;
+  overlap  two GRPO steps sampled on 4 devices and trained on the other 4
+           (on-policy and one step ahead) against sampling and training on
+           the same 4, and one step ahead with the decoupled correction on
+           those same 4;
   loop     a 12-step SFT run through the training loop (checkpoints,
            metrics, restore);
   plan     `jaxrlhf.plan` of a DRO-V step on the 4x2 mesh: the memory XLA
@@ -31,6 +35,7 @@ import sys
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
@@ -38,7 +43,9 @@ from conftest import FIXTURES, from_scratch, tiny_config, trainer_of  # noqa: E4
 from jaxrlhf import algorithms  # noqa: E402
 from jaxrlhf import plan as plan_lib  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
+from jaxrlhf.algorithms import online_step  # noqa: E402
 from jaxrlhf.algorithms import state as state_lib  # noqa: E402
+from jaxrlhf.data import prompts as prompts_lib  # noqa: E402
 from jaxrlhf.data import synthetic  # noqa: E402
 from jaxrlhf.data import synthetic_feedback  # noqa: E402
 from jaxrlhf.models import from_pretrained  # noqa: E402
@@ -226,6 +233,77 @@ def online():
   return results
 
 
+def _overlap_config(**overrides):
+  # No checkpoint is read; a host reward (the words of each response) that
+  # a random policy's responses vary in.
+  return tiny_config(algorithm="grpo", mesh__shape=(-1, 1),
+                     train__batch_size=8, train__num_steps=2,
+                     init__policy_checkpoint="unused",
+                     rewards__reward_model__weight=0.0,
+                     rewards__functions="reward_functions:word_count",
+                     online__samples_per_prompt=2, online__max_new_tokens=8,
+                     optimizer__warmup_steps=0, **overrides)
+
+
+def _overlap_run(config, devices=None):
+  """Two GRPO steps; and, for step 2's prompts sampled with step 2's key
+  from the initial parameters, the masked token means of log pi_initial -
+  log pi_after_step_1 (what approx_kl_k1 measures when step 2 trains on
+  them with the initial policy as the old one) and of min(pi_after /
+  pi_initial, 2) (the decoupled correction's weights)."""
+  keys = ("loss", "score", "kl", "approx_kl_k1", "off_policy/weight_mean")
+  mesh = sharding.training_mesh(config, devices)
+  rules = sharding.as_rules(config.sharding.logical_axis_rules)
+  grpo = from_scratch(algorithms.get("grpo"))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    trainer = trainer_of(grpo, config, mesh)
+    state = trainer._init(jax.random.PRNGKey(config.seed))  # pylint: disable=protected-access
+    initial = jax.tree.map(jnp.copy, state.params)
+    batches = trainer.train_batches(0)
+    steps, after_first = [], None
+    for _ in range(2):
+      batch = sharding.global_batch(next(batches), mesh, rules)
+      state, metrics = trainer.train_step(state, batch)
+      steps.append({k: float(metrics[k]) for k in keys if k in metrics})
+      if after_first is None:
+        after_first = jax.tree.map(jnp.copy, state.params)
+        second_key = online_step.split_step_key(state.rng)[1]
+    prompts = sharding.global_batch(
+        trainer.online.prompt_stream.batch_at(1), mesh, rules)[
+            prompts_lib.PROMPT_FEATURE]
+
+    @jax.jit
+    def stale(initial, after_first):
+      samples = online_step.sample(trainer, initial, state.frozen, prompts,
+                                   second_key)
+      old, new = (online_step.assemble(trainer, p, state.frozen, prompts,
+                                       samples) for p in (initial, after_first))
+      mean = lambda x: jnp.sum(x * old.mask) / jnp.sum(old.mask)
+      return {"approx_kl_k1": mean(old.logprobs - new.logprobs),
+              "weight_mean": mean(jnp.minimum(
+                  jnp.exp(new.logprobs - old.logprobs), 2.0))}
+  return {"steps": steps,
+          "stale": {k: float(v) for k, v in stale(initial,
+                                                  after_first).items()},
+          "policy_devices": sorted(
+              d.id for d in jax.tree.leaves(state.params)[0].devices())}
+
+
+def overlap():
+  """Rollouts on 4 sampler devices and updates on the other 4, on-policy
+  and one step ahead, against sampling and training on the same 4."""
+  split = dict(online__sampler_devices=4)
+  return {
+      "same_devices": _overlap_run(_overlap_config(), jax.devices()[4:]),
+      "split": _overlap_run(_overlap_config(**split)),
+      "ahead": _overlap_run(_overlap_config(online__off_policy_steps=1,
+                                            **split)),
+      # (One step ahead on the training devices themselves.)
+      "decoupled": _overlap_run(_overlap_config(
+          online__off_policy_steps=1,
+          online__off_policy_correction="decoupled"), jax.devices()[4:])}
+
+
 # --- the training loop ----------------------------------------------------------
 
 
@@ -308,6 +386,7 @@ def main():
   assert jax.device_count() == 8, jax.devices()
   results = {"devices": jax.device_count(), "models": models(),
              "offline": offline(workdir), "online": online(),
+             "overlap": overlap(),
              "loop": training_loop(workdir), "plan": plans(workdir)}
   print("RESULT " + json.dumps(results))
 

@@ -101,8 +101,9 @@ def test_converter_without_the_kinds_scalar_says_so():
     fc.EncDecTrajectoryFeatureConverter()(ds, {"prompt": 4, "completion": 4})
 
 
-def test_packing_is_refused():
-  with pytest.raises(ValueError, match="packing"):
+def test_packing_in_the_converter_is_refused_pointing_to_the_packer():
+  with pytest.raises(ValueError, match="one example per row; pack several "
+                     "per row after it with feature_converters.Packer"):
     fc.EncDecPairsFeatureConverter(pack=True)
 
 
@@ -111,8 +112,9 @@ def test_packing_is_refused():
 
 def test_decoder_pairs_right_padded_sequences_and_left_padded_prompt():
   [ex] = convert(fc.DecoderPairsFeatureConverter(), [PAIR_EXAMPLE],
-                 {"prompt": 5, "chosen": 4, "rejected": 3}, PAIR_SIGNATURE)
+                 {"prompt": 6, "chosen": 4, "rejected": 3}, PAIR_SIGNATURE)
   # The prompt's EOS is dropped: EOS only ends completions, PAD (0) differs.
+  # The task's prompt length (6) counts that EOS: 5 prompt slots.
   expected = {
       "chosen_tokens":          [3, 10, 4, 10, 4, 1, 0, 0, 0],
       "chosen_loss_weights":    [0, 0, 0, 1, 1, 1, 0, 0, 0],
@@ -179,7 +181,7 @@ def test_encdec_ranking_pads_rows_and_masks_missing_ones():
 def test_decoder_ranking_rows():
   example = ranking_example([3, 10, 1], [[10, 1], [4, 1]])
   [ex] = convert(fc.DecoderRankingFeatureConverter(num_completions=3),
-                 [example], {"prompt": 3, "completions": 3}, RANK_SIGNATURE)
+                 [example], {"prompt": 4, "completions": 3}, RANK_SIGNATURE)
   np.testing.assert_array_equal(ex["completions_tokens"],
                                 [[3, 10, 10, 1, 0, 0], [3, 10, 4, 1, 0, 0],
                                  [0, 0, 0, 0, 0, 0]])
@@ -246,11 +248,13 @@ def test_file_task_through_batch_iterator(tmp_path):
       "test_alignment_pairs_file", "train", lengths,
       alignment_data.feature_converter_for("pairs", "decoder_only"),
       global_batch_size=3, seed=0, shuffle=False, num_epochs=1))
+  # The task's prompt length counts the EOS a decoder-only prompt drops:
+  # 6 -> prompts of up to 5 tokens, left-padded.
   np.testing.assert_array_equal(decoder_batch["prompt_tokens"][2],
-                                [0, 0, 0] + ids("summarize: sun moon"))
+                                [0, 0] + ids("summarize: sun moon"))
   np.testing.assert_array_equal(decoder_batch["chosen_tokens"][2],
                                 ids("summarize: sun moon sun moon", eos=True)
-                                + [0] * 4)
+                                + [0] * 3)
 
   # A prompt feature shorter than the source's limit would cut prompts.
   with pytest.raises(ValueError, match="truncated silently"):

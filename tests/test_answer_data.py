@@ -228,3 +228,32 @@ def test_a_task_without_extra_columns_has_none():
   np.testing.assert_array_equal(
       prompts.tokens[0][prompts.tokens[0] != 0],
       tasks.synthetic_vocabulary().encode(expected[0]) + [1])
+
+
+def test_a_prompt_and_answer_file_without_completions_gives_online_prompts(
+    tmp_path):
+  """A GRPO file holds a question and its answer, no completion: the
+  prompts kind reads it (through the column mapping) where demonstrations
+  refuse it, and the config's online algorithms ask for that kind."""
+  from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.algorithms import trainer  # pylint: disable=g-import-not-at-top
+  rows = [{"q": f"what is {i} + {i}", "final": 2 * i} for i in range(1, 5)]
+  path = write(tmp_path / "grpo", rows, "jsonl")
+  mapping = {"prompt": "q", "answer": "final"}
+  with pytest.raises(file_sources.BadRowError, match="missing_field"):
+    file_sources.AlignmentFileSource(
+        [path], kind=DEMONSTRATIONS, column_mapping=mapping).examples()
+  assert trainer.files_kind(algorithms.get("grpo")) == file_tasks.PROMPTS
+  assert trainer.files_kind(algorithms.get("sft")) == file_tasks.DEMONSTRATIONS
+  name = "grpo_files"
+  config = tiny_config(algorithm="grpo", data__task=name,
+                       data__inputs_length=16, data__targets_length=4)
+  config.data.files.train = path
+  config.data.files.column_mapping = "prompt=q,answer=final"
+  file_tasks.register_task_from_files(config, file_tasks.PROMPTS)
+  try:
+    prompts = prompts_lib.load_prompts(name, "train", 16)
+    assert sorted(zip(prompts.texts, prompts.columns["answer"])) == [
+        (r["q"], r["final"]) for r in rows]
+  finally:
+    seqio.TaskRegistry.remove(name)

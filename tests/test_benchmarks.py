@@ -22,20 +22,6 @@ def _number(text):
   return float(text.replace(",", ""))
 
 
-def test_sft_step_benchmark_decoder_only():
-  out = _run("bench_sft_step.py", "--arch=llama", "--steps=1",
-             "--batch_size=4", "--inputs_length=8", "--targets_length=8",
-             "--vocab_size=128")
-  m = re.search(r"step time: ([\d.]+) ms \| [\d.]+ steps/s \| ([\d,]+) target "
-                r"tokens/s \| ([\d,]+) total tokens/s", out)
-  assert m, out
-  step_ms, target, total = _number(m[1]), _number(m[2]), _number(m[3])
-  # 4 x 8 target tokens and 4 x 16 tokens in all per step.
-  assert abs(target - 32 / (step_ms / 1e3)) <= 0.01 * target + 1
-  assert abs(total - 2 * target) <= 2
-  assert "model: llama tiny" in out
-
-
 def test_ppo_iteration_benchmark_t5_with_microbatches():
   out = _run("bench_ppo_iteration.py", "--steps=1", "--batch_size=4",
              "--inputs_length=8", "--targets_length=4", "--vocab_size=128",
@@ -60,3 +46,95 @@ def test_sampling_benchmark_prints_tokens_per_second():
       ("t5", 2), ("t5", 4), ("llama", 2), ("llama", 4)], out
   assert all(_number(rate) > 0 for _, _, rate in rows)
   assert "3 new tokens, greedy, EOS disabled" in out
+
+
+# --- experiments/gpu_benchmarks.sh ------------------------------------------------
+
+GPU_BENCHMARKS = ("sft", "dpo", "sampling", "online_step", "rollout")
+
+
+def _close(a, b, rel, absolute):
+  return abs(a - b) <= rel * max(abs(a), abs(b)) + absolute
+
+
+def _check_online_step(text):
+  """bench_online_step.py's tables: each part's share is its seconds over
+  the step's, tokens/s its response tokens over its seconds, the wait on
+  the host the step less the fused step; stopping early runs fewer decode
+  steps than the budget, and both settings draw the same responses."""
+  assert "!!" not in text, text
+  settings = re.findall(
+      r"^stop_when_done (on|off): (\d+) of (\d+) decode steps run .*?"
+      r"responses mean ([\d.]+) tokens(.*?)(?=^stop_when_done|\Z)",
+      text, re.M | re.S)
+  assert [s[0] for s in settings] == ["on", "off"], text
+  steps = {name: int(run) for name, run, _, _, _ in settings}
+  assert steps["off"] == 8 and 1 <= steps["on"] <= 8, steps
+  for name, _, _, mean, table in settings:
+    rows = {m[1]: [_number(x) for x in m.groups()[1:5] if x]
+            for m in re.finditer(
+                r"^(sampling|host rewards|assemble|updates|step \(split, "
+                r"host\)|fused \(no host\)|waiting on host) +([\d.-]+) +"
+                r"([\d.-]+) +([\d.-]+)%(?: +([\d,]+))?", table, re.M)}
+    assert len(rows) == 7, (name, table)
+    step = rows["step (split, host)"][0]
+    # Seconds are printed to 4 decimals, the mean length to 1; 2 prompts x
+    # 2 samples.
+    tokens = [(float(mean) + d) * 4 for d in (-0.05, 0.05)]
+    for part in ("sampling", "host rewards", "assemble", "updates",
+                 "fused (no host)"):
+      seconds, _, share, per_s = rows[part]
+      assert seconds > 0, (part, table)
+      assert _close(seconds, share * step / 100, 1e-3, 1e-4), (part, table)
+      assert (tokens[0] / (seconds + 5e-5) - 1 <= per_s
+              <= tokens[1] / max(seconds - 5e-5, 1e-9) + 1), (part, table)
+    wait = rows["waiting on host"]
+    assert _close(wait[0], step - rows["fused (no host)"][0], 0, 2e-4), table
+
+
+def test_gpu_benchmarks_smoke_run(tmp_path):
+  """`experiments/gpu_benchmarks.sh --smoke`: every benchmark of the GPU
+  script runs at tiny sizes on the CPU, writes its file with its figures,
+  and the summary says each one succeeded and repeats its figures."""
+  out = tmp_path / "gpu"
+  run = subprocess.run(
+      ["bash", str(REPO / "experiments" / "gpu_benchmarks.sh"), "--smoke",
+       "--out", str(out)],
+      capture_output=True, text=True, timeout=1500, cwd=REPO,
+      env=quiet_env(PYTHON=sys.executable))
+  summary_path = out / "summary.txt"
+  summary = summary_path.read_text() if summary_path.exists() else ""
+  assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:],
+                               summary)
+  assert sorted(p.name for p in out.iterdir()) == sorted(
+      [f"{name}.txt" for name in GPU_BENCHMARKS] + ["summary.txt"])
+  text = {name: (out / f"{name}.txt").read_text() for name in GPU_BENCHMARKS}
+  for name in GPU_BENCHMARKS:
+    assert re.search(rf"^{name}: ok, \d+ s$", summary, re.M), summary
+    assert text[name].startswith("$ "), text[name][:200]  # the command
+    assert text[name].rstrip().endswith("ok"), text[name][-500:]
+  assert re.search(r"^jax [\d.]+: 1 x cpu", summary, re.M), summary
+  assert re.search(r"^total: \d+ s$", summary, re.M), summary
+
+  # SFT: 2 x 8 target tokens per step; DPO: a chosen and a rejected each.
+  for name, target_tokens in (("sft", 16), ("dpo", 32)):
+    m = re.search(r"step time: ([\d.]+) ms \| [\d.]+ steps/s \| ([\d,]+) "
+                  r"target tokens/s", text[name])
+    assert m, text[name]
+    per_s = _number(m[2])
+    assert _close(per_s, target_tokens / (_number(m[1]) / 1e3), 0.01, 1)
+    assert re.search(r"^FLOPs/step: [\d.]+ GFLOP", text[name], re.M)
+    assert m[0] in summary
+  rows = re.findall(r"^llama\s+(\d+)\s+([\d,]+)\s", text["sampling"], re.M)
+  assert [int(b) for b, _ in rows] == [2, 4], text["sampling"]
+  assert all(_number(rate) > 0 for _, rate in rows)
+  _check_online_step(text["online_step"])
+  assert "waiting on host" in summary
+  variants = {m[1]: int(m[2]) for m in re.finditer(
+      r"^llama\s+(repeated|shared|shared\+stop)\s+[\d.]+\s+[\d.]+\s+[\d,]+"
+      r"\s+[\d.]+x\s+(\d+)", text["rollout"], re.M)}
+  assert variants.keys() == {"repeated", "shared", "shared+stop"}, (
+      text["rollout"])
+  assert variants["repeated"] == variants["shared"] == 8
+  assert 1 <= variants["shared+stop"] <= 8
+  assert "!!" not in text["rollout"]

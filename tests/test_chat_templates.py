@@ -435,11 +435,11 @@ CONVERSATIONS = [
 
 
 def _chat_config(tmp_path, algorithm, name, rows, **overrides):
-  config = tiny_config(algorithm=algorithm, data__task=name,
-                       model__arch="llama", model__size="tiny",
-                       model__num_encoder_layers=None,
-                       data__inputs_length=96, data__targets_length=16,
-                       train__batch_size=4, **overrides)
+  config = tiny_config(**{
+      "algorithm": algorithm, "data__task": name, "model__arch": "llama",
+      "model__size": "tiny", "model__num_encoder_layers": None,
+      "data__inputs_length": 96, "data__targets_length": 16,
+      "train__batch_size": 4, **overrides})
   config.data.files.train = write_rows(tmp_path / f"{name}.jsonl", rows)
   config.data.files.layout = "messages"
   config.data.files.vocabulary = str(FIXTURES / "tokenizers" / "chat_qwen" /
@@ -457,16 +457,26 @@ def test_config_gives_online_prompts_and_pairs_batches(tmp_path):
   vocabulary = vocabulary_of("chat_qwen")
   eos = vocabulary.eos_id
   name = "chat_prompts"
-  config = _chat_config(tmp_path, "sft", name, CONVERSATIONS)
+  # Besides conversations, prompt-only rows (TRL's {"prompt": [...]}, or a
+  # conversation that ends with the user's turn) as GRPO files hold them.
+  rows = CONVERSATIONS + [
+      {"prompt": [msg("user", "count to 6.")], "answer": 6},
+      {"messages": [U1, A1, msg("user", "count to 7.")], "answer": 7}]
+  config = _chat_config(tmp_path, "grpo", name, rows)
   config.data.files.column_mapping = "answer=answer"
-  file_tasks.register_task_from_files(config, file_tasks.DEMONSTRATIONS)
+  file_tasks.register_task_from_files(config, file_tasks.PROMPTS)
   try:
     # Online RL samples after the generation prompt, and its reward
     # functions get the row's other columns.
     prompts = prompts_lib.load_prompts(name, "train", 97)
-    assert len(prompts.texts) == 7
+    assert len(prompts.texts) == 10
     assert all(t.endswith("<|im_start|>assistant\n") for t in prompts.texts)
-    assert prompts.columns["answer"] == [1, 2, 3, 4, 5, 0, 0]
+    assert prompts.columns["answer"] == [1, 2, 3, 4, 5, 0, 0, 6, 7, 7]
+    template = template_of("qwen2_5")
+    assert prompts.texts[7] == template.render(
+        rows[6]["prompt"], add_generation_prompt=True)
+    assert prompts.texts[9] == template.render(
+        rows[7]["messages"], add_generation_prompt=True)
     for text, tokens in zip(prompts.texts, prompts.tokens):
       assert tokens[tokens != 0].tolist() == vocabulary.encode(text) + [eos]
   finally:
@@ -536,3 +546,51 @@ def test_sft_learns_every_assistant_turn_of_chat_data(tmp_path):
     assert np.all(np.isfinite(losses)) and losses[-1] < losses[0]
   finally:
     seqio.TaskRegistry.remove("chat_sft")
+
+
+PAIRS = [{"prompt": [msg("user", f"count to {n}.")],
+          "chosen": [msg("assistant", " ".join(["one", "two", "three"][:n]))],
+          "rejected": [msg("assistant", "five")]} for n in (1, 2, 3, 1)]
+
+
+@pytest.mark.parametrize("algorithm", ["dpo", "grpo"])
+def test_dpo_and_grpo_train_a_qwen2_model_on_chat_data(tmp_path, algorithm):
+  """A tiny Qwen2 (q/k/v biases) with the Qwen tokenizer and template:
+  DPO on chat pairs lowers its loss on a batch; GRPO samples after the
+  generation prompt and is rewarded by a function of the decoded reply."""
+  online = algorithm == "grpo"
+  name = f"chat_{algorithm}"
+  extra = dict(rewards__reward_model__weight=0.0,
+               rewards__functions="reward_functions:word_count",
+               online__samples_per_prompt=2,
+               online__max_new_tokens=8) if online else {}
+  config = _chat_config(tmp_path, algorithm, name,
+                        CONVERSATIONS if online else PAIRS,
+                        model__arch="qwen2", optimizer__warmup_steps=0,
+                        **extra)
+  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
+  rules = sharding.as_rules(config.sharding.logical_axis_rules)
+  try:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      trainer = trainer_of(evaluated_by(from_scratch(algorithms.get(
+          algorithm))), config, mesh)
+      state = trainer.init_state()
+      paths = [jax.tree_util.keystr(path) for path, _ in
+               jax.tree_util.tree_flatten_with_path(state.params)[0]]
+      assert any("query" in p and "bias" in p for p in paths)
+      batch = sharding.global_batch(next(trainer.train_batches(0)), mesh,
+                                    rules)
+      metrics = []
+      for _ in range(3):
+        state, out = trainer.train_step(state, batch)
+        metrics.append(jax.device_get(out))
+  finally:
+    seqio.TaskRegistry.remove(name)
+  losses = [float(m["loss"]) for m in metrics]
+  assert np.all(np.isfinite(losses))
+  if online:
+    # Every reply was decoded and counted: at most max_new_tokens words.
+    words = [float(m["reward/word_count"]) for m in metrics]
+    assert all(0 < w <= 8 for w in words)
+  else:
+    assert losses[-1] < losses[0]

@@ -339,3 +339,32 @@ def test_every_declared_field_has_a_doc_and_a_default_of_its_range():
     # Every default is itself allowed (a declaration that contradicts its
     # own default would refuse the base config).
     assert field.value_error(config_schema.get(fresh, path)) is None, path
+
+
+def test_overlap_settings_that_cannot_work_are_refused_naming_the_field():
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+
+  def refusal(check, **overrides):
+    config = load("quickstart.py")
+    defaults.apply_overrides(config, {"rewards.reward_model.weight": 0.0,
+                                      "rewards.gold_reward.weight": 1.0,
+                                      **overrides})
+    with pytest.raises(ValueError) as error:
+      check(config)
+    return str(error.value)
+
+  assert refusal(defaults.validate, **{
+      "algorithm": "grpo", "online.off_policy_steps": 1,
+      "grpo.dynamic_sampling": True}).startswith(
+          "config.online.off_policy_steps: 1 with grpo.dynamic_sampling")
+  assert refusal(lambda c: algorithms.check_rows(c, 1), **{
+      "algorithm": "rejection_sampling", "online.off_policy_steps": 1,
+      "online.off_policy_correction": "decoupled"}).startswith(
+          "config.online.off_policy_correction: rejection_sampling trains on "
+          "the responses it selects")
+  assert refusal(lambda c: sharding.training_mesh(c, jax.devices()[:1]),
+                 **{"algorithm": "grpo", "online.sampler_devices": 1}
+                 ).startswith("config.online.sampler_devices: 1 sampler "
+                              "devices out of 1")

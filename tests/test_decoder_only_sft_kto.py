@@ -53,8 +53,9 @@ def one_device_mesh():
 def test_sft_converter_concatenates_prompt_and_target_with_loss_on_target():
   [ex] = convert(fc.sft_feature_converter("decoder_only"),
                  [sft_example([3, 10, 4, 1], [11, 12, 1])],
-                 {"inputs": 5, "targets": 4}, SFT_SIGNATURE)
-  # The prompt's EOS is dropped; the target's EOS is kept and weighted.
+                 {"inputs": 6, "targets": 4}, SFT_SIGNATURE)
+  # The prompt's EOS is dropped (the task's inputs length, 6, counts it: 5
+  # prompt slots); the target's EOS is kept and weighted.
   expected = {
       "tokens":                [3, 10, 4, 11, 12, 1, 0, 0, 0],
       "loss_weights":          [0, 0, 0, 1, 1, 1, 0, 0, 0],

@@ -6,8 +6,9 @@ tests/eight_devices.py runs every check in one subprocess with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 (the flag must be set
 before JAX starts), comparing against one of its own devices: models loaded
 with `from_pretrained` (logits, greedy KV-cache decodes), DPO and DRO-V
-train steps, PPO iterations with and without micro-batches, and a run of the
-training loop; and the ahead-of-time plan of a step against the real
+train steps, PPO iterations with and without micro-batches, GRPO with its
+rollouts on 4 sampler devices (on-policy and one step ahead), and a run of
+the training loop; and the ahead-of-time plan of a step against the real
 state and batch on a device.
 """
 
@@ -149,3 +150,42 @@ def test_scanned_layers_plan_the_same_flops(result):
   assert scanned["flops_per_chip_per_step"] == pytest.approx(
       whole["flops_per_chip_per_step"], rel=1e-9)
   assert whole["tokens_per_step"] == scanned["tokens_per_step"] > 0
+
+
+def test_rollouts_on_sampler_devices_overlapped_with_the_update(result):
+  """GRPO with rollouts on 4 sampler devices and updates on the other 4
+  (online_overlap): on-policy it trains exactly as sampling and training on
+  the same 4 devices; one step ahead (split, or on the same devices), step
+  2 trains on responses the initial policy sampled, corrected against its
+  log-probs."""
+  r = result["overlap"]
+  same, split = r["same_devices"], r["split"]
+  for run in r.values():  # the sampler's devices hold none of it
+    assert run["policy_devices"] == [4, 5, 6, 7]
+  for a, b in zip(same["steps"], split["steps"]):
+    for name in ("loss", "score", "kl", "approx_kl_k1"):
+      np.testing.assert_allclose(b[name], a[name], rtol=1e-5, atol=1e-7,
+                                 err_msg=name)
+  # The first step has no rollout in flight: it samples on-policy.
+  for mode in ("ahead", "decoupled"):
+    for name in ("loss", "score", "kl"):
+      np.testing.assert_allclose(r[mode]["steps"][0][name],
+                                 same["steps"][0][name], rtol=1e-5,
+                                 atol=1e-7)
+  # On-policy, the update starts at ratio 1; one step ahead ('sampling'),
+  # its ratios are against the initial policy, which sampled step 2's
+  # responses (recomputed here from the initial parameters).
+  assert abs(same["steps"][1]["approx_kl_k1"]) < 1e-6
+  truth = r["ahead"]["stale"]
+  assert abs(truth["approx_kl_k1"]) > 1e-4
+  np.testing.assert_allclose(r["ahead"]["steps"][1]["approx_kl_k1"],
+                             truth["approx_kl_k1"], rtol=1e-3)
+  # 'decoupled' (sampling one step ahead on the training devices): the
+  # ratios start at 1 again and the advantages carry the truncated weights
+  # pi_start / pi_sample of those responses.
+  decoupled = r["decoupled"]["steps"]
+  assert abs(decoupled[1]["approx_kl_k1"]) < 1e-6
+  np.testing.assert_allclose(decoupled[0]["off_policy/weight_mean"], 1.0,
+                             rtol=1e-6)
+  np.testing.assert_allclose(decoupled[1]["off_policy/weight_mean"],
+                             truth["weight_mean"], rtol=1e-5)

@@ -23,6 +23,7 @@ import pytest
 from conftest import REPO, cli_args, quiet_env, tiny_config
 from jaxrlhf import algorithms
 from jaxrlhf import checkpoint_files
+from jaxrlhf import plan as plan_lib
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import online_rewards
 from jaxrlhf.algorithms import online_step
@@ -154,6 +155,9 @@ def test_the_split_step_equals_the_fused_one_when_the_host_adds_0(workdirs):
                "grad_norm"):
     np.testing.assert_allclose(split_metrics[name], fused_metrics[name],
                                rtol=1e-5, atol=1e-7, err_msg=name)
+  # `jaxrlhf.plan` lays out the split step's device work as one function.
+  planned = plan_lib.make_plan(split_config, jax.devices()[:1])
+  assert planned["flops_per_chip_per_step"] > 0
 
 
 def test_a_run_without_a_reward_model_holds_none(workdirs):

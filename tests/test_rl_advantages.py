@@ -140,3 +140,32 @@ def test_reinforce_baselines():
   np.testing.assert_allclose(running, 0.75 * 1.0 + 0.25 * 3.0)
   np.testing.assert_allclose(rl.reinforce_advantages(rewards, running),
                              [-0.5, 0.5, 4.5])
+
+
+def test_reinforce_pp_advantages_are_returns_normalised_over_the_batch():
+  """REINFORCE++ (Hu 2025, eqs. 2-3): G_t = sum_{s>=t} r_s of the token
+  rewards, then (G - mean) / std over every response token of the batch
+  (not per prompt, not per response). Loops over a ragged batch."""
+  rng = np.random.default_rng(3)
+  token_rewards = rng.normal(size=(3, 5)).astype(np.float32)
+  lengths = [5, 2, 3]
+  mask = np.zeros((3, 5), np.float32)
+  for b, n in enumerate(lengths):
+    mask[b, :n] = 1
+  returns = []
+  for b, n in enumerate(lengths):
+    for t in range(n):
+      returns.append(sum(token_rewards[b, s] for s in range(t, n)))
+  returns = np.array(returns)
+  mean, std = returns.mean(), returns.std()
+  got = np.asarray(rl.reinforce_pp_advantages(jnp.asarray(token_rewards),
+                                              jnp.asarray(mask)))
+  i = 0
+  for b, n in enumerate(lengths):
+    for t in range(5):
+      if t < n:
+        np.testing.assert_allclose(got[b, t], (returns[i] - mean) / std,
+                                   rtol=1e-4, atol=1e-5)
+        i += 1
+      else:
+        assert got[b, t] == 0.0

@@ -255,3 +255,89 @@ def test_bad_shapes_and_options_are_clear_errors():
     rl.clipped_policy_gradient_loss(
         jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros((2, 3)), jnp.zeros(3),
         jnp.ones((2, 3)))
+
+
+def _ragged_case():
+  """Two responses of 3 and 2 tokens, the second with an importance ratio
+  far outside any clip range."""
+  old = np.log(np.array([[0.4, 0.3, 0.2], [0.5, 0.2, 0.9]]))
+  logprobs = old + np.array([[0.1, -0.05, 0.02], [0.6, 0.5, 7.0]])
+  mask = np.array([[1, 1, 1], [1, 1, 0]], np.float32)
+  return (jnp.asarray(logprobs, jnp.float32), jnp.asarray(old, jnp.float32),
+          jnp.asarray(mask))
+
+
+@pytest.mark.parametrize("advantages", [(1.5, 2.0), (-1.5, -2.0)])
+def test_gspo_sequence_ratio_against_its_formula(advantages):
+  """GSPO (Zheng et al. 2025, eq. 5-7; TRL importance_sampling_level
+  "sequence"): s_i = exp(mean_t log(pi/pi_old)) per response, the
+  surrogate -min(s_i A_i, clip(s_i, 1-eps, 1+eps) A_i) at each of its
+  tokens, so with a sequence mean the loss is the batch mean of that and a
+  token's gradient is -A_i s_i / |y_i| / B when the clip lets s_i through,
+  0 when it does not."""
+  logprobs, old, mask = _ragged_case()
+  a = np.array(advantages)
+  eps_low, eps_high = 0.1, 0.12
+  lengths = np.asarray(mask).sum(-1)
+  s = np.exp((np.asarray(logprobs - old) * np.asarray(mask)).sum(-1)
+             / lengths)                                # [1.024, 1.7333]
+  clipped_s = np.clip(s, 1 - eps_low, 1 + eps_high)
+  per_response = -np.minimum(s * a, clipped_s * a)
+  passes = (s * a <= clipped_s * a)                    # min picks s: gradient
+
+  (loss, metrics), grad = jax.value_and_grad(
+      lambda lp: rl.clipped_policy_gradient_loss(
+          lp, old, old, jnp.asarray(a, jnp.float32), mask,
+          clip_eps_low=eps_low, clip_eps_high=eps_high,
+          reduction="sequence_mean", ratio_level="sequence"),
+      has_aux=True)(logprobs)
+  np.testing.assert_allclose(loss, per_response.mean(), rtol=1e-5)
+  want = np.where(passes, -a * s / lengths / 2, 0.0)[:, None] * np.asarray(
+      mask)
+  np.testing.assert_allclose(grad, want, rtol=1e-5, atol=1e-7)
+  # Only the sequence's ratio matters: the token ratios of row 0 (1.105,
+  # 0.951, 1.020) straddle 1, its sequence ratio 1.024 is inside the range.
+  clipped_tokens = np.asarray(mask)[:, :] * (~passes)[:, None]
+  np.testing.assert_allclose(metrics["clip_fraction"],
+                             clipped_tokens.sum() / np.asarray(mask).sum())
+
+
+def test_gspo_and_the_token_ratio_agree_on_one_token_responses():
+  # A response of one token has its token's ratio as its sequence ratio.
+  logprobs = jnp.log(jnp.array([[0.5], [0.2]]))
+  old = jnp.log(jnp.array([[0.4], [0.3]]))
+  args = (logprobs, old, old, jnp.array([1.0, -1.0]), jnp.ones((2, 1)))
+  token, _ = rl.clipped_policy_gradient_loss(*args)
+  sequence, _ = rl.clipped_policy_gradient_loss(*args, ratio_level="sequence")
+  np.testing.assert_allclose(token, sequence, rtol=1e-6)
+
+
+def test_cispo_against_its_formula():
+  """CISPO (MiniMax-M1 2025, eq. 4; TRL loss_type "cispo"): per token
+  -sg(min(r_t, eps_max)) A log pi_t, averaged over the batch's tokens. The
+  weight is a constant: every token has gradient -min(r_t, eps_max) A / N,
+  the capped ones included (PPO-clip would drop those)."""
+  logprobs, old, mask = _ragged_case()
+  a = np.array([1.0, -0.5])
+  cap = 1.5
+  r = np.exp(np.asarray(logprobs - old))
+  weight = np.minimum(r, cap)
+  m = np.asarray(mask)
+  n = m.sum()
+  (loss, metrics), grad = jax.value_and_grad(
+      lambda lp: rl.clipped_policy_gradient_loss(
+          lp, old, old, jnp.asarray(a, jnp.float32), mask, clip_eps_high=cap,
+          reduction="token_mean", objective="cispo"),
+      has_aux=True)(logprobs)
+  want_loss = (-weight * a[:, None] * np.asarray(logprobs) * m).sum() / n
+  np.testing.assert_allclose(loss, want_loss, rtol=1e-5)
+  np.testing.assert_allclose(grad, -weight * a[:, None] * m / n, rtol=1e-5,
+                             atol=1e-7)
+  assert np.all(np.abs(np.asarray(grad))[m > 0] > 0)
+  # Row 1's first two tokens (ratios e^0.6, e^0.5 > 1.5) are capped, but A
+  # < 0 there: the cap binds only on positive advantages (TRL's metric).
+  np.testing.assert_allclose(metrics["clip_fraction"], 0.0)
+  _, metrics = rl.clipped_policy_gradient_loss(
+      logprobs, old, old, jnp.array([1.0, 0.5]), mask, clip_eps_high=cap,
+      reduction="token_mean", objective="cispo")
+  np.testing.assert_allclose(metrics["clip_fraction"], 2 / 5)

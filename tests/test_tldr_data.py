@@ -10,7 +10,6 @@ Expected queries and ids are written out by hand, or taken from the
 
 import json
 
-import numpy as np
 import pytest
 import seqio
 import tensorflow as tf
@@ -184,7 +183,8 @@ def test_tldr_configs_use_the_papers_settings():
     assert (c.optimizer.name, c.optimizer.eps, c.optimizer.learning_rate) == (
         "adamw", 1e-5, 3e-6)
     assert c.data.files.vocabulary.endswith("tokenizer.json")
-    assert c.data.inputs_length == 512 + 1  # the query, and the task's EOS
+    # The 512-token query as the decoder reads it (no EOS after a prompt).
+    assert c.data.inputs_length == 512
   assert (sft.optimizer.schedule, sft.train.batch_size,
           sft.train.num_steps) == ("cosine", 128, 116_722 // 128)
   assert sft.data.files.layout == "tldr_sft"

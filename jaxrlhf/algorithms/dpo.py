@@ -51,7 +51,7 @@ def loss(trainer, params, state, batch, rng):
       label_smoothing=cfg.label_smoothing, slic_delta=cfg.slic_delta,
       length_normalize=cfg.length_normalize,
       chosen_lengths=lengths["chosen"], rejected_lengths=lengths["rejected"],
-      nll_coef=cfg.nll_coef)
+      nll_coef=cfg.nll_coef, weights=scoring.example_weights(batch))
 
 
 ALGORITHM = base.Algorithm(
@@ -60,7 +60,8 @@ ALGORITHM = base.Algorithm(
     "IPO, SLiC, with length normalisation and an NLL term (dpo.loss_type).",
     data="pairs",
     networks=reference.POLICY_AND_REFERENCE,
-    training=offline.Offline(loss=loss, precomputable_reference=True),
+    training=offline.Offline(loss=loss, precomputable_reference=True,
+                             packs=True),
     evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP, reference.REFERENCE_LOGPROBS),
     pipeline_stage=True,

@@ -126,40 +126,61 @@ def update_scales(trainer):
 
 def completion_view(trainer, batch):
   """The batch's `completion_*` features under the unprefixed names of SFT
-  batches (with the prompt features), for `sft.next_token_targets`."""
-  view = {key: batch[f"completion_{key}"]
-          for key in trainer.lm.completion_keys(None)}
-  view.update({key: batch[key] for key in trainer.lm.prompt_keys
+  batches (with the prompt features, and a packed batch's segment ids and
+  example mask), for `sft.next_token_targets`."""
+  completion_segments, prompt_segments = trainer.lm.segment_keys(None)
+  keys = list(trainer.lm.completion_keys(None))
+  if f"completion_{completion_segments[0]}" in batch:
+    keys += completion_segments
+  view = {key: batch[f"completion_{key}"] for key in keys}
+  view.update({key: batch[key] for key in tuple(trainer.lm.prompt_keys)
+               + tuple(prompt_segments) + (scoring.EXAMPLE_MASK,)
                if key in batch})
   return view
 
 
 def logprobs_and_logit_values(trainer, params, batch):
-  """([batch] log pi(y|x), [batch] V(x)) from one forward pass of the policy.
+  """([batch] log pi(y|x), [batch] V(x)) from one forward pass of the policy
+  ([rows * k] each for a packed batch, one per slot).
 
   V(x) is the logit of `dro.value_token_id` where the policy predicts the
   completion's first token, a step that has read only the prompt (the
   decoder's first step for T5, the last prompt token for decoder-only).
   """
-  logits, targets, weights = sft.next_token_targets(
-      trainer.lm, params, completion_view(trainer, batch))
+  view = completion_view(trainer, batch)
+  logits, targets, weights = sft.next_token_targets(trainer.lm, params, view)
   weights = weights.astype(jnp.float32)
   token = trainer.config.dro.value_token_id
-  logprobs = jnp.sum(scoring.token_logprobs(logits, targets) * weights,
-                     axis=-1)
-  first = jnp.argmax(weights > 0, axis=-1)
-  first_logits = jnp.take_along_axis(logits, first[:, None, None], axis=1)
-  return logprobs, first_logits[:, 0, token].astype(jnp.float32)
+  token_logprobs = scoring.token_logprobs(logits, targets) * weights
+  k = scoring.examples_per_row(batch)
+  if k is None:
+    first = jnp.argmax(weights > 0, axis=-1)
+    first_logits = jnp.take_along_axis(logits, first[:, None, None], axis=1)
+    return (jnp.sum(token_logprobs, axis=-1),
+            first_logits[:, 0, token].astype(jnp.float32))
+  ids = sft.target_segment_ids(trainer.lm, view)
+  logprobs = scoring.per_example_sums(token_logprobs, ids, k)
+  # Each slot's first weighted target: [rows, k] indices along length.
+  in_slot = ((weights > 0)[:, :, None]
+             & (ids[:, :, None] == jnp.arange(1, k + 1)[None, None]))
+  first = jnp.argmax(in_slot, axis=1)
+  token_logits = logits[..., token].astype(jnp.float32)
+  return logprobs, jnp.take_along_axis(token_logits, first, axis=1).reshape(-1)
 
 
 def values(trainer, params, batch):
   """[batch] V(x) of each example's prompt, from a value head (the value
-  network's, or one on the policy's prompt states)."""
+  network's, or one on the policy's prompt states); [rows * k] packed."""
   value_params = params["value"]
   if trainer.config.dro.value_source == POLICY_HEAD:
     value_params = {"backbone": params["policy"],
                     "head": value_params["head"]}
-  return heads.prompt_values(trainer.lm, value_params, batch)
+  if not scoring.is_packed(batch):
+    return heads.prompt_values(trainer.lm, value_params, batch)
+  return heads.apply_scalar_head(
+      value_params["head"],
+      scoring.prompt_states(trainer.lm, value_params["backbone"], batch,
+                            "completion"))
 
 
 def loss(trainer, params, state, batch, rng):
@@ -174,8 +195,10 @@ def loss(trainer, params, state, batch, rng):
     value = values(trainer, params, batch)
   ref = reference.reference_logprobs(trainer, state, batch, ("completion",))
   policy_loss, value_loss, metrics = dro_losses.dro_v_losses(
-      policy_logps, ref["completion"], value, batch["reward"], tau=cfg.tau,
-      single_value_per_batch=cfg.single_value_per_batch)
+      policy_logps, ref["completion"], value,
+      scoring.example_values(batch, "reward"), tau=cfg.tau,
+      single_value_per_batch=cfg.single_value_per_batch,
+      weights=scoring.example_weights(batch))
   metrics = dict(metrics, policy_loss=policy_loss, value_loss=value_loss)
   return policy_loss + value_loss, metrics
 
@@ -189,7 +212,7 @@ ALGORITHM = base.Algorithm(
                            checkpoints=checkpoints, optimizers=optimizers,
                            update_scales=update_scales, reference=True),
     training=offline.Offline(
-        loss=loss, precomputable_reference=True,
+        loss=loss, precomputable_reference=True, packs=True,
         batch_statistics=lambda c: ("its value (one per batch: "
                                     "dro.single_value_per_batch)"
                                     if c.dro.single_value_per_batch

@@ -11,6 +11,7 @@ import dataclasses
 from typing import Any, Callable, Dict, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.algorithms import base
@@ -19,6 +20,7 @@ from jaxrlhf.algorithms import precomputed_reference
 from jaxrlhf.algorithms import update
 from jaxrlhf.data import feature_converters
 from jaxrlhf.data import pipeline
+from jaxrlhf.models import scoring
 
 
 @dataclasses.dataclass(frozen=True)
@@ -45,12 +47,18 @@ class Offline(base.Training):
       update, the step's metrics) -> the state after the step: how the
       algorithm's `Carried` values and frozen networks move (BCO's running
       reward mean, TR-DPO's reference); None leaves them as they are.
+    packs: the loss reads packed batches (`config.data.pack`): it takes
+      its per-example quantities from `jaxrlhf.models.scoring`
+      (`sequence_logprobs`, `example_weights`, `example_values`, ...), so
+      that on a packed batch it is the same weighted mean over the
+      examples as on the unpacked batch of those examples.
   """
   loss: Callable[..., Tuple[Any, base.Metrics]]
   share: Optional[Callable[..., Callable]] = None
   precomputable_reference: bool = False
   batch_statistics: Optional[Callable[[Any], Optional[str]]] = None
   carry: Optional[Callable[..., Any]] = None
+  packs: bool = False
 
   def setup(self, trainer) -> None:
     trainer.precomputed_reference = (
@@ -79,7 +87,7 @@ class Offline(base.Training):
     batches = pipeline.BatchIterator(
         config.data.task, config.data.train_split, trainer.feature_lengths,
         trainer.feature_converter, config.train.batch_size, seed=config.seed,
-        shuffle=True, position=position)
+        shuffle=True, position=position, pack=config.data.pack)
     if trainer.precomputed_reference:
       return trainer.precomputed_reference.with_logprobs(batches)
     return batches
@@ -88,11 +96,14 @@ class Offline(base.Training):
     batch = trainer.config.train.batch_size
     kind = (None if trainer.algorithm.data == base.SFT_DATA
             else trainer.algorithm.data)
+    example = feature_converters.output_spec(
+        trainer.feature_converter, kind, trainer.feature_lengths)
+    if trainer.config.data.pack:
+      example = feature_converters.Packer(
+          example, trainer.config.data.pack).output_spec()
     spec = {name: jax.ShapeDtypeStruct((batch,) + tuple(s.shape),
                                        s.dtype.as_numpy_dtype)
-            for name, s in feature_converters.output_spec(
-                trainer.feature_converter, kind,
-                trainer.feature_lengths).items()}
+            for name, s in example.items()}
     if trainer.precomputed_reference:
       spec.update(trainer.precomputed_reference.spec(batch))
     return spec
@@ -108,8 +119,8 @@ class Offline(base.Training):
     if trainer.precomputed_reference:
       # A new run's policy is the reference: score with it rather than
       # load the checkpoint a second time.
-      trainer.precomputed_reference.prepare(lambda: state.params["policy"],
-                                            new_run=True)
+      trainer.precomputed_reference.prepare(
+          lambda: trainer.view(state).params["policy"], new_run=True)
 
   def optimizer(self, trainer, per_network, update_scales):
     steps_total = trainer.config.train.num_steps
@@ -130,13 +141,21 @@ class Offline(base.Training):
     rng, step_rng = jax.random.split(state.rng)
     micro = trainer.config.train.num_microbatches
 
-    def loss_fn(params, microbatch, microbatch_rng):
-      return self.loss(trainer, params, state, microbatch, microbatch_rng)
+    # What the loss reads: in a LoRA run, the base with the adapters
+    # (`params` are the adapters alone) and the base as the reference.
+    viewed = trainer.view(state)
 
-    if self.share is None:
-      share = update.mean_over_examples(loss_fn, micro)
-    else:
+    def loss_fn(params, microbatch, microbatch_rng):
+      params, _ = trainer.view_parts(params, state.frozen, microbatch_rng)
+      return self.loss(trainer, params, viewed, microbatch, microbatch_rng)
+
+    if self.share is not None:
       share = self.share(trainer, loss_fn, batch)
+    elif scoring.is_packed(batch):
+      # Micro-batches of packed rows hold different numbers of examples.
+      share = update.weighted_share(loss_fn, packed_examples, batch, micro)
+    else:
+      share = update.mean_over_examples(loss_fn, micro)
     params, opt_state, metrics = update.gradient_update(
         trainer.tx, state.params, state.opt_state, batch, step_rng, share,
         micro, trainer.accumulator_shardings)
@@ -146,3 +165,8 @@ class Offline(base.Training):
     if self.carry is not None:
       after = self.carry(trainer, state, after, metrics)
     return after, metrics
+
+
+def packed_examples(batch):
+  """The examples a packed (micro-)batch holds."""
+  return jnp.sum(batch[scoring.EXAMPLE_MASK].astype(jnp.float32))

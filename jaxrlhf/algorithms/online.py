@@ -8,7 +8,9 @@ a reward model, the task's gold reward, programs of the text), take policy
 and reference log-probs at the sampling temperature, then the algorithm's
 targets and `num_epochs` x `num_minibatches` gradient updates, all inside
 one jitted step; with rewards computed on the host, the step is split
-around the host (`online_host`). Both architectures work: the policy and
+around the host (`online_host`); with sampler devices, rollouts are made on
+devices of their own, one step ahead of the update with
+`online.off_policy_steps=1` (`online_overlap`). Both architectures work: the policy and
 the reward model may each be T5 or decoder-only; prompts are served
 encoder-style and `jaxrlhf.rl.rollout` left-pads them inside the step for
 decoder-only models. Rollout arrays are [rows, L] over response tokens
@@ -35,6 +37,7 @@ import jax
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import online_config
 from jaxrlhf.algorithms import online_host
+from jaxrlhf.algorithms import online_overlap
 from jaxrlhf.algorithms import online_rewards
 from jaxrlhf.algorithms import online_step
 from jaxrlhf.algorithms import optimizers
@@ -170,7 +173,10 @@ class Online(base.Training):
   def train_step_function(self, trainer):
     """The compiled step, or, when the host must score the responses (or
     pick which groups to train on), the step split around it
-    (`online_host.HostSplitStep`)."""
+    (`online_host.HostSplitStep`), or, with sampler devices or off-policy
+    steps, rollouts made on the sampler (`online_overlap`)."""
+    if online_overlap.overlaps(trainer):
+      return online_overlap.OverlappedStep(trainer)
     if online_host.needs_host(trainer):
       return online_host.HostSplitStep(trainer)
     return super().train_step_function(trainer)

@@ -110,6 +110,32 @@ ONLINE = config_schema.Group(
           "(detail 2; a prompt with no newline left is an error naming it); "
           "'raise' stops at start-up naming the first one.",
           choices=prompts_lib.LONG_PROMPT_POLICIES),
+        F("off_policy_steps", 0,
+          "Generation overlapped with training (jaxrlhf/algorithms/"
+          "online_overlap.py): 1 samples step t+1's responses with step t's "
+          "parameters while step t's update runs (one-step off-policy, "
+          "corrected by off_policy_correction); 0 samples each step's "
+          "responses with the parameters it updates (on-policy).",
+          choices=(0, 1)),
+        F("sampler_devices", 0,
+          "Devices that only sample (each process gives an equal share of "
+          "its own), on a mesh of their own with mesh.shape's axes; the rest "
+          "train, and the parameters move to the sampler once per step. 0 = "
+          "sample on the training devices. With off_policy_steps=1 the two "
+          "halves work at the same time.", bounds=">=0"),
+        F("off_policy_correction", "sampling",
+          "How an off-policy update corrects for the lag: 'sampling' (the "
+          "ratios of ppo/grpo/rloo/reinforce take the sampling policy's "
+          "log-probs as the old policy: the importance ratio pi / "
+          "pi_sample, truncated by their clip); 'decoupled' (the ratios' old "
+          "policy is the one the update starts from, re-scored on the "
+          "training devices, and each token's advantage is weighted by "
+          "min(pi_start / pi_sample, importance_weight_cap): the decoupled "
+          "objective of AReaL, verl's truncated importance sampling).",
+          choices=("sampling", "decoupled")),
+        F("importance_weight_cap", 2.0,
+          "off_policy_correction=decoupled: the cap of the truncated "
+          "importance weight.", bounds=">0"),
         F("prompt_suffix", "",
           "A prompt ending that cutting keeps (e.g. '\\n\\nTL;DR:'; a long "
           "prompt that does not end with it is an error naming it); '' = "
@@ -126,6 +152,18 @@ def check_online(c) -> None:
       "details, detail 7: with dropout the ratios are not 1 before the first "
       "update); set it to 0.")
   online_rewards.check_rewards(c)
+  check_off_policy(c)
+
+
+def check_off_policy(c) -> None:
+  """Overlap works on the plain step: one round of prompts per step."""
+  o = c.online
+  if o.off_policy_steps and c.get("grpo") is not None:
+    config_schema.require(
+        not c.grpo.dynamic_sampling, "online.off_policy_steps",
+        "1 with grpo.dynamic_sampling: dynamic sampling decides how many "
+        "prompts a step samples after scoring them, which an overlapped step "
+        "cannot know ahead; set one of them off.")
 
 
 def check_groups_of_two(c) -> None:
@@ -167,6 +205,13 @@ def check_rows(algorithm, config, data_parallel: int) -> None:
         f"(train.batch_size {batch} x {samples} per prompt"
         f"{'' if rows == total else ', selected'}) do not split into "
         f"{minibatches} equal minibatches.")
+  if (rows != total and config.online.off_policy_steps
+      and config.online.off_policy_correction == "decoupled"):
+    raise ValueError(
+        f"config.online.off_policy_correction: {config.algorithm} trains on "
+        "the responses it selects, with no advantages to weight; use "
+        "'sampling' (an off-policy step then trains on the selected samples "
+        "as they are).")
   per_minibatch = rows // minibatches
   parts = config.online.rollout_microbatches
   if batch % parts or (batch // parts) % data_parallel:

@@ -62,21 +62,23 @@ class HostSplitStep:
   host (module docstring); `fused` is the same device work as one compiled
   function (the host rewards counting 0), what `jaxrlhf.plan` lays out."""
 
-  def __init__(self, trainer):
+  def __init__(self, trainer, mesh=None):
+    """`mesh`: where rollouts are sampled and scored (default: the
+    trainer's; `online_overlap` gives the sampler's)."""
     self._trainer = trainer
     t = trainer
-    rows = sharding.batch_sharding(t.mesh, t.rules, 1)
-    replicated = sharding.replicated(t.mesh)
-    self._rows = rows
+    self.mesh = mesh or t.mesh
+    rows = sharding.batch_sharding(self.mesh, t.rules, 1)
+    replicated = sharding.replicated(self.mesh)
     samples = sampling.Samples(tokens=rows, logprobs=rows, mask=rows,
                                has_eos=rows, num_steps=replicated)
     self._sample = jax.jit(
-        lambda state, prompts, key: online_step.sample(
-            t, state.params, state.frozen, prompts, key),
+        lambda params, frozen, prompts, key: online_step.sample(
+            t, params, frozen, prompts, key),
         out_shardings=samples)
     self._assemble = jax.jit(
-        lambda state, prompts, samples: online_step.assemble(
-            t, state.params, state.frozen, prompts, samples))
+        lambda params, frozen, prompts, samples: online_step.assemble(
+            t, params, frozen, prompts, samples))
     self._add_host = jax.jit(
         lambda rollout, values: online_step.with_host_rewards(t, rollout,
                                                               values))
@@ -103,7 +105,7 @@ class HostSplitStep:
                                       t.rules)
       key = (rollout_rng if not round_
              else jax.random.fold_in(rollout_rng, round_))
-      rollout, skipped = self._rollout(state, batch, key)
+      rollout, skipped = self.rollout(state.params, state.frozen, batch, key)
       for name, count in skipped.items():
         host_metrics[name] = host_metrics.get(name, 0.0) + count
       rollouts.append(rollout)
@@ -123,18 +125,18 @@ class HostSplitStep:
       host_metrics["dynamic_sampling/dropped_fraction"] = (
           len(dropped) / sampled)
     state, metrics = self._finish(state, rollout, update_rng, next_rng)
-    metrics.update(_summed_over_processes(host_metrics))
+    metrics.update(summed_over_processes(host_metrics))
     return state, metrics
 
-  def _rollout(self, state, batch, key):
-    """One round: the rollout of the batch's prompts with every reward, and
-    this process's {reward/<name>/skipped: count}."""
+  def rollout(self, params, frozen, batch, key):
+    """One round: the rollout of the batch's prompts (on `mesh`) with every
+    reward, and this process's {reward/<name>/skipped: count}."""
     t = self._trainer
     prompts = batch[prompts_lib.PROMPT_FEATURE]
-    samples = self._sample(state, prompts, key)
+    samples = self._sample(params, frozen, prompts, key)
     # Dispatched without waiting: the device assembles the rollout while
     # the host scores the responses.
-    rollout = self._assemble(state, prompts, samples)
+    rollout = self._assemble(params, frozen, prompts, samples)
     if not online_rewards.host_rewards(t):
       return rollout, {}
     values, skipped = self._score_on_host(samples, batch)
@@ -159,7 +161,7 @@ class HostSplitStep:
         t, [prompts.texts[i] for i in prompt_index], completions,
         [bool(f) for f in finished], columns)
     return jax.make_array_from_process_local_data(
-        sharding.batch_sharding(t.mesh, t.rules, 2), values), skipped
+        sharding.batch_sharding(self.mesh, t.rules, 2), values), skipped
 
   def _keep(self, rollouts, kept, dropped):
     """The rows of the groups to train on: the first train.batch_size
@@ -183,7 +185,7 @@ def _select_rows(rollouts, rows):
       decode_steps=steps)
 
 
-def _summed_over_processes(metrics: Dict[str, float]) -> Dict[str, float]:
+def summed_over_processes(metrics: Dict[str, float]) -> Dict[str, float]:
   """Host counts of every process added (the dynamic-sampling figures are
   the same on every process and are kept as they are)."""
   if jax.process_count() == 1 or not metrics:

@@ -288,19 +288,34 @@ def loaded_networks(trainer, abstract_state,
   """{target: loaded tree} of the frozen reward model and the trained
   networks `initialised_from_it` (PPO's "value", detail 22), shaped and
   sharded as in `abstract_state`; without a reward model, those networks'
-  backbones start from the policy's checkpoint (their heads fresh)."""
+  backbones start from the policy's checkpoint (their heads fresh).
+
+  In a LoRA run (`lora_state`) those backbones are adapters on the frozen
+  network they start from: the policy's base (loaded once, as the
+  policy's) or the frozen reward model, whose head is copied as theirs."""
+  lora = getattr(trainer, "lora", None) is not None
   if not uses_reward_model(trainer.config):
     path = trainer.config.init.policy_checkpoint
-    if not path:
+    if not path or lora:
       return {}
     return {f"params/{name}/backbone": pretrained.load_lm_params(
         path, state_lib.subtree(abstract_state, f"params/{name}/backbone"),
         **trainer.hf_options()) for name in initialised_from_it}
   path = trainer.config.online.reward_model_checkpoint
+  options = {"module": reward_lm(trainer).module,
+             "token_swap": trainer.hf_options()["token_swap"]}
   targets = ["frozen/reward"] + [f"params/{name}"
                                  for name in initialised_from_it]
+  if lora:
+    reward = pretrained.load_network_params(
+        path, state_lib.subtree(abstract_state, "frozen/reward"), "reward",
+        **options)
+    return {"frozen/reward": reward,
+            **{f"params/{name}/head": jax.tree.map(jnp.copy, reward["head"])
+               for name in initialised_from_it}}
   return {target: pretrained.load_network_params(
-              path, state_lib.subtree(abstract_state, target), "reward")
+              path, state_lib.subtree(abstract_state, target), "reward",
+              **options)
           for target in targets}
 
 

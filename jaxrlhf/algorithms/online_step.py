@@ -28,9 +28,15 @@ from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.rl import rollout as rollout_lib
 
 
+def split_step_key(key):
+  """(next state rng, rollout rng, update rng) of the step whose rng is
+  `key`."""
+  return tuple(jax.random.split(key, 3))
+
+
 def step_rngs(state):
   """(next state rng, rollout rng, update rng) of a train step."""
-  return tuple(jax.random.split(state.rng, 3))
+  return split_step_key(state.rng)
 
 
 def _by_parts(trainer, fn, prompt_tokens, responses=None, key=None):
@@ -75,6 +81,7 @@ def sample(trainer, params, frozen, prompt_tokens, rng):
   prefilled once for them: `sampling.Samples` [prompts * k, L]."""
   o, settings = trainer.config.online, trainer.online
   training = trainer.algorithm.training
+  params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
   sample_params = (training.sample_params(trainer, params, frozen)
                    if training.sample_params else params["policy"])
 
@@ -96,6 +103,7 @@ def assemble(trainer, params, frozen, prompt_tokens, samples):
   o, k = trainer.config.online, trainer.online.samples_per_prompt
   uses_rm = online_rewards.uses_reward_model(trainer.config)
   names = list(online_rewards.weights(trainer.config))
+  params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
 
   def part(prompts, tokens, unused_key):
     rollout = rollout_lib.assemble_rollout(
@@ -144,35 +152,50 @@ def rollout_for_step(trainer, state, batch):
                       batch[prompts_lib.PROMPT_FEATURE], rollout_rng)
 
 
-def update(trainer, state, rollout, rng):
+def update(trainer, state, rollout, rng, token_weights=None):
   """What a step does with its rollout: the algorithm's targets, then the
   gradient updates on them.
+
+  Args:
+    token_weights: optional [rows, L] weights of each token's advantage
+      (the truncated importance weights of an off-policy step:
+      `online_overlap`).
 
   Returns:
     (params, opt_state, algorithm state, metrics).
   """
   training = trainer.algorithm.training
-  data, algorithm_state, target_metrics = training.targets(trainer, state,
-                                                           rollout)
+  # LoRA: the targets read the base with the adapters, the updates train
+  # the adapters alone (`state.params`) through the same view.
+  data, algorithm_state, target_metrics = training.targets(
+      trainer, trainer.view(state), rollout)
+  if token_weights is not None:
+    advantages = data["advantages"]
+    if advantages.ndim == 1:
+      advantages = advantages[:, None]
+    data = dict(data, advantages=advantages * token_weights)
   params, opt_state, metrics = run_updates(
       trainer, state, data,
-      lambda params, minibatch: training.loss(trainer, params, minibatch,
-                                              state.algorithm_state),
+      lambda params, minibatch: training.loss(
+          trainer, trainer.view_parts(params, state.frozen)[0], minibatch,
+          state.algorithm_state),
       rng)
   metrics.update(rollout_lib.rollout_metrics(
       rollout, kl_control.coefficient(state),
       trainer.config.online.kl_estimator))
   if not online_rewards.uses_reward_model(trainer.config):
     metrics.pop("raw_score")  # there is no reward model
-  metrics.update(online_rewards.reward_metrics(trainer, rollout.rewards))
+  if rollout.rewards is not None:  # None: the reward model's score alone
+    metrics.update(online_rewards.reward_metrics(trainer, rollout.rewards))
   metrics.update(target_metrics)
   return params, opt_state, algorithm_state, metrics
 
 
-def finish_step(trainer, state, rollout, update_rng, next_rng):
+def finish_step(trainer, state, rollout, update_rng, next_rng,
+                token_weights=None):
   """The updates on a scored rollout: the next train state and metrics."""
-  params, opt_state, algorithm_state, metrics = update(trainer, state,
-                                                       rollout, update_rng)
+  params, opt_state, algorithm_state, metrics = update(
+      trainer, state, rollout, update_rng, token_weights)
   metrics["learning_rate"] = trainer.learning_rate(state.step)
   return state.replace(step=state.step + 1, params=params,
                        opt_state=opt_state, algorithm_state=algorithm_state,

@@ -35,7 +35,8 @@ def loss(trainer, params, state, batch, rng):
   lengths = scoring.completion_lengths(trainer.lm, batch, PAIR)
   return orpo.orpo_loss(
       pi["chosen"], pi["rejected"], lengths["chosen"], lengths["rejected"],
-      odds_ratio_weight=trainer.config.orpo.odds_ratio_weight)
+      odds_ratio_weight=trainer.config.orpo.odds_ratio_weight,
+      weights=scoring.example_weights(batch))
 
 
 ALGORITHM = base.Algorithm(
@@ -44,7 +45,7 @@ ALGORITHM = base.Algorithm(
     "term, without a reference model.",
     data="pairs",
     networks=reference.POLICY_ONLY,
-    training=offline.Offline(loss=loss),
+    training=offline.Offline(loss=loss, packs=True),
     evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),
     pipeline_stage=True,

@@ -103,6 +103,7 @@ def against_reference(trainer, state, split: str = "") -> Dict[str, float]:
            and not split and held_out_pairs(trainer) is not None)
   if prompts is None and not pairs:
     return {}
+  state = trainer.view(state)  # a LoRA run's policy: base and adapters
   reference_params = trainer.reference_params(state)
   metrics = {}
   if prompts is not None:

@@ -143,9 +143,11 @@ class PrecomputedReference:
           f"be split over {dp} data-parallel shards and "
           f"{jax.process_count()} processes; use a multiple of both.")
     fields = self.completion_fields
+    # The reference's own placement: the policy's, or a LoRA run's base
+    # (possibly with its adapters at zero beside it).
     score_fn = jax.jit(
         lambda p, b: scoring.sequence_logprobs(trainer.lm, p, b, fields),
-        in_shardings=(trainer.state_shardings.params["policy"],
+        in_shardings=(jax.tree.map(lambda x: x.sharding, params),
                       sharding.batch_sharding(trainer.mesh, trainer.rules,
                                               1)),
         out_shardings=sharding.replicated(trainer.mesh))

@@ -327,7 +327,9 @@ def normalize_reward_bias(trainer, state):
   differences (and pair accuracy) are unchanged.
   """
   rm = trainer.config.reward_model
-  before, count = mean_reference_reward(trainer, state.params["reward"])
+  # (A LoRA run's reward model is its base with adapters: `Trainer.view`.)
+  before, count = mean_reference_reward(
+      trainer, trainer.view(state).params["reward"])
   shift_bias = trainer.once("shift_bias", lambda: jax.jit(
       lambda s, shift: s.replace(params=dict(
           s.params, reward=heads.shift_bias(s.params["reward"], shift))),
@@ -335,7 +337,8 @@ def normalize_reward_bias(trainer, state):
                     sharding.replicated(trainer.mesh)),
       out_shardings=trainer.state_shardings, donate_argnums=0))
   state = shift_bias(state, np.float32(-before))
-  after, _ = mean_reference_reward(trainer, state.params["reward"])
+  after, _ = mean_reference_reward(trainer,
+                                   trainer.view(state).params["reward"])
   console.log(
       f"Reward normalisation: mean reward of {count} reference completions "
       f"({rm.normalize_on_task!r}, split {rm.normalize_split!r}) "

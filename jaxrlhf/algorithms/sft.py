@@ -6,7 +6,8 @@ Decoder-only models (Llama, GPT-NeoX, t5x decoder-only) read the prompt and
 target concatenated and right-padded, with loss weights on the target tokens
 and their EOS only (`feature_converters.DecoderSFTFeatureConverter`; PPO-paper
 details 3 and 5), so the loss is -mean log p(target tokens | prompt), a mean
-over the target tokens of the whole batch.
+over the target tokens of the whole batch. Packed rows
+(`config.data.pack`) give the same mean over the same tokens.
 """
 
 from typing import Dict
@@ -46,20 +47,44 @@ def next_token_targets(lm, params, batch, rng=None):
 
 
 def target_weights(lm, batch):
-  """[batch, T] loss weights of the tokens `next_token_targets` scores."""
+  """[batch, T] loss weights of the tokens `next_token_targets` scores.
+
+  In a packed decoder-only row the first token of an example is scored by
+  the logits of the example before it: its weight is 0 (unpacked, the first
+  token of a row is never scored)."""
   if lm.is_encoder_decoder:
     return batch["decoder_loss_weights"]
-  return batch["loss_weights"][:, 1:]
+  weights = batch["loss_weights"][:, 1:]
+  if "segment_ids" in batch:
+    ids = batch["segment_ids"]
+    weights = weights * (ids[:, 1:] == ids[:, :-1]).astype(weights.dtype)
+  return weights
+
+
+def target_segment_ids(lm, batch):
+  """[batch, T] packed segment ids of the tokens `next_token_targets`
+  scores."""
+  return lm.completion_segment_ids(batch)[:, 0 if lm.is_encoder_decoder
+                                          else 1:]
+
+
+def token_cross_entropy(lm, params, batch, rng=None, z_loss=0.0):
+  """(mean token cross-entropy, its token sums) of the targets
+  `next_token_targets` scores, from the adapter's per-token statistics
+  (`next_token_stats`): a decoder-only model's logits are formed a chunk
+  of positions at a time and never held whole."""
+  stats = lm.next_token_stats(params, batch, None, rng=rng, with_top1=True)
+  return sft_losses.cross_entropy_from_stats(
+      stats.log_z, stats.target_logits, stats.top1, target_weights(lm, batch),
+      z_loss)
 
 
 def loss(trainer, params, state, batch, rng):
   """Mean token cross-entropy of one (micro-)batch, and its token sums."""
   del state
   dropout_rng = rng if trainer.config.model.dropout_rate > 0 else None
-  logits, targets, weights = next_token_targets(trainer.lm, params["policy"],
-                                                batch, dropout_rng)
-  return sft_losses.cross_entropy_loss(logits, targets, weights,
-                                       trainer.config.train.z_loss)
+  return token_cross_entropy(trainer.lm, params["policy"], batch, dropout_rng,
+                             trainer.config.train.z_loss)
 
 
 def token_mean_share(trainer, loss_fn, batch):
@@ -101,8 +126,7 @@ def evaluate(trainer, state) -> Dict[str, float]:
     features, texts = pipeline.eval_examples(
         cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
         trainer.feature_converter, cfg.eval.num_examples)
-    loss_fn = jax.jit(lambda p, b: sft_losses.cross_entropy_loss(
-        *next_token_targets(trainer.lm, p, b))[1])
+    loss_fn = jax.jit(lambda p, b: token_cross_entropy(trainer.lm, p, b)[1])
     return features, texts, loss_fn
 
   prepared = trainer.once("sft_eval", prepare)
@@ -145,6 +169,7 @@ ALGORITHM = base.Algorithm(
     "seqio task's (inputs, targets).",
     data=base.SFT_DATA,
     networks=base.Networks(trainable=policy, checkpoints=checkpoints),
-    training=offline.Offline(loss=loss, share=token_mean_share),
+    training=offline.Offline(loss=loss, share=token_mean_share,
+                             packs=True),
     evaluation=base.Evaluation(evaluate=evaluate, describe=describe),
 )

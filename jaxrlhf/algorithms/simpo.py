@@ -50,7 +50,8 @@ def loss(trainer, params, state, batch, rng):
       pi["chosen"], pi["rejected"], None, None, loss_type="dpo",
       beta=cfg.beta, target_margin=cfg.gamma, length_normalize=True,
       reference_free=True, chosen_lengths=lengths["chosen"],
-      rejected_lengths=lengths["rejected"])
+      rejected_lengths=lengths["rejected"],
+      weights=scoring.example_weights(batch))
 
 
 ALGORITHM = base.Algorithm(
@@ -59,7 +60,7 @@ ALGORITHM = base.Algorithm(
     "token log-likelihood) with a target margin gamma.",
     data="pairs",
     networks=reference.POLICY_ONLY,
-    training=offline.Offline(loss=loss),
+    training=offline.Offline(loss=loss, packs=True),
     evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),
     pipeline_stage=True,

@@ -21,6 +21,7 @@ import seqio
 
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import feature_converters
@@ -50,6 +51,9 @@ class Trainer:
     online: `online.OnlineSettings` of an online algorithm, else None.
     precomputed_reference: the offline run's `PrecomputedReference` when
       `reference_logprobs.mode` is "precomputed", else None.
+    lora: the run's `lora_state.LoraRun` when `config.lora.rank` > 0 (the
+      trained networks are adapters on a frozen base; `view` is the state
+      the algorithms read), else None.
     state_shardings, abstract_state: of the train state.
     train_step: (state, batch) -> (state, metrics): the algorithm's step
       compiled once (its `Training.train_step_function`).
@@ -108,6 +112,7 @@ class Trainer:
     self.precomputed_reference = None
     self._once = {}
     algorithm.training.setup(self)
+    self.lora = lora_state.setup(self)
     # evaluate=False: a trainer that never judges its policy (`evaluate`
     # returns {}), e.g. stepped from a notebook on batches of its own.
     self._evaluates = evaluate
@@ -187,7 +192,11 @@ class Trainer:
   def _init_networks(self, rng):
     a, b = jax.random.split(rng)
     networks = self.algorithm.networks
-    return networks.trainable(self, a), networks.frozen(self, b)
+    trainable, frozen = networks.trainable(self, a), networks.frozen(self, b)
+    if self.lora is not None:
+      trainable, frozen = self.lora.adapt(trainable, frozen,
+                                          jax.random.fold_in(rng, 1))
+    return trainable, frozen
 
   def init_state(self):
     """A new run's train state: the checkpoints its networks start from
@@ -197,7 +206,10 @@ class Trainer:
     abstract = state_lib.abstract_with_shardings(self.abstract_state,
                                                  self.state_shardings)
     loaded = {}
-    for target, path in self.algorithm.networks.checkpoints(self).items():
+    checkpoints = self.algorithm.networks.checkpoints(self)
+    if self.lora is not None:
+      checkpoints = self.lora.checkpoint_targets(checkpoints)
+    for target, path in checkpoints.items():
       if not path:
         continue
       try:
@@ -214,6 +226,8 @@ class Trainer:
   def initial_policy_params(self):
     """The policy as a new run starts it, loaded afresh (the reference of a
     run that keeps none in its state)."""
+    if self.lora is not None:
+      return self.lora.load_base()
     path = self.algorithm.networks.checkpoints(self).get("params/policy")
     if not path:
       return self._init(jax.random.PRNGKey(self.config.seed)).params["policy"]
@@ -234,10 +248,47 @@ class Trainer:
     frozen reference in the state, or loaded afresh when the run keeps none
     there (precomputed reference log-probs, reference-free losses) or its
     step changes it (TR-DPO)."""
+    state = self.view(state)
     if ("reference" in state.frozen
         and "reference" not in self.algorithm.carried.changes_frozen):
       return state.frozen["reference"]
     return self.initial_policy_params()
+
+  # --- LoRA: the state the algorithms read, and what checkpoints hold -----------
+
+  def view(self, state):
+    """The state as the algorithms read it: itself, or, in a LoRA run, with
+    each adapted network the base plus its adapters and the base as
+    `frozen["reference"]` (`lora_state`). A view's view is itself."""
+    return state if self.lora is None else self.lora.view(state)
+
+  def view_parts(self, params, frozen, dropout_rng=None):
+    """(params, frozen) as the algorithms read them (`view`); in a LoRA run
+    with `dropout_rng`, the adapters' dropout is on (training)."""
+    if self.lora is None:
+      return params, frozen
+    return self.lora.view_parts(params, frozen, dropout_rng)
+
+  def checkpointed(self, state):
+    """What a checkpoint holds of `state`: all of it, or, in a LoRA run,
+    everything but the frozen base (which `with_base` loads again)."""
+    return state if self.lora is None else self.lora.checkpointed(state)
+
+  def checkpoint_target(self):
+    """The abstract (sharded) state a checkpoint restores into."""
+    abstract = state_lib.abstract_with_shardings(self.abstract_state,
+                                                 self.state_shardings)
+    return self.checkpointed(abstract)
+
+  def base_record(self, state):
+    """What names a LoRA run's base (`LoraRun.record`), or None."""
+    return None if self.lora is None else self.lora.record(state)
+
+  def with_base(self, state, record):
+    """A restored checkpoint's state made whole: in a LoRA run, the base
+    loaded again and checked against its `record`."""
+    return state if self.lora is None else self.lora.with_base(state,
+                                                               record)
 
   def _config_field_of(self, path: str) -> str:
     """The config field ("config.init.policy_checkpoint", ...) that holds
@@ -304,7 +355,7 @@ class Trainer:
     evaluate=False."""
     if not self._evaluates:
       return {}
-    return self.algorithm.evaluation.evaluate(self, state)
+    return self.algorithm.evaluation.evaluate(self, self.view(state))
 
   def evaluation_description(self) -> str:
     """What `evaluate` measures on, for the console lines."""
@@ -321,9 +372,11 @@ class Trainer:
 
 
 def files_kind(algorithm: base.Algorithm) -> str:
-  """What config.data.files hold for `algorithm`: its alignment kind, or
-  demonstrations (prompt and reference completion) for SFT and the prompts
-  of online RL."""
-  if algorithm.data in (base.SFT_DATA, base.PROMPTS):
+  """What config.data.files hold for `algorithm`: its alignment kind,
+  demonstrations (prompt and reference completion) for SFT, or the prompts
+  of online RL (the same rows; a completion is not needed)."""
+  if algorithm.data == base.SFT_DATA:
     return file_tasks.DEMONSTRATIONS
+  if algorithm.data == base.PROMPTS:
+    return file_tasks.PROMPTS
   return algorithm.data

@@ -54,8 +54,7 @@ PROMPT = "prompt"
 # Extra columns travel as string features with this prefix.
 COLUMN_FEATURE_PREFIX = "column:"
 # Reward functions receive the prompts and completions under these names
-# (jaxrlhf.rewards.host.RESERVED_NAMES, the same two: data may not import
-# rewards), so no extra column may have them.
+# (positionally, `jaxrlhf.rewards.host`), so no extra column may have them.
 RESERVED_COLUMN_NAMES = ("prompts", "completions")
 
 
@@ -99,16 +98,23 @@ THUMBS = DataKind("thumbs", ("completion",), {"label": None})
 KINDS: Dict[str, DataKind] = {k.name: k for k in (PAIRS, RANKING, TRAJECTORY,
                                                    THUMBS)}
 DEMONSTRATIONS = DataKind("demonstrations", ("completion",), {})
+# Online RL's prompts: rows of the demonstration layouts whose completion, if
+# they have one, is not read (a GRPO file holds a prompt and an answer).
+PROMPTS = DataKind("prompts", (), {})
+# The kinds whose examples carry extra columns (for online rewards).
+WITH_EXTRA_COLUMNS = (DEMONSTRATIONS.name, PROMPTS.name)
 
 
 def get_kind(kind) -> DataKind:
-  """A DataKind from itself or its name, or an error that lists the kinds."""
+  """A DataKind from itself or its name (an alignment kind, demonstrations
+  or prompts), or an error that lists the kinds."""
   if isinstance(kind, DataKind):
     return kind
-  if kind not in KINDS:
+  every = dict(KINDS, **{k.name: k for k in (DEMONSTRATIONS, PROMPTS)})
+  if kind not in every:
     raise ValueError(f"unknown data kind {kind!r}; the kinds are "
-                     f"{sorted(KINDS)}.")
-  return KINDS[kind]
+                     f"{sorted(every)}.")
+  return every[kind]
 
 
 # --- extra columns -------------------------------------------------------------

@@ -39,7 +39,8 @@ with more than K completions fails the pipeline instead of being cut.
 Scalars of the kind (`margin`, `confidence`, `reward`, `label`) come out as
 float32 scalars ([batch] after batching). They are rank 0, so seqio does not
 check their length; `get_model_feature_lengths` lists them with length 1.
-Packing is not supported: the completions of one example must stay aligned.
+The converters lay out one example per row; packing several into a row is
+the `Packer`'s work, after them (`pipeline.BatchIterator(pack=k)`).
 
 SFT tasks (seqio `inputs`/`targets`) get the same decoder-only layout under
 unprefixed names (`tokens`, `loss_weights`, ...) from `sft_feature_converter`
@@ -49,6 +50,7 @@ EncDecFeatureConverter.
 
 from typing import Dict, Mapping, Optional
 
+import numpy as np
 import seqio
 import tensorflow as tf
 
@@ -142,8 +144,11 @@ class _AlignmentFeatureConverter(seqio.FeatureConverter):
                **kwargs):
     name = type(self).__name__
     if pack:
-      raise ValueError(f"{name}: packing is not supported (the completions of "
-                       "one example must stay aligned); pass pack=False.")
+      raise ValueError(
+          f"{name}: the converter lays out one example per row; pack "
+          "several per row after it with feature_converters.Packer "
+          "(pipeline.BatchIterator(pack=k), config.data.pack), which keeps "
+          "an example's completions in one slot of their rows.")
     if self.KIND.ranked:
       if num_completions is None or num_completions < 1:
         raise ValueError(
@@ -513,3 +518,190 @@ def output_spec(converter: seqio.FeatureConverter, kind,
   dataset = converter(tf.data.Dataset.from_tensors(example),
                       task_feature_lengths)
   return dict(dataset.element_spec)
+
+
+# --- Packing: several examples per row -----------------------------------------
+
+# A packed row's slots: [rows, k], 1 where the slot holds an example.
+EXAMPLE_MASK = "example_mask"
+# Examples the packer reads at a time: each window is packed first-fit into
+# as few rows as it needs, its last rows left as full as they came.
+PACK_WINDOW = 1024
+
+
+class Packer:
+  """Packs converted examples (one per row) into rows of up to k examples.
+
+  The sequences of one example that belong together (a decoder-only
+  completion field's tokens, loss weights, positions and attention mask;
+  an encoder-decoder's encoder inputs, and each completion field's decoder
+  features) are cut to their real length and laid end to end with other
+  examples' in a row of the same length, first-fit: an example goes into
+  the first row where every one of its sequences fits and a slot is free.
+  Every sequence of the example takes the same slot s of its row, so an
+  example's chosen and rejected completions, and its prompt, stay aligned
+  by (row, slot). Each sequence gets its segment ids, s + 1 on its tokens
+  and 0 on padding (`{field}_segment_ids`; encoder-decoder
+  `encoder_segment_ids` and `{field}_decoder_segment_ids`, with t5x's
+  positions `encoder_positions`, `{field}_decoder_positions`); positions,
+  and the decoder inputs' BOS, already restart at each example. The
+  example's scalars (`reward`, `margin`, ...) go to slot s of [k] arrays,
+  and `example_mask` [k] marks the slots in use. The left-padded
+  `prompt_*` features of decoder-only rows (for sampling) are dropped: a
+  packed prompt is read in its completion rows.
+
+  Args:
+    spec: {feature: tf.TensorSpec} of one converted example
+      (`output_spec`).
+    examples_per_row: k.
+  """
+
+  def __init__(self, spec: Mapping[str, tf.TensorSpec],
+               examples_per_row: int):
+    if examples_per_row < 1:
+      raise ValueError(f"Packer: examples_per_row must be >= 1, got "
+                       f"{examples_per_row}.")
+    self.k = examples_per_row
+    self.spec = dict(spec)
+    # group -> (the feature whose nonzero entries count the real tokens,
+    # the features laid out with it, the segment-id and position features).
+    self.groups = {}
+    self.scalars = []
+    for name, value in self.spec.items():
+      if name.startswith("prompt_") and value.shape.rank == 1:
+        continue
+      if value.shape.rank == 0:
+        self.scalars.append(name)
+      elif name == "completions_mask" or value.shape.rank != 1:
+        raise ValueError(
+            f"Packer: feature {name!r} of shape {value.shape} cannot be "
+            "packed (rankings keep their K completions per row).")
+    for name in self.spec:
+      if name.startswith("prompt_"):
+        continue
+      if name.endswith("attention_mask"):
+        prefix = name[:-len("attention_mask")]
+        self.groups[prefix] = (name, [prefix + s for s in DECODER_SUFFIXES],
+                               prefix + "segment_ids", None)
+      elif name.endswith("decoder_target_tokens"):
+        prefix = name[:-len("decoder_target_tokens")]
+        self.groups[prefix + "decoder"] = (
+            name, [prefix + s for s in ENCDEC_SUFFIXES],
+            prefix + "decoder_segment_ids", prefix + "decoder_positions")
+      elif name == "encoder_input_tokens":
+        self.groups["encoder"] = (name, [name], "encoder_segment_ids",
+                                  "encoder_positions")
+    grouped = {f for _, members, _, _ in self.groups.values()
+               for f in members}
+    left = [n for n in self.spec
+            if n not in grouped and n not in self.scalars
+            and not n.startswith("prompt_")]
+    if left:
+      raise ValueError(f"Packer: features {left} belong to no sequence it "
+                       "knows how to pack.")
+    self.lengths = {g: self.spec[c].shape[0]
+                    for g, (c, _, _, _) in self.groups.items()}
+
+  def output_spec(self) -> Dict[str, tf.TensorSpec]:
+    """{feature: tf.TensorSpec} of one packed row."""
+    out = {}
+    for group, (_, members, segments, positions) in self.groups.items():
+      length = self.lengths[group]
+      for name in members:
+        out[name] = self.spec[name]
+      for extra in (segments, positions):
+        if extra is not None:
+          out[extra] = tf.TensorSpec([length], tf.int32)
+    for name in self.scalars:
+      out[name] = tf.TensorSpec([self.k], self.spec[name].dtype)
+    out[EXAMPLE_MASK] = tf.TensorSpec([self.k], tf.int32)
+    return out
+
+  def assign(self, real_lengths: Mapping[str, np.ndarray]):
+    """First-fit: [(example indices by slot)] per row, for examples of
+    `real_lengths` {group: [n]} tokens."""
+    count = len(next(iter(real_lengths.values())))
+    rows, used = [], []
+    for i in range(count):
+      need = {g: int(real_lengths[g][i]) for g in self.groups}
+      for row, row_used in zip(rows, used):
+        if len(row) < self.k and all(row_used[g] + need[g] <= self.lengths[g]
+                                     for g in self.groups):
+          break
+      else:
+        row, row_used = [], {g: 0 for g in self.groups}
+        rows.append(row)
+        used.append(row_used)
+      row.append(i)
+      for g in self.groups:
+        row_used[g] += need[g]
+    return rows
+
+  def pack(self, examples: Mapping[str, np.ndarray]
+           ) -> Dict[str, np.ndarray]:
+    """Examples {feature: [n, ...]} (one per row) -> packed rows
+    {feature: [rows, ...]} (`output_spec`)."""
+    real = {g: np.count_nonzero(examples[counted], axis=1)
+            for g, (counted, _, _, _) in self.groups.items()}
+    rows = self.assign(real)
+    spec = self.output_spec()
+    out = {name: np.zeros((len(rows),) + tuple(value.shape),
+                          value.dtype.as_numpy_dtype)
+           for name, value in spec.items()}
+    for r, row in enumerate(rows):
+      for group, (_, members, segments, positions) in self.groups.items():
+        start = 0
+        for slot, i in enumerate(row):
+          n = real[group][i]
+          for name in members:
+            out[name][r, start:start + n] = examples[name][i, :n]
+          out[segments][r, start:start + n] = slot + 1
+          if positions is not None:
+            out[positions][r, start:start + n] = np.arange(n)
+          start += n
+      for slot, i in enumerate(row):
+        for name in self.scalars:
+          out[name][r, slot] = examples[name][i]
+        out[EXAMPLE_MASK][r, slot] = 1
+    return out
+
+  def __call__(self, ds: tf.data.Dataset,
+               window: int = PACK_WINDOW) -> tf.data.Dataset:
+    """A dataset of converted examples -> one of packed rows; `window`
+    consecutive examples are packed at a time (the last window of a finite
+    dataset may be smaller)."""
+    names = sorted(self.spec)
+    spec = self.output_spec()
+    out_names = sorted(spec)
+
+    def pack(*arrays):
+      packed = self.pack(dict(zip(names, arrays)))
+      return [packed[n] for n in out_names]
+
+    def pack_window(examples):
+      values = tf.numpy_function(
+          pack, [examples[n] for n in names],
+          [spec[n].dtype for n in out_names], stateful=False)
+      out = {}
+      for name, value in zip(out_names, values):
+        value.set_shape([None] + spec[name].shape.as_list())
+        out[name] = value
+      return out
+
+    return ds.batch(window).map(pack_window).unbatch()
+
+
+def padding_share(batch: Mapping[str, np.ndarray]) -> float:
+  """The share of a batch's token slots that hold padding: over every
+  sequence feature that says which tokens are real (decoder-only
+  `*attention_mask`, encoder-decoder `encoder_input_tokens` and
+  `*decoder_target_tokens`), the `prompt_*` sampling features left out."""
+  real = total = 0
+  for name, value in batch.items():
+    if name.startswith("prompt_"):
+      continue
+    if name.endswith("attention_mask") or name in (
+        "encoder_input_tokens",) or name.endswith("decoder_target_tokens"):
+      real += int(np.count_nonzero(value))
+      total += value.size
+  return 1.0 - real / max(total, 1)

@@ -4,7 +4,9 @@ A layout turns one row (a dict read from JSON lines or Parquet) into zero or
 more raw examples of a data kind, or into `BadRow`s saying why it cannot.
 `row_checks.check_example` then checks each example.
 
-Layouts (what a row looks like):
+Layouts (what a row looks like). The layouts of demonstrations also give
+the prompts kind (online RL's prompts): their examples without the
+completion, which rows of "columns" and "messages" then need not have.
 
 * "columns" (any kind, demonstrations too): a flat row; `column_mapping` maps each field of the
   kind to a column, e.g. {"prompt": "question", "chosen": "good",
@@ -91,6 +93,9 @@ Layouts (what a row looks like):
   last one), each with the conversation before it as the prompt, so SFT's
   loss is on every assistant turn and nowhere else; {"prompt": [...],
   "completion": [assistant message]} (TRL's prompt-completion layout)
+  gives one. Prompts (online RL): the conversation before each assistant
+  message and, when it does not end with one, the whole conversation, each
+  rendered with the generation prompt; TRL's prompt-only {"prompt": [...]}
   gives one. Pairs: {"prompt": [...], "chosen": [assistant message],
   "rejected": [assistant message]} (TRL's explicit-prompt preference
   layout), or {"chosen": [...conversation], "rejected": [...conversation]}
@@ -450,37 +455,38 @@ def _text_fields(record, names) -> Union[Tuple[str, ...], BadRow]:
   return tuple(values)
 
 
+def _worked_answer(record, fields, final_answer, missing: str,
+                   columns=()) -> RowResult:
+  """A problem and its worked solution (the text `fields`) as prompt and
+  completion, with the solution's final answer (`final_answer(solution)`,
+  None: the row is bad, `missing` says why) and `columns` of the record
+  as extra columns."""
+  texts = _text_fields(record, fields)
+  if isinstance(texts, BadRow):
+    yield texts
+    return
+  problem, solution = texts
+  final = final_answer(solution)
+  if final is None:
+    yield BadRow("no_final_answer", missing)
+    return
+  yield {"prompt": problem, "completion": solution,
+         EXTRA_COLUMNS: {"answer": final,
+                         **{name: record.get(name) for name in columns}}}
+
+
 def _gsm8k_layout(record, ctx: RowContext) -> RowResult:
   del ctx
-  fields = _text_fields(record, ("question", "answer"))
-  if isinstance(fields, BadRow):
-    yield fields
-    return
-  question, solution = fields
-  final = answers.gsm8k_answer(solution)
-  if final is None:
-    yield BadRow("no_final_answer", "'answer' has no final answer "
-                 "'#### <number>'.")
-    return
-  yield {"prompt": question, "completion": solution,
-         EXTRA_COLUMNS: {"answer": final}}
+  yield from _worked_answer(
+      record, ("question", "answer"), answers.gsm8k_answer,
+      "'answer' has no final answer '#### <number>'.")
 
 
 def _math_layout(record, ctx: RowContext) -> RowResult:
   del ctx
-  fields = _text_fields(record, ("problem", "solution"))
-  if isinstance(fields, BadRow):
-    yield fields
-    return
-  problem, solution = fields
-  final = answers.last_boxed(solution)
-  if final is None:
-    yield BadRow("no_final_answer", "'solution' has no \\boxed{...} final "
-                 "answer.")
-    return
-  yield {"prompt": problem, "completion": solution,
-         EXTRA_COLUMNS: {"answer": final, "level": record.get("level"),
-                         "type": record.get("type")}}
+  yield from _worked_answer(
+      record, ("problem", "solution"), answers.last_boxed,
+      "'solution' has no \\boxed{...} final answer.", ("level", "type"))
 
 
 # --- conversations (layout "messages") -----------------------------------------
@@ -635,9 +641,50 @@ def _messages_pairs(record, ctx: RowContext) -> RowResult:
   yield example
 
 
+def _messages_prompts(record, ctx: RowContext) -> RowResult:
+  """Online RL's prompts of a conversation (column "messages", or TRL's
+  prompt-only {"prompt": [messages]}): the conversation before each
+  assistant reply and, when it does not end with one, the whole of it, each
+  rendered with the generation prompt."""
+  extras = _extra_values(record, ctx)
+  if isinstance(extras, BadRow):
+    yield extras
+    return
+  column = _column(ctx, "messages")
+  conversation = _get_path(record, column)
+  if conversation is None:
+    column = _column(ctx, kinds_lib.PROMPT)
+    conversation = _get_path(record, column)
+  if conversation is None:
+    yield BadRow("missing_field", f"no conversation: neither column "
+                 f"{_column(ctx, 'messages')!r} nor {column!r}.")
+    return
+  messages = _messages(conversation, column)
+  if isinstance(messages, BadRow):
+    yield messages
+    return
+  ends = chat_templates.assistant_turns(messages)
+  if not ends or ends[-1] != len(messages) - 1:
+    ends.append(len(messages))
+  if ctx.options["turns"] == "last":
+    ends = ends[-1:]
+  for end in ends:
+    try:
+      prompt = ctx.chat_template.render(messages[:end],
+                                        add_generation_prompt=True)
+    except chat_templates.ChatTemplateError as e:
+      yield BadRow("chat_template_error", f"{column}[:{end}]: the chat "
+                   f"template ({ctx.chat_template.origin}) refused the "
+                   f"conversation: {e}")
+      continue
+    yield {kinds_lib.PROMPT: prompt, EXTRA_COLUMNS: dict(extras)}
+
+
 def _messages_layout(record, ctx: RowContext) -> RowResult:
   if ctx.kind.name == kinds_lib.DEMONSTRATIONS.name:
     return _messages_demonstrations(record, ctx)
+  if ctx.kind.name == kinds_lib.PROMPTS.name:
+    return _messages_prompts(record, ctx)
   return _messages_pairs(record, ctx)
 
 
@@ -661,10 +708,13 @@ class Layout:
   uses_chat_template: bool = False
 
 
+# Demonstrations, and the prompts online RL reads from the same rows.
+_DEMONSTRATIONS = kinds_lib.WITH_EXTRA_COLUMNS
+
 LAYOUTS: Dict[str, Layout] = {
     layout.name: layout for layout in (
         Layout("columns", _columns_layout,
-               tuple(kinds_lib.KINDS) + (kinds_lib.DEMONSTRATIONS.name,), {},
+               tuple(kinds_lib.KINDS) + _DEMONSTRATIONS, {},
                maps_columns=True),
         Layout("ultrafeedback", _ultrafeedback_layout,
                ("trajectory", "pairs", "ranking"), {"score": "overall"},
@@ -672,15 +722,14 @@ LAYOUTS: Dict[str, Layout] = {
         Layout("hh_rlhf", _hh_layout, ("pairs",), {}),
         Layout("tldr", _tldr_layout, ("pairs",),
                {"truncate_post_paragraphs": True, "confidence_scale": 9.0}),
-        Layout("tldr_sft", _tldr_sft_layout,
-               (kinds_lib.DEMONSTRATIONS.name,),
+        Layout("tldr_sft", _tldr_sft_layout, _DEMONSTRATIONS,
                {"truncate_post_paragraphs": True}),
-        Layout("gsm8k", _gsm8k_layout, (kinds_lib.DEMONSTRATIONS.name,), {},
+        Layout("gsm8k", _gsm8k_layout, _DEMONSTRATIONS, {},
                extra_columns=("answer",)),
-        Layout("math", _math_layout, (kinds_lib.DEMONSTRATIONS.name,), {},
+        Layout("math", _math_layout, _DEMONSTRATIONS, {},
                extra_columns=("answer", "level", "type")),
         Layout("messages", _messages_layout,
-               (kinds_lib.DEMONSTRATIONS.name, kinds_lib.PAIRS.name),
+               _DEMONSTRATIONS + (kinds_lib.PAIRS.name,),
                {"turns": "all"}, maps_columns=True, own_columns=("messages",),
                uses_chat_template=True),
     )}

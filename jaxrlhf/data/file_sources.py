@@ -305,7 +305,7 @@ class AlignmentFileSource(seqio.DataSource):
     # The names a mapping renames: the kind's fields and the layout's own.
     renamed = self.kind.fields + self.layout.own_columns
     unknown = set(self.column_mapping) - set(renamed)
-    if unknown and self.kind.name != kinds_lib.DEMONSTRATIONS.name:
+    if unknown and self.kind.name not in kinds_lib.WITH_EXTRA_COLUMNS:
       raise ValueError(f"column_mapping: {sorted(unknown)} are not fields of "
                        f"kind {self.kind.name!r}; its fields are "
                        f"{list(renamed)} (extra columns are "

@@ -36,6 +36,7 @@ from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
 
 DEMONSTRATIONS = alignment_kinds.DEMONSTRATIONS.name
+PROMPTS = alignment_kinds.PROMPTS.name
 # The held-out splits a source may carve out of "train", in the order their
 # prompts are drawn (test first: it stays the same when validation grows).
 HOLDOUT_SPLITS = ("test", "validation")
@@ -210,8 +211,9 @@ def _as_inputs_and_targets(dataset: tf.data.Dataset) -> tf.data.Dataset:
   """prompt -> inputs, completion -> targets; extra columns kept as they
   are (`alignment_kinds.column_feature`), for the prompts of online RL."""
   def convert(ex):
+    # A prompts source has no completions: online RL reads the inputs only.
     out = {"inputs": ex[alignment_kinds.PROMPT],
-           "targets": ex["completion"]}
+           "targets": ex.get("completion", tf.constant(""))}
     out.update({key: value for key, value in ex.items()
                 if alignment_kinds.column_of_feature(key) is not None})
     return out
@@ -262,9 +264,10 @@ def register_demonstrations_task(name: str, paths, *,
 
 def register_task_from_files(config, kind: str) -> None:
   """Registers config.data.task from config.data.files (see defaults.py):
-  files of `kind`, an alignment kind or "demonstrations"."""
+  files of `kind`, an alignment kind, "demonstrations" or "prompts"."""
   files = config.data.files
-  if kind not in alignment_kinds.KINDS and kind != DEMONSTRATIONS:
+  if kind not in alignment_kinds.KINDS and (
+      kind not in alignment_kinds.WITH_EXTRA_COLUMNS):
     raise ValueError(
         f"config.data.files: {config.algorithm} reads a registered seqio "
         "task (config.data.task); file sources give the alignment data kinds "
@@ -284,8 +287,7 @@ def register_task_from_files(config, kind: str) -> None:
            if files[split]}
   source = file_sources.AlignmentFileSource(
       paths,
-      kind=(alignment_kinds.DEMONSTRATIONS if kind == DEMONSTRATIONS
-            else kind),
+      kind=kind,
       layout=files.layout,
       column_mapping=parse_column_mapping(files.column_mapping),
       vocabulary=vocabulary,
@@ -300,7 +302,7 @@ def register_task_from_files(config, kind: str) -> None:
             "test": files.holdout_test_prompts}
   if any(counts.values()):
     source = HeldOutPrompts(source, counts, config.seed)
-  if kind == DEMONSTRATIONS:
+  if kind in alignment_kinds.WITH_EXTRA_COLUMNS:
     register_demonstrations(name, source, vocabulary,
                             max_prompt_tokens=max_prompt_tokens)
   else:

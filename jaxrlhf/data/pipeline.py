@@ -16,6 +16,7 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
+from jaxrlhf.data import feature_converters
 from jaxrlhf.data import tasks as _builtin_tasks  # registers built-in tasks
 
 del _builtin_tasks
@@ -94,6 +95,9 @@ class BatchIterator:
     drop_remainder: drop a last batch smaller than the batch size (training
       needs fixed shapes); False keeps it, for passes that must see every
       example once (precomputed reference log-probs).
+    pack: 0 lays out one example per row; k > 0 packs up to k examples
+      into each row (`feature_converters.Packer`), and `global_batch_size`
+      then counts rows.
   """
 
   @traced_as_written
@@ -101,7 +105,7 @@ class BatchIterator:
                feature_converter: seqio.FeatureConverter,
                global_batch_size: int, seed: int, shuffle: bool = True,
                num_epochs: Optional[int] = None, position: int = 0,
-               drop_remainder: bool = True):
+               drop_remainder: bool = True, pack: int = 0):
     self.position = position
     shard = seqio.ShardInfo(index=jax.process_index(),
                             num_shards=jax.process_count())
@@ -116,6 +120,8 @@ class BatchIterator:
         dict(feature_lengths), split=split, shuffle=shuffle,
         num_epochs=num_epochs, shard_info=shard, seed=seed, **options)
     ds = feature_converter(ds, dict(feature_lengths))
+    if pack:
+      ds = feature_converters.Packer(ds.element_spec, pack)(ds)
     ds = ds.batch(local_batch_size(global_batch_size),
                   drop_remainder=drop_remainder)
     # No autotuning: its model thread, optimising in the background, made

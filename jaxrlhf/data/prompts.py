@@ -252,13 +252,19 @@ class PromptBatches:
   def __iter__(self):
     return self
 
-  def __next__(self) -> Dict[str, np.ndarray]:
-    indices = self.global_indices(self.position)
+  def batch_at(self, position: int) -> Dict[str, np.ndarray]:
+    """This process's share of global batch `position`; the stream does not
+    move (an overlapped step samples the next batch ahead)."""
+    indices = self.global_indices(position)
     start = jax.process_index() * self.local_batch_size
     local = indices[start:start + self.local_batch_size]
-    self.position += 1
     return {PROMPT_FEATURE: self.prompts[local],
             PROMPT_INDEX: local.astype(np.int32)}
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    batch = self.batch_at(self.position)
+    self.position += 1
+    return batch
 
 
 @pipeline.traced_as_written

@@ -37,9 +37,7 @@ in T5.
 """
 
 import hashlib
-import os
 import re
-import tempfile
 from typing import Dict, List, Optional
 
 import numpy as np
@@ -90,19 +88,9 @@ def model_proto() -> bytes:
 
 
 def vocabulary() -> seqio.SentencePieceVocabulary:
-  """The task's vocabulary, cached on disk by content hash (like
-  `vocab.word_vocabulary`)."""
-  proto = model_proto()
-  path = vocab.cache_dir() / (
-      f"arithmetic-{hashlib.sha256(proto).hexdigest()[:16]}.model")
-  if not path.exists():
-    path.parent.mkdir(parents=True, exist_ok=True)
-    # Write then rename, so a concurrent reader never sees a partial file.
-    fd, tmp = tempfile.mkstemp(dir=path.parent, suffix=".tmp")
-    with os.fdopen(fd, "wb") as f:
-      f.write(proto)
-    os.replace(tmp, path)
-  return seqio.SentencePieceVocabulary(str(path))
+  """The task's vocabulary, cached on disk by content hash
+  (`vocab.cached_vocabulary`)."""
+  return vocab.cached_vocabulary("arithmetic", model_proto())
 
 
 # --- texts ---------------------------------------------------------------------

@@ -75,8 +75,14 @@ def word_model_proto(words: Sequence[str]) -> bytes:
 
 def word_vocabulary(words: Sequence[str]) -> seqio.SentencePieceVocabulary:
   """A seqio vocabulary over `words`, cached on disk by content hash."""
-  proto = word_model_proto(words)
-  path = cache_dir() / f"words-{hashlib.sha256(proto).hexdigest()[:16]}.model"
+  return cached_vocabulary("words", word_model_proto(words))
+
+
+def cached_vocabulary(name: str, proto: bytes
+                      ) -> seqio.SentencePieceVocabulary:
+  """A seqio vocabulary of the serialised SentencePiece model `proto`, from
+  a file in `cache_dir()` named by `name` and the model's content hash."""
+  path = cache_dir() / f"{name}-{hashlib.sha256(proto).hexdigest()[:16]}.model"
   if not path.exists():
     path.parent.mkdir(parents=True, exist_ok=True)
     # Write then rename, so a concurrent reader never sees a partial file.

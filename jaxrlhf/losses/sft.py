@@ -21,13 +21,34 @@ def cross_entropy_loss(logits, targets, weights, z_loss=0.0):
     micro-batches and devices can be formed exactly.
   """
   logits = logits.astype(jnp.float32)
-  weights = weights.astype(jnp.float32)
   log_z = jax.nn.logsumexp(logits, axis=-1)
   target_logits = jnp.take_along_axis(logits, targets[..., None], axis=-1)[..., 0]
+  correct = jnp.argmax(logits, axis=-1) == targets
+  return cross_entropy_from_stats(log_z, target_logits, correct, weights,
+                                  z_loss)
+
+
+def cross_entropy_from_stats(log_z, target_logits, correct, weights,
+                             z_loss=0.0):
+  """`cross_entropy_loss` from what it reads of the logits, per token: a
+  model's output layer and this loss can then be computed a chunk of
+  positions at a time (`jaxrlhf.models.scoring.hidden_token_stats`),
+  without the [batch, length, vocab] logits.
+
+  Args:
+    log_z: [batch, length] logsumexp of each position's logits.
+    target_logits: [batch, length] the target's logit.
+    correct: [batch, length] bool, the target is the argmax.
+    weights: [batch, length] loss weights (0 on padding).
+    z_loss: coefficient of the z-loss term.
+  Returns:
+    (loss, metrics) as `cross_entropy_loss`.
+  """
+  weights = weights.astype(jnp.float32)
   nll = log_z - target_logits
   total = nll + z_loss * jnp.square(log_z)
   denom = jnp.maximum(jnp.sum(weights), 1.0)
-  correct = (jnp.argmax(logits, axis=-1) == targets).astype(jnp.float32)
+  correct = correct.astype(jnp.float32)
   metrics = {
       "nll_sum": jnp.sum(nll * weights),
       "correct_sum": jnp.sum(correct * weights),

@@ -58,7 +58,6 @@ def kernel_segment_ids(segment_ids: Array) -> Array:
   return jnp.where(ids > 0, ids, -1 - slots)
 
 
-@functools.lru_cache(maxsize=None)
 def _splash_kernel(length: int, heads: int, window: Optional[int],
                    logit_softcap: Optional[float], interpret: bool):
   # Imported here: the module needs nothing of Pallas unless 'splash' runs.
@@ -72,12 +71,11 @@ def _splash_kernel(length: int, heads: int, window: Optional[int],
   # A window w lets query q see keys q - w + 1 .. q.
   mask = (splash.CausalMask(shape) if window is None
           else splash.LocalMask(shape, window_size=(window - 1, 0), offset=0))
-  # The kernel holds its masks' block tables as arrays: made concrete here,
-  # not as tracers of the trace that first asked for it (it is cached).
-  with jax.ensure_compile_time_eval():
-    return splash.make_splash_mha_single_device(
-        splash.MultiHeadMask([mask] * heads), block_sizes=sizes,
-        attn_logits_soft_cap=logit_softcap, interpret=interpret)
+  # Made afresh in each trace: the kernel holds its masks' block tables as
+  # arrays of the trace (constants of the step), so it cannot outlive it.
+  return splash.make_splash_mha_single_device(
+      splash.MultiHeadMask([mask] * heads), block_sizes=sizes,
+      attn_logits_soft_cap=logit_softcap, interpret=interpret)
 
 
 def _splash_local(query, key, value, ids, *, window, window_choices,
@@ -174,12 +172,23 @@ def _sharded(query, key, value, ids, **options):
         "attention_impl='splash' needs the 'length' and 'kv' axes unsharded "
         f"(the logical axis rules give {spec}).")
   heads, kv_heads = query.shape[2], key.shape[2]
-  if kv_spec[2] != spec[2] and kv_heads != heads:
+
+  def divides(axes, size):
+    axes = axes if isinstance(axes, tuple) else (axes,)
+    return size % int(np.prod([mesh.shape[a] for a in axes if a])) == 0
+
+  # An axis that does not split evenly (a batch of one when parameters are
+  # initialised) is left whole.
+  batch_axes = spec[0] if divides(spec[0], query.shape[0]) else None
+  head_axes = spec[2] if divides(spec[2], heads) else None
+  spec = jax.sharding.PartitionSpec(batch_axes, None, head_axes, None)
+  if head_axes is not None and kv_heads != heads and (
+      kv_spec[2] != head_axes or not divides(head_axes, kv_heads)):
     # Key/value heads replicated while query heads are split: give each
     # query head its own copy, so every shard holds the heads it reads.
     key = jnp.repeat(key, heads // kv_heads, axis=2)
     value = jnp.repeat(value, heads // kv_heads, axis=2)
-  ids_spec = jax.sharding.PartitionSpec(spec[0], None)
+  ids_spec = jax.sharding.PartitionSpec(batch_axes, None)
   return jax.shard_map(local, in_specs=(spec, spec, spec, ids_spec),
                        out_specs=spec, check_vma=False)(query, key, value,
                                                         ids)

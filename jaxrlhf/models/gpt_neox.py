@@ -19,7 +19,6 @@ Call signature (common to the decoder-only families):
 
 import dataclasses
 import functools
-from typing import Any, Optional
 
 import flax.linen as nn
 import jax
@@ -143,7 +142,17 @@ class GPTNeoX(layers.CausalLM):
 
 
 def from_run_config(model_cfg, vocab_size: int) -> GPTNeoXConfig:
-  """`config.model` (arch 'gpt_neox') -> GPTNeoXConfig."""
+  """`config.model` (arch 'gpt_neox') -> GPTNeoXConfig. A `head_dim` equal
+  to emb_dim / num_heads (what the family computes) is accepted."""
+  head_dim = model_cfg.get("head_dim")
+  if head_dim is not None:
+    preset = FAMILY.presets.get(model_cfg.size)
+    emb = model_cfg.get("emb_dim") or getattr(preset, "emb_dim", 0)
+    heads = model_cfg.get("num_heads") or getattr(preset, "num_heads", 0)
+    if heads and emb == head_dim * heads:
+      model_cfg = model_cfg.copy_and_resolve_references()
+      with model_cfg.unlocked():
+        model_cfg.head_dim = None
   return family.decoder_from_run_config(FAMILY, model_cfg, vocab_size, {
       "mlp": ("gated-gelu", "has a fixed GELU MLP; leave config.model.mlp "
                  "at its default."),

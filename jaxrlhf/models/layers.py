@@ -105,6 +105,14 @@ class DenseGeneral(nn.Module):
   logical names (flax's DenseGeneral initialises a flattened 2-D kernel and
   reshapes it, which fails under a mesh with logical rules active, because
   the 2-D value is constrained with the multi-axis names).
+
+  LoRA (`jaxrlhf.models.lora`): when the parameters given to `apply` hold
+  `lora_a` [*in_shape, r] and `lora_b` [r, *features] beside the kernel
+  (the adapters' view of a frozen base, B already times alpha / r), the
+  output is x . kernel + (x . lora_a) . lora_b; without them it is the
+  base alone. `lora_dropout_key` (uint32 [2]) and `lora_dropout_rate`
+  (float32 []), present only in training, drop x's entries on the
+  adapters' path alone.
   """
   features: Sequence[int]
   kernel_axes: Sequence[str]
@@ -125,6 +133,8 @@ class DenseGeneral(nn.Module):
     contract = (tuple(range(x.ndim - n_in, x.ndim)), tuple(range(n_in)))
     y = jax.lax.dot_general(x.astype(self.dtype), kernel.astype(self.dtype),
                             (contract, ((), ())))
+    if self.has_variable("params", "lora_a"):
+      y = y + self._lora(x, contract)
     if self.use_bias:
       bias = self.param(
           "bias", _boxed(nn.initializers.zeros,
@@ -132,6 +142,21 @@ class DenseGeneral(nn.Module):
           features, jnp.float32)
       y = y + bias.astype(self.dtype)
     return y
+
+  def _lora(self, x: Array, contract) -> Array:
+    """(x . lora_a) . lora_b: the adapters' low-rank update (class doc)."""
+    lora_a = self.get_variable("params", "lora_a").astype(self.dtype)
+    lora_b = self.get_variable("params", "lora_b").astype(self.dtype)
+    if self.has_variable("params", "lora_dropout_key"):
+      rate = self.get_variable("params", "lora_dropout_rate")
+      keep = jax.random.bernoulli(
+          self.get_variable("params", "lora_dropout_key"), 1.0 - rate,
+          x.shape)
+      x = jnp.where(keep, x / (1.0 - rate).astype(x.dtype),
+                    jnp.zeros((), x.dtype))
+    h = jax.lax.dot_general(x.astype(self.dtype), lora_a,
+                            (contract, ((), ())))
+    return jax.lax.dot_general(h, lora_b, (((h.ndim - 1,), (0,)), ((), ())))
 
 
 # ----------------------------------------------------------------------------
@@ -325,13 +350,13 @@ class CausalSegments:
 
 
 def causal_padding_mask(attention_mask: Array) -> Array:
-  """Which keys each query may attend to: earlier-or-same real tokens.
+  """Which keys each query may attend to: earlier-or-same real tokens for a
+  real query, itself for a pad (`CausalSegments` of the attention mask).
 
-  Every query may also attend to itself, even a pad: a left-pad query has no
-  earlier real key, and a fully masked softmax row would otherwise be a
-  uniform average (or NaN in fused kernels) whose gradient is wasted work at
-  best. Real queries are unaffected (they are real keys themselves). This is
-  `CausalSegments` of the attention mask.
+  A pad query attends to itself: a left-pad query has no earlier real key,
+  and a fully masked softmax row would otherwise be a uniform average (or
+  NaN in fused kernels) whose gradient is wasted work at best. No output
+  of a pad is read.
 
   Args:
     attention_mask: [batch, length], 1 = real token, 0 = pad.

@@ -24,7 +24,9 @@
   (`params/policy`) of the latest (or given) step is read; the model comes
   from the run's `config.json` (`config.model`, via `build_model`), or from
   `model_config=`. A bare orbax checkpoint of a parameter tree also works,
-  with `model_config=`.
+  with `model_config=`. A LoRA run's policy is its base (read from where
+  the workdir's `lora_base.json` says, checked against its checksum) with
+  the adapters merged in (`jaxrlhf.models.lora`).
 
 Parameters are placed on `mesh` by their logical axis names: the shardings
 come from `jax.eval_shape` of the module's init (boxed with
@@ -56,6 +58,7 @@ from jaxrlhf import models as models_lib
 from jaxrlhf import sharding as sharding_lib
 from jaxrlhf.models import family as family_lib
 from jaxrlhf.models import hf_io
+from jaxrlhf.models import lora
 from jaxrlhf.models import t5
 from jaxrlhf.models import t5x_checkpoint
 from jaxrlhf.models import t5x_decoder_only
@@ -352,10 +355,41 @@ def _embedding_rows(meta_params):
                         "model_config=.")
 
 
+def _load_lora_orbax(item, spec, overrides):
+  """(module, config, merged host params, None) of a LoRA run's policy."""
+  from jaxrlhf.models import build_model  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import token_rows  # pylint: disable=g-import-not-at-top
+  record = lora.read_base_record(item)
+  if not record or not record.get("checkpoint"):
+    raise PretrainedError(
+        f"{item} is a LoRA run's checkpoint, and its workdir names no base "
+        f"checkpoint for its adapters ({lora.BASE_RECORD}: "
+        f"{record or 'missing'}); a base that was a fresh initialisation is "
+        "not saved.")
+  _, base_config, base = from_pretrained(record["checkpoint"])
+  _, model_cfg = _find_run_config(item)
+  model_cfg.vocab_size = base_config.vocab_size
+  _, config = build_model(model_cfg, base_config.vocab_size)
+  module = module_for_config(config)
+  base = relayout_params(_to_host(base), config)
+  swap = record.get("token_swap")
+  base = token_rows.swap_token_rows(module, base,
+                                    tuple(swap) if swap else None)
+  lora.check_base(base, record, str(item), error=PretrainedError)
+  adapters = checkpoint_files.restore_state_as_numpy(item)["params"]["policy"]
+  host = lora.merged(base, adapters, spec)
+  config = _replace(config, overrides)
+  return module_for_config(config), config, relayout_params(host, config), None
+
+
 def _load_orbax(path, model_config, overrides, mesh, rules, step):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models import build_model  # pylint: disable=g-import-not-at-top
   item = _orbax_item_dir(pathlib.Path(path), step)
+  spec = lora.LoraSpec.from_config(
+      (checkpoint_files.run_config(item) or {}).get("lora") or {})
+  if spec is not None and model_config is None:
+    return _load_lora_orbax(item, spec, overrides)
   tree = checkpoint_files.state_metadata(item)
   keys, meta = _policy_subtree(tree)
   if model_config is None:
@@ -458,7 +492,8 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype=None,
 
 def export_hf(module_or_config, params, path, **kwargs):
   """Writes a Hugging Face checkpoint (config.json + safetensors) that
-  `transformers` loads.
+  `transformers` loads. A LoRA policy (a base with its adapters beside the
+  kernels, `lora.view`) is written merged: W + A . B * alpha / r.
 
   Args:
     module_or_config: a module (or its config) of a family with a Hugging
@@ -474,6 +509,9 @@ def export_hf(module_or_config, params, path, **kwargs):
   params = _to_host(params)
   if isinstance(params, dict) and set(params) == {"params"}:
     params = params["params"]
+  if lora.has_adapters(params):
+    # A LoRA policy as the run computes it (`Trainer.view`): merged.
+    params = lora.merged(params, None)
   try:
     hf_io.config_to_hf(config)
   except hf_io.HFCheckpointError as e:

@@ -13,7 +13,10 @@
 `load_network_params(path, target, network)` reads another trained network
 of a jaxrlhf workdir, e.g. "reward" of a reward-model run (online RL's
 reward model and PPO's value network); `run_config(path)` is the resolved
-config that run wrote.
+config that run wrote. A LoRA run's workdir (`config.lora.rank` > 0) holds
+adapters and names its base (`lora.BASE_RECORD`): its networks load as
+merged weights, the base read from where the record says and checked
+against the record's checksum.
 The loaded tree must have the target's structure and shapes; a mismatch is
 an error naming the parameter.
 """
@@ -25,6 +28,7 @@ import jax
 import numpy as np
 
 from jaxrlhf import checkpoint_files
+from jaxrlhf.models import lora
 from jaxrlhf.models import t5x_checkpoint
 
 
@@ -134,12 +138,16 @@ def load_lm_params(path: str, target: Any, *, module=None,
     loaded = t5x_checkpoint.read_t5x_checkpoint(
         path, restore_dtype=np.float32, shardings=shardings)["params"]
     return jax.tree.map(lambda x, t: x.astype(t.dtype), loaded, target)
-  return load_network_params(path, target, "policy")
+  return load_network_params(path, target, "policy", module=module,
+                             token_swap=token_swap)
 
 
-def load_network_params(path: str, target: Any, network: str) -> Any:
+def load_network_params(path: str, target: Any, network: str, *,
+                        module=None, token_swap=None) -> Any:
   """`params/<network>` of a jaxrlhf workdir's latest checkpoint, shaped and
-  sharded like `target` (jax.Arrays)."""
+  sharded like `target` (jax.Arrays); for a LoRA run's workdir, its base
+  with the adapters merged in (`module` and `token_swap`: what its base
+  needs when that is a Hugging Face folder, see `load_lm_params`)."""
   path = os.fspath(path)
   shardings = jax.tree.map(lambda x: x.sharding, target)
   state = checkpoint_files.restore_state_as_numpy(_state_item_dir(path))
@@ -148,10 +156,52 @@ def load_network_params(path: str, target: Any, network: str) -> Any:
     raise ValueError(f"Checkpoint {path!r} has no params/{network} network "
                      f"(it has {have}).")
   loaded = state["params"][network]
+  spec = lora.LoraSpec.from_config((run_config(path) or {}).get("lora")
+                                   or {})
+  if spec is not None:
+    return _merged_lora_network(path, loaded, target, spec, module,
+                                token_swap)
   _check_same_tree(loaded, target, path)
   return jax.tree.map(
       lambda x, t, s: jax.device_put(np.asarray(x, t.dtype), s),
       loaded, target, shardings)
+
+
+def _merged_lora_network(path: str, loaded: Any, target: Any,
+                         spec: "lora.LoraSpec", module, token_swap) -> Any:
+  """A LoRA run's network (its adapters `loaded`, a policy's or a
+  backbone's with a head) merged into its base, shaped like `target`."""
+  record = lora.read_base_record(_state_item_dir(path))
+  if record is None:
+    raise ValueError(f"{path!r} is a LoRA run's workdir, but it has no "
+                     f"{lora.BASE_RECORD} naming the base of its adapters.")
+  base_path = record.get("checkpoint") or ""
+  if not base_path:
+    raise ValueError(
+        f"{path!r} is a LoRA run whose base was a fresh initialisation "
+        f"(seed {record.get('random_init_seed')}), which its checkpoints do "
+        "not hold; start LoRA runs that others load from a checkpoint "
+        "(init.policy_checkpoint).")
+  with_head = isinstance(loaded, dict) and set(loaded) == {"backbone", "head"}
+  lm_target = target["backbone"] if with_head else target
+  adapters = loaded["backbone"] if with_head else loaded
+  # Its base as that run read it: token rows exchanged as its vocabulary
+  # exchanged them (the same vocabulary as this run's, which is checked).
+  swap = record.get("token_swap")
+  base = load_lm_params(base_path, lm_target, module=module,
+                        token_swap=tuple(swap) if swap else token_swap)
+  lora.check_base(base, record, repr(path))
+  shardings = jax.tree.map(lambda x: x.sharding, lm_target)
+  mesh = getattr(jax.tree.leaves(shardings)[0], "mesh", None)
+  adapters = jax.device_put(adapters, None if mesh is None else (
+      jax.sharding.NamedSharding(mesh, jax.sharding.PartitionSpec())))
+  merged = jax.jit(lambda b, a: lora.merged(b, a, spec),
+                   out_shardings=shardings)(base, adapters)
+  if not with_head:
+    return merged
+  return {"backbone": merged, "head": jax.tree.map(
+      lambda x, t: jax.device_put(np.asarray(x, t.dtype), t.sharding),
+      loaded["head"], target["head"])}
 
 
 def run_config(path: str) -> Optional[dict]:

@@ -15,9 +15,25 @@ Algorithms never branch on architecture: they call `completion_logprobs`,
 `completion_hidden` and `prompt_hidden`, and use `score_many` to put several
 completions of the same prompts (chosen and rejected) through one
 concatenated forward pass.
+
+Packed batches (`jaxrlhf.data.feature_converters.Packer`) hold up to k
+examples per row: every sequence feature has its segment ids
+(`{name}_segment_ids`; encoder-decoder `encoder_segment_ids` and
+`{name}_decoder_segment_ids`), 1 .. k by slot, 0 on padding, and
+`example_mask` [rows, k] says which slots hold an example, whose scalars
+(`reward`, `margin`, ...) are [rows, k] too. The forward passes confine
+attention to each example, and the per-example functions here
+(`sequence_logprobs`, `completion_lengths`, `example_weights`,
+`example_values`, `prompt_states`) return one entry per slot, [rows * k],
+with `example_weights` 0 on the empty ones, so a loss that is a weighted
+mean over examples is the same number as on the unpacked batch of those
+examples. Chosen and rejected completions of an example sit in the same
+slot of the same row of their own packed rows, so `score_many` still
+concatenates them along the batch axis.
 """
 
-from typing import Dict, Optional, Sequence, Tuple
+import functools
+from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -38,8 +54,212 @@ def token_logprobs(logits, targets):
   return target_logits - log_z
 
 
+class TokenStats(NamedTuple):
+  """What a token loss reads of the logits, per position ([batch, T] each):
+  log Z = logsumexp(logits), the target's logit (log p(target) is their
+  difference) and, when asked for, whether the target is the argmax (the
+  first maximum, as `jnp.argmax`), else None."""
+  log_z: jax.Array
+  target_logits: jax.Array
+  top1: Optional[jax.Array] = None
+
+
+def logit_stats(logits, targets, with_top1: bool = False) -> TokenStats:
+  """`TokenStats` of float32 logits [batch, T, vocab].
+
+  The gradient is softmax * d(log Z) + onehot(target) * d(target logit),
+  formed in one pass over the logits (automatic differentiation would keep
+  the exponentials for the backward pass and scatter into a zero array of
+  the logits' size for the target's term).
+  """
+  log_z, target_logits = _log_z_and_target(logits, targets)
+  top1 = None
+  if with_top1:
+    top1 = jnp.argmax(jax.lax.stop_gradient(logits), axis=-1) == targets
+  return TokenStats(log_z, target_logits, top1)
+
+
+@jax.custom_vjp
+def _log_z_and_target(logits, targets):
+  return _log_z_and_target_fwd(logits, targets)[0]
+
+
+def _log_z_and_target_fwd(logits, targets):
+  # As jax.nn.logsumexp: the maximum (0 where it is not finite) is taken
+  # out before the exponentials.
+  peak = jnp.max(logits, axis=-1, keepdims=True)
+  peak = jax.lax.stop_gradient(jnp.where(jnp.isfinite(peak), peak, 0))
+  log_z = (jnp.log(jnp.sum(jnp.exp(logits - peak), axis=-1))
+           + jnp.squeeze(peak, -1))
+  target_logits = jnp.take_along_axis(logits, targets[..., None],
+                                      axis=-1)[..., 0]
+  return (log_z, target_logits), (logits, log_z, targets)
+
+
+def _log_z_and_target_bwd(residuals, cotangents):
+  logits, log_z, targets = residuals
+  d_log_z, d_target = cotangents
+  vocab = jax.lax.broadcasted_iota(jnp.int32, logits.shape, logits.ndim - 1)
+  d_logits = (jnp.exp(logits - log_z[..., None]) * d_log_z[..., None]
+              + jnp.where(vocab == targets[..., None], d_target[..., None],
+                          0.0))
+  return d_logits.astype(logits.dtype), None
+
+
+_log_z_and_target.defvjp(_log_z_and_target_fwd, _log_z_and_target_bwd)
+
+
+# The most bytes of float32 logits `hidden_token_stats` builds at once (per
+# chunk of positions, over the whole batch); None: 8 MiB on the CPU, whose
+# client page-faults a step's temporary memory afresh at every execution
+# (a quarter to a half of a small model's step went to building, and
+# faulting in, whole-vocabulary arrays), and 1 GiB on accelerators, where
+# chunks only keep very large logits from filling the memory.
+LOGITS_CHUNK_BYTES = None
+
+
+def hidden_token_stats(project, params, hidden, targets, *, temperature=1.0,
+                       with_top1: bool = False,
+                       chunk_bytes: Optional[int] = None) -> TokenStats:
+  """`TokenStats` of the logits `project(params, hidden) / temperature`, a
+  chunk of positions at a time, so that the [batch, T, vocab] logits never
+  exist at once.
+
+  Each chunk's logits are formed, read and dropped; the backward pass forms
+  them again from the chunk's states and turns them into their gradient in
+  one pass (`_chunk_stats`): the step holds one chunk's logits and their
+  gradient rather than several arrays of the whole batch's, at the cost of
+  the output layer's forward matmul once more. When the logits take at
+  most `chunk_bytes` the computation is the plain one (`logit_stats` of the
+  whole logits).
+
+  Args:
+    project: (params, [batch, C, emb] states) -> [batch, C, vocab] logits
+      (the model's output layer, `logits_from_hidden`).
+    params: what `project` reads (differentiated).
+    hidden: [batch, T, emb] final states.
+    targets: [batch, T] int token ids the positions' logits score.
+    temperature: the logits are divided by it.
+    with_top1: also say whether each target is the argmax.
+    chunk_bytes: the float32 logits built at once (one chunk); None:
+      `LOGITS_CHUNK_BYTES`, or its default for the backend.
+  Returns:
+    `TokenStats`, [batch, T] each.
+  """
+  batch, length = targets.shape
+  vocab = jax.eval_shape(project, params, hidden[:, :1]).shape[-1]
+  if chunk_bytes is None:
+    chunk_bytes = LOGITS_CHUNK_BYTES or (
+        2**23 if jax.default_backend() == "cpu" else 2**30)
+  chunk = max(1, chunk_bytes // (4 * batch * vocab))
+  if chunk >= length:
+    logits = project(params, hidden).astype(jnp.float32)
+    if not (isinstance(temperature, (int, float)) and temperature == 1):
+      logits = logits / temperature
+    return logit_stats(logits, targets, with_top1)
+  num_chunks = -(-length // chunk)
+  chunk = -(-length // num_chunks)
+  padded = num_chunks * chunk
+
+  def chunks(x):
+    # [batch, T, ...] -> [num_chunks, batch, chunk, ...]
+    x = jnp.pad(x, [(0, 0), (0, padded - length)] + [(0, 0)] * (x.ndim - 2))
+    x = x.reshape((batch, num_chunks, chunk) + x.shape[2:])
+    return jnp.swapaxes(x, 0, 1)
+
+  temperature = jnp.asarray(temperature, jnp.float32)
+
+  def body(carry, xs):
+    return carry, _chunk_stats(project, with_top1, params, *xs, temperature)
+
+  _, out = jax.lax.scan(body, None, (chunks(hidden), chunks(targets)))
+  return TokenStats(*(None if x is None else
+                      jnp.swapaxes(x, 0, 1).reshape(batch, padded)[:, :length]
+                      for x in out))
+
+
+def _scaled_logits(project, params, hidden, temperature):
+  return project(params, hidden).astype(jnp.float32) / temperature
+
+
+@functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
+def _chunk_stats(project, with_top1, params, hidden, targets, temperature):
+  """`TokenStats` of one chunk's logits; its gradient forms the logits again
+  instead of keeping them."""
+  return _chunk_stats_fwd(project, with_top1, params, hidden, targets,
+                          temperature)[0]
+
+
+def _chunk_stats_fwd(project, with_top1, params, hidden, targets,
+                     temperature):
+  logits = _scaled_logits(project, params, hidden, temperature)
+  (log_z, target_logits), _ = _log_z_and_target_fwd(logits, targets)
+  top1 = (jnp.argmax(logits, axis=-1) == targets) if with_top1 else None
+  return (TokenStats(log_z, target_logits, top1),
+          (params, hidden, targets, temperature, log_z))
+
+
+def _chunk_stats_bwd(project, with_top1, residuals, cotangents):
+  del with_top1
+  params, hidden, targets, temperature, log_z = residuals
+  logits, vjp = jax.vjp(
+      lambda p, h: _scaled_logits(project, p, h, temperature), params, hidden)
+  d_logits, _ = _log_z_and_target_bwd(
+      (logits, log_z, targets), (cotangents.log_z, cotangents.target_logits))
+  d_params, d_hidden = vjp(d_logits)
+  return d_params, d_hidden, None, jnp.zeros_like(temperature)
+
+
+_chunk_stats.defvjp(_chunk_stats_fwd, _chunk_stats_bwd)
+
+
 def _key(name: Optional[str], suffix: str) -> str:
   return suffix if name is None else f"{name}_{suffix}"
+
+
+# Packed batches: which slots of a row hold an example ([rows, k]).
+EXAMPLE_MASK = "example_mask"
+
+
+def is_packed(batch) -> bool:
+  """Whether `batch` holds packed rows (several examples per row)."""
+  return EXAMPLE_MASK in batch
+
+
+def examples_per_row(batch) -> Optional[int]:
+  """k, the example slots of a packed row; None unpacked."""
+  return batch[EXAMPLE_MASK].shape[-1] if is_packed(batch) else None
+
+
+def example_weights(batch) -> Optional[jax.Array]:
+  """[rows * k] float32, 1 on the slots holding an example, for a packed
+  batch; None (every row one example) unpacked."""
+  if not is_packed(batch):
+    return None
+  return batch[EXAMPLE_MASK].reshape(-1).astype(jnp.float32)
+
+
+def example_values(batch, key: str) -> jax.Array:
+  """A per-example feature (`reward`, `label`, `margin`, ...): [batch]
+  unpacked, [rows * k] packed (one entry per slot)."""
+  value = batch[key]
+  return value.reshape(-1) if is_packed(batch) else value
+
+
+def per_example_sums(values, segment_ids, k: Optional[int]):
+  """Sums of [rows, L] per-token values per example: [rows] unpacked
+  (k None), [rows * k] packed, by the slots' segment ids 1 .. k."""
+  if k is None:
+    return jnp.sum(values, axis=-1)
+  slots = jax.nn.one_hot(segment_ids - 1, k, dtype=values.dtype)
+  return jnp.einsum("rl,rlk->rk", values, slots).reshape(-1)
+
+
+def segment_starts(segment_ids):
+  """bool [rows, L]: the first token of each segment (and of the row)."""
+  first = jnp.ones(segment_ids.shape[:-1] + (1,), bool)
+  return jnp.concatenate(
+      [first, segment_ids[..., 1:] != segment_ids[..., :-1]], axis=-1)
 
 
 class _Adapter:
@@ -68,18 +288,47 @@ class EncoderDecoderLM(_Adapter):
 
   prompt_keys = ("encoder_input_tokens",)
 
+  def segment_keys(self, name):
+    """The packed batch's segment-id features of completion `name`, and of
+    the prompt (`encoder_segment_ids`)."""
+    return [_key(name, "decoder_segment_ids")], ["encoder_segment_ids"]
+
   def _apply(self, params, batch, name, return_hidden, rng=None):
     deterministic = rng is None
+    segments = {}
+    if _key(name, "decoder_segment_ids") in batch:
+      segments = {"encoder_segment_ids": batch["encoder_segment_ids"],
+                  "decoder_segment_ids": batch[_key(name,
+                                                    "decoder_segment_ids")]}
     return self.module.apply(
         {"params": params}, batch["encoder_input_tokens"],
         batch[_key(name, "decoder_input_tokens")],
         batch[_key(name, "decoder_target_tokens")],
         deterministic=deterministic, return_hidden=return_hidden,
-        rngs=None if deterministic else {"dropout": rng})
+        rngs=None if deterministic else {"dropout": rng}, **segments)
+
+  def completion_segment_ids(self, batch, name=None):
+    """[batch, Lc] segment ids of completion `name`'s target tokens."""
+    return batch[_key(name, "decoder_segment_ids")]
 
   def completion_logits(self, params, batch, name=None, rng=None):
     """[batch, Lc, vocab] logits; position t predicts target token t."""
     return self._apply(params, batch, name, False, rng)
+
+  def next_token_stats(self, params, batch, name=None, temperature=1.0,
+                       rng=None, with_top1=False) -> TokenStats:
+    """`TokenStats` [batch, Lc] of the target tokens, from the decoder's
+    logits (the computation of `token_logprobs`)."""
+    logits = self.completion_logits(params, batch, name, rng)
+    if not (isinstance(temperature, (int, float)) and temperature == 1):
+      logits = logits / temperature
+    logits = logits.astype(jnp.float32)
+    targets = batch[_key(name, "decoder_target_tokens")]
+    log_z = jax.nn.logsumexp(logits, axis=-1)
+    target_logits = jnp.take_along_axis(logits, targets[..., None],
+                                        axis=-1)[..., 0]
+    top1 = (jnp.argmax(logits, axis=-1) == targets) if with_top1 else None
+    return TokenStats(log_z, target_logits, top1)
 
   def completion_logprobs(self, params, batch, name=None, temperature=1.0,
                           rng=None) -> Tuple[jax.Array, jax.Array]:
@@ -105,9 +354,18 @@ class EncoderDecoderLM(_Adapter):
     tokens = batch["encoder_input_tokens"]
     hidden = self.module.apply({"params": params}, tokens,
                                deterministic=rng is None,
+                               encoder_segment_ids=batch.get(
+                                   "encoder_segment_ids"),
                                rngs=None if rng is None else {"dropout": rng},
                                method=self.module.encode)
     return hidden, (tokens > 0).astype(jnp.float32)
+
+  def packed_prompt_hidden(self, params, batch, name, rng=None):
+    """A packed batch's (prompt states [rows, Lp, emb], mask, segment ids):
+    the encoder's."""
+    del name
+    hidden, mask = self.prompt_hidden(params, batch, rng)
+    return hidden, mask, batch["encoder_segment_ids"]
 
 
 class DecoderOnlyLM(_Adapter):
@@ -121,28 +379,66 @@ class DecoderOnlyLM(_Adapter):
 
   prompt_keys = ("prompt_tokens", "prompt_positions", "prompt_attention_mask")
 
-  def _hidden(self, params, tokens, positions, mask):
-    return self.module.apply({"params": params}, tokens, positions, mask,
+  def segment_keys(self, name):
+    """The packed batch's segment-id features of completion `name`, and of
+    the prompt (none: packed prompts sit in the completion rows)."""
+    return [_key(name, "segment_ids")], []
+
+  def _inputs(self, batch, name):
+    """(args, kwargs) of a forward pass over completion `name`'s rows."""
+    args = tuple(batch[_key(name, s)] for s in ("tokens", "positions",
+                                                "attention_mask"))
+    if _key(name, "segment_ids") not in batch:
+      return args, {}
+    return args, {"segment_ids": batch[_key(name, "segment_ids")],
+                  "max_segments": examples_per_row(batch)}
+
+  def _hidden(self, params, batch, name):
+    args, kwargs = self._inputs(batch, name)
+    return self.module.apply({"params": params}, *args, **kwargs,
                              method=self.module.hidden_states)
+
+  def completion_segment_ids(self, batch, name=None):
+    """[batch, L] segment ids of completion `name`'s rows."""
+    return batch[_key(name, "segment_ids")]
 
   def completion_logits(self, params, batch, name=None, rng=None):
     """[batch, L, vocab] logits of prompt+completion; position t predicts t+1."""
     del rng  # decoder-only models here have no dropout
-    return self.module.apply(
-        {"params": params}, batch[_key(name, "tokens")],
-        batch[_key(name, "positions")], batch[_key(name, "attention_mask")])
+    args, kwargs = self._inputs(batch, name)
+    return self.module.apply({"params": params}, *args, **kwargs)
+
+  def next_token_stats(self, params, batch, name=None, temperature=1.0,
+                       rng=None, with_top1=False) -> TokenStats:
+    """`TokenStats` [batch, L - 1] of tokens 1 .. L - 1 given the tokens
+    before them (position t's logits score token t + 1), from the final
+    states a chunk of positions at a time (`hidden_token_stats`): the
+    [batch, L, vocab] logits are never built."""
+    del rng  # decoder-only models here have no dropout
+    hidden = self._hidden(params, batch, name)
+    tokens = batch[_key(name, "tokens")]
+    return hidden_token_stats(self._project, params, hidden[:, :-1],
+                              tokens[:, 1:], temperature=temperature,
+                              with_top1=with_top1)
+
+  def _project(self, params, hidden):
+    """The output layer: final states [..., emb] -> logits [..., vocab]."""
+    return self.module.apply({"params": params}, hidden,
+                             method=self.module.logits_from_hidden)
 
   def completion_logprobs(self, params, batch, name=None, temperature=1.0,
                           rng=None):
     """(log p(token_t | tokens_<t) [batch, L], mask [batch, L]).
 
-    Entry t scores token t (0 at t = 0); the mask is 1 on completion tokens
-    (EOS included), so prompt and padding never count.
+    Entry t scores token t (0 at t = 0, and at the first token of each
+    packed example, which nothing of its example precedes); the mask is 1
+    on completion tokens (EOS included), so prompt and padding never count.
     """
-    logits = self.completion_logits(params, batch, name, rng)
-    tokens = batch[_key(name, "tokens")]
-    lp = token_logprobs(logits[:, :-1] / temperature, tokens[:, 1:])
-    lp = jnp.pad(lp, ((0, 0), (1, 0)))
+    stats = self.next_token_stats(params, batch, name, temperature, rng)
+    lp = jnp.pad(stats.target_logits - stats.log_z, ((0, 0), (1, 0)))
+    if _key(name, "segment_ids") in batch:
+      lp = jnp.where(segment_starts(batch[_key(name, "segment_ids")]), 0.0,
+                     lp)
     mask = batch[_key(name, "loss_weights")].astype(jnp.float32)
     return lp * mask, mask
 
@@ -150,17 +446,22 @@ class DecoderOnlyLM(_Adapter):
     """(states [batch, L, emb], mask): state t has read tokens <= t, so the
     state at the last completion token (EOS) has read the whole completion."""
     del rng
-    hidden = self._hidden(params, batch[_key(name, "tokens")],
-                          batch[_key(name, "positions")],
-                          batch[_key(name, "attention_mask")])
+    hidden = self._hidden(params, batch, name)
     return hidden, batch[_key(name, "loss_weights")].astype(jnp.float32)
 
   def prompt_hidden(self, params, batch, rng=None):
     del rng
-    hidden = self._hidden(params, batch["prompt_tokens"],
-                          batch["prompt_positions"],
-                          batch["prompt_attention_mask"])
+    hidden = self._hidden(params, batch, "prompt")
     return hidden, batch["prompt_attention_mask"].astype(jnp.float32)
+
+  def packed_prompt_hidden(self, params, batch, name, rng=None):
+    """A packed batch's (prompt states [rows, L, emb], mask, segment ids):
+    the states of completion `name`'s rows at their prompt tokens, which
+    causal attention keeps from reading the completion."""
+    hidden, weights = self.completion_hidden(params, batch, name, rng)
+    real = batch[_key(name, "attention_mask")] > 0
+    mask = (real & (weights == 0)).astype(jnp.float32)
+    return hidden, mask, batch[_key(name, "segment_ids")]
 
 
 def adapter_for(module):
@@ -179,14 +480,21 @@ def concatenate_completions(lm, batch, names: Sequence[str],
   field `joined` and len(names) * batch rows, chosen rows first.
   """
   out = {}
-  for suffix_key in lm.completion_keys(None):
+  suffixes = list(lm.completion_keys(None))
+  completion_segments, prompt_segments = lm.segment_keys(None)
+  if _key(names[0], completion_segments[0]) in batch:
+    suffixes += completion_segments
+  for suffix_key in suffixes:
     parts = [batch[_key(n, suffix_key)] for n in names]
     width = max(p.shape[1] for p in parts)
     parts = [jnp.pad(p, ((0, 0), (0, width - p.shape[1]))) for p in parts]
     out[_key(joined, suffix_key)] = jnp.concatenate(parts, axis=0)
-  for key in lm.prompt_keys:
+  for key in tuple(lm.prompt_keys) + tuple(prompt_segments):
     if key in batch:
       out[key] = jnp.concatenate([batch[key]] * len(names), axis=0)
+  if is_packed(batch):
+    out[EXAMPLE_MASK] = jnp.concatenate([batch[EXAMPLE_MASK]] * len(names),
+                                        axis=0)
   return out
 
 
@@ -206,20 +514,45 @@ def score_many(lm, params, batch, names: Sequence[str], temperature=1.0,
       names, jnp.split(logprobs, n), jnp.split(mask, n))}
 
 
+def _example_sums(lm, batch, name, values):
+  """[rows, L] values of completion `name`'s tokens summed per example."""
+  k = examples_per_row(batch)
+  ids = None if k is None else lm.completion_segment_ids(batch, name)
+  return per_example_sums(values, ids, k)
+
+
 def sequence_logprobs(lm, params, batch, names: Sequence[str], rng=None
                       ) -> Dict[str, jax.Array]:
   """{name: [batch] log pi(completion | prompt)} of the completions `names`
-  (chosen and rejected, ...) from one forward pass (`score_many`)."""
+  (chosen and rejected, ...) from one forward pass (`score_many`); one per
+  slot, [rows * k], for a packed batch."""
   scored = score_many(lm, params, batch, names, rng=rng)
-  return {n: jnp.sum(lp, axis=-1) for n, (lp, _) in scored.items()}
+  return {n: _example_sums(lm, batch, n, lp) for n, (lp, _) in scored.items()}
 
 
 def completion_lengths(lm, batch, names: Sequence[str]
                        ) -> Dict[str, jax.Array]:
-  """{name: [batch] completion tokens (EOS included)}, any architecture."""
+  """{name: [batch] completion tokens (EOS included)}, any architecture;
+  [rows * k] for a packed batch."""
   suffix = ("decoder_loss_weights" if lm.is_encoder_decoder
             else "loss_weights")
-  return {n: jnp.sum(batch[_key(n, suffix)], axis=-1) for n in names}
+  return {n: _example_sums(lm, batch, n, batch[_key(n, suffix)])
+          for n in names}
+
+
+def prompt_states(lm, params, batch, name: str, rng=None) -> jax.Array:
+  """The mean prompt state of each example (what DRO-V's value head reads):
+  [batch, emb] unpacked, [rows * k, emb] packed (prompts read in
+  completion `name`'s rows for decoder-only models)."""
+  if not is_packed(batch):
+    return masked_mean_states(*lm.prompt_hidden(params, batch, rng))
+  hidden, mask, ids = lm.packed_prompt_hidden(params, batch, name, rng)
+  k = examples_per_row(batch)
+  slots = jax.nn.one_hot(ids - 1, k, dtype=jnp.float32) * mask[..., None]
+  sums = jnp.einsum("rle,rlk->rke", hidden.astype(jnp.float32), slots)
+  counts = jnp.maximum(jnp.sum(slots, axis=1), 1)[..., None]
+  pooled = (sums / counts).astype(hidden.dtype)
+  return pooled.reshape(-1, hidden.shape[-1])
 
 
 def last_token_states(hidden, mask):

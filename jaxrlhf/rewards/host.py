@@ -52,6 +52,7 @@ from typing import (Any, Callable, Dict, List, Mapping, Optional, Sequence,
 import numpy as np
 
 from jaxrlhf import checks
+from jaxrlhf.data import alignment_kinds
 
 ON_BAD_ROW = ("raise", "skip_and_report")
 RAISED = "raised"
@@ -60,8 +61,6 @@ NON_FINITE = "non_finite"
 NOT_A_NUMBER = "not_a_number"
 TIMEOUT = "timeout"
 REASONS = (RAISED, WRONG_COUNT, NON_FINITE, NOT_A_NUMBER, TIMEOUT)
-# The names a reward function receives positionally; no column may take them.
-RESERVED_NAMES = ("prompts", "completions")
 # How many skipped rows' messages a HostScores keeps (all are counted).
 MAX_MESSAGES = 20
 _PREVIEW_CHARS = 40
@@ -273,7 +272,7 @@ def _check_rows(prompts, completions, columns) -> Dict[str, list]:
                      "per row.")
   out = {}
   for column, values in (columns or {}).items():
-    if column in RESERVED_NAMES:
+    if column in alignment_kinds.RESERVED_COLUMN_NAMES:
       raise ValueError(f"{where}: a column may not be named {column!r}: "
                        "reward functions get the prompts and completions "
                        "under that name.")

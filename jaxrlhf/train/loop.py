@@ -11,10 +11,12 @@ through `init_state()` (or a restore into `abstract_state` and
 """
 
 import contextlib
+import json
 import os
 import signal
 from typing import Dict, Optional
 
+from etils import epath
 import jax
 import ml_collections
 import numpy as np
@@ -23,9 +25,9 @@ from jaxrlhf import algorithms
 from jaxrlhf import console
 from jaxrlhf import defaults
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import pipeline
+from jaxrlhf.models import lora
 from jaxrlhf.rewards import host as host_rewards
 from jaxrlhf.train import best as best_lib
 from jaxrlhf.train import checkpointing
@@ -137,11 +139,8 @@ def preflight(config: ml_collections.ConfigDict, workdir: str,
     raise WorkdirError("--workdir is required: a directory for checkpoints, "
                        "metrics and the resolved config.")
   defaults.validate(config)
-  try:
-    mesh = sharding.create_mesh(config.mesh.shape, config.mesh.axis_names,
-                                devices)
-  except ValueError as e:
-    raise ValueError(f"config.{e}") from None
+  mesh = sharding.training_mesh(config, devices)
+  sharding.sampler_mesh(config, devices)
   algorithms.check_rows(config, sharding.data_parallel_size(
       mesh, sharding.as_rules(config.sharding.logical_axis_rules)))
   defaults.check_paths(config)
@@ -231,9 +230,8 @@ class _Run:
     first step)."""
     config, trainer = self.config, self.trainer
     total = config.train.num_steps
-    restored = self.checkpointer.restore_latest(
-        state_lib.abstract_with_shardings(trainer.abstract_state,
-                                          trainer.state_shardings))
+    # (A LoRA run's checkpoints hold its adapters, not its frozen base.)
+    restored = self.checkpointer.restore_latest(trainer.checkpoint_target())
     latest = restored[0] if restored else None
     # Refuses a resume that is not the run its checkpoints describe.
     changed = (workdir_lib.check_resumed_config(self.workdir, config, latest)
@@ -244,6 +242,7 @@ class _Run:
     self.logger = metrics_lib.MetricsLogger(self.workdir, resume_step=latest)
     if restored:
       _, state, position = restored
+      state = trainer.with_base(state, lora.read_base_record(self.workdir))
       self.summary.update(self.logger.eval_before())
       console.log(f"Resumed from checkpoint at step {latest} in "
                   f"{self.checkpointer.directory}")
@@ -252,6 +251,7 @@ class _Run:
         console.log(changed)
     else:
       state, position = trainer.init_state(), 0
+      _record_base(self.workdir, trainer.base_record(state))
     step = int(jax.device_get(state.step))
     batches = trainer.train_batches(position)
     # The first batch is read now, so that bad data stops the run before
@@ -323,7 +323,8 @@ class _Run:
       if save_now or step % config.train.log_every == 0:
         pending.flush()
       if save_now:
-        self.checkpointer.save(step, state, batches.position)
+        self.checkpointer.save(step, trainer.checkpointed(state),
+                               batches.position)
       if stopping:
         console.log(
             f"{stop.describe()}: saved a checkpoint at step {step} and "
@@ -391,6 +392,16 @@ class _PendingMetrics:
       s, m = host[-1]
       console.log(self._progress.line(s, m["loss"], tokens))
     self._rows.clear()
+
+
+def _record_base(workdir: str, record) -> None:
+  """Writes what names a new LoRA run's base into the workdir (process 0):
+  its checkpoints hold only the adapters."""
+  if record is None or jax.process_index() != 0:
+    return
+  files.write_atomically(
+      epath.Path(workdir) / lora.BASE_RECORD,
+      json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
 def _nonfinite_message(config, step: int, metrics, last_saved) -> str:

@@ -10,7 +10,6 @@ requeue is only recorded.
 """
 
 import contextlib
-import json
 import os
 import pathlib
 import random

@@ -1,0 +1,165 @@
+r"""GRPO on GSM8K with verifiable rewards, from a decoder-only Hugging Face
+checkpoint (Qwen2.5-1.5B by default): the math verifier checks each
+response's final answer against the row's reference answer, a small format
+reward asks for the answer to be marked, and the GRPO settings are
+DeepSeekMath's with DAPO's four changes. No reward model.
+
+  python -m jaxrlhf.main --config=configs/grpo_gsm8k.py --workdir=/runs/grpo_gsm8k \
+      --config.init.policy_checkpoint=/models/Qwen2.5-1.5B \
+      --config.data.files.vocabulary=/models/Qwen2.5-1.5B/tokenizer.json \
+      --config.data.files.train=/data/gsm8k/train-00000-of-00001.parquet
+
+Other checkpoints: `--config=configs/grpo_gsm8k.py:qwen2.5-0.5b` (or
+qwen2.5-3b, qwen2.5-7b, qwen3-1.7b, llama3.2-1b, llama3.2-3b, ... : the
+size presets of the qwen2, qwen3 and llama families, docs/config.md), with
+the paths pointed at that checkpoint.
+
+The data: GSM8K rows {"question", "answer"} (openai/gsm8k, JSONL or
+Parquet; layout "gsm8k"). The prompt is the question as it is, the "answer"
+column the number after the solution's "####" (`jaxrlhf.answers`), which
+the rewards see; the worked solutions are not trained on. A checkpoint's
+HF folder holds config.json and model.safetensors (the tokenizer.json
+beside them is the vocabulary). For an instruct checkpoint that should
+read the question through its chat template, write the rows as
+{"prompt": [{"role": "user", "content": question}], "completion":
+[{"role": "assistant", "content": solution}], "answer": N} and set
+--config.data.files.layout=messages --config.data.files.column_mapping=answer=answer.
+
+The score of a response is, summed (each logged as reward/<name> with its
+share of the score):
+  math_answer  1 when its final answer (the last \boxed{}, else the number
+               after "####", else its last number) equals the reference
+               answer by math-verify, else 0 (weight 1);
+  format       1 when it marks an answer, a \boxed{...} or "#### <number>"
+               (weight 0.1, small: it must not pay for a wrong answer);
+  overlong     DAPO's soft overlong penalty, 0 up to 384 response tokens,
+               falling to -1 at the 512 sampled (weight 1).
+
+GRPO (jaxrlhf/algorithms/grpo.py): 16 responses per question sampled at
+temperature 1 (DAPO; DeepSeekMath samples 64), advantages normalised by
+their group's mean and std (DeepSeekMath), and DAPO's changes: clip-higher
+(epsilon 0.2 below, 0.28 above), the token-level mean loss, no KL term
+(DeepSeekMath's is beta 0.04: --config.grpo.kl_coef=0.04), dynamic
+sampling (groups whose 16 rewards all agree carry no gradient: they are
+dropped and more questions sampled, up to 3 rounds), and the overlong
+penalty above. 128 questions per step in 4 minibatch updates of 512
+responses (DAPO: mini-batches of 512 responses), AdamW at a constant
+1e-6 after 10 warm-up steps (both papers: 1e-6), gradients clipped to norm
+1, 200 steps (about 3.4 passes over GSM8K's 7,473 training questions
+before dynamic sampling draws more). DeepSeekMath's original GRPO instead:
+--config.grpo.clip_eps_high=0.2 --config.grpo.reduction=sequence_mean
+--config.grpo.kl_coef=0.04 --config.grpo.dynamic_sampling=False
+--config.rewards.overlong.weight=0.
+
+Held-out accuracy: the file task has no gold reward for the run's own
+evaluation to judge with (reward/math_answer is the training accuracy);
+score a checkpoint's samples on GSM8K's test file with
+jaxrlhf.rewards.math_answer, or plug in --config.eval.judge=function.
+
+How the step is laid out on the chips (fully sharded parameters, scanned
+layers, micro-batches, rollout parts) changes no number; it is meant for a
+v5e 4x4 slice, which its plan checks before any chip is rented:
+`python -m jaxrlhf.plan --config=configs/grpo_gsm8k.py --topology=v5e:4x4`
+(not yet committed under experiments/results/plans/).
+"""
+
+from jaxrlhf import defaults
+from jaxrlhf import presets
+from jaxrlhf import sharding
+
+# Size preset prefix -> model family.
+FAMILIES = (("qwen2.5-", "qwen2"), ("qwen3-", "qwen3"), ("llama", "llama"),
+            ("tinyllama", "llama"))
+# Prompt and response tokens: GSM8K questions fit 256 Qwen or Llama tokens;
+# worked solutions take 100 to 300.
+QUESTION_TOKENS = 256
+RESPONSE_TOKENS = 512
+# A marked final answer, as rewards.math_answer finds it.
+ANSWER_MARKED = r"\\boxed\{.+\}|####\s*\$?\s*-?[\d,]*\d(\.\d+)?"
+
+
+def get_config(size: str = "qwen2.5-1.5b"):
+  arch = next((a for prefix, a in FAMILIES if size.startswith(prefix)), None)
+  if arch is None:
+    raise ValueError(
+        f"configs/grpo_gsm8k.py:{size}: choose a size preset of the qwen2 "
+        "(qwen2.5-...), qwen3 (qwen3-...) or llama (llama..., tinyllama...) "
+        "family.")
+  c = defaults.base_config()
+  c.algorithm = "grpo"
+  c.model.arch = arch
+  c.model.size = size
+  c.model.dtype = "bfloat16"
+  c.model.dropout_rate = 0.0
+  local = f"/{defaults.PLACEHOLDER}"
+  # A local Hugging Face folder (config.json + model.safetensors) and its
+  # tokenizer.
+  c.init.policy_checkpoint = f"{local}/{size}"
+  c.data.files.vocabulary = f"{local}/{size}/tokenizer.json"
+
+  # GSM8K's training questions, with their reference answers.
+  c.data.task = "gsm8k"
+  c.data.files.layout = "gsm8k"
+  c.data.files.train = f"{local}/gsm8k/train-00000-of-00001.parquet"
+  c.data.files.on_bad_row = "skip_and_report"
+  c.data.inputs_length = QUESTION_TOKENS
+  # (The demonstrations' length limit; GRPO samples its own responses.)
+  c.data.targets_length = RESPONSE_TOKENS
+  c.data.files.max_completion_tokens = RESPONSE_TOKENS
+  # A question does not survive losing a paragraph: one that is too long
+  # stops the run at start-up, naming it.
+  c.online.long_prompts = "raise"
+
+  # The score: verified answer + marked answer + overlong penalty.
+  c.rewards.reward_model.weight = 0.0
+  c.rewards.math_answer.weight = 1.0
+  c.rewards.math_answer.style = "auto"
+  c.rewards.math_answer.answer_column = "answer"
+  c.rewards.format.weight = 0.1
+  c.rewards.format.pattern = ANSWER_MARKED
+  c.rewards.format.match = "search"
+  c.rewards.overlong.weight = 1.0
+  c.rewards.overlong.max_length = RESPONSE_TOKENS
+  c.rewards.overlong.cache_length = 128
+  c.rewards.on_bad_row = "raise"
+
+  # GRPO with DAPO's changes.
+  c.online.samples_per_prompt = 16
+  c.online.temperature = 1.0
+  c.online.max_new_tokens = RESPONSE_TOKENS
+  c.online.num_epochs = 1
+  c.online.num_minibatches = 4
+  c.online.clip_eps = 0.2
+  c.online.stop_when_done = True
+  c.grpo.clip_eps_high = 0.28
+  c.grpo.reduction = "token_mean"
+  c.grpo.scale_by_std = True
+  c.grpo.kl_coef = 0.0
+  c.grpo.dynamic_sampling = True
+  c.grpo.max_sampling_rounds = 3
+
+  c.train.batch_size = 128
+  c.train.num_steps = 200
+  c.train.log_every = 1
+  c.optimizer.name = "adamw"
+  c.optimizer.learning_rate = 1e-6
+  c.optimizer.warmup_steps = 10
+  c.optimizer.schedule = "constant"
+  c.optimizer.b1 = 0.9
+  c.optimizer.b2 = 0.999
+  c.optimizer.eps = 1e-8
+  c.optimizer.weight_decay = 0.01
+  c.optimizer.grad_clip_norm = 1.0
+  c.checkpoint.every_steps = 20
+  c.checkpoint.keep = 3
+  # No in-run evaluation (module docstring).
+  c.eval.every_steps = 0
+
+  # Every chip data-parallel, the parameters and optimizer state split over
+  # them; meant for a v5e 4x4 slice (module docstring).
+  c.mesh.shape = (-1, 1)
+  c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+  presets.scanned_layers(c)
+  c.train.num_microbatches = 8
+  c.online.rollout_microbatches = 4
+  return c

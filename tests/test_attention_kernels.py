@@ -1,0 +1,175 @@
+"""The fused attention kernels (`jaxrlhf.models.fused_attention`) against the
+XLA path: Pallas splash attention, run here in Pallas's interpret mode
+(the TPU kernel's own code, interpreted on the CPU), and the arguments of
+cuDNN's packed layout (the kernel itself needs a GPU).
+
+Truth: 'xla' computes softmax(q k^T) v with the dense mask of
+`CausalSegments`; every real token's output must be the same through
+the kernels, for packed segments, grouped key/value heads, sliding windows
+(static, and traced in a scanned stack whose layers differ), Gemma's soft
+cap, the gradient, and a KV-cache prefill.
+"""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf import sharding
+from jaxrlhf.models import fused_attention
+from jaxrlhf.models import gemma3
+from jaxrlhf.models import layers
+from jaxrlhf.models import llama
+from jaxrlhf.models import sampling
+from jaxrlhf.models import t5
+
+# Two rows of 20 slots: three packed examples and padding; one example and
+# padding.
+LENGTH = 20
+SEGMENTS = np.zeros((2, LENGTH), np.int32)
+SEGMENTS[0, :5], SEGMENTS[0, 5:12], SEGMENTS[0, 12:15] = 1, 2, 3
+SEGMENTS[1, :9] = 1
+REAL = SEGMENTS > 0
+
+
+def _positions(segments):
+  out = np.zeros_like(segments)
+  for row, ids in enumerate(segments):
+    for s in range(1, ids.max() + 1):
+      out[row, ids == s] = np.arange(np.sum(ids == s))
+  return out
+
+
+def _qkv(heads=4, kv_heads=2, head_dim=8):
+  rng = np.random.default_rng(0)
+  shape = (2, LENGTH)
+  return (jnp.asarray(rng.normal(size=shape + (heads, head_dim)), jnp.float32),
+          jnp.asarray(rng.normal(size=shape + (kv_heads, head_dim)),
+                      jnp.float32),
+          jnp.asarray(rng.normal(size=shape + (kv_heads, head_dim)),
+                      jnp.float32))
+
+
+def test_segment_masks():
+  # Unpacked: a real token sees the earlier real tokens, a pad itself.
+  mask = np.array([[1, 1, 1, 0, 0], [0, 0, 1, 1, 1]], bool)
+  causal = np.tril(np.ones((5, 5), bool))
+  expected = (causal[None] & (mask[:, :, None] & mask[:, None, :])) | np.eye(
+      5, dtype=bool)
+  np.testing.assert_array_equal(layers.causal_padding_mask(mask)[:, 0],
+                                expected)
+  # Packed: each token sees the earlier tokens of its own example.
+  dense = np.asarray(layers.CausalSegments(jnp.asarray(SEGMENTS)).dense())
+  q, k = 9, 6
+  assert dense[0, 0, q, k] and not dense[0, 0, q, 4] and not dense[0, 0, k, q]
+  assert dense[0, 0, 17, 17] and not dense[0, 0, 17, 16]  # a pad: itself
+
+
+def test_splash_equals_xla_forward_and_gradient():
+  query, key, value = _qkv()
+  segments = layers.CausalSegments(jnp.asarray(SEGMENTS))
+
+  def loss(impl, q, k, v):
+    out = layers.attend(q, k, v, segments, impl=impl, scale=0.3)
+    return jnp.sum(jnp.where(REAL[..., None, None], out, 0.0) ** 2), out
+
+  grads = {}
+  for impl in ("xla", "splash"):
+    grads[impl] = jax.jit(jax.grad(functools.partial(loss, impl),
+                                   argnums=(0, 1, 2), has_aux=True))(
+                                       query, key, value)
+  (gx, outx), (gs, outs) = grads["xla"], grads["splash"]
+  np.testing.assert_allclose(np.asarray(outs)[REAL], np.asarray(outx)[REAL],
+                             atol=2e-6)
+  for a, b in zip(gs, gx):
+    np.testing.assert_allclose(a, b, atol=2e-5)
+
+
+def test_splash_window_and_soft_cap_equal_xla():
+  """Under a mesh, as in training: the kernel runs per shard (shard_map),
+  the replicated key/value heads given to each query head."""
+  query, key, value = _qkv()
+  segments = layers.CausalSegments(jnp.asarray(SEGMENTS))
+  mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
+  outs = []
+  for impl in ("xla", "splash"):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.STANDARD_RULES):
+      outs.append(jax.jit(functools.partial(
+          layers.attend, impl=impl, window=4, logit_softcap=2.0))(
+              query, key, value, segments))
+  np.testing.assert_allclose(np.asarray(outs[1])[REAL],
+                             np.asarray(outs[0])[REAL], atol=2e-6)
+
+
+def test_scanned_layers_with_different_windows_and_packing():
+  """Gemma 3's sliding and global layers in one scanned stack: the
+  window is traced, each layer's kernel picked by its index."""
+  config = gemma3.Gemma3Config.preset(
+      "tiny", num_layers=2, scan_layers=True).with_layer_types(
+          (layers.SLIDING_ATTENTION, layers.FULL_ATTENTION))
+  tokens = np.where(REAL, np.arange(2, 2 + LENGTH) % 100, 0).astype(np.int32)
+  args = (tokens, _positions(SEGMENTS), REAL.astype(np.int32), SEGMENTS, 3)
+  params = nn.meta.unbox(gemma3.Gemma3(config).init(jax.random.PRNGKey(0),
+                                                    *args)["params"])
+  logits = {impl: np.asarray(jax.jit(gemma3.Gemma3(dataclasses.replace(
+      config, attention_impl=impl)).apply)({"params": params}, *args))
+            for impl in ("xla", "splash")}
+  np.testing.assert_allclose(logits["splash"][REAL], logits["xla"][REAL],
+                             atol=2e-5)
+  # Each packed example as its own row: the same logits.
+  row = SEGMENTS[0] == 2
+  alone = np.asarray(jax.jit(gemma3.Gemma3(config).apply)(
+      {"params": params}, tokens[:1, row], _positions(SEGMENTS)[:1, row],
+      np.ones((1, row.sum()), np.int32)))
+  np.testing.assert_allclose(logits["xla"][0, row], alone[0], atol=2e-5)
+
+
+def test_splash_prefill_samples_as_the_xla_cache(monkeypatch):
+  calls = []
+  splash = fused_attention.splash
+  monkeypatch.setattr(fused_attention, "splash",
+                      lambda *a, **k: calls.append(1) or splash(*a, **k))
+  config = llama.LlamaConfig.preset("tiny")
+  prompts = np.array([[0, 0, 5, 6, 7], [8, 9, 10, 11, 12]], np.int32)
+  one = jnp.ones((1, 5), jnp.int32)
+  params = nn.meta.unbox(llama.Llama(config).init(jax.random.PRNGKey(1), one,
+                                                  one, one)["params"])
+  samples = {impl: sampling.sample_decoder_only(
+      llama.Llama(dataclasses.replace(config, attention_impl=impl)), params,
+      prompts, prompts > 0, jax.random.PRNGKey(0), 4, greedy=True)
+             for impl in ("xla", "splash")}
+  assert calls  # the prefill went through the kernel
+  np.testing.assert_array_equal(samples["splash"].tokens,
+                                samples["xla"].tokens)
+  np.testing.assert_allclose(samples["splash"].logprobs,
+                             samples["xla"].logprobs, atol=1e-5)
+
+
+def test_cudnn_packed_layout_describes_the_segment_mask():
+  """cuDNN's packed layout (runs of equal ids: their offsets and lengths)
+  with its causal mask gives the real tokens the mask of CausalSegments;
+  the padding after them is one more run."""
+  seqlen, offsets = fused_attention.cudnn_segment_args(
+      jnp.asarray(SEGMENTS), max_runs=4)
+  np.testing.assert_array_equal(seqlen, [[5, 7, 3, 5], [9, 11, -1, -1]])
+  np.testing.assert_array_equal(offsets, [[0, 5, 12, 15, -1],
+                                          [0, 9, -1, -1, -1]])
+  dense = np.asarray(layers.CausalSegments(jnp.asarray(SEGMENTS)).dense())
+  for b in range(2):
+    run = np.full(LENGTH, -1)
+    for m, (start, n) in enumerate(zip(offsets[b], seqlen[b])):
+      if n > 0:
+        run[start:start + n] = m
+    q, k = np.meshgrid(np.arange(LENGTH), np.arange(LENGTH), indexing="ij")
+    cudnn_mask = (run[q] == run[k]) & (k <= q)
+    real = REAL[b][:, None] & REAL[b][None, :]
+    np.testing.assert_array_equal(cudnn_mask[real], dense[b, 0][real])
+
+
+def test_t5_says_why_it_takes_no_fused_kernel():
+  with pytest.raises(ValueError, match="relative-position bias"):
+    t5.T5Config(attention_impl="splash")
