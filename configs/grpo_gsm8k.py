@@ -57,10 +57,14 @@ score a checkpoint's samples on GSM8K's test file with
 jaxrlhf.rewards.math_answer, or plug in --config.eval.judge=function.
 
 How the step is laid out on the chips (fully sharded parameters, scanned
-layers, micro-batches, rollout parts) changes no number; it is meant for a
-v5e 4x4 slice, which its plan checks before any chip is rented:
-`python -m jaxrlhf.plan --config=configs/grpo_gsm8k.py --topology=v5e:4x4`
-(not yet committed under experiments/results/plans/).
+layers, micro-batches, rollout parts) changes no number. It is meant for a
+v5e 4x4 slice, but its plan (`python -m jaxrlhf.plan
+--config=configs/grpo_gsm8k.py --topology=v5e:4x4`;
+experiments/results/plans/grpo_gsm8k.json and the README there) shows that
+it does not fit yet: the rollout's scoring forms float32 logits over the
+151,936-token vocabulary for 16 sequences of 1,024 tokens per chip (about
+10 GiB). Until that scoring is chunked, run it on chips with more memory
+(a GPU with 40 GiB or more) or check a variant with the plan first.
 """
 
 from jaxrlhf import defaults
