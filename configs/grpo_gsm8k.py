@@ -58,13 +58,13 @@ jaxrlhf.rewards.math_answer, or plug in --config.eval.judge=function.
 
 How the step is laid out on the chips (fully sharded parameters, scanned
 layers, micro-batches, rollout parts) changes no number. It is meant for a
-v5e 4x4 slice, but its plan (`python -m jaxrlhf.plan
+v5e 4x4 slice: its plan (`python -m jaxrlhf.plan
 --config=configs/grpo_gsm8k.py --topology=v5e:4x4`;
-experiments/results/plans/grpo_gsm8k.json and the README there) shows that
-it does not fit yet: the rollout's scoring forms float32 logits over the
-151,936-token vocabulary for 16 sequences of 1,024 tokens per chip (about
-10 GiB). Until that scoring is chunked, run it on chips with more memory
-(a GPU with 40 GiB or more) or check a variant with the plan first.
+experiments/results/plans/grpo_gsm8k.json and the README there) needs 7.7
+GiB of a chip's 16, with splash attention (model.attention_impl 'auto' on
+TPU) and the rollout's log-probs formed a chunk of positions at a time.
+The 7-8B sizes are planned for a v5e 4x8 slice (grpo_gsm8k_<size>.json
+there); configs/grpo_gsm8k_lora.py trains them with LoRA on fewer chips.
 """
 
 from jaxrlhf import defaults

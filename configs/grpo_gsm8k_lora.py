@@ -18,12 +18,16 @@ set) is the frozen base with the adapters off, so the state holds one
 copy of the weights. Adapters learn at 2e-5 (LoRA's usual rate is 10 to
 20 times full fine-tuning's 1e-6).
 
-How the step is laid out: the frozen base split over every chip, the
-update's minibatch of 512 responses in 16 micro-batches, the rollout in 8
-parts, meant for a TPU v5e 2x4 slice (8 chips, against 32 for full
-fine-tuning, configs/grpo_gsm8k.py:<size>); check it with `python -m
-jaxrlhf.plan --config=configs/grpo_gsm8k_lora.py --topology=v5e:2x4`
-before renting the chips (the plan is not yet committed).
+How the step is laid out: the frozen base (held in bfloat16,
+lora.base_dtype) split over every chip, the update's minibatch of 512
+responses in 32 micro-batches, the rollout in 16 parts, for a TPU v5e 2x2
+slice (4 chips: one chip's 16 GiB cannot hold the 15 GiB base with 2 GiB
+free; full fine-tuning, configs/grpo_gsm8k.py:<size>, is planned on a 4x8
+slice of 32).
+The plans: `python -m jaxrlhf.plan --config=configs/grpo_gsm8k_lora.py
+--topology=v5e:2x2` (experiments/results/plans/grpo_gsm8k_lora_<size>.json,
+beside the full fine-tuning plans grpo_gsm8k_<size>.json). On 8 chips the
+micro-batches can be halved (16 and 8).
 """
 
 import os
@@ -40,6 +44,6 @@ def get_config(size: str = "llama3.1-8b"):
   c.optimizer.learning_rate = 2e-5
   # For v5e chips (module docstring).
   c.model.remat_policy = "full"
-  c.train.num_microbatches = 16
-  c.online.rollout_microbatches = 8
+  c.train.num_microbatches = 32
+  c.online.rollout_microbatches = 16
   return c

@@ -29,7 +29,7 @@ def get_config(size: str = "pythia-1b"):
   presets.tldr_ppo(c)
   # Gradient accumulation over the 512 responses of the one minibatch: the
   # update is the same (online.py); fit it to your accelerators' memory. On
-  # TPU v5e this plans to 10.3 GiB per chip on a 4x4 slice; 8 chips do not
-  # hold it (17.5 GiB; experiments/results/plans/).
+  # TPU v5e this plans to 12.9 GiB per chip on a 2x4 slice of 8 chips
+  # (experiments/results/plans/).
   c.train.num_microbatches = 8
   return c

@@ -98,7 +98,10 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 "The parameters are then stacked under 'layers', so a "
                 "checkpoint the run starts from must have the same "
                 "layout."),
-              F("attention_impl", "xla",
+              F("attention_impl", models.AUTO_ATTENTION,
+                "'auto': the fastest exact kernel the family has on the "
+                "devices the run uses (`models.attention_for`): 'splash' "
+                "for the decoder-only families on TPU, else 'xla'. "
                 "'xla' (einsums, float32 softmax) or 'dot_product' "
                 "(jax.nn.dot_product_attention, so fused kernels can be "
                 "used; T5 passes its relative-position bias to it). The "
@@ -107,9 +110,13 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 "segment ids: 'splash' (Pallas splash attention on TPU, "
                 "causal and sliding windows, Gemma's soft cap; interpreted "
                 "elsewhere, slowly) and 'dot_product_cudnn' (cuDNN flash "
-                "attention, GPU; packed rows need sm90+). T5 takes neither: "
-                "no fused kernel takes its bias. t5x_decoder_only has "
-                "'xla' only.", choices=layers.ATTENTION_IMPLS),
+                "attention, GPU, half precision; packed rows need sm90+; "
+                "never picked by 'auto': cuDNN checks its conditions only "
+                "when the step compiles). T5 takes neither: no fused kernel "
+                "takes its bias. t5x_decoder_only has 'xla' only. The "
+                "kernels compute the same numbers, so a run may resume "
+                "with another.",
+                choices=models.ATTENTION_CHOICES, resumable=True),
           ])
 
 INIT = G("init", "Where the networks start.", [

@@ -6,8 +6,9 @@ loop once, however many times it runs: a step whose layers are scanned
 whose sampler decodes token by token appears several times cheaper than it
 is. This count walks the jaxpr instead: every matrix multiplication
 (`dot_general`: 2 x output elements x contracted size) times the trip
-count of each `scan` around it, the costlier branch of a `cond`, and the
-recomputation a rematerialised backward pass holds. A `while` loop is
+count of each `scan` around it (and the points of a Pallas kernel's
+grid), the costlier branch of a `cond`, and the recomputation a
+rematerialised backward pass holds. A `while` loop is
 counted at its trip count's upper bound when its condition states one (see
 `while_trip_bound`: a counter from a constant, below a constant, stepped by
 a constant, as the sampler's stop-when-done loop is), so a plan counts the
@@ -117,6 +118,13 @@ def jaxpr_flops(jaxpr) -> float:
       total += eqn.params["length"] * jaxpr_flops(eqn.params["jaxpr"])
     elif name == "cond":
       total += max(jaxpr_flops(b) for b in eqn.params["branches"])
+    elif name == "pallas_call":
+      # A kernel's body runs once per point of its grid (Pallas attention:
+      # per head and block of queries and keys; blocks a mask skips are
+      # counted, as the dense computation would count them).
+      grid = eqn.params["grid_mapping"].grid
+      runs = math.prod(grid) if all(isinstance(g, int) for g in grid) else 1
+      total += runs * jaxpr_flops(eqn.params["jaxpr"])
     elif name == "while":
       trips = while_trip_bound(eqn)
       body = jaxpr_flops(eqn.params["body_jaxpr"])

@@ -16,9 +16,12 @@ import functools
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
+from jaxrlhf import defaults
+from jaxrlhf import models
 from jaxrlhf import sharding
 from jaxrlhf.models import fused_attention
 from jaxrlhf.models import gemma3
@@ -173,3 +176,43 @@ def test_cudnn_packed_layout_describes_the_segment_mask():
 def test_t5_says_why_it_takes_no_fused_kernel():
   with pytest.raises(ValueError, match="relative-position bias"):
     t5.T5Config(attention_impl="splash")
+
+
+@pytest.mark.parametrize("arch,platform,want", [
+    # Decoder-only families with the kernel: splash on TPU, nowhere else
+    # (interpreted, it would be slow; cuDNN is chosen by hand).
+    ("llama", "tpu", "splash"), ("qwen3", "tpu", "splash"),
+    ("gemma", "tpu", "splash"), ("llama", "cpu", "xla"),
+    ("llama", "gpu", "xla"),
+    # No fused kernel takes T5's bias; t5x's decoder-only model has 'xla'.
+    ("t5", "tpu", "xla"), ("t5x_decoder_only", "tpu", "xla")])
+def test_auto_attention_is_the_fused_kernel_where_the_family_has_it(
+    arch, platform, want):
+  model_cfg = ml_collections.ConfigDict(defaults.base_config().model)
+  model_cfg.arch, model_cfg.size = arch, "tiny"
+  if arch == "t5":
+    model_cfg.size = "small"
+  assert model_cfg.attention_impl == "auto"  # the default
+  # (Gemma 2's tiny preset soft-caps its attention logits: the kernel
+  # takes the cap.)
+  _, config = models.build_model(model_cfg, 256, platform)
+  assert getattr(config, "attention_impl", "xla") == want
+  # The run's config keeps 'auto': a checkpoint moved to other hardware
+  # picks that hardware's kernel.
+  assert model_cfg.attention_impl == "auto"
+
+
+def test_a_plan_counts_the_kernels_matmuls_as_the_dense_attentions():
+  # The plan's FLOP count walks the jaxpr: a Pallas kernel's body runs
+  # once per point of its grid (head x query block x key block), so splash
+  # attention counts what the dense path's two matmuls do (blocks the mask
+  # skips included, as the dense path computes them), not one block's.
+  from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
+  shape = (1, 512, 2, 128)
+  q = jax.ShapeDtypeStruct(shape, jnp.float32)
+  segments = layers.CausalSegments(jnp.ones(shape[:2], jnp.int32))
+  dense = 2 * (2 * shape[0] * shape[2] * shape[1] ** 2 * shape[3])
+  for impl in ("xla", "splash"):
+    attend = functools.partial(layers.attend, mask=segments, impl=impl,
+                               scale=0.1)
+    assert flops.function_flops(attend, q, q, q) == dense, impl

@@ -1,7 +1,8 @@
 """Per-token statistics of the logits without the whole [batch, T, vocab]
 array (scoring.hidden_token_stats, the adapters' next_token_stats, the SFT
-loss built on them): the same numbers and gradients as from the full
-logits, chunked or not, and T5's SFT loss unchanged to the bit."""
+loss and the online rollout's log-probs and entropies built on them): the
+same numbers and gradients as from the full logits, chunked or not, and
+T5's SFT loss unchanged to the bit."""
 
 import flax.linen as nn
 import jax
@@ -14,13 +15,17 @@ from jaxrlhf.losses import sft as sft_losses
 from jaxrlhf.models import llama
 from jaxrlhf.models import scoring
 from jaxrlhf.models import t5
+from jaxrlhf.rl import rollout as rollout_lib
 
 
 def _full_stats(logits, targets):
   logits = logits.astype(jnp.float32)
+  probs = jax.nn.softmax(logits, -1)
   return (jax.nn.logsumexp(logits, -1),
           jnp.take_along_axis(logits, targets[..., None], -1)[..., 0],
-          jnp.argmax(logits, -1) == targets)
+          jnp.argmax(logits, -1) == targets,
+          # The entropy from its definition, -sum p log p.
+          -jnp.sum(probs * jnp.log(probs), -1))
 
 
 def _project(w, h):
@@ -45,8 +50,8 @@ def test_hidden_token_stats_equal_the_full_logits_and_their_gradients(
   def chunked(w, hidden):
     s = scoring.hidden_token_stats(_project, w, hidden, targets,
                                    temperature=temperature, with_top1=True,
-                                   chunk_bytes=chunk_bytes)
-    return s.log_z, s.target_logits, s.top1
+                                   with_entropy=True, chunk_bytes=chunk_bytes)
+    return s.log_z, s.target_logits, s.top1, s.entropy
 
   def full(w, hidden):
     return _full_stats(_project(w, hidden) / temperature, targets)
@@ -55,11 +60,15 @@ def test_hidden_token_stats_equal_the_full_logits_and_their_gradients(
   np.testing.assert_allclose(got[0], want[0], rtol=1e-6, atol=1e-6)
   np.testing.assert_allclose(got[1], want[1], rtol=1e-6, atol=1e-6)
   np.testing.assert_array_equal(got[2], want[2])
+  np.testing.assert_allclose(got[3], want[3], rtol=1e-5, atol=1e-6)
 
   def loss(stats_fn):
+    # Every statistic with a gradient feeds the loss (PPO's entropy bonus
+    # trains through the entropy).
     def f(w, hidden):
-      log_z, target_logits, _ = stats_fn(w, hidden)
-      return jnp.sum((log_z - target_logits + 0.1 * log_z**2) * weights)
+      log_z, target_logits, _, entropy = stats_fn(w, hidden)
+      return jnp.sum((log_z - target_logits + 0.1 * log_z**2
+                      - 0.3 * entropy + 0.05 * entropy**2) * weights)
     return f
 
   got_grads = jax.grad(loss(chunked), argnums=(0, 1))(w, hidden)
@@ -152,3 +161,47 @@ def test_t5_sft_loss_and_gradient_are_those_of_the_logits_to_the_bit():
   got = jax.jit(jax.value_and_grad(now, has_aux=True))(params)
   want = jax.jit(jax.value_and_grad(before, has_aux=True))(params)
   jax.tree.map(np.testing.assert_array_equal, got, want)
+
+
+@pytest.mark.parametrize("chunk_bytes", [None, 4 * 2 * 48 * 2])
+@pytest.mark.parametrize("response_length", [None, 5])
+def test_rollout_logprobs_and_entropy_equal_the_full_logits(
+    tiny_llama, chunk_bytes, response_length, monkeypatch):
+  # The online step's scoring (policy, reference, and the update's loss
+  # with its entropy bonus) reads the states a chunk at a time; the
+  # numbers and gradients are those of the whole logits.
+  lm, params, batch = tiny_llama
+  monkeypatch.setattr(scoring, "LOGITS_CHUNK_BYTES", chunk_bytes)
+  temperature = 0.8
+
+  def chunked(p):
+    return rollout_lib.logprobs_and_entropy(lm, p, batch, None, temperature,
+                                            response_length)
+
+  def full(p):
+    logits = lm.completion_logits(p, batch).astype(jnp.float32) / temperature
+    _, target, _, entropy = _full_stats(logits[:, :-1], batch["tokens"][:, 1:])
+    logprobs = target - jax.nn.logsumexp(logits[:, :-1], -1)
+    pad = ((0, 0), (1, 0))
+    logprobs, entropy = jnp.pad(logprobs, pad), jnp.pad(entropy, pad)
+    mask = batch["loss_weights"].astype(jnp.float32)
+    if response_length is not None:
+      logprobs, entropy, mask = (x[:, -response_length:]
+                                 for x in (logprobs, entropy, mask))
+    return logprobs * mask, entropy * mask, mask
+
+  got, want = chunked(params), full(params)
+  for g, w in zip(got, want):
+    assert g.shape == w.shape
+    np.testing.assert_allclose(g, w, rtol=1e-5, atol=1e-6)
+
+  def objective(fn):
+    def f(p):
+      logprobs, entropy, _ = fn(p)
+      return jnp.sum(logprobs) + 0.5 * jnp.sum(entropy)
+    return f
+
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-4,
+                                                       atol=1e-6),
+               jax.grad(objective(chunked))(params),
+               jax.grad(objective(full))(params))

@@ -349,12 +349,18 @@ def test_dpo_from_the_sft_lora_run_trains_only_adapters_on_one_base(
   assert _moved_b(before.params, after.params)
 
 
-@pytest.mark.parametrize("rank", [2, 8])
-def test_the_state_takes_the_memory_the_rank_predicts(rank):
+@pytest.mark.parametrize("rank,dtype,base_dtype", [
+    (2, "float32", "model"), (8, "float32", "model"),
+    (8, "bfloat16", "model"), (8, "bfloat16", "float32")])
+def test_the_state_takes_the_memory_the_rank_predicts(rank, dtype,
+                                                      base_dtype):
   """params + optimizer state + frozen of an SFT LoRA run with AdamW:
-  r * (d_in + d_out) values per adapted matrix, twice more for Adam's
-  moments, and one copy of the base; nothing else but Adam's counts."""
-  config = _config(lora__rank=rank)
+  r * (d_in + d_out) float32 values per adapted matrix, twice more for
+  Adam's moments, and one copy of the base, in the model's dtype
+  (lora.base_dtype='model': 2 bytes a parameter in bfloat16) or float32;
+  nothing else but Adam's counts."""
+  config = _config(lora__rank=rank, model__dtype=dtype,
+                   lora__base_dtype=base_dtype)
   mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
   with jax.set_mesh(mesh):
     trainer = trainer_of(from_scratch(algorithms.get("sft")), config, mesh)
@@ -363,7 +369,10 @@ def test_the_state_takes_the_memory_the_rank_predicts(rank):
   matrices = [(d, q), (d, kv), (d, kv), (q, d),  # query, key, value, out
               (d, m.mlp_dim), (d, m.mlp_dim), (m.mlp_dim, d)]  # wi_0, wi_1, wo
   adapters = m.num_layers * sum(rank * (i + o) for i, o in matrices) * 4
+  # The model's parameters are float32 (its dtype is what it computes in).
   base = _bytes(nn.unbox(models.abstract_params(trainer.model)))
+  if dtype == "bfloat16" and base_dtype == "model":
+    base //= 2
   state = trainer.abstract_state
   assert _bytes(state.params) == adapters
   assert 2 * adapters <= _bytes(state.opt_state) <= 2 * adapters + 16

@@ -8,7 +8,8 @@ frozen base plus adapters (`jaxrlhf.models.lora`):
   params[<net>]["backbone"]    the adapters of a value or reward network's
                                backbone, its head trained in full
   frozen["base"]               the base: the policy's starting network
-                               (init.policy_checkpoint), held once
+                               (init.policy_checkpoint), held once, in
+                               the model's dtype (`lora.base_dtype`)
 
 A backbone adapts the frozen network it starts from: the policy's base
 (DRO-V's value network, which starts from the policy's checkpoint; PPO's
@@ -39,6 +40,7 @@ next run, `from_pretrained`) as merged weights
 from typing import Any, Dict, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.models import lora
@@ -47,6 +49,8 @@ from jaxrlhf.models import pretrained
 F = config_schema.Field
 
 BASE = "base"
+# lora.base_dtype's choices: the model's compute dtype, or float32.
+BASE_DTYPES = ("model", "float32")
 
 
 def check_lora(c) -> None:
@@ -101,6 +105,13 @@ GROUP = config_schema.Group(
         F("layers", "", "Comma-separated indices of the adapted layers "
           "(every layer stack's, unrolled: model.scan_layers=False); '' = "
           "every layer."),
+        F("base_dtype", BASE_DTYPES[0],
+          "How the frozen base is held: 'model' = in config.model.dtype, "
+          "the precision its forward pass reads (bfloat16 halves the "
+          "base's memory; the projections cast their kernels to it "
+          "anyway, so only parameters read in float32, such as norm "
+          "scales, round), or 'float32'. The policy and its reference "
+          "read the same base either way.", choices=BASE_DTYPES),
     ], checks=(check_lora,))
 
 
@@ -171,11 +182,18 @@ class LoraRun:
         self.adapted(trainable).items(), key=lambda kv: kv[0] != ("policy",))):
       network = _get(trainable, path)
       if base == (BASE,) and BASE not in frozen:
-        frozen[BASE] = network
+        frozen[BASE] = jax.tree.map(self._as_base, network)
       sites = lora.adapter_sites(module, self.spec)
       trainable = _set(trainable, path, lora.init_adapters(
           jax.random.fold_in(rng, i), network, sites, self.spec))
     return trainable, frozen
+
+  def _as_base(self, x):
+    """A parameter of the base as it is held (`lora.base_dtype`)."""
+    config = self._trainer.config
+    dtype = jnp.dtype(config.model.dtype if config.lora.base_dtype == "model"
+                      else config.lora.base_dtype)
+    return x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating) else x
 
   def checkpoint_targets(self, checkpoints: Dict[str, str]) -> Dict[str, str]:
     """`Networks.checkpoints`' targets in a LoRA state: a network whose

@@ -248,7 +248,8 @@ def _reward_model(trainer) -> Tuple[Any, Any]:
         with model_config.unlocked():
           model_config.arch = "t5"  # runs from before decoder-only models
     module, module_config = build_model(model_config,
-                                        trainer.vocabulary.vocab_size)
+                                        trainer.vocabulary.vocab_size,
+                                        trainer.platform)
     return scoring.adapter_for(module), module_config
 
   return trainer.once("reward_model", build)

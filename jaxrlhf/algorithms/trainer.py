@@ -92,8 +92,11 @@ class Trainer:
       feature = (features.get("targets") or features.get("prompt")
                  or next(iter(features.values())))
       self.vocabulary = feature.vocabulary
+    # The platform of the run's devices (a plan's TPU chips on a CPU host).
+    self.platform = mesh.devices.flat[0].platform
     self.model, self.model_config = build_model(config.model,
-                                                self.vocabulary.vocab_size)
+                                                self.vocabulary.vocab_size,
+                                                self.platform)
     self.lm = scoring.adapter_for(self.model)
     # Prompts of data.inputs_length tokens as the model reads them, with the
     # EOS the task appends (`models.prompt_feature_length`).

@@ -228,7 +228,8 @@ def reward_model(trainer, path: str):
     if "arch" not in model_config:
       model_config = trainer.config.model
     module, module_config = build_model(model_config,
-                                        trainer.vocabulary.vocab_size)
+                                        trainer.vocabulary.vocab_size,
+                                        trainer.platform)
     adapter = scoring.adapter_for(module)
     abstract = jax.eval_shape(
         lambda rng: heads.init_from_backbone(

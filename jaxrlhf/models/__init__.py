@@ -14,13 +14,14 @@ in `jaxrlhf.models.sampling`, the scoring API in `jaxrlhf.models.scoring`.
 
 import functools
 import importlib
-from typing import Dict, Tuple
+from typing import Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
 import ml_collections
 
 from jaxrlhf.models import family
+from jaxrlhf.models import layers
 from jaxrlhf.models import t5
 
 # The modules of the model families, one line each, in the order of
@@ -43,6 +44,10 @@ FAMILIES: Dict[str, family.Family] = {
         for name in MODULES)}
 
 ARCHITECTURES = tuple(FAMILIES)
+# config.model.attention_impl: "auto" (the fastest exact kernel the family
+# and the hardware have, `attention_for`) or one of the kernels.
+AUTO_ATTENTION = "auto"
+ATTENTION_CHOICES = (AUTO_ATTENTION,) + layers.ATTENTION_IMPLS
 # config.model.mlp's values (T5 and t5x's decoder-only model).
 MLP_TYPES = tuple(t5.MLP_ACTIVATIONS)
 
@@ -109,7 +114,6 @@ def param_shapes(config) -> Dict[str, Tuple[int, ...]]:
 def relayout_params(params, config):
   """Stacks or unstacks layer parameters (host numpy) to match
   `config.scan_layers`; a tree already in that layout is returned as is."""
-  from jaxrlhf.models import layers  # pylint: disable=g-import-not-at-top
   stacks = family_of(config).layer_stacks(config)
   want = bool(getattr(config, "scan_layers", False))
   if any("layers" in params.get(name, {}) for name, _ in stacks) == want:
@@ -147,20 +151,39 @@ def prompt_feature_length(model_cfg: ml_collections.ConfigDict,
                           else 1)
 
 
-def build_model(model_cfg: ml_collections.ConfigDict, task_vocab_size: int):
+def attention_for(arch: str, platform: str) -> str:
+  """The kernel `attention_impl='auto'` runs for family `arch` on
+  `platform` (a JAX platform name): Pallas splash attention on TPU where
+  the family takes it (it never builds the [length, length] scores), else
+  'xla'. cuDNN's flash attention stays a choice to make
+  ('dot_product_cudnn'): whether it runs depends on the GPU, the dtype and
+  the head size, which cuDNN only checks when the step is compiled."""
+  if platform == "tpu" and "splash" in get_family(arch).attention_impls:
+    return "splash"
+  return "xla"
+
+
+def build_model(model_cfg: ml_collections.ConfigDict, task_vocab_size: int,
+                platform: Optional[str] = None):
   """The Flax module and its dataclass config from `config.model`.
 
   `model_cfg.arch` picks the family and `model_cfg.size` its preset; the
   fields that are set (the dimensions, the speed options, and the family's
   own such as `mlp`) override the preset (`Family.from_run_config`). The
   vocabulary is `model_cfg.vocab_size`, or the task's rounded up to a
-  multiple of 128.
+  multiple of 128. `attention_impl='auto'` becomes the kernel for
+  `platform`, the platform of the devices the model runs on (None: JAX's
+  default backend).
   """
   chosen = get_family(model_cfg.arch)
   vocab_size = model_cfg.vocab_size or padded_vocab_size(task_vocab_size)
   if vocab_size < task_vocab_size:
     raise ValueError(f"config.model.vocab_size {vocab_size} is smaller than the "
                      f"task vocabulary ({task_vocab_size}).")
+  if model_cfg.get("attention_impl") == AUTO_ATTENTION:
+    model_cfg = model_cfg.copy_and_resolve_references()
+    model_cfg.attention_impl = attention_for(
+        model_cfg.arch, platform or jax.default_backend())
   config = chosen.from_run_config(model_cfg, vocab_size)
   return chosen.module(config), config
 

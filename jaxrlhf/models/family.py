@@ -96,6 +96,7 @@ class Family:
       `layers_{i}` (or scanned `layers`) live.
     hf: its Hugging Face format, or None.
     t5x: its parameters are t5x's (T5X checkpoints load into it).
+    attention_impls: the `attention_impl` values its config takes.
   """
   name: str
   summary: str
@@ -107,6 +108,7 @@ class Family:
   layer_stacks: Callable[[Any], Sequence[Tuple[str, int]]]
   hf: Optional[HFMapping] = None
   t5x: bool = False
+  attention_impls: Tuple[str, ...] = layers.ATTENTION_IMPLS
 
   def preset(self, size: str, **overrides):
     """The preset `size` with fields overridden."""

@@ -87,10 +87,12 @@ class GemmaConfig(family.LayerTypesConfig):
     if not self.tie_embeddings:
       raise ValueError(f"{name}: tie_embeddings=False is not a Gemma "
                        "model (its output layer is the embedding).")
-    if self.attention_impl != "xla" and self.attn_logit_softcap is not None:
+    if (self.attention_impl not in layers.SOFTCAP_IMPLS
+        and self.attn_logit_softcap is not None):
       raise ValueError(
           f"{name}: attention_impl={self.attention_impl!r} cannot "
-          "soft-cap attention logits (attn_logit_softcap); use 'xla'.")
+          "soft-cap attention logits (attn_logit_softcap); use one of "
+          f"{list(layers.SOFTCAP_IMPLS)}.")
 
   @classmethod
   def preset(cls, name: str, **overrides) -> "GemmaConfig":

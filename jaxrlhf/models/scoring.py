@@ -58,13 +58,28 @@ class TokenStats(NamedTuple):
   """What a token loss reads of the logits, per position ([batch, T] each):
   log Z = logsumexp(logits), the target's logit (log p(target) is their
   difference) and, when asked for, whether the target is the argmax (the
-  first maximum, as `jnp.argmax`), else None."""
+  first maximum, as `jnp.argmax`) and the entropy of softmax(logits), else
+  None."""
   log_z: jax.Array
   target_logits: jax.Array
   top1: Optional[jax.Array] = None
+  entropy: Optional[jax.Array] = None
+
+  @property
+  def logprobs(self) -> jax.Array:
+    """log p(target) = target logit - log Z."""
+    return self.target_logits - self.log_z
 
 
-def logit_stats(logits, targets, with_top1: bool = False) -> TokenStats:
+def entropy_from_logits(logits):
+  """-sum_v p_v log p_v of softmax(logits) at each position: [..., vocab]
+  -> [...]."""
+  log_probs = jax.nn.log_softmax(logits, axis=-1)
+  return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+
+
+def logit_stats(logits, targets, with_top1: bool = False,
+                with_entropy: bool = False) -> TokenStats:
   """`TokenStats` of float32 logits [batch, T, vocab].
 
   The gradient is softmax * d(log Z) + onehot(target) * d(target logit),
@@ -76,7 +91,8 @@ def logit_stats(logits, targets, with_top1: bool = False) -> TokenStats:
   top1 = None
   if with_top1:
     top1 = jnp.argmax(jax.lax.stop_gradient(logits), axis=-1) == targets
-  return TokenStats(log_z, target_logits, top1)
+  entropy = entropy_from_logits(logits) if with_entropy else None
+  return TokenStats(log_z, target_logits, top1, entropy)
 
 
 @jax.custom_vjp
@@ -119,7 +135,7 @@ LOGITS_CHUNK_BYTES = None
 
 
 def hidden_token_stats(project, params, hidden, targets, *, temperature=1.0,
-                       with_top1: bool = False,
+                       with_top1: bool = False, with_entropy: bool = False,
                        chunk_bytes: Optional[int] = None) -> TokenStats:
   """`TokenStats` of the logits `project(params, hidden) / temperature`, a
   chunk of positions at a time, so that the [batch, T, vocab] logits never
@@ -141,6 +157,8 @@ def hidden_token_stats(project, params, hidden, targets, *, temperature=1.0,
     targets: [batch, T] int token ids the positions' logits score.
     temperature: the logits are divided by it.
     with_top1: also say whether each target is the argmax.
+    with_entropy: also give each position's entropy (differentiable: PPO's
+      entropy bonus trains through it).
     chunk_bytes: the float32 logits built at once (one chunk); None:
       `LOGITS_CHUNK_BYTES`, or its default for the backend.
   Returns:
@@ -156,7 +174,7 @@ def hidden_token_stats(project, params, hidden, targets, *, temperature=1.0,
     logits = project(params, hidden).astype(jnp.float32)
     if not (isinstance(temperature, (int, float)) and temperature == 1):
       logits = logits / temperature
-    return logit_stats(logits, targets, with_top1)
+    return logit_stats(logits, targets, with_top1, with_entropy)
   num_chunks = -(-length // chunk)
   chunk = -(-length // num_chunks)
   padded = num_chunks * chunk
@@ -170,7 +188,8 @@ def hidden_token_stats(project, params, hidden, targets, *, temperature=1.0,
   temperature = jnp.asarray(temperature, jnp.float32)
 
   def body(carry, xs):
-    return carry, _chunk_stats(project, with_top1, params, *xs, temperature)
+    return carry, _chunk_stats(project, (with_top1, with_entropy), params,
+                               *xs, temperature)
 
   _, out = jax.lax.scan(body, None, (chunks(hidden), chunks(targets)))
   return TokenStats(*(None if x is None else
@@ -183,29 +202,40 @@ def _scaled_logits(project, params, hidden, temperature):
 
 
 @functools.partial(jax.custom_vjp, nondiff_argnums=(0, 1))
-def _chunk_stats(project, with_top1, params, hidden, targets, temperature):
-  """`TokenStats` of one chunk's logits; its gradient forms the logits again
-  instead of keeping them."""
-  return _chunk_stats_fwd(project, with_top1, params, hidden, targets,
+def _chunk_stats(project, extras, params, hidden, targets, temperature):
+  """`TokenStats` of one chunk's logits (`extras`: (with_top1,
+  with_entropy)); its gradient forms the logits again instead of keeping
+  them."""
+  return _chunk_stats_fwd(project, extras, params, hidden, targets,
                           temperature)[0]
 
 
-def _chunk_stats_fwd(project, with_top1, params, hidden, targets,
-                     temperature):
+def _chunk_stats_fwd(project, extras, params, hidden, targets, temperature):
+  with_top1, with_entropy = extras
   logits = _scaled_logits(project, params, hidden, temperature)
   (log_z, target_logits), _ = _log_z_and_target_fwd(logits, targets)
   top1 = (jnp.argmax(logits, axis=-1) == targets) if with_top1 else None
-  return (TokenStats(log_z, target_logits, top1),
-          (params, hidden, targets, temperature, log_z))
+  entropy = None
+  if with_entropy:
+    # H = -sum_v p_v log p_v, log p = logits - log Z.
+    log_probs = logits - log_z[..., None]
+    entropy = -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
+  return (TokenStats(log_z, target_logits, top1, entropy),
+          (params, hidden, targets, temperature, log_z, entropy))
 
 
-def _chunk_stats_bwd(project, with_top1, residuals, cotangents):
-  del with_top1
-  params, hidden, targets, temperature, log_z = residuals
+def _chunk_stats_bwd(project, extras, residuals, cotangents):
+  del extras
+  params, hidden, targets, temperature, log_z, entropy = residuals
   logits, vjp = jax.vjp(
       lambda p, h: _scaled_logits(project, p, h, temperature), params, hidden)
   d_logits, _ = _log_z_and_target_bwd(
       (logits, log_z, targets), (cotangents.log_z, cotangents.target_logits))
+  if entropy is not None:
+    # dH/dlogit_v = p_v (E_p[logit] - logit_v) = -p_v (log p_v + H).
+    log_probs = logits - log_z[..., None]
+    d_logits = d_logits - cotangents.entropy[..., None] * jnp.exp(
+        log_probs) * (log_probs + entropy[..., None])
   d_params, d_hidden = vjp(d_logits)
   return d_params, d_hidden, None, jnp.zeros_like(temperature)
 
@@ -316,19 +346,26 @@ class EncoderDecoderLM(_Adapter):
     return self._apply(params, batch, name, False, rng)
 
   def next_token_stats(self, params, batch, name=None, temperature=1.0,
-                       rng=None, with_top1=False) -> TokenStats:
+                       rng=None, with_top1=False, with_entropy=False,
+                       last: Optional[int] = None) -> TokenStats:
     """`TokenStats` [batch, Lc] of the target tokens, from the decoder's
-    logits (the computation of `token_logprobs`)."""
+    logits (the computation of `token_logprobs`). `last` is the decoder-only
+    adapter's argument; here every target is a completion token, so it must
+    be None or Lc."""
     logits = self.completion_logits(params, batch, name, rng)
+    targets = batch[_key(name, "decoder_target_tokens")]
+    if last not in (None, targets.shape[1]):
+      raise ValueError(f"last={last}: an encoder-decoder's targets are all "
+                       f"{targets.shape[1]} completion tokens.")
     if not (isinstance(temperature, (int, float)) and temperature == 1):
       logits = logits / temperature
     logits = logits.astype(jnp.float32)
-    targets = batch[_key(name, "decoder_target_tokens")]
     log_z = jax.nn.logsumexp(logits, axis=-1)
     target_logits = jnp.take_along_axis(logits, targets[..., None],
                                         axis=-1)[..., 0]
     top1 = (jnp.argmax(logits, axis=-1) == targets) if with_top1 else None
-    return TokenStats(log_z, target_logits, top1)
+    entropy = entropy_from_logits(logits) if with_entropy else None
+    return TokenStats(log_z, target_logits, top1, entropy)
 
   def completion_logprobs(self, params, batch, name=None, temperature=1.0,
                           rng=None) -> Tuple[jax.Array, jax.Array]:
@@ -409,17 +446,23 @@ class DecoderOnlyLM(_Adapter):
     return self.module.apply({"params": params}, *args, **kwargs)
 
   def next_token_stats(self, params, batch, name=None, temperature=1.0,
-                       rng=None, with_top1=False) -> TokenStats:
+                       rng=None, with_top1=False, with_entropy=False,
+                       last: Optional[int] = None) -> TokenStats:
     """`TokenStats` [batch, L - 1] of tokens 1 .. L - 1 given the tokens
-    before them (position t's logits score token t + 1), from the final
-    states a chunk of positions at a time (`hidden_token_stats`): the
-    [batch, L, vocab] logits are never built."""
+    before them (position t's logits score token t + 1), or with `last` of
+    the last `last` tokens only ([batch, last]: an online response's), from
+    the final states a chunk of positions at a time (`hidden_token_stats`):
+    the [batch, L, vocab] logits are never built."""
     del rng  # decoder-only models here have no dropout
     hidden = self._hidden(params, batch, name)
     tokens = batch[_key(name, "tokens")]
-    return hidden_token_stats(self._project, params, hidden[:, :-1],
-                              tokens[:, 1:], temperature=temperature,
-                              with_top1=with_top1)
+    start = 1 if last is None else tokens.shape[1] - last
+    if not 1 <= start < tokens.shape[1]:
+      raise ValueError(f"last={last}: the rows hold {tokens.shape[1]} "
+                       "tokens, and the first has no logits scoring it.")
+    return hidden_token_stats(self._project, params, hidden[:, start - 1:-1],
+                              tokens[:, start:], temperature=temperature,
+                              with_top1=with_top1, with_entropy=with_entropy)
 
   def _project(self, params, hidden):
     """The output layer: final states [..., emb] -> logits [..., vocab]."""

@@ -697,7 +697,7 @@ FAMILY = family.Family(
     presets=T5_PRESETS, from_run_config=from_run_config,
     layer_stacks=lambda c: (("encoder", c.num_encoder_layers),
                             ("decoder", c.num_decoder_layers)),
-    t5x=True,
+    t5x=True, attention_impls=ATTENTION_IMPLS,
     hf=family.HFMapping(
         architecture=HF_ARCHITECTURE, model_type="t5",
         config_from_hf=config_from_hf, config_to_hf=config_to_hf,

@@ -573,4 +573,5 @@ FAMILY = family.Family(
     config_cls=T5xDecoderOnlyConfig, module_cls=T5xDecoderOnly,
     kind=family.DECODER_ONLY, presets=T5X_DECODER_ONLY_PRESETS,
     from_run_config=from_run_config,
-    layer_stacks=lambda c: (("decoder", c.num_layers),), t5x=True)
+    layer_stacks=lambda c: (("decoder", c.num_layers),), t5x=True,
+    attention_impls=("xla",))

@@ -16,6 +16,7 @@ Every function is a jit-compatible function of arrays; string and integer
 options are static (pass them with `static_argnames` or close over them).
 """
 
+from jaxrlhf.models.scoring import entropy_from_logits
 from jaxrlhf.rl.advantages import batch_mean_baseline
 from jaxrlhf.rl.advantages import generalized_advantage_estimation
 from jaxrlhf.rl.advantages import grpo_advantages
@@ -36,7 +37,6 @@ from jaxrlhf.rl.kl import per_token_rewards
 from jaxrlhf.rl.kl import sequence_kl
 from jaxrlhf.rl.policy_gradient import clipped_policy_gradient_loss
 from jaxrlhf.rl.ppo import clipped_surrogate
-from jaxrlhf.rl.ppo import entropy_from_logits
 from jaxrlhf.rl.ppo import explained_variance
 from jaxrlhf.rl.ppo import ppo_loss
 from jaxrlhf.rl.ppo import ppo_policy_loss

@@ -185,19 +185,6 @@ def ppo_value_loss(values, old_values, returns, mask, clip_eps=0.2):
   return loss, metrics
 
 
-def entropy_from_logits(logits):
-  """Entropy of the next-token distribution at each position.
-
-  Args:
-    logits: [batch, length, vocab].
-
-  Returns:
-    [batch, length] -sum_v p_v log p_v.
-  """
-  log_probs = jax.nn.log_softmax(logits, axis=-1)
-  return -jnp.sum(jnp.exp(log_probs) * log_probs, axis=-1)
-
-
 def explained_variance(values, returns, mask):
   """1 - Var[R - V] / Var[R] over masked tokens; 1 is perfect, <= 0 useless.
 
@@ -229,8 +216,9 @@ def ppo_loss(logprobs, old_logprobs, advantages, values, old_values, returns,
     clip_eps: policy clipping coefficient.
     value_clip_eps: value clipping coefficient (None: no value clipping).
     vf_coef: value-loss weight c1.
-    entropy: optional [batch, length] entropies (`entropy_from_logits`);
-      logged, and rewarded when `entropy_coef` > 0.
+    entropy: optional [batch, length] entropies
+      (`jaxrlhf.models.scoring.entropy_from_logits`); logged, and rewarded
+      when `entropy_coef` > 0.
     entropy_coef: entropy bonus weight (0 in the paper).
 
   Returns:

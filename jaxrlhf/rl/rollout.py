@@ -38,12 +38,10 @@ import flax
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.models.scoring import token_logprobs
 from jaxrlhf.models import heads
 from jaxrlhf.models import layers
 from jaxrlhf.models import sampling
 from jaxrlhf.rl import kl as kl_lib
-from jaxrlhf.rl import ppo as ppo_lib
 from jaxrlhf.rl import rollout_rewards
 
 
@@ -204,29 +202,27 @@ def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
     the mask is 0; L is the whole feature length unless `response_length`.
   """
   key = (lambda s: s) if name is None else (lambda s: f"{name}_{s}")
-  logits = lm.completion_logits(params, batch, name).astype(jnp.float32)
-  logits = logits / temperature
   if lm.is_encoder_decoder:
-    targets = batch[key("decoder_target_tokens")]
     mask = batch[key("decoder_loss_weights")].astype(jnp.float32)
-    logprobs = token_logprobs(logits, targets)
-    entropy = ppo_lib.entropy_from_logits(logits)
+    stats = lm.next_token_stats(params, batch, name, temperature,
+                                with_entropy=True)
+    logprobs, entropy = stats.logprobs, stats.entropy
   else:
-    # Position t predicts token t + 1; entry t scores token t.
-    tokens = batch[key("tokens")]
+    # Position t predicts token t + 1; entry t scores token t. The logits
+    # are formed a chunk of positions at a time (`next_token_stats`): a
+    # rollout's [batch, L, vocab] float32 logits would be the largest
+    # array of an online step with a large vocabulary.
     mask = batch[key("loss_weights")].astype(jnp.float32)
-    if response_length is not None:
-      # Only the logits that score response tokens: the position before
-      # each of them (saves the entropy's softmax over the prompt).
-      start = tokens.shape[1] - response_length
-      logits = logits[:, start - 1:-1]
-      tokens, mask = tokens[:, start:], mask[:, start:]
-      logprobs = token_logprobs(logits, tokens)
-      entropy = ppo_lib.entropy_from_logits(logits)
-      return logprobs * mask, entropy * mask, mask
-    pad = ((0, 0), (1, 0))
-    logprobs = jnp.pad(token_logprobs(logits[:, :-1], tokens[:, 1:]), pad)
-    entropy = jnp.pad(ppo_lib.entropy_from_logits(logits[:, :-1]), pad)
+    stats = lm.next_token_stats(params, batch, name, temperature,
+                                with_entropy=True, last=response_length)
+    logprobs, entropy = stats.logprobs, stats.entropy
+    if response_length is None:
+      pad = ((0, 0), (1, 0))
+      logprobs, entropy = jnp.pad(logprobs, pad), jnp.pad(entropy, pad)
+    else:
+      # Only the response's columns (saves the entropy's softmax over the
+      # prompt).
+      mask = mask[:, mask.shape[1] - response_length:]
   return logprobs * mask, entropy * mask, mask
 
 
