@@ -269,8 +269,11 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
   flops_per_chip = step_flops / chips
   plan = {
       "algorithm": config.algorithm,
-      "model": {k: config.model[k] for k in (
+      "model": {**{k: config.model[k] for k in (
           "arch", "size", "dtype", "remat_policy", "scan_layers")},
+                # The kernel the step compiled with ('auto' resolved).
+                "attention_impl": getattr(trainer.model_config,
+                                          "attention_impl", "xla")},
       "topology": topology,
       "device_kind": devices[0].device_kind,
       "chips": chips,
@@ -336,7 +339,9 @@ def describe(plan: Dict[str, Any]) -> str:
   lines = [
       f"Plan: {plan['algorithm']} on {model['arch']} {model['size']} "
       f"({model['dtype']}, remat {model['remat_policy']}, scan_layers "
-      f"{model['scan_layers']}), {plan['topology']}: {plan['chips']} x "
+      f"{model['scan_layers']}, attention "
+      f"{model.get('attention_impl', 'xla')}), {plan['topology']}: "
+      f"{plan['chips']} x "
       f"{plan['device_kind']}, mesh {mesh}; batch {plan['batch_size']} in "
       f"{plan['num_microbatches']} micro-batch(es), "
       f"{plan['tokens_per_step']:,} tokens per step.",

@@ -225,6 +225,8 @@ def test_command_line_plans_on_cpu_devices_and_writes_json(tmp_path):
   # 16 rows of data.targets_length target tokens, all learned from.
   assert plan["tokens_per_step"] == 16 * 16
   assert plan["flops_per_chip_per_step"] > 0
+  # attention_impl 'auto' on CPU devices: the XLA attention.
+  assert plan["model"]["attention_impl"] == "xla"
 
 
 @pytest.mark.parametrize("args, message", [
@@ -271,3 +273,20 @@ def test_tiny_t5_plans_for_a_v5e_2x2_slice(tmp_path):
   assert plan["memory_gib_per_chip"]["arguments"] >= state
   assert plan["step_time_lower_bound_s"] == pytest.approx(
       plan["flops_per_chip_per_step"] / 197e12)
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason=(
+    "libtpu is not installed: pip install -e \".[tpu-plan]\" plans for TPU "
+    "topologies"))
+def test_a_decoder_only_plan_for_tpu_chips_compiles_splash_attention(
+    tmp_path):
+  # attention_impl 'auto' resolves from the plan's devices (TPU chips, on
+  # this CPU host): the Pallas kernel, compiled by Mosaic for the chips.
+  out = tmp_path / "plan.json"
+  result = _plan_command(tmp_path, "--topology=v5e:2x2", f"--out={out}",
+                         "--config.mesh.shape=(4,1)",
+                         "--config.model.arch=llama",
+                         "--config.model.size=tiny")
+  assert result.returncode == 0, result.stderr
+  plan = json.loads(out.read_text())
+  assert plan["model"]["attention_impl"] == "splash" and plan["fits"]
