@@ -254,7 +254,8 @@ _RULES = tuple((name, "tensor" if axis == "model" else axis)
                for name, axis in defaults.base_config().sharding
                .logical_axis_rules)
 RESUMABLE_CHANGES = {
-    "model.remat_policy": "full", "train.log_every": 2,
+    "model.remat_policy": "full", "model.attention_impl": "dot_product",
+    "train.log_every": 2,
     "train.lost_process_timeout_s": 90, "optimizer.learning_rate": 5e-3,
     "optimizer.grad_clip_norm": 0.0, "checkpoint.every_steps": 1,
     "checkpoint.keep": 2, "eval.every_steps": 1, "eval.batch_size": 8,
