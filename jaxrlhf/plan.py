@@ -267,13 +267,14 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
   ones = {k: np.ones(v.shape, v.dtype) for k, v in batch.items()}
   tokens = trainer.tokens_in(ones) // jax.process_count()
   flops_per_chip = step_flops / chips
+  model = {k: config.model[k] for k in (
+      "arch", "size", "dtype", "remat_policy", "scan_layers")}
+  # The kernel the step compiled with ('auto' resolved).
+  model["attention_impl"] = getattr(trainer.model_config, "attention_impl",
+                                    "xla")
   plan = {
       "algorithm": config.algorithm,
-      "model": {**{k: config.model[k] for k in (
-          "arch", "size", "dtype", "remat_policy", "scan_layers")},
-                # The kernel the step compiled with ('auto' resolved).
-                "attention_impl": getattr(trainer.model_config,
-                                          "attention_impl", "xla")},
+      "model": model,
       "topology": topology,
       "device_kind": devices[0].device_kind,
       "chips": chips,
