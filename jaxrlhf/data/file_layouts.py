@@ -533,9 +533,14 @@ def _split(ctx: RowContext, context, reply, where: str
   except chat_templates.NotAPrefixError as e:
     return BadRow("template_not_prefix", f"{where}: {e}")
   except chat_templates.ChatTemplateError as e:
-    return BadRow("chat_template_error", f"{where}: the chat template "
-                  f"({ctx.chat_template.origin}) refused the conversation: "
-                  f"{e}")
+    return _template_refused(ctx, where, e)
+
+
+def _template_refused(ctx: RowContext, where: str, error) -> BadRow:
+  """The row whose conversation at `where` the chat template refused."""
+  return BadRow("chat_template_error", f"{where}: the chat template "
+                f"({ctx.chat_template.origin}) refused the conversation: "
+                f"{error}")
 
 
 def _messages_demonstrations(record, ctx: RowContext) -> RowResult:
@@ -673,9 +678,7 @@ def _messages_prompts(record, ctx: RowContext) -> RowResult:
       prompt = ctx.chat_template.render(messages[:end],
                                         add_generation_prompt=True)
     except chat_templates.ChatTemplateError as e:
-      yield BadRow("chat_template_error", f"{column}[:{end}]: the chat "
-                   f"template ({ctx.chat_template.origin}) refused the "
-                   f"conversation: {e}")
+      yield _template_refused(ctx, f"{column}[:{end}]", e)
       continue
     yield {kinds_lib.PROMPT: prompt, EXTRA_COLUMNS: dict(extras)}
 
