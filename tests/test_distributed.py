@@ -60,10 +60,12 @@ def _two_processes(workdir, num_steps, **env):
 
 @pytest.fixture(scope="module")
 def reference(tmp_path_factory):
-  """6 steps, then the same run extended to 10 (checkpoints every 3)."""
+  """6 steps, then the same run extended to 10 (checkpoints every 3). The
+  first run evaluates on both processes, the extension does not (training
+  is the same either way, and evaluating costs both processes a compile)."""
   workdir = tmp_path_factory.mktemp("reference")
   first, _ = _two_processes(workdir, 6)
-  second, stdout0 = _two_processes(workdir, 10)
+  second, stdout0 = _two_processes(workdir, 10, NO_EVALUATION="1")
   return workdir, first, second, stdout0
 
 
@@ -73,6 +75,9 @@ def test_two_processes_train_in_lock_step_checkpoint_and_restore(reference):
   assert all(r["devices"] == 2 and r["step"] == 6 for r in first)
   # Both processes hold bit-identical parameter copies: they stepped together.
   assert first[0]["checksum"] == first[1]["checksum"]
+  # Both evaluated the policy, together: one gold reward.
+  assert first[0]["gold_reward"] is not None
+  assert first[0]["gold_reward"] == first[1]["gold_reward"]
   assert "Resumed from checkpoint at step 6" in stdout0
   assert all(r["step"] == 10 and r["position"] == 10 for r in second)
   assert second[0]["checksum"] == second[1]["checksum"]

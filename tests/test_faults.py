@@ -428,9 +428,13 @@ def test_a_full_disk_stops_in_one_line_leaves_nothing_and_resumes_exactly(
 
 def test_a_full_disk_on_the_command_line_is_one_line_and_exit_status_1(
     tmp_path):
-  """No traceback (nor a second one from orbax's threads at exit)."""
+  """No traceback (nor a second one from orbax's threads at exit). And the
+  command line, which pauses the garbage collector while its modules load,
+  ran with it on (the imports' objects frozen out of its passes)."""
   script = (
-      "import errno, os, sys\n"
+      "import atexit, errno, gc, os, sys\n"
+      "atexit.register(lambda: print('collector:', gc.isenabled(),\n"
+      "                              gc.get_freeze_count() > 0))\n"
       "from orbax.checkpoint._src.handlers import json_checkpoint_handler as h\n"
       "async def full(self, item, directory):\n"
       "  raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))\n"
@@ -451,6 +455,8 @@ def test_a_full_disk_on_the_command_line_is_one_line_and_exit_status_1(
   result = subprocess.run(args, env=quiet_env(), capture_output=True,
                           text=True, cwd=REPO)
   assert result.returncode == 1, result.stderr
+  assert result.stdout.splitlines()[-1] == "collector: True True", (
+      result.stdout)
   lines = result.stderr.splitlines()
   assert len(lines) == 1, result.stderr
   assert lines[0].startswith("error: Could not write the checkpoint of step 1")

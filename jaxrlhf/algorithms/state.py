@@ -101,6 +101,12 @@ def make_sharded_init(init_params: Callable, tx, mesh, rules,
   """
   initial = {k: np.float32(v) for k, v in (algorithm_state or {}).items()}
 
+  def assemble(params, frozen, state_rng):
+    return TrainState(step=jnp.zeros((), jnp.int32), params=params,
+                      opt_state=tx.init(params), frozen=frozen, rng=state_rng,
+                      algorithm_state={k: jnp.asarray(v)
+                                       for k, v in initial.items()})
+
   def init_state(rng, loaded=None):
     params_rng, state_rng = jax.random.split(rng)
     params, frozen = nn.unbox(init_params(params_rng))
@@ -108,16 +114,15 @@ def make_sharded_init(init_params: Callable, tx, mesh, rules,
     for target, tree in (loaded or {}).items():
       group, *keys = target.split("/")
       groups[group] = _with_subtree(groups[group], keys, tree)
-    return TrainState(step=jnp.zeros((), jnp.int32), params=groups["params"],
-                      opt_state=tx.init(groups["params"]),
-                      frozen=groups["frozen"], rng=state_rng,
-                      algorithm_state={k: jnp.asarray(v)
-                                       for k, v in initial.items()})
+    return assemble(groups["params"], groups["frozen"], state_rng)
 
   # Abstract: nothing runs (the mesh may be a topology without devices here).
+  # The networks are traced once: the state's shapes follow from theirs.
   rng = jax.eval_shape(lambda: jax.random.PRNGKey(0))
   abstract_boxed = jax.eval_shape(init_params, rng)
-  abstract_state = jax.eval_shape(init_state, rng)
+  abstract_state = jax.eval_shape(
+      lambda boxed, rng: assemble(*nn.unbox(boxed), jax.random.split(rng)[1]),
+      abstract_boxed, rng)
   shardings = state_shardings(abstract_boxed, abstract_state, mesh, rules)
   return (jax.jit(init_state, out_shardings=shardings,
                   donate_argnames="loaded"),
