@@ -5,6 +5,7 @@
 #   experiments/gpu_benchmarks.sh                 # on the GPU
 #   experiments/gpu_benchmarks.sh --out DIR       # the files elsewhere
 #   experiments/gpu_benchmarks.sh --smoke         # the same, tiny, on the CPU
+#   experiments/gpu_benchmarks.sh --only sft,dpo  # some of them (names below)
 #
 # Writes one file per benchmark (the command, then its whole output) and
 # summary.txt (the machine and the versions, then each benchmark's status,
@@ -64,6 +65,7 @@ SMOKE=0
 BASELINES=0
 OUT=""
 BUDGET_S=""
+ONLY=""
 while [ $# -gt 0 ]; do
   case "$1" in
     --smoke) SMOKE=1 ;;
@@ -72,11 +74,21 @@ while [ $# -gt 0 ]; do
     --out=*) OUT="${1#--out=}" ;;
     --budget) BUDGET_S="$2"; shift ;;
     --budget=*) BUDGET_S="${1#--budget=}" ;;
+    --only) ONLY="$2"; shift ;;
+    --only=*) ONLY="${1#--only=}" ;;
     -h|--help) usage; exit 0 ;;
-    *) echo "gpu_benchmarks.sh: unknown argument $1 (--smoke, --baselines, --out DIR, --budget S)" >&2
+    *) echo "gpu_benchmarks.sh: unknown argument $1 (--smoke, --baselines, --out DIR, --budget S, --only NAMES)" >&2
        exit 2 ;;
   esac
   shift
+done
+BENCHMARKS="sft dpo sampling online_step rollout"
+for name in ${ONLY//,/ }; do
+  case " $BENCHMARKS " in
+    *" $name "*) ;;
+    *) echo "gpu_benchmarks.sh: --only names $name; the benchmarks are: $BENCHMARKS" >&2
+       exit 2 ;;
+  esac
 done
 
 if [ "$SMOKE" = 1 ]; then
@@ -134,7 +146,7 @@ FAILED=0
 
 # --- the machine ---------------------------------------------------------------
 {
-  echo "gpu_benchmarks.sh$([ "$SMOKE" = 1 ] && echo ' --smoke')$([ "$BASELINES" = 1 ] && echo ' --baselines') on $(hostname), $(date -u '+%Y-%m-%d %H:%M UTC')"
+  echo "gpu_benchmarks.sh$([ "$SMOKE" = 1 ] && echo ' --smoke')$([ "$BASELINES" = 1 ] && echo ' --baselines')${ONLY:+ --only $ONLY} on $(hostname), $(date -u '+%Y-%m-%d %H:%M UTC')"
   echo "commit: $(git -C "$REPO" rev-parse --short HEAD 2>/dev/null || echo unknown)$(git -C "$REPO" diff --quiet HEAD 2>/dev/null || echo ' (with changes)')"
   if command -v nvidia-smi >/dev/null 2>&1; then
     nvidia-smi --query-gpu=name,memory.total,driver_version --format=csv,noheader 2>&1 | sed 's/^/gpu: /'
@@ -182,6 +194,9 @@ run() {
   local env_vars=()
   while [ "$1" != "--" ]; do env_vars+=("$1"); shift; done
   shift
+  if [ -n "$ONLY" ] && [[ ",$ONLY," != *",$name,"* ]]; then
+    return
+  fi
   local file="$OUT/$name.txt"
   local left=$(( BUDGET_S - ($(date +%s) - START) ))
   local limit=$(( cap < left ? cap : left ))
