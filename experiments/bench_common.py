@@ -37,6 +37,9 @@ def add_shape_flags(p: argparse.ArgumentParser, *, optimizer: str,
                        if field == "num_layers" else ""))
   p.add_argument("--dtype", default="float32")
   p.add_argument("--remat_policy", default="none")
+  p.add_argument("--attention_impl", default="auto",
+                 help="config.model.attention_impl ('auto': the platform's "
+                 "default; 'dot_product_cudnn': cuDNN's flash attention)")
   p.add_argument("--num_microbatches", type=int, default=1)
   p.add_argument("--optimizer", default=optimizer)
   p.add_argument("--mesh", default="-1,1", help="data,model mesh shape")
@@ -77,6 +80,7 @@ def config_from_flags(args, algorithm: str, **overrides):
       "model.vocab_size": args.vocab_size,
       "model.dtype": args.dtype,
       "model.remat_policy": args.remat_policy,
+      "model.attention_impl": args.attention_impl,
       "optimizer.name": args.optimizer,
       "train.batch_size": args.batch_size,
       "train.num_microbatches": args.num_microbatches,

@@ -22,7 +22,9 @@ same step of TRL (its SFTTrainer or DPOTrainer, `trainer.train()` timed
 from its step-begin to its step-end callback) runs beside ours on the same
 weights (our random initialisation, exported with `hf_io`), the same
 tokens, AdamW with our learning rate, betas, epsilon, weight decay and
-clipping, float32, no gradient checkpointing, and for DPO the reference
+clipping, our precision (float32; with --dtype=bfloat16, float32 weights
+and bf16 autocast, which is what our bfloat16 means: float32 parameters,
+bfloat16 compute), no gradient checkpointing, and for DPO the reference
 forward in the step. Each side runs in its own process (so their peak RSS
 are their own) and the two take turns: --rounds rounds of --steps steps of
 ours, then of TRL's, after warm-up steps; the medians over rounds are
@@ -41,6 +43,7 @@ import subprocess
 import sys
 import tempfile
 import time
+import warnings
 
 import numpy as np
 
@@ -275,6 +278,7 @@ def ours_worker(args, channel):
         model_flops=model_flops(trainer.model_config, n_params, args),
         n_params=n_params, first_loss=first_loss,
         device=bench_common.device_line(mesh),
+        attention=getattr(trainer.model_config, "attention_impl", "?"),
         peak_tflops=args.peak_tflops or bench_common.peak_tflops(),
         device_count=jax.device_count(), rss_jax=rss_jax,
         rss_imports=rss_imports, rss=_rss(),
@@ -318,6 +322,11 @@ def _text(ids):
   return " ".join("</s>" if i == 1 else f"w{i}" for i in ids)
 
 
+# Our --dtype (the compute dtype; parameters stay float32) as TRL runs it.
+TRL_PRECISION = {"float32": "float32",
+                 "bfloat16": "bf16 autocast over float32 weights"}
+
+
 def trl_worker(args, channel):
   _pin_threads(args.threads)
   import torch  # pylint: disable=g-import-not-at-top
@@ -327,6 +336,10 @@ def trl_worker(args, channel):
   import transformers  # pylint: disable=g-import-not-at-top
   import trl  # pylint: disable=g-import-not-at-top
   transformers.logging.set_verbosity_error()
+  transformers.logging.disable_progress_bar()
+  # transformers 5.2x renames its gradient-checkpointing flags and warns
+  # at each use, its own included; TRL's configs still take the old name.
+  warnings.filterwarnings("ignore", category=FutureWarning)
   datasets.disable_progress_bars()
   rss_imports = _rss()[0]
 
@@ -348,7 +361,8 @@ def trl_worker(args, channel):
       learning_rate=opt["learning_rate"], adam_beta1=opt["b1"],
       adam_beta2=opt["b2"], adam_epsilon=opt["eps"],
       weight_decay=opt["weight_decay"], max_grad_norm=opt["grad_clip_norm"],
-      lr_scheduler_type="constant", bf16=False, fp16=False,
+      lr_scheduler_type="constant", bf16=args.dtype == "bfloat16",
+      fp16=False,
       gradient_checkpointing=False, use_cpu=not torch.cuda.is_available(),
       report_to="none", save_strategy="no", disable_tqdm=True,
       logging_steps=10**9, dataloader_num_workers=0,
@@ -410,12 +424,17 @@ def trl_worker(args, channel):
 
   pacer = Pacer()
   trainer.add_callback(pacer)
+  # With tqdm off, the Trainer prints each log (the run's summary at the
+  # end) to stdout; the figures here are ours.
+  trainer.remove_callback(transformers.PrinterCallback)
   channel.send(ready=True, first_loss=first_loss, rss_imports=rss_imports,
                rss=_rss(), versions=(
                    f"TRL {trl.__version__}, transformers "
                    f"{transformers.__version__}, torch {torch.__version__}"),
                trainer=type(trainer).__name__,
-               optimizer=trainer.args.optim)
+               optimizer=trainer.args.optim,
+               precision=TRL_PRECISION[args.dtype],
+               attention=trainer.model.config._attn_implementation)  # pylint: disable=protected-access
   trainer.train()
   channel.send(done=True, rss=_rss())
 
@@ -476,6 +495,9 @@ def main():
     return
   decoder_only = args.arch != "t5"
   with_trl = not args.no_trl and decoder_only and _trl_importable()
+  if with_trl and args.dtype not in TRL_PRECISION:
+    sys.exit(f"--dtype={args.dtype}: TRL's side mirrors only "
+             f"{', '.join(TRL_PRECISION)}; pass --no_trl for ours alone")
   if not args.no_trl and not with_trl:
     print("TRL comparison skipped: " + (
         "torch or trl is not installed (pip install -e .[hf])"
@@ -544,7 +566,8 @@ def _report(args, info, final, times, cpu):
   step_s, cpu_s = med["ours"]
   print(ours["device"])
   print(f"model: {args.arch} {args.size} ({ours['n_params'] / 1e6:.1f}M "
-        f"params, {args.dtype}); {args.algorithm}; batch {b} x ({li} in, "
+        f"params, {args.dtype}, attention {ours['attention']}); "
+        f"{args.algorithm}; batch {b} x ({li} in, "
         f"{lt} out{' x 2' if args.algorithm == 'dpo' else ''}); optimizer "
         f"{args.optimizer}; threads {args.threads or os.cpu_count()}; "
         f"load average {os.getloadavg()[0]:.1f} on {os.cpu_count()} cores")
@@ -577,7 +600,8 @@ def _report(args, info, final, times, cpu):
     side_s, side_cpu_s = med[side]
     if side == "trl":
       print(f"TRL ({other['versions']}; {other['trainer']}, optim "
-            f"{other['optimizer']}), the same model, batch and settings:")
+            f"{other['optimizer']}, {other['precision']}, attention "
+            f"{other['attention']}), the same model, batch and settings:")
       print(f"  peak RSS: {_gb(final[side]['rss'][1])} (after imports "
             f"{_gb(other['rss_imports'])})")
     else:

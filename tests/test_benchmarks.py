@@ -50,7 +50,8 @@ def test_sampling_benchmark_prints_tokens_per_second():
 
 # --- experiments/gpu_benchmarks.sh ------------------------------------------------
 
-GPU_BENCHMARKS = ("sft", "dpo", "sampling", "online_step", "rollout")
+GPU_BENCHMARKS = ("sft", "dpo", "sft_fused", "sampling", "rollout",
+                  "online_step")
 
 
 def _close(a, b, rel, absolute):
@@ -117,7 +118,7 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
   assert re.search(r"^total: \d+ s$", summary, re.M), summary
 
   # SFT: 2 x 8 target tokens per step; DPO: a chosen and a rejected each.
-  for name, target_tokens in (("sft", 16), ("dpo", 32)):
+  for name, target_tokens in (("sft", 16), ("dpo", 32), ("sft_fused", 16)):
     m = re.search(r"step time: ([\d.]+) ms \| [\d.]+ steps/s \| ([\d,]+) "
                   r"target tokens/s", text[name])
     assert m, text[name]
@@ -125,6 +126,8 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
     assert _close(per_s, target_tokens / (_number(m[1]) / 1e3), 0.01, 1)
     assert re.search(r"^FLOPs/step: [\d.]+ GFLOP", text[name], re.M)
     assert m[0] in summary
+  assert "attention xla)" in text["sft"], text["sft"]
+  assert "attention dot_product)" in text["sft_fused"], text["sft_fused"]
   rows = re.findall(r"^llama\s+(\d+)\s+([\d,]+)\s", text["sampling"], re.M)
   assert [int(b) for b, _ in rows] == [2, 4], text["sampling"]
   assert all(_number(rate) > 0 for _, rate in rows)
@@ -138,3 +141,28 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
   assert variants["repeated"] == variants["shared"] == 8
   assert 1 <= variants["shared+stop"] <= 8
   assert "!!" not in text["rollout"]
+
+
+def test_gpu_benchmarks_only_runs_the_named_ones(tmp_path):
+  """`--only NAMES` runs those benchmarks alone (a lent machine's time split
+  over calls), and an unknown name is refused with the list before
+  anything runs."""
+  script = str(REPO / "experiments" / "gpu_benchmarks.sh")
+  bad = subprocess.run(["bash", script, "--smoke", "--only", "sft,rollouts",
+                        "--out", str(tmp_path / "bad")],
+                       capture_output=True, text=True, timeout=60, cwd=REPO)
+  assert bad.returncode == 2, (bad.stdout, bad.stderr)
+  assert "rollouts" in bad.stderr and all(
+      name in bad.stderr for name in GPU_BENCHMARKS), bad.stderr
+  assert not (tmp_path / "bad" / "summary.txt").exists()
+  out = tmp_path / "gpu"
+  run = subprocess.run(
+      ["bash", script, "--smoke", "--only", "rollout", "--out", str(out)],
+      capture_output=True, text=True, timeout=600, cwd=REPO,
+      env=quiet_env(PYTHON=sys.executable))
+  assert run.returncode == 0, (run.stdout[-2000:], run.stderr[-2000:])
+  assert sorted(p.name for p in out.iterdir()) == ["rollout.txt",
+                                                  "summary.txt"]
+  summary = (out / "summary.txt").read_text()
+  assert summary.startswith("gpu_benchmarks.sh --smoke --only rollout on ")
+  assert re.findall(r"^(\w+): ok, \d+ s$", summary, re.M) == ["rollout"]
