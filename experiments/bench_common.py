@@ -8,6 +8,7 @@ counts, or run a process without JAX) first.
 """
 
 import argparse
+import re
 import time
 
 
@@ -119,3 +120,120 @@ def peak_memory_line():
   if "peak_bytes_in_use" in stats:
     return f"peak device memory: {stats['peak_bytes_in_use'] / 2**30:.2f} GiB"
   return None
+
+
+# Kernel names by what they compute (matched on the lower-cased name, first
+# match wins): fused attention (whose kernels use the matrix units too, so
+# first), cuBLAS's and CUTLASS's matrix products (XLA's own Triton ones are
+# "gemm_fusion"s; nvjet and xmma are cuBLAS's Hopper kernels), data
+# movement; the rest are XLA's elementwise and reduction fusions.
+_KERNEL_KINDS = (
+    ("attention", re.compile(r"flash|fmha|cudnn|attention|sdpa")),
+    ("matmul", re.compile(r"gemm|cublas|cutlass|nvjet|xmma|wgmma|matmul|"
+                          r"(^|[^a-z])dot([^a-z]|$)")),
+    ("copy", re.compile(r"memcpy|memset|copy|transpose|dynamic.update.slice")),
+    ("reduction", re.compile(r"reduce")),
+)
+
+
+_CONTROL_FLOW = re.compile(r"(while|conditional|call)(\.\d+)?$")
+
+
+def _kernel_kind(name: str) -> str:
+  low = name.lower()
+  for kind, pattern in _KERNEL_KINDS:
+    if pattern.search(low):
+      return kind
+  return "other"
+
+
+def _traced_ops(path):
+  """(name, start ns, duration ns) of each device kernel in the trace at
+  `path` (jax.profiler's XSpace file, read by jax.profiler.ProfileData): a
+  GPU's streams, a TPU's "XLA Ops", or on a CPU the XLA client threads'
+  operations."""
+  import jax  # pylint: disable=g-import-not-at-top
+  data = jax.profiler.ProfileData.from_file(path)
+
+  def events(plane, keep_line, keep_name=lambda n: True):
+    return [(e.name, e.start_ns, e.duration_ns)
+            for line in plane.lines if keep_line(line.name)
+            for e in line.events if keep_name(e.name)]
+
+  devices = [p for p in data.planes if p.name.startswith("/device:")]
+  ops = []
+  for plane in devices:
+    ops += events(plane, lambda n: n.startswith("Stream"))
+    if not ops:
+      ops += events(plane, lambda n: n == "XLA Ops")
+  if devices:
+    return ops
+  for plane in data.planes:
+    if plane.name == "/host:CPU":
+      # Not ops: the thread pools' bookkeeping ("Pool::Await"), and the
+      # control flow (a while loop's event holds its body's).
+      ops += events(plane, lambda n: n.startswith("tf_XLA"),
+                    lambda n: not ("::" in n or n.startswith("end: ")
+                                   or _CONTROL_FLOW.match(n)))
+  return ops
+
+
+def _busy(ops):
+  """The length of the union of the ops' [start, start + duration)
+  intervals: the time some kernel ran, streams that overlap counted once."""
+  busy, end = 0, None
+  for start, duration in sorted((s, d) for _, s, d in ops):
+    stop = start + duration
+    if end is None or start >= end:
+      busy += duration
+      end = stop
+    elif stop > end:
+      busy += stop - end
+      end = stop
+  return busy
+
+
+def kernel_profile(run, calls: int, unit: str, units_per_call: int = 1,
+                   top: int = 8):
+  """Lines describing the kernels of `calls` calls of `run(calls)` (which
+  runs them and waits for the last), traced with jax.profiler: kernels per
+  `unit`, the device's busy time (the union of the kernels' intervals)
+  against the wall time, the time by kind (matrix products, attention,
+  copies, reductions, other fusions) and the `top` kernels by time. Where
+  the device sits idle between kernels, the step is bound by launches and
+  the host; where it is busy with small kernels, by their latency."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  logdir = tempfile.mkdtemp(prefix="bench_profile_")
+  with jax.profiler.trace(logdir):
+    start = time.perf_counter()
+    run(calls)
+    wall = time.perf_counter() - start
+  paths = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+  ops = _traced_ops(paths[0]) if paths else []
+  if not ops:
+    return ["kernels: none in the trace"]
+  n = calls * units_per_call
+  busy = _busy(ops)
+  per_unit_ms = lambda ns: ns / 1e6 / n
+  total = sum(d for _, _, d in ops)
+  lines = [
+      f"kernels: {len(ops) / n:,.1f} per {unit} ({len({o[0] for o in ops})}"
+      f" distinct); device busy {per_unit_ms(busy):.3f} ms of "
+      f"{wall * 1e3 / n:.3f} ms wall per {unit} ({busy / 1e9 / wall:.0%})"]
+  kinds, names = {}, {}
+  for name, _, dur in ops:
+    kind = _kernel_kind(name)
+    kinds[kind] = kinds.get(kind, 0) + dur
+    count, t = names.get(name, (0, 0))
+    names[name] = (count + 1, t + dur)
+  lines.append("  by kind: " + ", ".join(
+      f"{kind} {t / total:.0%}" for kind, t in
+      sorted(kinds.items(), key=lambda kv: -kv[1])))
+  for name, (count, t) in sorted(names.items(), key=lambda kv: -kv[1][1])[
+      :top]:
+    short = name if len(name) <= 64 else name[:61] + "..."
+    lines.append(f"  {t / total:5.1%} {per_unit_ms(t):8.3f} ms/{unit} "
+                 f"x{count / n:<6.1f} {short}")
+  return lines

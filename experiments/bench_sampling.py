@@ -49,6 +49,10 @@ def _parse():
   p.add_argument("--threads", type=int, default=0,
                  help="CPU threads for both (0: all cores)")
   p.add_argument("--no_transformers", action="store_true")
+  p.add_argument("--profile", action="store_true",
+                 help="trace one more call of our sampler at the largest "
+                 "batch and print its kernels per decode step "
+                 "(bench_common.kernel_profile)")
   p.add_argument("--hbm_gbps", type=float, default=0.0,
                  help="memory bandwidth in GB/s for the bound (0: from the "
                  "device kind)")
@@ -69,6 +73,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
+import bench_common  # noqa: E402
 from jaxrlhf import accelerators  # noqa: E402
 from jaxrlhf import console  # noqa: E402
 from jaxrlhf import models  # noqa: E402
@@ -140,7 +145,7 @@ def ours(family, module, params, tokens, new, repeats):
   for _ in range(repeats):
     out = run()
   jax.block_until_ready(out)
-  return (time.perf_counter() - start) / repeats, np.asarray(out)
+  return (time.perf_counter() - start) / repeats, np.asarray(out), run
 
 
 def theirs(family, path, tokens, new, repeats, dtype):
@@ -223,8 +228,8 @@ def main(args):
       hf_io.export_hf_checkpoint(config, params, path)
     for batch in (int(b) for b in args.batches.split(",")):
       tokens = prompts(family, batch, args.prompt, args.vocab_size)
-      seconds, out = ours(family, module, params, tokens, args.new,
-                          args.repeats)
+      seconds, out, run = ours(family, module, params, tokens, args.new,
+                               args.repeats)
       rate = batch * args.new / seconds
       row = f"{family:8} {batch:>5} {rate:>11,.0f} "
       if path:
@@ -242,6 +247,14 @@ def main(args):
                                 gbps)
         row += f" {bound / seconds:>9.0%}"
       print(row)
+    if args.profile:
+      # The last batch's call again, traced: its prefill and `new` decode
+      # steps, counted per decode step.
+      lines = bench_common.kernel_profile(
+          lambda n: [jax.block_until_ready(run()) for _ in range(n)], 1,
+          "decode step", units_per_call=args.new)
+      print(f"{family} at batch {batch}, one call traced:")
+      print("\n".join("  " + line for line in lines))
   sys.stdout.flush()
 
 

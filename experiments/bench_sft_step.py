@@ -70,6 +70,10 @@ def _parse(argv=None):
                  "(0: as the libraries choose, all cores)")
   p.add_argument("--peak_tflops", type=float, default=None,
                  help="per-device peak for MFU")
+  p.add_argument("--profile", type=int, default=0,
+                 help="after the timed rounds, trace this many more of our "
+                 "steps and print their kernels (bench_common."
+                 "kernel_profile)")
   p.add_argument("--no_trl", action="store_true",
                  help="our step only, even when TRL is installed")
   p.add_argument("--baseline", default="",
@@ -296,8 +300,17 @@ def ours_worker(args, channel):
       jax.block_until_ready(m)
       channel.send(seconds=(time.perf_counter() - t0) / n,
                    cpu_seconds=(time.process_time() - cpu0) / n, rss=_rss())
+    profile = None
+    if args.profile and args.worker == "ours":
+
+      def run(n):
+        nonlocal state
+        for _ in range(n):
+          state, metrics = compiled(state, batch)
+        jax.block_until_ready(metrics)
+      profile = bench_common.kernel_profile(run, args.profile, "step")
     channel.send(done=True, rss=_rss(),
-                 memory=bench_common.peak_memory_line())
+                 memory=bench_common.peak_memory_line(), profile=profile)
 
 
 # --- TRL's step -----------------------------------------------------------------
@@ -593,6 +606,8 @@ def _report(args, info, final, times, cpu):
   print(f"peak RSS: {_gb(final['ours']['rss'][1])} (after importing jax "
         f"{_gb(ours['rss_jax'])}, jaxrlhf {_gb(ours['rss_imports'])})")
   print(f"first step's loss: {ours['first_loss']:.5f}")
+  for line in final["ours"].get("profile") or ():
+    print(line)
   for side in times:
     if side == "ours":
       continue

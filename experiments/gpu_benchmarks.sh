@@ -15,7 +15,9 @@
 # folder; at most 7 files, so that a lent machine can hand them all back):
 #
 #   sft.txt          experiments/bench_sft_step.py: our SFT step's time,
-#                    tokens/s, FLOPs and MFU against the GPU's bf16 peak, and
+#                    tokens/s, FLOPs and MFU against the GPU's bf16 peak,
+#                    its kernels (3 more steps traced: kernels per step, the
+#                    GPU's busy share, time by kind, the top ones), and
 #                    TRL's SFTTrainer step on the same model and batch beside
 #                    it when torch and trl import (in its own process, in
 #                    turn with ours); a Llama with TinyLlama-1.1B's layer
@@ -32,7 +34,9 @@
 #   sampling.txt     experiments/bench_sampling.py: greedy decoding tokens/s
 #                    of a Llama 3.2 1B-shaped model in bf16 at batch 64 and
 #                    128 (prompt 64, 128 new tokens), its share of the HBM
-#                    bound, and transformers' generate beside it;
+#                    bound, transformers' generate beside it, and the
+#                    kernels of one traced call at batch 128 (per decode
+#                    step);
 #   rollout.txt      experiments/bench_rollout.py: the same sampling with
 #                    the prompts repeated, the prefill shared, and stopping
 #                    when every row is done;
@@ -116,14 +120,14 @@ cd "$REPO" || exit 2
 if [ "$SMOKE" = 1 ]; then
   TRAIN_MODEL=(--arch=llama --size=tiny --vocab_size=128 --optimizer=adamw
                --inputs_length=8 --targets_length=8 --steps=1 --rounds=1
-               --warmup=1)
+               --warmup=1 --profile=2)
   SFT_BATCH=(--batch_size=2)
   DPO_BATCH=(--batch_size=2)
   # cuDNN is the GPU's; the smoke test runs the same path through
   # jax.nn.dot_product_attention's XLA implementation.
   FUSED=(--attention_impl=dot_product --no_trl)
   SAMPLING=(--size=tiny --families=llama --batches=2,4 --prompt=4 --new=4
-            --vocab_size=128 --repeats=1)
+            --vocab_size=128 --repeats=1 --profile)
   ONLINE=(--arch=llama --size=tiny --vocab_size=128 --prompts=2 --group=2
           --prompt=8 --new=8 --eos_prob=0.3 --repeats=1)
   ROLLOUT=(--families=llama --size=tiny --vocab_size=128 --prompts=2
@@ -138,12 +142,12 @@ else
   TRAIN_MODEL=(--arch=llama --size=tinyllama-1.1b --num_layers=8
                --vocab_size=32000 --dtype=bfloat16 --optimizer=adamw
                --inputs_length=256 --targets_length=256 --steps=5 --rounds=2
-               --warmup=2)
+               --warmup=2 --profile=3)
   SFT_BATCH=(--batch_size=8)
   DPO_BATCH=(--batch_size=4)
   FUSED=(--attention_impl=dot_product_cudnn --no_trl)
   SAMPLING=(--size=large --families=llama --batches=64,128 --prompt=64
-            --new=128 --dtype=bfloat16 --repeats=2)
+            --new=128 --dtype=bfloat16 --repeats=2 --profile)
   ONLINE=(--arch=llama --size=small --vocab_size=32128 --prompts=32 --group=8
           --prompt=64 --new=256 --eos_prob=0.05 --repeats=2)
   ROLLOUT=(--families=llama --size=small --vocab_size=32128 --prompts=32
@@ -249,7 +253,7 @@ run() {
 # JAX takes 75% of the GPU's memory when it starts unless told otherwise;
 # TRL's process (and transformers, in bench_sampling's) needs its share.
 SHARED_GPU=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
-TRAIN_FIGURES='^(model:|compile:|step time:|FLOPs/step:|model FLOPs|peak (device memory|RSS)|TRL \(|  step time:|ratio ours|TRL comparison skipped)'
+TRAIN_FIGURES='^(model:|compile:|step time:|FLOPs/step:|model FLOPs|peak (device memory|RSS)|kernels:|  by kind:|TRL \(|  step time:|ratio ours|TRL comparison skipped)'
 
 run sft "$CAP_SFT" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sft_step.py --algorithm=sft "${TRAIN_MODEL[@]}" "${SFT_BATCH[@]}"
@@ -257,7 +261,7 @@ run dpo "$CAP_DPO" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sft_step.py --algorithm=dpo "${TRAIN_MODEL[@]}" "${DPO_BATCH[@]}"
 run sft_fused "$CAP_FUSED" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sft_step.py --algorithm=sft "${TRAIN_MODEL[@]}" "${SFT_BATCH[@]}" "${FUSED[@]}"
-run sampling "$CAP_SAMPLING" '^(device:|family|(t5|llama) +[0-9])' "${SHARED_GPU[@]}" -- \
+run sampling "$CAP_SAMPLING" '^(device:|family|(t5|llama) +[0-9]|  kernels:|    by kind:)' "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sampling.py "${SAMPLING[@]}"
 run rollout "$CAP_ROLLOUT" '^(device:|(t5|llama) |  +responses:)' -- \
   "$PYTHON" experiments/bench_rollout.py "${ROLLOUT[@]}"

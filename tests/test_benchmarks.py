@@ -48,6 +48,40 @@ def test_sampling_benchmark_prints_tokens_per_second():
   assert "3 new tokens, greedy, EOS disabled" in out
 
 
+def _bench_common():
+  sys.path.insert(0, str(REPO / "experiments"))
+  try:
+    import bench_common  # pylint: disable=g-import-not-at-top
+  finally:
+    sys.path.pop(0)
+  return bench_common
+
+
+def test_kernel_profile_busy_time_and_kinds():
+  """The busy time is the union of the kernels' intervals (overlapping and
+  nested ones counted once, gaps not at all), and kernel names fall into
+  the kinds by what they compute."""
+  bc = _bench_common()
+  ops = [("a", 0, 10), ("b", 5, 10), ("c", 7, 2), ("d", 20, 5),
+         ("e", 24, 1), ("f", 40, 0)]
+  assert bc._busy(ops) == 15 + 5  # pylint: disable=protected-access
+  assert bc._busy([]) == 0  # pylint: disable=protected-access
+  kinds = {
+      "nvjet_tst_128x256_64x4_1x2_h_bz_coopA_TNT": "matmul",
+      "sm90_xmma_gemm_bf16bf16_bf16f32_f32_tn_n_tilesize128x256x64": "matmul",
+      "gemm_fusion_dot_3": "matmul",
+      "dot.99": "matmul",
+      "cudnn_generated_fort_native_sdpa_sm90_flash_fprop_wgmma": "attention",
+      "flash_fwd_kernel": "attention",
+      "loop_dynamic_update_slice_fusion": "copy",
+      "Memcpy DtoH": "copy",
+      "input_reduce_fusion_3": "reduction",
+      "loop_multiply_fusion": "other",
+      "doting_fusion": "other",
+  }
+  assert {name: bc._kernel_kind(name) for name in kinds} == kinds  # pylint: disable=protected-access
+
+
 # --- experiments/gpu_benchmarks.sh ------------------------------------------------
 
 GPU_BENCHMARKS = ("sft", "dpo", "sft_fused", "sampling", "rollout",
@@ -125,6 +159,14 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
     per_s = _number(m[2])
     assert _close(per_s, target_tokens / (_number(m[1]) / 1e3), 0.01, 1)
     assert re.search(r"^FLOPs/step: [\d.]+ GFLOP", text[name], re.M)
+    assert m[0] in summary
+  # Their kernels, traced (bench_common.kernel_profile).
+  for name, unit in (("sft", "step"), ("dpo", "step"),
+                     ("sft_fused", "step"), ("sampling", "decode step")):
+    m = re.search(rf"kernels: ([\d.,]+) per {unit} \((\d+) distinct\); "
+                  rf"device busy ([\d.]+) ms of ([\d.]+) ms wall", text[name])
+    assert m, text[name]
+    assert float(m[3]) <= float(m[4]) and int(m[2]) >= 1, m[0]
     assert m[0] in summary
   assert "attention xla)" in text["sft"], text["sft"]
   assert "attention dot_product)" in text["sft_fused"], text["sft_fused"]
