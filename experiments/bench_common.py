@@ -163,9 +163,8 @@ def _traced_ops(path):
   devices = [p for p in data.planes if p.name.startswith("/device:")]
   ops = []
   for plane in devices:
-    ops += events(plane, lambda n: n.startswith("Stream"))
-    if not ops:
-      ops += events(plane, lambda n: n == "XLA Ops")
+    ops += (events(plane, lambda n: n.startswith("Stream"))
+            or events(plane, lambda n: n == "XLA Ops"))
   if devices:
     return ops
   for plane in data.planes:

@@ -465,8 +465,7 @@ def main_overlap(args):
 
 def main(args):
   console.silence_library_noise(python_loggers=True)
-  if not (os.environ.get("JAX_COMPILATION_CACHE_DIR")
-          or jax.config.jax_compilation_cache_dir):
+  if not jax.config.jax_compilation_cache_dir:  # (JAX_COMPILATION_CACHE_DIR)
     # Each setting builds its own trainer, so the second one would compile
     # again what the two share (the scoring, the updates): a cache of this
     # run's own makes it a read. The timings come after the compiling calls
