@@ -39,7 +39,8 @@ GRPO (jaxrlhf/algorithms/grpo.py): 16 responses per question sampled at
 temperature 1 (DAPO; DeepSeekMath samples 64), advantages normalised by
 their group's mean and std (DeepSeekMath), and DAPO's changes: clip-higher
 (epsilon 0.2 below, 0.28 above), the token-level mean loss, no KL term
-(DeepSeekMath's is beta 0.04: --config.grpo.kl_coef=0.04), dynamic
+(so the step skips the reference's forward pass; DeepSeekMath's is beta
+0.04: --config.grpo.kl_coef=0.04), dynamic
 sampling (groups whose 16 rewards all agree carry no gradient: they are
 dropped and more questions sampled, up to 3 rounds), and the overlong
 penalty above. 128 questions per step in 4 minibatch updates of 512

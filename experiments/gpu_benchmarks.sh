@@ -41,10 +41,11 @@
 #                    the prompts repeated, the prefill shared, and stopping
 #                    when every row is done;
 #   online_step.txt  experiments/bench_online_step.py: a GRPO step's time
-#                    split (sampling, host rewards, scoring, updates, the
-#                    wait on the host), stop_when_done on and off; Llama of
-#                    about 60M parameters, 32 prompts x 8 samples, at most
-#                    256 new tokens.
+#                    split (sampling, host rewards, scoring with and
+#                    without the reference, updates, the wait on the
+#                    host), stop_when_done on and off; Llama of about 60M
+#                    parameters, 32 prompts x 8 samples, at most 256 new
+#                    tokens.
 #
 # Each benchmark runs under `timeout` (its own cap, cut to what is left of
 # the whole budget, --budget seconds: 540 on the GPU), and a failure, a
@@ -265,7 +266,7 @@ run sampling "$CAP_SAMPLING" '^(device:|family|(t5|llama) +[0-9]|  kernels:|    
   "$PYTHON" experiments/bench_sampling.py "${SAMPLING[@]}"
 run rollout "$CAP_ROLLOUT" '^(device:|(t5|llama) |  +responses:)' -- \
   "$PYTHON" experiments/bench_rollout.py "${ROLLOUT[@]}"
-run online_step "$CAP_ONLINE" '^(device:|stop_when_done|sampling |host rewards |assemble |updates |step \(split|fused|waiting on host)' -- \
+run online_step "$CAP_ONLINE" '^(device:|stop_when_done|sampling |host rewards |assemble(, no KL)? |updates |step \(split|fused|waiting on host)' -- \
   "$PYTHON" experiments/bench_online_step.py "${ONLINE[@]}"
 
 echo "total: $(( $(date +%s) - START )) s" | tee -a "$SUMMARY"

@@ -95,7 +95,8 @@ def _close(a, b, rel, absolute):
 def _check_online_step(text):
   """bench_online_step.py's tables: each part's share is its seconds over
   the step's, tokens/s its response tokens over its seconds, the wait on
-  the host the step less the fused step; stopping early runs fewer decode
+  the host the step less the fused step, assemble without the KL timed
+  beside it; stopping early runs fewer decode
   steps than the budget, and both settings draw the same responses."""
   assert "!!" not in text, text
   settings = re.findall(
@@ -125,6 +126,13 @@ def _check_online_step(text):
               <= tokens[1] / max(seconds - 5e-5, 1e-9) + 1), (part, table)
     wait = rows["waiting on host"]
     assert _close(wait[0], step - rows["fused (no host)"][0], 0, 2e-4), table
+    # GRPO's default KL coefficient: assemble is also timed without the
+    # reference's pass, and the ratio is the two assembles' seconds.
+    no_kl = re.search(r"^assemble, no KL +([\d.]+) .*?; ([\d.]+)x as fast",
+                      table, re.M)
+    assert no_kl, table
+    assert _close(float(no_kl[2]), rows["assemble"][0] / float(no_kl[1]),
+                  0.02, 0.01), table
 
 
 def test_gpu_benchmarks_smoke_run(tmp_path):

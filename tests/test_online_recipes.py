@@ -27,6 +27,7 @@ import tensorflow as tf
 from conftest import tiny_config
 from jaxrlhf import algorithms
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import kl_control
 from jaxrlhf.algorithms import online_step
 from jaxrlhf.algorithms import online_rewards
 from jaxrlhf.algorithms import rejection_sampling
@@ -510,3 +511,61 @@ def test_a_rollout_in_parts_is_its_parts_in_prompt_order(workdirs):
   with _mesh_context(config):
     _, metrics = trainer.train_step(state, batch)
   assert np.isfinite(float(metrics["loss"]))
+
+
+@pytest.mark.parametrize("algorithm,field,value,scored", [
+    ("grpo", "grpo.kl_coef", 0.04, True), ("grpo", "grpo.kl_coef", 0.0, False),
+    ("ppo", "online.kl_coef", 0.05, True), ("rloo", "online.kl_coef", 0.0,
+                                            False),
+    ("rejection_sampling", "online.kl_coef", 0.05, False)])
+def test_the_reference_scores_samples_only_when_a_kl_term_weighs(
+    algorithm, field, value, scored):
+  """A KL coefficient of 0 (or none: rejection sampling) needs no reference
+  forward pass; any other value does."""
+  config = defaults.base_config()
+  defaults.apply_overrides(config, {"algorithm": algorithm, field: value})
+  trainer = type("T", (), {"algorithm": algorithms.get(algorithm),
+                           "config": config})
+  assert kl_control.scores_reference(trainer) is scored
+
+
+def test_grpo_without_kl_skips_the_reference_and_trains_the_same(
+    workdirs, monkeypatch):
+  """grpo.kl_coef = 0: the step never reads the reference (NaN parameters
+  there leave it finite), and its update is the one of a step that scores
+  the samples under a reference unlike the policy and weighs their KL by 0;
+  only the 'kl' metrics go (they would describe a reference not read)."""
+  config = _config(workdirs, algorithm="grpo", grpo__kl_coef=0.0,
+                   online__samples_per_prompt=2, online__num_epochs=2)
+  steps = {}
+  for scored in (False, True):
+    monkeypatch.setattr(kl_control, "scores_reference",
+                        lambda trainer, scored=scored: scored)
+    with _mesh_context(config) as mesh:
+      trainer = algorithms.build(config, mesh)
+      state = trainer.init_state()
+      batch = sharding.global_batch(next(trainer.train_batches(0)), mesh,
+                                    trainer.rules)
+      # A reference unlike the policy, so that its KL is not 0.
+      reference = jax.tree.map(lambda p: p * 1.5, state.frozen["reference"])
+      references = {"different": reference}
+      if not scored:
+        references["nan"] = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan),
+                                         reference)
+      for name, ref in references.items():
+        frozen = dict(state.frozen, reference=ref)
+        steps[scored, name] = trainer.train_step(
+            jax.tree.map(jnp.copy, state.replace(frozen=frozen)), batch)
+  skipped, metrics = steps[False, "different"]
+  scored_state, scored_metrics = steps[True, "different"]
+  assert float(scored_metrics["kl"]) > 1e-3  # the reference is not the policy
+  assert "kl" not in metrics and "loss_kl_k3" not in metrics
+  assert "loss_kl_k3" in scored_metrics
+  jax.tree.map(lambda got, want: np.testing.assert_allclose(
+      got, want, rtol=1e-5, atol=1e-7), skipped.params, scored_state.params)
+  np.testing.assert_allclose(float(metrics["loss"]),
+                             float(scored_metrics["loss"]), rtol=1e-5)
+  nan_state, nan_metrics = steps[False, "nan"]
+  jax.tree.map(lambda got, want: np.testing.assert_array_equal(got, want),
+               nan_state.params, skipped.params)
+  assert all(np.isfinite(float(v)) for v in nan_metrics.values())

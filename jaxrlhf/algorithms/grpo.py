@@ -40,7 +40,9 @@ GROUP = config_schema.Group(
     "jaxrlhf/algorithms/grpo.py lists their settings).", [
         F("kl_coef", 0.04,
           "beta of the k3 KL(pi || reference) term in the loss "
-          "(DeepSeekMath: 0.04).", bounds=">=0"),
+          "(DeepSeekMath: 0.04); 0 (DAPO, Dr. GRPO) also skips the "
+          "reference's forward pass on the samples and the 'kl' metric.",
+          bounds=">=0"),
         F("clip_eps_high", None,
           "Upper clip epsilon (DAPO's clip-higher); unset = "
           "online.clip_eps.", type=float, bounds=">0"),

@@ -6,6 +6,13 @@ PPO, RLOO and REINFORCE penalise the reward with beta * KL(pi || pi_ref)
 `TrainState.algorithm_state["kl_coef"]` (checkpointed), fixed or moved by
 Ziegler et al.'s adaptive controller (`config.online.adaptive_kl`). An
 algorithm without a KL term (rejection sampling) carries none.
+
+A step scores its samples under the reference (a forward pass) only when
+the KL term weighs something (`scores_reference`): with a coefficient of 0
+(DAPO, Dr. GRPO, `configs/grpo_gsm8k.py`) every KL the step would compute
+is multiplied by 0, the adaptive controller keeps 0 at 0 (its update is
+multiplicative), and the forward pass is skipped, as TRL (beta = 0) and
+verl (no KL loss or KL reward) skip it.
 """
 
 import jax.numpy as jnp
@@ -22,6 +29,15 @@ def carried(coefficient_field: str) -> base.Carried:
   `coefficient_field` ("online.kl_coef", "grpo.kl_coef")."""
   return base.Carried(init=lambda config: {
       KL_COEF: float(config_schema.get(config, coefficient_field))})
+
+
+def scores_reference(trainer) -> bool:
+  """Whether a step needs the reference's log-probs of its samples: the
+  algorithm carries a KL coefficient and the config sets it to something
+  other than 0. When not, `Rollout.ref_logprobs` holds the sampling
+  policy's log-probs (every KL reads 0) and the "kl" metric is left out."""
+  initial = trainer.algorithm.carried.init(trainer.config).get(KL_COEF)
+  return initial is not None and float(initial) != 0.0
 
 
 def coefficient(state):

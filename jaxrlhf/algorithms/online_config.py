@@ -58,7 +58,9 @@ ONLINE = config_schema.Group(
         F("kl_coef", 0.05,
           "beta of the KL(pi || reference) penalty folded into the reward "
           "(PPO per token; RLOO and REINFORCE per sequence); Table 7: 0.05. "
-          "GRPO puts its KL in the loss instead, with grpo.kl_coef.",
+          "GRPO puts its KL in the loss instead, with grpo.kl_coef. 0 "
+          "skips the reference's forward pass on the samples and the 'kl' "
+          "metric.",
           bounds=">=0"),
         F("kl_estimator", "k1",
           "Per-token KL estimator of the penalty: 'k1' (log ratio), 'k2', "

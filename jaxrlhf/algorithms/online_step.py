@@ -99,15 +99,18 @@ def assemble(trainer, params, frozen, prompt_tokens, samples):
   """The rollout of sampled responses: truncated after their EOS, scored by
   the rewards computed in the step (the host rewards' columns NaN until
   `with_host_rewards` fills them), with policy and reference log-probs at
-  the sampling temperature."""
+  the sampling temperature (the reference's only when a KL term weighs
+  them: `kl_control.scores_reference`)."""
   o, k = trainer.config.online, trainer.online.samples_per_prompt
   uses_rm = online_rewards.uses_reward_model(trainer.config)
   names = list(online_rewards.weights(trainer.config))
   params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
+  reference = (frozen["reference"] if kl_control.scores_reference(trainer)
+               else None)
 
   def part(prompts, tokens, unused_key):
     rollout = rollout_lib.assemble_rollout(
-        trainer.lm, params["policy"], frozen["reference"],
+        trainer.lm, params["policy"], reference,
         online_rewards.reward_lm(trainer) if uses_rm else None,
         frozen.get("reward"), jnp.repeat(prompts, k, axis=0), tokens,
         temperature=o.temperature, eos_id=trainer.vocabulary.eos_id,
@@ -182,7 +185,8 @@ def update(trainer, state, rollout, rng, token_weights=None):
       rng)
   metrics.update(rollout_lib.rollout_metrics(
       rollout, kl_control.coefficient(state),
-      trainer.config.online.kl_estimator))
+      trainer.config.online.kl_estimator,
+      reference_scored=kl_control.scores_reference(trainer)))
   if not online_rewards.uses_reward_model(trainer.config):
     metrics.pop("raw_score")  # there is no reward model
   if rollout.rewards is not None:  # None: the reward model's score alone

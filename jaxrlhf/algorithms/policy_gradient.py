@@ -61,8 +61,9 @@ def make_targets(advantages_fn: Callable):
     advantages, algorithm_state, metrics = advantages_fn(trainer, state,
                                                          rollout)
     data = dict(rollout.features, old_logprobs=rollout.logprobs,
-                ref_logprobs=rollout.ref_logprobs, advantages=advantages,
-                response_mask=rollout.mask)
+                advantages=advantages, response_mask=rollout.mask)
+    if kl_control.scores_reference(trainer):
+      data["ref_logprobs"] = rollout.ref_logprobs
     metrics = dict(metrics, advantage_abs_mean=jnp.mean(jnp.abs(advantages)))
     kl_coef = kl_control.coefficient(state)
     if kl_coef is not None:
@@ -83,7 +84,7 @@ def make_loss(clipping_fn: Callable):
     logprobs, entropy, mask = online_step.policy_logprobs(trainer, params,
                                                      minibatch)
     value, metrics = policy_gradient_lib.clipped_policy_gradient_loss(
-        logprobs, minibatch["old_logprobs"], minibatch["ref_logprobs"],
+        logprobs, minibatch["old_logprobs"], minibatch.get("ref_logprobs"),
         minibatch["advantages"], mask, clip_eps_low=clipping.eps_low,
         clip_eps_high=clipping.eps_high,
         kl_coef=(algorithm_state[kl_control.KL_COEF] if clipping.loss_kl

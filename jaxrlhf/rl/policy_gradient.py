@@ -64,7 +64,8 @@ def clipped_policy_gradient_loss(logprobs, old_logprobs, ref_logprobs,
   Args:
     logprobs: [batch, length] log pi of the sampled tokens (differentiated).
     old_logprobs: [batch, length] log pi_old (the sampling policy).
-    ref_logprobs: [batch, length] log pi_ref.
+    ref_logprobs: [batch, length] log pi_ref, or None: no KL term (the
+      reference did not score the samples) and no "loss_kl_k3" metric.
     advantages: [batch] one advantage per response, or [batch, length].
     mask: [batch, length] response mask.
     clip_eps_low, clip_eps_high: clip range [1 - low, 1 + high] of the
@@ -80,7 +81,8 @@ def clipped_policy_gradient_loss(logprobs, old_logprobs, ref_logprobs,
 
   Returns:
     (scalar loss, metrics dict with "loss", "policy_loss", "loss_kl_k3"
-    (masked token mean of k3 against the reference), "clip_fraction" (the
+    (masked token mean of k3 against the reference, when there is one),
+    "clip_fraction" (the
     tokens whose update the clip stops; for CISPO, whose weight it caps),
     "approx_kl_k1", "approx_kl_k3", "ratio_mean").
   """
@@ -110,19 +112,22 @@ def clipped_policy_gradient_loss(logprobs, old_logprobs, ref_logprobs,
     weight = jax.lax.stop_gradient(jnp.minimum(ratio, clip_eps_high))
     policy_per_token = -weight * a * logprobs
     clipped = (ratio > clip_eps_high) & (a > 0)
-  # Gradient flows through logprobs into k3: the loss itself pulls pi toward
-  # pi_ref, unlike PPO's penalty in the (constant) reward.
-  kl_per_token = kl_lib.kl_estimate(logprobs,
-                                    jax.lax.stop_gradient(ref_logprobs), "k3")
-  per_token_loss = policy_per_token + kl_coef * kl_per_token
+  per_token_loss = policy_per_token
+  metrics = {}
+  if ref_logprobs is not None:
+    # Gradient flows through logprobs into k3: the loss itself pulls pi
+    # toward pi_ref, unlike PPO's penalty in the (constant) reward.
+    kl_per_token = kl_lib.kl_estimate(
+        logprobs, jax.lax.stop_gradient(ref_logprobs), "k3")
+    per_token_loss = policy_per_token + kl_coef * kl_per_token
+    metrics["loss_kl_k3"] = common.masked_mean(
+        jax.lax.stop_gradient(kl_per_token), fmask)
   loss = reductions.reduce_token_losses(per_token_loss, fmask, reduction,
                                         max_length)
-  metrics = dict(
+  metrics.update(
       loss=loss,
       policy_loss=reductions.reduce_token_losses(policy_per_token, fmask,
                                                  reduction, max_length),
-      loss_kl_k3=common.masked_mean(jax.lax.stop_gradient(kl_per_token),
-                                    fmask),
       clip_fraction=common.masked_mean(clipped.astype(fmask.dtype), fmask))
   metrics.update(ppo.policy_drift_metrics(logprobs, old_logprobs, fmask))
   return loss, metrics

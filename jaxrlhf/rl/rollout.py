@@ -60,7 +60,9 @@ class Rollout:
   """
   features: Dict[str, jax.Array]
   logprobs: jax.Array      # [batch, L] log pi_old at the sampling temperature
-  ref_logprobs: jax.Array  # [batch, L] log pi_ref at the same temperature
+  # [batch, L] log pi_ref at the same temperature; a step that weighs no
+  # KL term (`kl_control.scores_reference`) puts `logprobs` here (KL 0).
+  ref_logprobs: jax.Array
   entropy: jax.Array       # [batch, L] entropy of pi_old's next-token dist.
   mask: jax.Array          # [batch, L] float32, 1 up to and including the EOS
   has_eos: jax.Array       # [batch] bool
@@ -260,7 +262,9 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
 
   Args:
     lm: the policy's scoring adapter (the reference shares it).
-    policy_params, reference_params: parameters of pi_old and pi_ref.
+    policy_params, reference_params: parameters of pi_old and pi_ref;
+      reference_params None when no KL term is weighed: the reference's
+      forward pass is skipped and `ref_logprobs` are pi_old's (every KL 0).
     reward_lm: the reward model's scoring adapter (either architecture), or
       None for a run without one (its raw scores and scores are then 0:
       the caller adds the rewards it has).
@@ -288,8 +292,11 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
                                         eos_id)
   logprobs, entropy, fmask = logprobs_and_entropy(lm, policy_params, features,
                                                   None, temperature, length)
-  ref_logprobs, _, _ = logprobs_and_entropy(lm, reference_params, features,
-                                            None, temperature, length)
+  if reference_params is None:
+    ref_logprobs = logprobs
+  else:
+    ref_logprobs, _, _ = logprobs_and_entropy(lm, reference_params, features,
+                                              None, temperature, length)
   # The reward head at the last real token: the EOS when there is one.
   if reward_lm is None:
     raw_scores = jnp.zeros(has_eos.shape, jnp.float32)
@@ -307,28 +314,30 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
       scores=scores, reward_features=reward_features))
 
 
-def rollout_metrics(rollout: Rollout, kl_coef=None, kl_estimator="k1"):
+def rollout_metrics(rollout: Rollout, kl_coef=None, kl_estimator="k1",
+                    reference_scored: bool = True):
   """Scalars that describe a rollout batch (the curves of Figure 12).
 
   "score" is the (EOS-penalised) score, "kl" the mean per-response
-  KL(pi || pi_ref) estimate (k1, summed over tokens) and, for an algorithm
-  with a KL coefficient, "rlhf_reward" = score - kl_coef * KL with the
-  configured estimator, the objective PPO maximises.
+  KL(pi || pi_ref) estimate (k1, summed over tokens; left out when the
+  reference did not score the rollout: `reference_scored` False) and, for
+  an algorithm with a KL coefficient, "rlhf_reward" = score - kl_coef * KL
+  with the configured estimator, the objective PPO maximises.
   """
-  kl_k1 = kl_lib.sequence_kl(rollout.logprobs, rollout.ref_logprobs,
-                             rollout.mask, "k1")
   lengths = jnp.sum(rollout.mask, axis=-1)
   metrics = {} if rollout.decode_steps is None else {
       "decode_steps": rollout.decode_steps.astype(jnp.float32)}
   metrics.update({
       "score": jnp.mean(rollout.scores),
       "raw_score": jnp.mean(rollout.raw_scores),
-      "kl": jnp.mean(kl_k1),
       "eos_rate": jnp.mean(rollout.has_eos.astype(jnp.float32)),
       "response_length": jnp.mean(lengths),
       "rollout_entropy": jnp.sum(rollout.entropy) / jnp.maximum(
           jnp.sum(rollout.mask), 1.0),
   })
+  if reference_scored:
+    metrics["kl"] = jnp.mean(kl_lib.sequence_kl(
+        rollout.logprobs, rollout.ref_logprobs, rollout.mask, "k1"))
   if kl_coef is not None:
     kl_used = kl_lib.sequence_kl(rollout.logprobs, rollout.ref_logprobs,
                                  rollout.mask, kl_estimator)
