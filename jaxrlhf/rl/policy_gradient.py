@@ -82,9 +82,8 @@ def clipped_policy_gradient_loss(logprobs, old_logprobs, ref_logprobs,
   Returns:
     (scalar loss, metrics dict with "loss", "policy_loss", "loss_kl_k3"
     (masked token mean of k3 against the reference, when there is one),
-    "clip_fraction" (the
-    tokens whose update the clip stops; for CISPO, whose weight it caps),
-    "approx_kl_k1", "approx_kl_k3", "ratio_mean").
+    "clip_fraction" (the tokens whose update the clip stops; for CISPO,
+    whose weight it caps), "approx_kl_k1", "approx_kl_k3", "ratio_mean").
   """
   where = "clipped_policy_gradient_loss"
   checks.check_same_shape(where, logprobs=logprobs, old_logprobs=old_logprobs,
