@@ -40,14 +40,14 @@ temperature 1 (DAPO; DeepSeekMath samples 64), advantages normalised by
 their group's mean and std (DeepSeekMath), and DAPO's changes: clip-higher
 (epsilon 0.2 below, 0.28 above), the token-level mean loss, no KL term
 (so the step skips the reference's forward pass; DeepSeekMath's is beta
-0.04: --config.grpo.kl_coef=0.04), dynamic
-sampling (groups whose 16 rewards all agree carry no gradient: they are
-dropped and more questions sampled, up to 3 rounds), and the overlong
-penalty above. 128 questions per step in 4 minibatch updates of 512
-responses (DAPO: mini-batches of 512 responses), AdamW at a constant
-1e-6 after 10 warm-up steps (both papers: 1e-6), gradients clipped to norm
-1, 200 steps (about 3.4 passes over GSM8K's 7,473 training questions
-before dynamic sampling draws more). DeepSeekMath's original GRPO instead:
+0.04: --config.grpo.kl_coef=0.04), dynamic sampling (groups whose 16
+rewards all agree carry no gradient: they are dropped and more questions
+sampled, up to 3 rounds), and the overlong penalty above. 128 questions
+per step in 4 minibatch updates of 512 responses (DAPO: mini-batches of
+512 responses), AdamW at a constant 1e-6 after 10 warm-up steps (both
+papers: 1e-6), gradients clipped to norm 1, 200 steps (about 3.4 passes
+over GSM8K's 7,473 training questions before dynamic sampling draws
+more). DeepSeekMath's original GRPO instead:
 --config.grpo.clip_eps_high=0.2 --config.grpo.reduction=sequence_mean
 --config.grpo.kl_coef=0.04 --config.grpo.dynamic_sampling=False
 --config.rewards.overlong.weight=0.

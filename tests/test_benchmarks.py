@@ -96,8 +96,8 @@ def _check_online_step(text):
   """bench_online_step.py's tables: each part's share is its seconds over
   the step's, tokens/s its response tokens over its seconds, the wait on
   the host the step less the fused step, assemble without the KL timed
-  beside it; stopping early runs fewer decode
-  steps than the budget, and both settings draw the same responses."""
+  beside it; stopping early runs fewer decode steps than the budget, and
+  both settings draw the same responses."""
   assert "!!" not in text, text
   settings = re.findall(
       r"^stop_when_done (on|off): (\d+) of (\d+) decode steps run .*?"

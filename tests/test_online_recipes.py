@@ -514,9 +514,10 @@ def test_a_rollout_in_parts_is_its_parts_in_prompt_order(workdirs):
 
 
 @pytest.mark.parametrize("algorithm,field,value,scored", [
-    ("grpo", "grpo.kl_coef", 0.04, True), ("grpo", "grpo.kl_coef", 0.0, False),
-    ("ppo", "online.kl_coef", 0.05, True), ("rloo", "online.kl_coef", 0.0,
-                                            False),
+    ("grpo", "grpo.kl_coef", 0.04, True),
+    ("grpo", "grpo.kl_coef", 0.0, False),
+    ("ppo", "online.kl_coef", 0.05, True),
+    ("rloo", "online.kl_coef", 0.0, False),
     ("rejection_sampling", "online.kl_coef", 0.05, False)])
 def test_the_reference_scores_samples_only_when_a_kl_term_weighs(
     algorithm, field, value, scored):
