@@ -511,7 +511,7 @@ def validate(c: ml_collections.ConfigDict) -> None:
   combinations, and the selected algorithm's own checks; the error names
   the offending field."""
   config_schema.check(c, groups())
-  for check in algorithms.get(c.algorithm).checks:
+  for check in algorithms.get(c.algorithm).all_checks:
     check(c)
   sharding.as_rules(c.sharding.logical_axis_rules)
 

@@ -12,6 +12,7 @@ randomly initialised networks written into workdirs by hand.
 
 import json
 import os
+import re
 import shutil
 
 import dataclasses
@@ -528,6 +529,24 @@ def test_the_reference_scores_samples_only_when_a_kl_term_weighs(
   trainer = type("T", (), {"algorithm": algorithms.get(algorithm),
                            "config": config})
   assert kl_control.scores_reference(trainer) is scored
+
+
+@pytest.mark.parametrize("algorithm,field", [
+    ("grpo", "grpo.kl_coef"), ("ppo", "online.kl_coef"),
+    ("reinforce", "online.kl_coef")])
+def test_an_adaptive_kl_from_0_is_a_config_error_naming_the_field(
+    algorithm, field):
+  """The controller multiplies the coefficient: started at 0 it would stay
+  0, a run with no KL term that asked for one."""
+  config = defaults.base_config()
+  defaults.apply_overrides(config, {"algorithm": algorithm, field: 0.0,
+                                    "online.adaptive_kl": True,
+                                    "online.reward_model_checkpoint": "rm"})
+  with pytest.raises(ValueError, match=rf"^config\.online\.adaptive_kl: "
+                     rf"True with {re.escape(field)} = 0"):
+    defaults.validate(config)
+  config.online.adaptive_kl = False
+  defaults.validate(config)  # 0 without the controller: no KL term, fine
 
 
 def test_grpo_without_kl_skips_the_reference_and_trains_the_same(

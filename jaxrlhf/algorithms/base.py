@@ -89,9 +89,12 @@ class Carried:
     changes_frozen: frozen networks the step updates; evaluation then
       compares with the policy the run started from, loaded afresh, not
       with the changed network.
+    checks: cross-field checks of the settings that give these values,
+      run with the algorithm's own (`Algorithm.all_checks`).
   """
   init: Callable[[Any], Dict[str, Any]] = lambda config: {}
   changes_frozen: Tuple[str, ...] = ()
+  checks: Tuple[config_schema.Check, ...] = ()
 
 
 # Most algorithms carry nothing.
@@ -236,3 +239,8 @@ class Algorithm:
   @property
   def online(self) -> bool:
     return self.training.online
+
+  @property
+  def all_checks(self) -> Tuple[config_schema.Check, ...]:
+    """Its own checks and those of what it carries."""
+    return tuple(self.checks) + tuple(self.carried.checks)

@@ -27,8 +27,20 @@ KL_COEF = "kl_coef"
 def carried(coefficient_field: str) -> base.Carried:
   """The carried state of an algorithm whose KL weight is the config field
   `coefficient_field` ("online.kl_coef", "grpo.kl_coef")."""
-  return base.Carried(init=lambda config: {
-      KL_COEF: float(config_schema.get(config, coefficient_field))})
+
+  def check_adaptive_start(c) -> None:
+    value = float(config_schema.get(c, coefficient_field))
+    config_schema.require(
+        not (c.online.adaptive_kl and value == 0.0), "online.adaptive_kl",
+        f"True with {coefficient_field} = 0: the adaptive controller "
+        "multiplies the coefficient, so it would stay 0 (and no step "
+        f"scores the reference); set {coefficient_field} to the starting "
+        "coefficient, or online.adaptive_kl to False.")
+
+  return base.Carried(
+      init=lambda config: {
+          KL_COEF: float(config_schema.get(config, coefficient_field))},
+      checks=(check_adaptive_start,))
 
 
 def scores_reference(trainer) -> bool:

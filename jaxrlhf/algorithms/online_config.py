@@ -73,8 +73,8 @@ ONLINE = config_schema.Group(
           "keeping the mean per-response KL at kl_target, by at most 20% of "
           "(responses per step / kl_horizon) per step. The coefficient is "
           "part of the checkpointed train state. With grpo it adapts "
-          "grpo.kl_coef (the loss's KL weight); rejection_sampling has no KL "
-          "term and ignores it."),
+          "grpo.kl_coef (the loss's KL weight), which must then start above "
+          "0; rejection_sampling has no KL term and ignores it."),
         F("kl_target", 6.0, "The adaptive controller's target KL.",
           bounds=">0"),
         F("kl_horizon", 10000, "The adaptive controller's horizon.",

@@ -3,6 +3,8 @@ reward minus a baseline, which is a running mean of past batches (carried
 between steps, checkpointed), the batch mean, or none.
 """
 
+import dataclasses
+
 import jax.numpy as jnp
 
 from jaxrlhf import config_schema
@@ -68,7 +70,7 @@ ALGORITHM = base.Algorithm(
         loss=policy_gradient.make_loss(policy_gradient.symmetric_clipping),
         loss_count=policy_gradient.make_loss_count(
             policy_gradient.symmetric_clipping)),
-    carried=base.Carried(init=lambda config: dict(
+    carried=dataclasses.replace(KL_PENALTY, init=lambda config: dict(
         KL_PENALTY.init(config), baseline=0.0)),
     evaluation=online_eval.EVALUATION,
     config_groups=(online_config.ONLINE, online_rewards.GROUP, GROUP),

@@ -68,7 +68,7 @@ class Trainer:
                workdir: Optional[str] = None, shapes_only: bool = False,
                evaluate: bool = True):
     self.algorithm = algorithm
-    for check in algorithm.checks:
+    for check in algorithm.all_checks:
       check(config)
     self.config = config
     self.mesh = mesh
