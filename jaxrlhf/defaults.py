@@ -508,8 +508,8 @@ def apply_overrides(c: ml_collections.ConfigDict, overrides) -> None:
 
 def validate(c: ml_collections.ConfigDict) -> None:
   """Checks every field against its declaration, every group's
-  combinations, and the selected algorithm's own checks; the error names
-  the offending field."""
+  combinations, and the selected algorithm's own checks (with those of
+  what it carries); the error names the offending field."""
   config_schema.check(c, groups())
   for check in algorithms.get(c.algorithm).all_checks:
     check(c)

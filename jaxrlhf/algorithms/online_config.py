@@ -72,9 +72,9 @@ ONLINE = config_schema.Group(
           "Adaptive KL coefficient (Ziegler et al. 2019): beta moves towards "
           "keeping the mean per-response KL at kl_target, by at most 20% of "
           "(responses per step / kl_horizon) per step. The coefficient is "
-          "part of the checkpointed train state. With grpo it adapts "
-          "grpo.kl_coef (the loss's KL weight), which must then start above "
-          "0; rejection_sampling has no KL term and ignores it."),
+          "part of the checkpointed train state and must start above 0. "
+          "With grpo it adapts grpo.kl_coef (the loss's KL weight); "
+          "rejection_sampling has no KL term and ignores it."),
         F("kl_target", 6.0, "The adaptive controller's target KL.",
           bounds=">0"),
         F("kl_horizon", 10000, "The adaptive controller's horizon.",
