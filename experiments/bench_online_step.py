@@ -209,14 +209,20 @@ def make_config(args, stop_when_done: bool, **overrides):
   return c
 
 
-def build(config, args, mesh):
-  """(trainer, its random train state) with a policy that ends responses at
-  `--eos_prob` per sampling step (module docstring)."""
+def build_trainer(config, args, mesh):
+  """The trainer, with a policy that ends responses at `--eos_prob` per
+  sampling step (module docstring)."""
   trainer = algorithms.build(config, mesh, evaluate=False)
   # The steps built below trace `trainer.lm` when first called: they sample
   # with the EOS rate set (decode_step) and score with the model as it is.
   trainer.lm = scoring.adapter_for(bench_rollout.ending_at_rate(
       trainer.model, trainer.vocabulary.eos_id, args.eos_prob))
+  return trainer
+
+
+def build(config, args, mesh):
+  """(`build_trainer`, its random train state)."""
+  trainer = build_trainer(config, args, mesh)
   state = trainer._init(jax.random.PRNGKey(config.seed))  # pylint: disable=protected-access
   return trainer, state
 
@@ -303,9 +309,10 @@ def split_parts(args, stop_when_done: bool):
     if config.grpo.kl_coef:
       # The same assemble with grpo.kl_coef = 0: the reference's forward
       # pass skipped (`kl_control.scores_reference`).
-      no_kl = online_host.HostSplitStep(build(
+      # Its trainer reads this state: no state of its own is made.
+      no_kl = online_host.HostSplitStep(build_trainer(
           make_config(args, stop_when_done, **{"grpo.kl_coef": 0.0}), args,
-          mesh)[0])
+          mesh))
       t["assemble, no KL"] = fastest(no_kl._assemble, state.params,
                                      state.frozen, prompts, samples,
                                      repeats=r)
