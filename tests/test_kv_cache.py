@@ -391,6 +391,128 @@ def test_decode_steps_do_not_copy_the_kv_cache(family):
 
 
 # ----------------------------------------------------------------------------
+# A decode step reads the weights cast once, not at every step.
+
+def _loop_param_casts(hlo_text, loop, param_shapes):
+  """Converts to bfloat16 inside the decode loop (op names under `loop`)
+  whose shape is a weight's (`param_shapes`), or one scanned layer's slice
+  of one: the float32 weights cast again at every step."""
+  sliced = set(param_shapes) | {(1,) + s[1:] for s in param_shapes
+                                 if len(s) >= 3}
+  bad = []
+  for line in hlo_text.splitlines():
+    m = re.search(r"= bf16\[([\d,]*)\]\{[^}]*\} convert\(.*op_name=\"([^\"]*)",
+                  line)
+    if m and m[2].startswith(loop):
+      shape = tuple(int(d) for d in m[1].split(",") if d)
+      if shape in sliced:
+        bad.append(line.strip()[:160])
+  return bad
+
+
+@pytest.mark.parametrize("family", ["t5_scanned", "llama_scanned"])
+def test_decode_steps_read_the_weights_cast_once(family):
+  """With float32 parameters and bfloat16 compute every decode step cast
+  every weight again (in a scanned stack XLA cannot hoist the casts: each
+  reads its layer's slice): 38% of a Llama 3.2 1B-shaped decode step on an
+  H100. The sampler casts them once, after the prefill. (Unscanned, XLA
+  on the CPU hoists them itself.)"""
+  batch, prompt, new = 3, 8, 6
+  tokens = np.ones((batch, prompt), np.int32)
+  if family == "t5_scanned":
+    model = t5.T5(t5.t5_config("tiny", vocab_size=64, dtype="bfloat16",
+                               scan_layers=True))
+    params = random_params(model, tokens, tokens[:, :2])
+    fn = lambda p, x: sampling.sample_encoder_decoder(
+        model, p, x, jax.random.PRNGKey(0), new, greedy=True).tokens
+    loop = "jit(<lambda>)/jit(_sample_encoder_decoder)/while/body"
+  else:
+    model = llama.Llama(llama.LlamaConfig.preset(
+        "tiny", dtype="bfloat16", scan_layers=True))
+    params = random_params(model, tokens, tokens, tokens)
+    fn = lambda p, x: sampling.sample_decoder_only(
+        model, p, x, jnp.ones_like(x), jax.random.PRNGKey(0), new,
+        greedy=True).tokens
+    loop = "jit(<lambda>)/jit(_sample_decoder_only)/while/body"
+  shapes = [tuple(x.shape) for path, x in jax.tree_util.tree_leaves_with_path(
+      params) if path[-1].key in ("kernel", "embedding")]
+  hlo = jax.jit(fn).lower(params, tokens).compile().as_text()
+  assert loop in hlo  # the decode loop is there to inspect
+  assert _loop_param_casts(hlo, loop, shapes) == []
+
+
+def _cast_and_kept(params, reads):
+  cast = layers.cast_read_params(params, reads)
+  paths = lambda keep: sorted(
+      "/".join(str(k.key) for k in path)
+      for path, leaf in jax.tree_util.tree_leaves_with_path(cast)
+      if (leaf.dtype == jnp.float32) == keep)
+  return cast, paths(False), paths(True)
+
+
+@pytest.mark.parametrize("name", ["llama_scanned", "gemma3", "gpt_neox",
+                                  "t5x_decoder_only", "t5_tied"])
+def test_weights_cast_once_give_the_same_logits(name):
+  """Only the parameters every read casts to bfloat16 are cast (the
+  projections, the MLP, an embedding read in the compute dtype), so the
+  model computes the same bits from them; those read in float32 stay
+  float32: Gemma's norm scales (1 + scale in float32), GPT-NeoX's
+  LayerNorm, T5's tied embedding (its logits are float32, as t5x's) and
+  t5x decoder-only's, the T5 relative-position tables."""
+  from jaxrlhf.models import gemma3  # pylint: disable=g-import-not-at-top
+  tokens = np.array([[0, 5, 9, 12], [7, 3, 8, 2]], np.int32)
+  mask = (tokens > 0).astype(np.int32)
+  positions = layers.positions_from_mask(mask)
+  if name == "t5_tied":
+    model = t5.T5(t5.t5_config("tiny", vocab_size=32, dtype="bfloat16",
+                               logits_via_embedding=True))
+    params = random_params(model, tokens, tokens[:, :2], seed=3)
+    encoded = model.apply({"params": params}, tokens, method=model.encode)
+    call = lambda p: model.apply(
+        {"params": p}, encoded, tokens, tokens[:, :1] * 0, 0, 4,
+        method=model.decode_step, mutable=["cache"])[0]
+  else:
+    config = {
+        "llama_scanned": llama.LlamaConfig.preset(
+            "tiny", vocab_size=32, scan_layers=True, dtype="bfloat16"),
+        "gemma3": gemma3.Gemma3Config.preset("tiny", vocab_size=32,
+                                             dtype="bfloat16"),
+        "gpt_neox": gpt_neox.GPTNeoXConfig.preset("tiny", vocab_size=32,
+                                                   dtype="bfloat16"),
+        "t5x_decoder_only": dataclasses.replace(
+            t5x_do.T5X_DECODER_ONLY_PRESETS["tiny"], vocab_size=32,
+            logits_via_embedding=False, dtype="bfloat16"),
+    }[name]
+    model = models.module_for_config(config)
+    params = random_params(model, tokens, positions, mask, seed=3)
+    call = lambda p: model.apply(
+        {"params": p}, tokens, positions, mask, 0, method=model.decode_step,
+        mutable=["cache"])[0]
+  with layers.recording_param_reads() as reads:
+    want = np.asarray(jax.jit(call)(params).astype(jnp.float32))
+  cast, narrowed, kept = _cast_and_kept(params, reads)
+  got = np.asarray(jax.jit(call)(cast).astype(jnp.float32))
+  np.testing.assert_array_equal(got, want)
+  assert all(n.endswith(("kernel", "bias", "embedding")) for n in narrowed)
+  assert any(n.endswith("mlp/wi_0/kernel") or n.endswith("mlp/wi/kernel")
+             or "dense_h_to_4h" in n for n in narrowed), narrowed
+  expected_kept = {
+      "llama_scanned": lambda n: n.endswith("/scale"),
+      "gemma3": lambda n: n.endswith("/scale"),
+      "gpt_neox": lambda n: "layer_norm" in n or "norm" in n,
+      "t5x_decoder_only": lambda n: (n.endswith("/scale")
+                                     or n.endswith("/logits_dense/kernel")
+                                     or "relpos" in n),
+      # (The encoder is not read by a decode step: not recorded, not cast.)
+      "t5_tied": lambda n: (n.endswith("/scale") or "relpos" in n
+                            or n.startswith("encoder/")
+                            or n.endswith("token_embedder/embedding")),
+  }[name]
+  assert all(expected_kept(n) for n in kept), kept
+  assert not any(expected_kept(n) for n in narrowed), narrowed
+
+
+# ----------------------------------------------------------------------------
 # One prefill per prompt for its k samples (`num_samples`), and a decode loop
 # that stops once every row has ended (`stop_when_done`). The truth for both
 # is the plain path: the prompts repeated k times, decoded by the fixed scan.

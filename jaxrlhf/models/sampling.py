@@ -26,6 +26,10 @@ token costs one single-position step. With `num_samples=k` each prompt is
 prefilled once and its cache (and first logits) repeated for its k samples,
 which are then decoded as k adjacent rows: the same rows, cache and random
 draws as sampling `jnp.repeat(prompts, k, axis=0)`, at 1/k of the prefill.
+The decode loop reads the weights in the compute dtype: each one the model
+only ever reads cast (the matrices, in bfloat16 with float32 parameters) is
+cast once after the prefill (`layers.cast_read_params`), not at every step;
+the values computed are the same.
 They are jit-compiled (the model and the sampling options are static) and
 run under a mesh: call them inside `jax.set_mesh(mesh)` and
 `flax.linen.logical_axis_rules(rules)` with inputs sharded over the batch
@@ -305,9 +309,11 @@ def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
   # Decoder position 0 holds BOS (0); new token t is fed at position t + 1.
   cache_length = max_new_tokens
   bos = jnp.zeros((batch, 1), jnp.int32)
-  logits, variables = model.apply(
-      {"params": params}, encoded, encoder_input_tokens, bos, 0, cache_length,
-      method=model.decode_step, mutable=["cache"])
+  with layers.recording_param_reads() as reads:
+    logits, variables = model.apply(
+        {"params": params}, encoded, encoder_input_tokens, bos, 0,
+        cache_length, method=model.decode_step, mutable=["cache"])
+  params = layers.cast_read_params(params, reads)
   logits = _repeat_rows(logits[:, -1], num_samples, 0, ("batch", "vocab"))
   cache = _repeat_cache(variables["cache"], num_samples, batch, "heads")
   encoder_input_tokens = _repeat_rows(encoder_input_tokens, num_samples, 0,
@@ -383,9 +389,11 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
   num_real = jnp.sum(prompt_mask, axis=-1)
   extra = {"bidirectional_prompt": True} if bidirectional_prompt else {}
   # One prefill per prompt, repeated for its samples.
-  logits, variables = model.apply(
-      {"params": params}, prompt_tokens, positions, cache_mask, 0,
-      method=model.decode_step, mutable=["cache"], **extra)
+  with layers.recording_param_reads() as reads:
+    logits, variables = model.apply(
+        {"params": params}, prompt_tokens, positions, cache_mask, 0,
+        method=model.decode_step, mutable=["cache"], **extra)
+  params = layers.cast_read_params(params, reads)
   logits = _repeat_rows(logits, num_samples, 0, ("batch", "vocab"))
   cache = _repeat_cache(variables["cache"], num_samples, batch, "kv_heads")
   cache_mask = _repeat_rows(cache_mask, num_samples, 0, ("batch", "length"))
