@@ -39,8 +39,9 @@ GRPO (jaxrlhf/algorithms/grpo.py): 16 responses per question sampled at
 temperature 1 (DAPO; DeepSeekMath samples 64), advantages normalised by
 their group's mean and std (DeepSeekMath), and DAPO's changes: clip-higher
 (epsilon 0.2 below, 0.28 above), the token-level mean loss, no KL term
-(so the step skips the reference's forward pass; DeepSeekMath's is beta
-0.04: --config.grpo.kl_coef=0.04), dynamic sampling (groups whose 16
+(so the step skips the reference's forward pass and the run holds no
+copy of the reference; DeepSeekMath's is beta 0.04:
+--config.grpo.kl_coef=0.04), dynamic sampling (groups whose 16
 rewards all agree carry no gradient: they are dropped and more questions
 sampled, up to 3 rounds), and the overlong penalty above. 128 questions
 per step in 4 minibatch updates of 512 responses (DAPO: mini-batches of

@@ -29,6 +29,7 @@ from conftest import tiny_config
 from jaxrlhf import algorithms
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import kl_control
+from jaxrlhf.algorithms import online
 from jaxrlhf.algorithms import online_step
 from jaxrlhf.algorithms import online_rewards
 from jaxrlhf.algorithms import rejection_sampling
@@ -514,21 +515,27 @@ def test_a_rollout_in_parts_is_its_parts_in_prompt_order(workdirs):
   assert np.isfinite(float(metrics["loss"]))
 
 
-@pytest.mark.parametrize("algorithm,field,value,scored", [
-    ("grpo", "grpo.kl_coef", 0.04, True),
-    ("grpo", "grpo.kl_coef", 0.0, False),
-    ("ppo", "online.kl_coef", 0.05, True),
-    ("rloo", "online.kl_coef", 0.0, False),
-    ("rejection_sampling", "online.kl_coef", 0.05, False)])
-def test_the_reference_scores_samples_only_when_a_kl_term_weighs(
-    algorithm, field, value, scored):
+@pytest.mark.parametrize("algorithm,overrides,scored,kept", [
+    ("grpo", {"grpo.kl_coef": 0.04}, True, True),
+    ("grpo", {"grpo.kl_coef": 0.0}, False, False),
+    ("ppo", {"online.kl_coef": 0.05}, True, True),
+    ("ppo", {"online.kl_coef": 0.0}, False, False),
+    ("rloo", {"online.kl_coef": 0.0}, False, False),
+    ("rejection_sampling", {"online.kl_coef": 0.05}, False, True),
+    ("rejection_sampling", {"rejection_sampling.sample_from": "policy"},
+     False, False)])
+def test_the_reference_is_scored_and_kept_only_where_a_step_reads_it(
+    algorithm, overrides, scored, kept):
   """A KL coefficient of 0 (or none: rejection sampling) needs no reference
-  forward pass; any other value does."""
+  forward pass; any other value does. The run keeps the reference only when
+  a step reads it: to score samples, or to sample from it (rejection
+  sampling's default, sample_from='reference')."""
   config = defaults.base_config()
-  defaults.apply_overrides(config, {"algorithm": algorithm, field: value})
+  defaults.apply_overrides(config, {"algorithm": algorithm, **overrides})
   trainer = type("T", (), {"algorithm": algorithms.get(algorithm),
                            "config": config})
   assert kl_control.scores_reference(trainer) is scored
+  assert online.keeps_reference(trainer) is kept
 
 
 @pytest.mark.parametrize("algorithm,field", [
@@ -549,36 +556,39 @@ def test_an_adaptive_kl_from_0_is_a_config_error_naming_the_field(
   defaults.validate(config)  # 0 without the controller: no KL term, fine
 
 
-def test_grpo_without_kl_skips_the_reference_and_trains_the_same(
-    workdirs, monkeypatch):
-  """grpo.kl_coef = 0: the step never reads the reference (NaN parameters
-  there leave it finite), and its update is, bit for bit, the one of a
-  step that scores the samples under a reference unlike the policy and
-  weighs their KL by 0; only the 'kl' metrics go (they would describe a
-  reference not read)."""
+def test_grpo_without_kl_holds_no_reference_and_trains_the_same(
+    workdirs, monkeypatch, capsys):
+  """grpo.kl_coef = 0: the run holds no reference (no step reads one) and
+  its update is, bit for bit, the one of a step that keeps a reference
+  unlike the policy, scores the samples under it and weighs their KL by 0;
+  only the 'kl' metrics go (they would describe a reference not read). A
+  checkpoint written with the reference (by a jaxrlhf that kept it) resumes
+  into the run without it, every other value as saved."""
   config = _config(workdirs, algorithm="grpo", grpo__kl_coef=0.0,
                    online__samples_per_prompt=2, online__num_epochs=2)
-  steps = {}
-  for scored in (False, True):
-    monkeypatch.setattr(kl_control, "scores_reference",
-                        lambda trainer, scored=scored: scored)
+  steps, trainers = {}, {}
+  for scored in (True, False):
+    if scored:
+      monkeypatch.setattr(kl_control, "scores_reference",
+                          lambda trainer: True)
+    else:
+      monkeypatch.undo()
     with _mesh_context(config) as mesh:
       trainer = algorithms.build(config, mesh)
       state = trainer.init_state()
       batch = sharding.global_batch(next(trainer.train_batches(0)), mesh,
                                     trainer.rules)
-      # A reference unlike the policy, so that its KL is not 0.
-      reference = jax.tree.map(lambda p: p * 1.5, state.frozen["reference"])
-      references = {"different": reference}
-      if not scored:
-        references["nan"] = jax.tree.map(lambda p: jnp.full_like(p, jnp.nan),
-                                         reference)
-      for name, ref in references.items():
-        frozen = dict(state.frozen, reference=ref)
-        steps[scored, name] = trainer.train_step(
-            jax.tree.map(jnp.copy, state.replace(frozen=frozen)), batch)
-  skipped, metrics = steps[False, "different"]
-  scored_state, scored_metrics = steps[True, "different"]
+      if scored:
+        # A reference unlike the policy, so that its KL is not 0.
+        state = state.replace(frozen=dict(
+            state.frozen, reference=jax.tree.map(
+                lambda p: p * 1.5, state.frozen["reference"])))
+      else:
+        assert "reference" not in state.frozen
+      trainers[scored] = trainer
+      steps[scored] = trainer.train_step(jax.tree.map(jnp.copy, state), batch)
+  skipped, metrics = steps[False]
+  scored_state, scored_metrics = steps[True]
   assert float(scored_metrics["kl"]) > 1e-3  # the reference is not the policy
   assert "kl" not in metrics and "loss_kl_k3" not in metrics
   assert "loss_kl_k3" in scored_metrics
@@ -587,7 +597,20 @@ def test_grpo_without_kl_skips_the_reference_and_trains_the_same(
   jax.tree.map(np.testing.assert_array_equal, skipped.params,
                scored_state.params)
   assert float(metrics["loss"]) == float(scored_metrics["loss"])
-  nan_state, nan_metrics = steps[False, "nan"]
-  jax.tree.map(np.testing.assert_array_equal, nan_state.params,
-               skipped.params)
-  assert all(np.isfinite(float(v)) for v in nan_metrics.values())
+
+  # The state with the reference, saved, restores into the run without it.
+  checkpointer = checkpointing.Checkpointer(
+      str(workdirs["root"] / "with_reference" / "checkpoints"), keep=2)
+  checkpointer.save(3, scored_state, 7)
+  capsys.readouterr()
+  with _mesh_context(config):
+    step, restored, position = checkpointer.restore_latest(
+        trainers[False].checkpoint_target())
+  checkpointer.close()
+  assert (step, position) == (3, 7)
+  assert "reference" not in restored.frozen
+  for part in ("params", "opt_state", "algorithm_state"):
+    jax.tree.map(np.testing.assert_array_equal, getattr(restored, part),
+                 getattr(scored_state, part))
+  assert ("holds frozen networks this run no longer keeps "
+          "(frozen/reference)") in capsys.readouterr().out

@@ -41,7 +41,9 @@ GROUP = config_schema.Group(
         F("kl_coef", 0.04,
           "beta of the k3 KL(pi || reference) term in the loss "
           "(DeepSeekMath: 0.04); 0 (DAPO, Dr. GRPO) also skips the "
-          "reference's forward pass on the samples and the 'kl' metric.",
+          "reference's forward pass on the samples and the 'kl' metric, "
+          "and the run keeps no copy of the reference (evaluation loads "
+          "the starting policy when it runs).",
           bounds=">=0"),
         F("clip_eps_high", None,
           "Upper clip epsilon (DAPO's clip-higher); unset = "

@@ -12,7 +12,8 @@ the KL term weighs something (`scores_reference`): with a coefficient of 0
 (DAPO, Dr. GRPO, `configs/grpo_gsm8k.py`) every KL the step would compute
 is multiplied by 0, the adaptive controller keeps 0 at 0 (its update is
 multiplicative), and the forward pass is skipped, as TRL (beta = 0) and
-verl (no KL loss or KL reward) skip it.
+verl (no KL loss or KL reward) skip it; the run then holds no copy of the
+reference either, unless it samples from it (`online.keeps_reference`).
 """
 
 import jax.numpy as jnp

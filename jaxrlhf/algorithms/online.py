@@ -35,6 +35,7 @@ from typing import Any, Callable, Optional, Tuple
 import jax
 
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import kl_control
 from jaxrlhf.algorithms import online_config
 from jaxrlhf.algorithms import online_host
 from jaxrlhf.algorithms import online_overlap
@@ -85,6 +86,8 @@ class Online(base.Training):
       selection naming its own field.
     sample_params: (trainer, params, frozen) -> the parameters responses are
       sampled from (default: the policy).
+    samples_reference: (config) -> whether `sample_params` reads
+      frozen["reference"], which the run then keeps (`keeps_reference`).
     value_from_reward_model: trainable networks initialised from the reward
       model (PPO's value network, detail 22), or from the policy when the
       run has no reward model.
@@ -98,6 +101,7 @@ class Online(base.Training):
   loss_count: Optional[Callable[..., Any]] = None
   update_rows: Optional[Callable[[Any, int, int], int]] = None
   sample_params: Optional[Callable[..., base.Params]] = None
+  samples_reference: Optional[Callable[[Any], bool]] = None
   value_from_reward_model: Tuple[str, ...] = ()
   dynamic_sampling: Optional[Callable[[Any], Optional[int]]] = None
 
@@ -182,15 +186,39 @@ class Online(base.Training):
     return super().train_step_function(trainer)
 
 
+def keeps_reference(trainer) -> bool:
+  """Whether the run holds the frozen reference in its state: only when a
+  step reads it, to score the samples for a KL term that weighs something
+  (`kl_control.scores_reference`) or to sample from it
+  (`Online.samples_reference`: rejection sampling's sample_from=
+  'reference'). Otherwise (GRPO with kl_coef 0, DAPO, Dr. GRPO) the copy
+  would only take memory: evaluation loads the starting policy afresh to
+  compare with (`Trainer.reference_params`)."""
+  training = trainer.algorithm.training
+  return kl_control.scores_reference(trainer) or bool(
+      training.samples_reference
+      and training.samples_reference(trainer.config))
+
+
 def frozen_reference_and_reward(trainer, rng):
-  """The frozen reference, and the reward model when one is weighted."""
+  """The frozen reference when the run keeps one (`keeps_reference`), and
+  the reward model when one is weighted."""
   a, b = jax.random.split(rng)
-  return {"reference": trainer.init_lm(a),
-          **online_rewards.frozen_networks(trainer, b)}
+  kept = {"reference": trainer.init_lm(a)} if keeps_reference(trainer) else {}
+  return {**kept, **online_rewards.frozen_networks(trainer, b)}
 
 
-# The policy, its frozen reference and the frozen reward model (RLOO, GRPO,
-# REINFORCE, rejection sampling; PPO adds its value network).
+def policy_and_reference_checkpoints(trainer):
+  """Where the policy (and the reference, when kept) start from."""
+  paths = reference.policy_and_reference_checkpoints(trainer)
+  if not keeps_reference(trainer):
+    paths.pop("frozen/reference", None)
+  return paths
+
+
+# The policy, its frozen reference (when a step reads it) and the frozen
+# reward model (RLOO, GRPO, REINFORCE, rejection sampling; PPO adds its
+# value network).
 POLICY_REFERENCE_AND_REWARD = base.Networks(
     trainable=reference.policy, frozen=frozen_reference_and_reward,
-    checkpoints=reference.policy_and_reference_checkpoints, reference=True)
+    checkpoints=policy_and_reference_checkpoints, reference=True)

@@ -60,7 +60,8 @@ ONLINE = config_schema.Group(
           "(PPO per token; RLOO and REINFORCE per sequence); Table 7: 0.05. "
           "GRPO puts its KL in the loss instead, with grpo.kl_coef. 0 "
           "skips the reference's forward pass on the samples and the 'kl' "
-          "metric.",
+          "metric, and the run keeps no copy of the reference (evaluation "
+          "loads the starting policy when it runs).",
           bounds=">=0"),
         F("kl_estimator", "k1",
           "Per-token KL estimator of the penalty: 'k1' (log ratio), 'k2', "

@@ -43,7 +43,6 @@ from jaxrlhf.algorithms import online_step
 from jaxrlhf.algorithms import online_config
 from jaxrlhf.algorithms import online_eval
 from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import reference
 from jaxrlhf.losses import common
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import ppo as ppo_lib
@@ -177,7 +176,7 @@ ALGORITHM = base.Algorithm(
     data=base.PROMPTS,
     networks=base.Networks(
         trainable=networks, frozen=online.frozen_reference_and_reward,
-        checkpoints=reference.policy_and_reference_checkpoints,
+        checkpoints=online.policy_and_reference_checkpoints,
         optimizers=optimizers, reference=True),
     training=online.Online(
         samples_per_prompt=1, num_epochs=4,  # Table 7: K = 4

@@ -67,8 +67,12 @@ def update_rows(config, num_prompts, num_responses):
   return rows
 
 
+def samples_reference(config) -> bool:
+  return config.rejection_sampling.sample_from == "reference"
+
+
 def sample_params(trainer, params, frozen):
-  if trainer.config.rejection_sampling.sample_from == "reference":
+  if samples_reference(trainer.config):
     return frozen["reference"]
   return params["policy"]
 
@@ -116,7 +120,8 @@ ALGORITHM = base.Algorithm(
     networks=online.POLICY_REFERENCE_AND_REWARD,
     training=online.Online(
         samples_per_prompt=8, num_epochs=1, targets=targets, loss=loss,
-        update_rows=update_rows, sample_params=sample_params),
+        update_rows=update_rows, sample_params=sample_params,
+        samples_reference=samples_reference),
     evaluation=online_eval.EVALUATION,
     config_groups=(online_config.ONLINE, online_rewards.GROUP, GROUP),
     checks=(online_config.check_online,),
@@ -147,7 +152,7 @@ def best_of_n_evaluation(trainer, state, n: int) -> Dict[str, float]:
                      "(set config.eval.judge).")
   tokens, texts, judge = prompts
   policy, reference_params = (state.params["policy"],
-                              state.frozen["reference"])
+                              trainer.reference_params(state))
   outcomes, judged, lengths, proxy = [], {}, [], []
   for k in range(cfg.eval.num_samples):
     candidates = [evaluation.sample(

@@ -311,13 +311,22 @@ class Checkpointer:
       abstract_state: a pytree of jax.ShapeDtypeStruct with `sharding` set,
         the same structure as the saved state.
     """
-    self._check_parameter_shapes(step, abstract_state)
+    saved = self._saved_tree(step)
+    self._check_parameter_shapes(step, abstract_state, saved)
+    unread = self._frozen_not_kept(abstract_state, saved)
+    if unread:
+      console.log(f"Checkpoint step {step} in {self.directory} holds frozen "
+                  f"networks this run no longer keeps ({', '.join(unread)}); "
+                  "restoring without them.")
     try:
-      restored = self._manager.restore(
-          step,
-          args=ocp.args.Composite(
-              state=ocp.args.StandardRestore(abstract_state),
-              data=ocp.args.JsonRestore()))
+      if unread:
+        restored = self._restore_without(step, abstract_state)
+      else:
+        restored = self._manager.restore(
+            step,
+            args=ocp.args.Composite(
+                state=ocp.args.StandardRestore(abstract_state),
+                data=ocp.args.JsonRestore()))
     except (ValueError, KeyError, TypeError) as e:
       # Its files verified (or it predates manifests), so this is the
       # structure of the state, not damage.
@@ -329,19 +338,53 @@ class Checkpointer:
           "workdir), or use a fresh --workdir for this config.") from e
     return restored["state"], int(restored["data"]["position"])
 
-  def _check_parameter_shapes(self, step: int, abstract_state: Any) -> None:
+  def _restore_without(self, step: int, abstract_state: Any):
+    """{"state", "data"} of `step`, reading only the subtrees of the saved
+    state that `abstract_state` has (orbax's partial restore)."""
+    state = checkpoint_files.restore_state(
+        os.path.join(str(self.directory), str(step),
+                     checkpoint_files.STATE_ITEM),
+        target=abstract_state,
+        restore_args=ocp.checkpoint_utils.construct_restore_args(
+            abstract_state),
+        partial=True)
+    data = self._manager.restore(
+        step, args=ocp.args.Composite(data=ocp.args.JsonRestore()))["data"]
+    return {"state": state, "data": data}
+
+  def _saved_tree(self, step: int) -> Optional[Any]:
+    """The saved state's tree of array metadata; None when unreadable (the
+    restore itself will then say what is wrong)."""
+    try:
+      return checkpoint_files.state_metadata(os.path.join(
+          str(self.directory), str(step), checkpoint_files.STATE_ITEM))
+    except Exception:  # pylint: disable=broad-except
+      return None
+
+  @staticmethod
+  def _frozen_not_kept(abstract_state: Any, saved: Optional[Any]
+                       ) -> List[str]:
+    """The frozen networks the checkpoint holds and this run's state does
+    not: written when the run kept a copy it no longer needs (an online run
+    with no KL term kept its reference before jaxrlhf learnt to drop it).
+    A frozen network never changes, so leaving it unread loses nothing."""
+    if not isinstance(saved, dict) or not isinstance(saved.get("frozen"),
+                                                     dict):
+      return []
+    kept = serialization.to_state_dict(abstract_state).get("frozen") or {}
+    return sorted(f"frozen/{name}" for name in saved["frozen"]
+                  if name not in kept)
+
+  def _check_parameter_shapes(self, step: int, abstract_state: Any,
+                              saved: Optional[Any]) -> None:
     """A one-line error naming the parameters whose saved shapes differ
     from this run's (a changed model config), instead of the storage
     layer's failure partway through reading them."""
-    try:
-      saved = checkpoint_files.state_metadata(
-          os.path.join(str(self.directory), str(step),
-                       checkpoint_files.STATE_ITEM))
-      saved = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
-               jax.tree_util.tree_flatten_with_path(saved)[0]
-               if hasattr(v, "shape")}
-    except Exception:  # pylint: disable=broad-except
-      return  # no readable metadata: the restore itself will say what
+    if saved is None:
+      return
+    saved = {jax.tree_util.keystr(k): tuple(v.shape) for k, v in
+             jax.tree_util.tree_flatten_with_path(saved)[0]
+             if hasattr(v, "shape")}
     expected = serialization.to_state_dict(abstract_state)
     differ = []
     for group in ("params", "frozen"):
