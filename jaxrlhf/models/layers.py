@@ -161,10 +161,12 @@ class DenseGeneral(nn.Module):
 
   def param_read_dtypes(self, method: str):
     """{parameter: the dtype `method` casts it to at every read}
-    (`recording_param_reads`)."""
-    if method != "__call__":
-      return {}
-    return {name: self.dtype for name in ("kernel", "bias", "lora_a", "lora_b")}
+    (`recording_param_reads`). The LoRA factors are read cast too but are
+    left out: a fraction of a percent of the weights, casting them once
+    saves nothing, and it cost the LoRA GRPO plans' sampling 0.5 GiB of
+    XLA's temporaries (experiments/results/plans)."""
+    return {"kernel": self.dtype, "bias": self.dtype} if method == "__call__" \
+        else {}
 
 
 # ----------------------------------------------------------------------------

@@ -309,7 +309,8 @@ class Checkpointer:
 
     Args:
       abstract_state: a pytree of jax.ShapeDtypeStruct with `sharding` set,
-        the same structure as the saved state.
+        the same structure as the saved state, or that structure without
+        some of its frozen networks (`_frozen_not_kept`: left unread).
     """
     saved = self._saved_tree(step)
     self._check_parameter_shapes(step, abstract_state, saved)
@@ -367,7 +368,7 @@ class Checkpointer:
     """The frozen networks the checkpoint holds and this run's state does
     not: written when the run kept a copy it no longer needs (an online run
     with no KL term kept its reference before jaxrlhf learnt to drop it).
-    A frozen network never changes, so leaving it unread loses nothing."""
+    Nothing of the run reads them, so leaving them unread loses nothing."""
     if not isinstance(saved, dict) or not isinstance(saved.get("frozen"),
                                                      dict):
       return []
