@@ -29,7 +29,6 @@ import contextlib
 import hashlib
 import json
 import logging
-import os
 import sys
 import threading
 import time
@@ -343,8 +342,7 @@ class Checkpointer:
     """{"state", "data"} of `step`, reading only the subtrees of the saved
     state that `abstract_state` has (orbax's partial restore)."""
     state = checkpoint_files.restore_state(
-        os.path.join(str(self.directory), str(step),
-                     checkpoint_files.STATE_ITEM),
+        self._step_dir(step) / checkpoint_files.STATE_ITEM,
         target=abstract_state,
         restore_args=ocp.checkpoint_utils.construct_restore_args(
             abstract_state),
@@ -357,8 +355,8 @@ class Checkpointer:
     """The saved state's tree of array metadata; None when unreadable (the
     restore itself will then say what is wrong)."""
     try:
-      return checkpoint_files.state_metadata(os.path.join(
-          str(self.directory), str(step), checkpoint_files.STATE_ITEM))
+      return checkpoint_files.state_metadata(
+          self._step_dir(step) / checkpoint_files.STATE_ITEM)
     except Exception:  # pylint: disable=broad-except
       return None
 
