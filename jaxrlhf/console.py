@@ -8,9 +8,18 @@ SentencePiece's INFO line each time a model without a normaliser table is
 loaded, and absl warnings of seqio and orbax about choices we made on
 purpose. `silence_library_noise()` turns those off; importing `jaxrlhf` runs
 it, and the command line also raises the Python loggers.
+
+TensorFlow is not imported until something needs it (seqio, the data
+pipelines and so the config's defaults do; the models, the samplers and
+`--help` do not, and start several seconds sooner): `silence_library_noise`
+leaves a hook on the import system that holds TensorFlow's start-up lines
+back whenever that first import happens.
 """
 
 import contextlib
+import importlib
+import importlib.abc
+import importlib.util
 import logging
 import os
 import sys
@@ -40,12 +49,54 @@ def _stderr_held_back():
       os.close(saved)
 
 
+class _QuietTensorFlowImport(importlib.abc.MetaPathFinder):
+  """Finds `tensorflow` when it is first imported and executes it (with
+  tensorflow_text, as the data pipelines want both) with the C++ start-up
+  lines held back, then hides the GPUs from it: TensorFlow only reads data
+  on the host here, and must not take accelerator memory that JAX needs.
+  Removes itself from the import system at that first import."""
+
+  def find_spec(self, fullname, path, target=None):
+    del path, target
+    if fullname != "tensorflow":
+      return None
+    sys.meta_path.remove(self)
+    spec = importlib.util.find_spec(fullname)
+    if spec is not None and spec.loader is not None:
+      spec.loader = _QuietLoader(spec.loader)
+    return spec
+
+
+class _QuietLoader(importlib.abc.Loader):
+  """TensorFlow's own loader, executing the module as the class above
+  says; every other attribute is the wrapped loader's."""
+
+  def __init__(self, loader):
+    self._loader = loader
+
+  def __getattr__(self, name):
+    return getattr(self._loader, name)
+
+  def create_module(self, spec):
+    return self._loader.create_module(spec)
+
+  def exec_module(self, module):
+    with _stderr_held_back():
+      self._loader.exec_module(module)
+      try:
+        importlib.import_module("tensorflow_text")
+      except ImportError:
+        pass
+    module.config.set_visible_devices([], "GPU")
+
+
 def silence_library_noise(python_loggers: bool = False) -> None:
   """Turns off the libraries' start-up and per-call log lines.
 
-  Imports TensorFlow with its C++ start-up lines held back and hides the
-  GPUs from it: TensorFlow only reads data on the host here, and must not
-  take accelerator memory that JAX needs.
+  TensorFlow's start-up lines are held back when it is first imported,
+  whenever that happens (`_QuietTensorFlowImport`); without TensorFlow
+  installed, nothing needs it (the models and samplers run on JAX alone,
+  e.g. a benchmark on a machine with just JAX).
 
   Args:
     python_loggers: also raise the Python (absl) loggers to ERROR, so that
@@ -59,16 +110,7 @@ def silence_library_noise(python_loggers: bool = False) -> None:
     for key, value in _QUIET_ENVIRONMENT.items():
       os.environ.setdefault(key, value)
     if "tensorflow" not in sys.modules:
-      with _stderr_held_back():
-        try:
-          import tensorflow as tf  # pylint: disable=g-import-not-at-top
-          import tensorflow_text  # pylint: disable=g-import-not-at-top,unused-import
-        except ImportError:
-          # Only the data pipelines need it; the models and samplers run
-          # without (e.g. a benchmark on a machine with just JAX).
-          tf = None
-        if tf is not None:
-          tf.config.set_visible_devices([], "GPU")
+      sys.meta_path.insert(0, _QuietTensorFlowImport())
     import sentencepiece  # pylint: disable=g-import-not-at-top
     # 1 = WARNING: hides "precompiled_charsmap is empty" per model load.
     sentencepiece.set_min_log_level(1)

@@ -309,6 +309,29 @@ def test_help_lists_the_flags_and_exits_0():
   assert result.stderr == ""
 
 
+def test_tensorflow_is_imported_only_when_needed_and_then_quietly():
+  """The models, samplers and --help start without TensorFlow; its first
+  import (seqio's, here) prints none of its C++ start-up lines (on a
+  machine without a GPU it announces the CUDA drivers it did not find) and
+  sees no GPU."""
+  code = (
+      "import sys\n"
+      "import jaxrlhf.models.pretrained, jaxrlhf.models.sampling\n"
+      "from jaxrlhf import main\n"
+      "print('before', 'tensorflow' in sys.modules)\n"
+      "import seqio\n"
+      "import tensorflow as tf\n"
+      "print('after', 'tensorflow_text' in sys.modules,\n"
+      "      tf.config.get_visible_devices('GPU'))\n")
+  env = quiet_env()
+  env.pop("TF_CPP_MIN_LOG_LEVEL")  # as a user's shell has it
+  result = subprocess.run([sys.executable, "-c", code], env=env,
+                          capture_output=True, text=True, cwd=REPO)
+  assert result.returncode == 0, result.stderr
+  assert result.stdout.splitlines() == ["before False", "after True []"]
+  assert result.stderr == ""
+
+
 def test_unwritable_workdir_gives_one_line_error(tmp_path):
   blocker = tmp_path / "file"
   blocker.write_text("not a directory")
