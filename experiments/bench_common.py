@@ -10,6 +10,7 @@ counts, or run a process without JAX) first.
 import argparse
 import re
 import time
+from typing import Optional
 
 
 def peak_tflops():
@@ -192,15 +193,36 @@ def _busy(ops):
   return busy
 
 
+def _hlo_origin(hlo: str, name: str) -> str:
+  """'shape <- the JAX operation' of the instruction `name` in a compiled
+  program's text (its result shape and the op_name of its metadata, the
+  end of that path), or '' where the text has no such instruction. A GPU's
+  trace names a fusion with '_' where the program has '.'
+  (loop_select_fusion_34 for loop_select_fusion.34)."""
+  pattern = re.escape(name).replace("_", "[._]")
+  found = re.search(rf"^\s*(?:ROOT\s+)?%?{pattern} = (\(.*?\)|\S+) .*$",
+                    hlo, re.MULTILINE)
+  if not found:
+    return ""
+  op = re.search(r'op_name="([^"]*)"', found.group(0))
+  origin = op.group(1) if op else ""
+  if len(origin) > 90:
+    origin = "..." + origin[-87:]
+  return f"{found.group(1)}" + (f" <- {origin}" if origin else "")
+
+
 def kernel_profile(run, calls: int, unit: str, units_per_call: int = 1,
-                   top: int = 8):
+                   top: int = 8, hlo: Optional[str] = None):
   """Lines describing the kernels of `calls` calls of `run(calls)` (which
   runs them and waits for the last), traced with jax.profiler: kernels per
   `unit`, the device's busy time (the union of the kernels' intervals)
   against the wall time, the time by kind (matrix products, attention,
   copies, reductions, other fusions) and the `top` kernels by time. Where
   the device sits idle between kernels, the step is bound by launches and
-  the host; where it is busy with small kernels, by their latency."""
+  the host; where it is busy with small kernels, by their latency. With
+  `hlo`, the compiled program's text, each top kernel that is one of its
+  instructions is followed by its result shape and the JAX operation it
+  came from."""
   import glob  # pylint: disable=g-import-not-at-top
   import tempfile  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
@@ -240,4 +262,7 @@ def kernel_profile(run, calls: int, unit: str, units_per_call: int = 1,
     short = name if len(name) <= 64 else name[:61] + "..."
     lines.append(f"  {t / total:5.1%} {per_unit_ms(t):8.3f} ms/{unit} "
                  f"x{count / n:<6.1f} {short}")
+    origin = _hlo_origin(hlo, name) if hlo else ""
+    if origin:
+      lines.append(f"{'':30}{origin}")
   return lines

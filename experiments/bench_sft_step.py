@@ -300,6 +300,7 @@ def ours_worker(args, channel):
       jax.block_until_ready(m)
       channel.send(seconds=(time.perf_counter() - t0) / n,
                    cpu_seconds=(time.process_time() - cpu0) / n, rss=_rss())
+    update_s = _time_update(trainer, state, args.steps * args.rounds)
     profile = None
     if args.profile and args.worker == "ours":
 
@@ -308,9 +309,32 @@ def ours_worker(args, channel):
         for _ in range(n):
           state, metrics = compiled(state, batch)
         jax.block_until_ready(metrics)
-      profile = bench_common.kernel_profile(run, args.profile, "step")
-    channel.send(done=True, rss=_rss(),
+      profile = bench_common.kernel_profile(run, args.profile, "step",
+                                            top=16, hlo=compiled.as_text())
+    channel.send(done=True, rss=_rss(), update_seconds=update_s,
                  memory=bench_common.peak_memory_line(), profile=profile)
+
+
+def _time_update(trainer, state, calls: int) -> float:
+  """Seconds of the step's optimizer update alone (`update.guarded_update`:
+  the gradient's norm, the optimizer, the non-finite guard) on the state's
+  parameters, with the parameters standing in for the gradient: the part
+  of the step whose cost grows with the parameters, not the tokens."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.algorithms import update  # pylint: disable=g-import-not-at-top
+
+  @jax.jit
+  def apply(params, opt_state):
+    return update.guarded_update(params, opt_state, params, jnp.float32(0.0),
+                                 trainer.tx, {})[:2]
+
+  jax.block_until_ready(apply(state.params, state.opt_state))
+  t0 = time.perf_counter()
+  for _ in range(calls):
+    out = apply(state.params, state.opt_state)
+  jax.block_until_ready(out)
+  return (time.perf_counter() - t0) / calls
 
 
 # --- TRL's step -----------------------------------------------------------------
@@ -595,6 +619,14 @@ def _report(args, info, final, times, cpu):
     if peak:
       line += (f" | MFU {achieved / (peak * ours['device_count']):.1%} of "
                f"{peak} TFLOP/s per device")
+    print(line)
+    update_s = final["ours"]["update_seconds"]
+    line = (f"optimizer update alone: {update_s * 1e3:.2f} ms ("
+            f"{update_s / step_s:.0%} of the step); the step less it: "
+            f"{(step_s - update_s) * 1e3:.2f} ms")
+    if peak and step_s > update_s:
+      rest = flops / (step_s - update_s) / 1e12
+      line += f", MFU {rest / (peak * ours['device_count']):.1%}"
     print(line)
     if model:
       print(f"model FLOPs (6 x params x tokens + attention"

@@ -1,8 +1,9 @@
 #!/usr/bin/env bash
-# The benchmarks a machine with one GPU runs, as one command, in about 9.5
+# The benchmarks a machine with one GPU runs, as one command, in about 12
 # minutes (issue 24, item 6; on an H100: SFT 88 s, DPO 89 s, SFT with
-# cuDNN's attention 50 s, sampling 125 s, rollout 34 s, the online step
-# 167 s; two calls with --only where TensorFlow must be installed between):
+# cuDNN's attention 49 s, DPO with it 75 s, the attention paths about 70
+# s, sampling 104 s, rollout 30 s, the online step 187 s; two calls with
+# --only where TensorFlow must be installed between):
 #
 #   experiments/gpu_benchmarks.sh                 # on the GPU
 #   experiments/gpu_benchmarks.sh --out DIR       # the files elsewhere
@@ -12,7 +13,8 @@
 # Writes one file per benchmark (the command, then its whole output) and
 # summary.txt (the machine and the versions, then each benchmark's status,
 # seconds and figure lines) into experiments/results/gpu/ (--out: another
-# folder; at most 7 files, so that a lent machine can hand them all back):
+# folder; a lent machine hands back at most 8 files a call, so split the
+# run with --only there):
 #
 #   sft.txt          experiments/bench_sft_step.py: our SFT step's time,
 #                    tokens/s, FLOPs and MFU against the GPU's bf16 peak,
@@ -25,12 +27,21 @@
 #                    vocabulary 32000), 8 of its 22 layers (0.48B
 #                    parameters: the per-layer matrix shapes decide MFU; 8
 #                    layers keep compiling inside the time), bf16, AdamW,
-#                    batch 8 x (256 prompt + 256 target tokens);
+#                    batch 8 x (256 prompt + 256 target tokens); the
+#                    optimizer update timed alone too (its share of the
+#                    step, and the MFU of the rest);
 #   dpo.txt          the same for DPO (batch 4 pairs: 8 sequences, and the
 #                    reference's forward pass in the step);
 #   sft_fused.txt    our SFT step alone with cuDNN's flash attention
 #                    (model.attention_impl='dot_product_cudnn'; the others
 #                    run the default, XLA's einsums);
+#   dpo_fused.txt    the same for DPO;
+#   attention.txt    experiments/bench_attention.py: causal attention's
+#                    paths (the einsums, cuDNN with the dense mask, cuDNN by
+#                    row lengths, cuDNN's packed layout) checked against the
+#                    einsums in float32 (outputs and gradients) and timed,
+#                    on right-padded, two-side-padded and packed rows of
+#                    the train steps' attention shape;
 #   sampling.txt     experiments/bench_sampling.py: greedy decoding tokens/s
 #                    of a Llama 3.2 1B-shaped model in bf16 at batch 64 and
 #                    128 (prompt 64, 128 new tokens), its share of the HBM
@@ -48,7 +59,7 @@
 #                    tokens.
 #
 # Each benchmark runs under `timeout` (its own cap, cut to what is left of
-# the whole budget, --budget seconds: 570 on the GPU), and a failure, a
+# the whole budget, --budget seconds: 720 on the GPU), and a failure, a
 # timeout or a skip is recorded in summary.txt and the next one runs. The
 # exit status is 0 when every benchmark succeeded, else 1.
 #
@@ -93,7 +104,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-BENCHMARKS="sft dpo sft_fused sampling rollout online_step"
+BENCHMARKS="sft dpo sft_fused dpo_fused attention sampling rollout online_step"
 for name in ${ONLY//,/ }; do
   case " $BENCHMARKS " in
     *" $name "*) ;;
@@ -108,7 +119,7 @@ if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
 else
   OUT="${OUT:-$REPO/experiments/results/gpu}"
-  BUDGET_S="${BUDGET_S:-570}"
+  BUDGET_S="${BUDGET_S:-720}"
 fi
 mkdir -p "$OUT" || exit 2
 OUT="$(cd "$OUT" && pwd)"
@@ -137,8 +148,9 @@ if [ "$SMOKE" = 1 ]; then
     TRAIN_MODEL+=(--no_trl)
     SAMPLING+=(--no_transformers)
   fi
+  ATTENTION=(--smoke)
   CAP_SFT=300 CAP_DPO=300 CAP_FUSED=200 CAP_SAMPLING=200 CAP_ONLINE=300
-  CAP_ROLLOUT=200
+  CAP_ROLLOUT=200 CAP_ATTENTION=200 CAP_FUSED_DPO=200
 else
   TRAIN_MODEL=(--arch=llama --size=tinyllama-1.1b --num_layers=8
                --vocab_size=32000 --dtype=bfloat16 --optimizer=adamw
@@ -153,8 +165,9 @@ else
           --prompt=64 --new=256 --eos_prob=0.05 --repeats=1)
   ROLLOUT=(--families=llama --size=small --vocab_size=32128 --prompts=32
            --group=8 --prompt=64 --new=256 --eos_prob=0.05 --repeats=3)
+  ATTENTION=()
   CAP_SFT=125 CAP_DPO=130 CAP_FUSED=70 CAP_SAMPLING=160 CAP_ONLINE=210
-  CAP_ROLLOUT=50
+  CAP_ROLLOUT=50 CAP_ATTENTION=90 CAP_FUSED_DPO=100
 fi
 
 SUMMARY="$OUT/summary.txt"
@@ -254,7 +267,7 @@ run() {
 # JAX takes 75% of the GPU's memory when it starts unless told otherwise;
 # TRL's process (and transformers, in bench_sampling's) needs its share.
 SHARED_GPU=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
-TRAIN_FIGURES='^(model:|compile:|step time:|FLOPs/step:|model FLOPs|peak (device memory|RSS)|kernels:|  by kind:|TRL \(|  step time:|ratio ours|TRL comparison skipped)'
+TRAIN_FIGURES='^(model:|compile:|step time:|FLOPs/step:|optimizer update|model FLOPs|peak (device memory|RSS)|kernels:|  by kind:|TRL \(|  step time:|ratio ours|TRL comparison skipped)'
 
 run sft "$CAP_SFT" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sft_step.py --algorithm=sft "${TRAIN_MODEL[@]}" "${SFT_BATCH[@]}"
@@ -262,6 +275,10 @@ run dpo "$CAP_DPO" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sft_step.py --algorithm=dpo "${TRAIN_MODEL[@]}" "${DPO_BATCH[@]}"
 run sft_fused "$CAP_FUSED" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sft_step.py --algorithm=sft "${TRAIN_MODEL[@]}" "${SFT_BATCH[@]}" "${FUSED[@]}"
+run dpo_fused "$CAP_FUSED_DPO" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
+  "$PYTHON" experiments/bench_sft_step.py --algorithm=dpo "${TRAIN_MODEL[@]}" "${DPO_BATCH[@]}" "${FUSED[@]}"
+run attention "$CAP_ATTENTION" '^(device:|rows|(right-padded|padded both|packed) )' -- \
+  "$PYTHON" experiments/bench_attention.py "${ATTENTION[@]}"
 run sampling "$CAP_SAMPLING" '^(device:|family|(t5|llama) +[0-9]|  kernels:|    by kind:)' "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sampling.py "${SAMPLING[@]}"
 run rollout "$CAP_ROLLOUT" '^(device:|(t5|llama) |  +responses:)' -- \

@@ -173,6 +173,71 @@ def test_cudnn_packed_layout_describes_the_segment_mask():
     np.testing.assert_array_equal(cudnn_mask[real], dense[b, 0][real])
 
 
+def _packed_layout_on_xla(query, key, value, segment_ids, *, max_runs,
+                          scale, window=None):
+  """What cuDNN's packed layout computes, in einsums: each position's run
+  from the offsets and lengths of `cudnn_segment_args`, causal attention
+  within a run (and the window); grouped key/value heads."""
+  seqlen, offsets = fused_attention.cudnn_segment_args(segment_ids, max_runs)
+  slots = jnp.arange(segment_ids.shape[-1])
+  inside = ((slots[None, None] >= offsets[:, :max_runs, None])
+            & (slots[None, None] < (offsets[:, :max_runs] + seqlen)[..., None])
+            & (seqlen[..., None] > 0))
+  run = jnp.where(inside.any(1), jnp.argmax(inside, axis=1), -1)
+  q, k = slots[:, None], slots[None, :]
+  allowed = (run[:, :, None] == run[:, None, :]) & (k <= q)
+  if window is not None:
+    allowed &= q - k < window
+  groups = query.shape[2] // key.shape[2]
+  logits = jnp.einsum("bqhd,bkhd->bhqk", query,
+                      jnp.repeat(key, groups, axis=2)) * scale
+  logits = jnp.where(allowed[:, None], logits, -jnp.inf)
+  return jnp.einsum("bhqk,bkhd->bqhd", jax.nn.softmax(logits, axis=-1),
+                    jnp.repeat(value, groups, axis=2))
+
+
+@pytest.mark.parametrize("window", [None, 3])
+def test_cudnn_unpacked_rows_are_three_runs_or_nan(monkeypatch, window):
+  """Unpacked rows under 'dot_product_cudnn' go through cuDNN's packed
+  layout (emulated here in einsums, since it runs on GPUs only) as
+  padding, real tokens, padding: right-padded, left-padded and two-side
+  padded rows give the real tokens' outputs and the gradients of the
+  einsum path; a row whose real tokens have a hole gets NaN, never another
+  attention."""
+  monkeypatch.setattr(fused_attention, "cudnn", _packed_layout_on_xla)
+  assert not fused_attention.packed_layout_available()  # a CPU
+  monkeypatch.setattr(fused_attention, "packed_layout_available",
+                      lambda: True)
+  query, key, value = _qkv()
+  real = np.zeros((2, LENGTH), np.int32)
+  real[0, :13] = 1  # right-padded
+  real[1, 4:17] = 1  # padded on both sides
+  for mask in (real, real[:, ::-1].copy()):
+    segments = layers.CausalSegments(jnp.asarray(mask))
+    keep = mask > 0
+
+    def loss(impl, q, k, v, segments=segments, keep=keep):
+      out = layers.attend(q, k, v, segments, impl=impl, scale=0.3,
+                          window=window)
+      return jnp.sum(jnp.where(keep[..., None, None], out, 0.0) ** 2), out
+
+    (gf, outf), (gx, outx) = (
+        jax.grad(functools.partial(loss, impl), argnums=(0, 1, 2),
+                 has_aux=True)(query, key, value)
+        for impl in ("dot_product_cudnn", "xla"))
+    np.testing.assert_allclose(np.asarray(outf)[keep], np.asarray(outx)[keep],
+                               atol=2e-6)
+    for a, b in zip(gf, gx):
+      np.testing.assert_allclose(a, b, atol=2e-5)
+  holes = real.copy()
+  holes[0, 6] = 0
+  out = layers.attend(query, key, value,
+                      layers.CausalSegments(jnp.asarray(holes)),
+                      impl="dot_product_cudnn", scale=0.3)
+  assert np.isnan(np.asarray(out[0])).all()
+  assert np.isfinite(np.asarray(out[1])).all()
+
+
 def test_t5_says_why_it_takes_no_fused_kernel():
   with pytest.raises(ValueError, match="relative-position bias"):
     t5.T5Config(attention_impl="splash")

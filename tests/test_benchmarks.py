@@ -80,12 +80,25 @@ def test_kernel_profile_busy_time_and_kinds():
       "doting_fusion": "other",
   }
   assert {name: bc._kernel_kind(name) for name in kinds} == kinds  # pylint: disable=protected-access
+  # A traced kernel named after an instruction of the compiled program: its
+  # result shape and the JAX operation of its metadata.
+  hlo = ('  %loop_select_fusion.2 = bf16[8,32,512,512]{3,2,1,0} fusion(%a, '
+         '%b), kind=kLoop, calls=%fc, metadata={op_name="jit(step)/attn/'
+         'select_n" stack_frame_id=3}\n'
+         '  ROOT %t = (f32[2]{0}, s32[]) tuple(%x, %y)\n')
+  origin = bc._hlo_origin  # pylint: disable=protected-access
+  assert origin(hlo, "loop_select_fusion.2") == (
+      "bf16[8,32,512,512]{3,2,1,0} <- jit(step)/attn/select_n")
+  assert origin(hlo, "t") == "(f32[2]{0}, s32[])"
+  assert origin(hlo, "loop_select_fusion") == ""
+  assert origin(hlo, "loop_select_fusion_2") == origin(
+      hlo, "loop_select_fusion.2")  # a GPU trace's name for it
 
 
 # --- experiments/gpu_benchmarks.sh ------------------------------------------------
 
-GPU_BENCHMARKS = ("sft", "dpo", "sft_fused", "sampling", "rollout",
-                  "online_step")
+GPU_BENCHMARKS = ("sft", "dpo", "sft_fused", "dpo_fused", "attention",
+                  "sampling", "rollout", "online_step")
 
 
 def _close(a, b, rel, absolute):
@@ -164,7 +177,8 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
   assert re.search(r"^total: \d+ s$", summary, re.M), summary
 
   # SFT: 2 x 8 target tokens per step; DPO: a chosen and a rejected each.
-  for name, target_tokens in (("sft", 16), ("dpo", 32), ("sft_fused", 16)):
+  for name, target_tokens in (("sft", 16), ("dpo", 32), ("sft_fused", 16),
+                              ("dpo_fused", 32)):
     m = re.search(r"step time: ([\d.]+) ms \| [\d.]+ steps/s \| ([\d,]+) "
                   r"target tokens/s", text[name])
     assert m, text[name]
@@ -172,16 +186,34 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
     assert _close(per_s, target_tokens / (_number(m[1]) / 1e3), 0.01, 1)
     assert re.search(r"^FLOPs/step: [\d.]+ GFLOP", text[name], re.M)
     assert m[0] in summary
+    # The optimizer update timed alone, and the step less it.
+    u = re.search(r"^optimizer update alone: ([\d.]+) ms \((\d+)% of the "
+                  r"step\); the step less it: (-?[\d.]+) ms", text[name], re.M)
+    assert u and u[0] in summary, text[name]
+    assert float(u[1]) > 0 and _close(float(u[1]) + float(u[3]),
+                                      _number(m[1]), 0, 0.011), u[0]
   # Their kernels, traced (bench_common.kernel_profile).
   for name, unit in (("sft", "step"), ("dpo", "step"),
-                     ("sft_fused", "step"), ("sampling", "decode step")):
+                     ("sft_fused", "step"), ("dpo_fused", "step"),
+                     ("sampling", "decode step")):
     m = re.search(rf"kernels: ([\d.,]+) per {unit} \((\d+) distinct\); "
                   rf"device busy ([\d.]+) ms of ([\d.]+) ms wall", text[name])
     assert m, text[name]
     assert float(m[3]) <= float(m[4]) and int(m[2]) >= 1, m[0]
     assert m[0] in summary
   assert "attention xla)" in text["sft"], text["sft"]
-  assert "attention dot_product)" in text["sft_fused"], text["sft_fused"]
+  # The top kernels' shapes and the JAX operations they came from.
+  assert re.search(r"^ {30}f32\[[\d,]+\]\S* <- .*(jit\(step\)|dot_general)",
+                   text["sft"], re.M), text["sft"]
+  for name in ("sft_fused", "dpo_fused"):
+    assert "attention dot_product)" in text[name], text[name]
+  # Attention's paths: each row kind's einsums, and on the CPU the dense
+  # mask's arguments through XLA, within the einsums' rounding.
+  checked = re.findall(r"^(right-padded|padded both sides|packed \(3 "
+                       r"examples\)) +(einsums|cuDNN, [^\d]+?) +([\d.]+) +"
+                       r"([\d.e+-]+)$", text["attention"], re.M)
+  assert len(checked) == 5 and "FAILED" not in text["attention"], text[
+      "attention"]
   rows = re.findall(r"^llama\s+(\d+)\s+([\d,]+)\s", text["sampling"], re.M)
   assert [int(b) for b, _ in rows] == [2, 4], text["sampling"]
   assert all(_number(rate) > 0 for _, rate in rows)

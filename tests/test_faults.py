@@ -569,6 +569,11 @@ def test_the_nonfinite_error_says_what_was_kept_and_what_to_change():
       tiny_config(optimizer__grad_clip_norm=0.0), 9, metrics, 8)
   assert "the last good checkpoint (step 8) is untouched" in later
   assert "resume from step 8" in later
+  assert "attention mask" not in later
+  # cuDNN's attention gives a row with padding between its real tokens NaN.
+  cudnn = loop._nonfinite_message(
+      tiny_config(model__attention_impl="dot_product_cudnn"), 9, metrics, 8)
+  assert "padding between real tokens" in cudnn and cudnn.endswith(".")
 
 
 @pytest.mark.parametrize("field,value", [

@@ -22,7 +22,14 @@ partition a Pallas call itself.
 attention in its packed layout: each row's runs of equal segment ids are
 sequences given by their offsets and lengths (`cudnn_segment_args`), with
 its causal mask and sliding window, so no [length, length] mask or bias is
-built either. That layout needs a Hopper (sm90) GPU or later.
+built either. That layout needs a Hopper (sm90) GPU or later. There,
+unpacked rows (the attention mask's one segment) use it too, as three
+runs: padding, the real tokens, padding (`cudnn_unpacked`); older GPUs get
+the dense mask. The dense mask would reach
+cuDNN as a [batch, 1, length, length] bias whose gradient it also
+computes, and choosing between the two per row with `lax.cond` costs a
+GPU a host synchronisation per layer (measured on an H100: the step as
+slow as with the bias).
 """
 
 import functools
@@ -245,3 +252,37 @@ def cudnn(query: Array, key: Array, value: Array, segment_ids: Array, *,
       mask_type=cudnn_attention.MaskType.PADDING_CAUSAL,
       sliding_window_length=None if window is None else int(window),
       qkv_layout="BTNH").astype(query.dtype)
+
+
+def packed_layout_available() -> bool:
+  """Whether this process's devices are GPUs that take cuDNN's packed
+  layout (compute capability 9.0, Hopper, or later)."""
+  capability = getattr(jax.devices()[0], "compute_capability", None)
+  try:
+    return float(capability) >= 9.0
+  except (TypeError, ValueError):
+    return False
+
+
+def cudnn_unpacked(query: Array, key: Array, value: Array,
+                   segment_ids: Array, *, scale: float,
+                   window: Optional[int] = None) -> Array:
+  """Causal attention over each row's real tokens (`segment_ids` the
+  attention mask, 1 = real) by cuDNN's packed layout, without a dense mask:
+  a row is at most three runs, padding, its real tokens, padding (right-
+  padded training rows, a left-padded prompt followed by its response), so
+  the real tokens attend as `CausalSegments` says and each run of padding
+  attends causally within itself (outputs nothing reads). A row whose real
+  tokens are not contiguous cannot be described so: its outputs are NaN
+  (the step's loss is then non-finite, and the loop stops the run without
+  applying it), never a silently different attention. Shapes as `splash`; `window` a Python int
+  or None."""
+  real = jnp.asarray(segment_ids) > 0
+  starts = real & ~jnp.pad(real, ((0, 0), (1, 0)))[:, :-1]
+  contiguous = jnp.sum(starts, axis=-1) <= 1
+  # A per-row factor on the query, which XLA fuses into the rotary
+  # embedding before it.
+  poison = jnp.where(contiguous, 1.0, jnp.nan).astype(query.dtype)
+  return cudnn(query * poison[:, None, None, None], key, value,
+               real.astype(jnp.int32), max_runs=3, scale=scale,
+               window=window)

@@ -405,7 +405,9 @@ def attend(query: Array, key: Array, value: Array, mask, *,
     impl: 'xla' (einsums, softmax in float32), 'dot_product'
       (`jax.nn.dot_product_attention`, letting JAX pick the kernel),
       'dot_product_cudnn' (its cuDNN fused kernel; GPU only; with packing's
-      segment ids cuDNN's packed layout, `fused_attention.cudnn`), or
+      segment ids cuDNN's packed layout, `fused_attention.cudnn`, and on
+      sm90+ for unpacked rows too, whose real tokens must then be
+      contiguous: `fused_attention.cudnn_unpacked`), or
       'splash' (Pallas splash attention, TPU; interpreted elsewhere;
       `fused_attention.splash`). The fused kernels read `CausalSegments`
       without building the [length, length] mask; given a dense mask (a
@@ -438,6 +440,12 @@ def attend(query: Array, key: Array, value: Array, mask, *,
       return fused_attention.cudnn(query, key, value, mask.segment_ids,
                                    max_runs=mask.max_runs, scale=scale,
                                    window=window)
+    if (impl == "dot_product_cudnn" and mask.cache_length is None
+        and (window is None or isinstance(window, (int, np.integer)))
+        and fused_attention.packed_layout_available()):
+      return fused_attention.cudnn_unpacked(query, key, value,
+                                            mask.segment_ids, scale=scale,
+                                            window=window)
     mask = mask.dense(window)
   elif window is not None:
     raise ValueError("attend: a window narrows CausalSegments only; narrow a "

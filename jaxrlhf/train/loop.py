@@ -420,6 +420,12 @@ def _nonfinite_message(config, step: int, metrics, last_saved) -> str:
   else:
     advice = (f"Lower optimizer.learning_rate and {again}, or set "
               "optimizer.grad_clip_norm in a fresh --workdir")
+  if config.model.get("attention_impl") == "dot_product_cudnn":
+    advice += (". With model.attention_impl='dot_product_cudnn' on a "
+               "Hopper GPU or later, a row whose attention mask has padding "
+               "between real tokens also gives NaN "
+               "(`fused_attention.cudnn_unpacked`): pad rows on the left or "
+               "right only, or use attention_impl='dot_product'")
   return (f"Step {step} produced a non-finite loss or gradient "
           f"(loss={metrics['loss']}, grad_norm={metrics['grad_norm']}). The "
           f"run stopped without saving; {kept}. {advice}.")
