@@ -41,6 +41,7 @@ import numpy as np
 sys.path.insert(0, os.path.dirname(__file__))
 from conftest import FIXTURES, from_scratch, tiny_config, trainer_of  # noqa: E402
 from jaxrlhf import algorithms  # noqa: E402
+from jaxrlhf import flops  # noqa: E402
 from jaxrlhf import plan as plan_lib  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
 from jaxrlhf.algorithms import online_step  # noqa: E402
@@ -350,8 +351,9 @@ def _bytes_on(tree, device) -> int:
 
 def plans(workdir):
   """DRO-V on 4x2 (the trajectories `offline` wrote): the plan, and what a
-  real state and batch take on device 0; plans with 4 micro-batches and
-  with scanned layers."""
+  real state and batch take on device 0; the plan with 4 micro-batches, and
+  the FLOPs the plan counts (`flops.function_flops`, no compile needed) of
+  the step with scanned layers."""
   def config(**overrides):
     c = tiny_config(algorithm="dro_v", data__task="sharded_dro_v",
                     mesh__shape=(4, 2), train__batch_size=16,
@@ -362,10 +364,16 @@ def plans(workdir):
 
   results = {}
   for name, overrides in (("whole", {}),
-                          ("microbatches", {"train__num_microbatches": 4}),
-                          ("scanned", {"model__scan_layers": True})):
+                          ("microbatches", {"train__num_microbatches": 4})):
     results[name] = plan_lib.make_plan(config(**overrides), jax.devices(),
                                        topology="cpu:8")
+  scanned = config(model__scan_layers=True)
+  with sharding.activate(scanned) as mesh:
+    trainer = algorithms.build(scanned, mesh, shapes_only=True)
+    state = state_lib.abstract_with_shardings(trainer.abstract_state,
+                                              trainer.state_shardings)
+    results["scanned_flops_per_chip"] = flops.function_flops(
+        trainer.train_step, state, trainer.batch_spec()) / jax.device_count()
   base = config()
   with sharding.activate(base) as mesh:
     trainer = algorithms.build(base, mesh)

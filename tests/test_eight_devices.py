@@ -145,11 +145,13 @@ def test_micro_batches_lower_the_planned_memory_not_the_flops(result):
 
 
 def test_scanned_layers_plan_the_same_flops(result):
-  whole, scanned = result["plan"]["whole"], result["plan"]["scanned"]
-  assert scanned["model"]["scan_layers"] and not whole["model"]["scan_layers"]
-  assert scanned["flops_per_chip_per_step"] == pytest.approx(
+  """The plan's FLOP count (the jaxpr's matmuls, loops by trip count) of
+  the step with scanned layers equals the unrolled step's."""
+  whole = result["plan"]["whole"]
+  assert not whole["model"]["scan_layers"]
+  assert result["plan"]["scanned_flops_per_chip"] == pytest.approx(
       whole["flops_per_chip_per_step"], rel=1e-9)
-  assert whole["tokens_per_step"] == scanned["tokens_per_step"] > 0
+  assert whole["flops_per_chip_per_step"] > 0
 
 
 def test_rollouts_on_sampler_devices_overlapped_with_the_update(result):
