@@ -37,11 +37,11 @@
 #                    run the default, XLA's einsums);
 #   dpo_fused.txt    the same for DPO;
 #   attention.txt    experiments/bench_attention.py: causal attention's
-#                    paths (the einsums, cuDNN with the dense mask, cuDNN by
-#                    row lengths, cuDNN's packed layout) checked against the
-#                    einsums in float32 (outputs and gradients) and timed,
-#                    on right-padded, two-side-padded and packed rows of
-#                    the train steps' attention shape;
+#                    paths (the einsums, cuDNN with the dense mask, cuDNN's
+#                    packed layout, which 'dot_product_cudnn' runs) checked
+#                    against the einsums in float32 (outputs and gradients)
+#                    and timed, on right-padded, two-side-padded and packed
+#                    rows of the train steps' attention shape;
 #   sampling.txt     experiments/bench_sampling.py: greedy decoding tokens/s
 #                    of a Llama 3.2 1B-shaped model in bf16 at batch 64 and
 #                    128 (prompt 64, 128 new tokens), its share of the HBM
