@@ -25,11 +25,10 @@ its causal mask and sliding window, so no [length, length] mask or bias is
 built either. That layout needs a Hopper (sm90) GPU or later. There,
 unpacked rows (the attention mask's one segment) use it too, as three
 runs: padding, the real tokens, padding (`cudnn_unpacked`); older GPUs get
-the dense mask. The dense mask would reach
-cuDNN as a [batch, 1, length, length] bias whose gradient it also
-computes, and choosing between the two per row with `lax.cond` costs a
-GPU a host synchronisation per layer (measured on an H100: the step as
-slow as with the bias).
+the dense mask, which reaches cuDNN as a [batch, 1, length, length] bias
+whose gradient it also computes. (Choosing between the two per row with
+`lax.cond` costs a GPU a host synchronisation per layer: measured on an
+H100, the step was as slow as with the bias.)
 """
 
 import functools
@@ -275,13 +274,13 @@ def cudnn_unpacked(query: Array, key: Array, value: Array,
   attends causally within itself (outputs nothing reads). A row whose real
   tokens are not contiguous cannot be described so: its outputs are NaN
   (the step's loss is then non-finite, and the loop stops the run without
-  applying it), never a silently different attention. Shapes as `splash`; `window` a Python int
-  or None."""
+  applying it), never a silently different attention. Shapes as `splash`;
+  `window` a Python int or None."""
   real = jnp.asarray(segment_ids) > 0
   starts = real & ~jnp.pad(real, ((0, 0), (1, 0)))[:, :-1]
   contiguous = jnp.sum(starts, axis=-1) <= 1
-  # A per-row factor on the query, which XLA fuses into the rotary
-  # embedding before it.
+  # A per-row factor on the query: elementwise, so XLA can fuse it with
+  # the rotary embedding that produces the query.
   poison = jnp.where(contiguous, 1.0, jnp.nan).astype(query.dtype)
   return cudnn(query * poison[:, None, None, None], key, value,
                real.astype(jnp.int32), max_runs=3, scale=scale,
