@@ -211,6 +211,34 @@ def _hlo_origin(hlo: str, name: str) -> str:
   return f"{found.group(1)}" + (f" <- {origin}" if origin else "")
 
 
+def _trace(run, calls: int):
+  """(the device's kernels as `_traced_ops` lists them, wall seconds) of
+  `calls` calls of `run(calls)`, traced with jax.profiler."""
+  import glob  # pylint: disable=g-import-not-at-top
+  import tempfile  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  logdir = tempfile.mkdtemp(prefix="bench_profile_")
+  with jax.profiler.trace(logdir):
+    start = time.perf_counter()
+    run(calls)
+    wall = time.perf_counter() - start
+  paths = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
+  return (_traced_ops(paths[0]) if paths else []), wall
+
+
+def device_busy_seconds(run, calls: int) -> Optional[float]:
+  """Seconds per call that the device ran kernels (the union of their
+  intervals, `_busy`) over `calls` traced calls of `run(calls)`: a
+  kernel's cost without the host's dispatch and the gaps between launches,
+  which dominate the wall time of short calls. None where the profiler is
+  missing or traced nothing."""
+  try:
+    ops, _ = _trace(run, calls)
+  except Exception:  # pylint: disable=broad-except
+    return None
+  return _busy(ops) / 1e9 / calls if ops else None
+
+
 def kernel_profile(run, calls: int, unit: str, units_per_call: int = 1,
                    top: int = 8, hlo: Optional[str] = None):
   """Lines describing the kernels of `calls` calls of `run(calls)` (which
@@ -223,17 +251,8 @@ def kernel_profile(run, calls: int, unit: str, units_per_call: int = 1,
   `hlo`, the compiled program's text, each top kernel that is one of its
   instructions is followed by its result shape and the JAX operation it
   came from."""
-  import glob  # pylint: disable=g-import-not-at-top
-  import tempfile  # pylint: disable=g-import-not-at-top
-  import jax  # pylint: disable=g-import-not-at-top
-  logdir = tempfile.mkdtemp(prefix="bench_profile_")
   try:
-    with jax.profiler.trace(logdir):
-      start = time.perf_counter()
-      run(calls)
-      wall = time.perf_counter() - start
-    paths = glob.glob(f"{logdir}/**/*.xplane.pb", recursive=True)
-    ops = _traced_ops(paths[0]) if paths else []
+    ops, wall = _trace(run, calls)
   except Exception as e:  # pylint: disable=broad-except
     # The figures measured before stay; the profiler (CUPTI on a GPU) may
     # be missing or refused.

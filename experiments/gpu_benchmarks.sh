@@ -1,9 +1,11 @@
 #!/usr/bin/env bash
-# The benchmarks a machine with one GPU runs, as one command, in about 12
+# The benchmarks a machine with one GPU runs, as one command, in about 15
 # minutes (issue 24, item 6; on an H100: SFT 88 s, DPO 89 s, SFT with
-# cuDNN's attention 49 s, DPO with it 75 s, the attention paths about 70
-# s, sampling 104 s, rollout 30 s, the online step 187 s; two calls with
-# --only where TensorFlow must be installed between):
+# cuDNN's attention 56 s, DPO with it 80 s, both at 4x the rows 60 and 79
+# s, the attention paths about 70 s, the decode step's products about 45
+# s, sampling 104 s, rollout 30 s, the online step 187 s; more than one
+# lent session's device time: split it over calls with --only, TensorFlow
+# installed between):
 #
 #   experiments/gpu_benchmarks.sh                 # on the GPU
 #   experiments/gpu_benchmarks.sh --out DIR       # the files elsewhere
@@ -33,15 +35,26 @@
 #   dpo.txt          the same for DPO (batch 4 pairs: 8 sequences, and the
 #                    reference's forward pass in the step);
 #   sft_fused.txt    our SFT step alone with cuDNN's flash attention
-#                    (model.attention_impl='dot_product_cudnn'; the others
-#                    run the default, XLA's einsums);
+#                    (model.attention_impl='dot_product_cudnn', which
+#                    'auto' picks on an H100; sft and dpo run XLA's
+#                    einsums, 'xla');
 #   dpo_fused.txt    the same for DPO;
+#   sft_fused_x4.txt, dpo_fused_x4.txt
+#                    the same at 4x the rows (16,384 tokens an update, a
+#                    smaller one than most runs use): the optimizer update,
+#                    whose cost does not grow with the batch, takes a 4x
+#                    smaller share of the step;
 #   attention.txt    experiments/bench_attention.py: causal attention's
 #                    paths (the einsums, cuDNN with the dense mask, cuDNN's
 #                    packed layout, which 'dot_product_cudnn' runs) checked
 #                    against the einsums in float32 (outputs and gradients)
 #                    and timed, on right-padded, two-side-padded and packed
 #                    rows of the train steps' attention shape;
+#   decode_matmul.txt
+#                    experiments/bench_decode_matmul.py: the matrix
+#                    products of a decode step alone at batch 64 and 128
+#                    (a layer's seven, the same fused into four, the output
+#                    layer) against the HBM bandwidth;
 #   sampling.txt     experiments/bench_sampling.py: greedy decoding tokens/s
 #                    of a Llama 3.2 1B-shaped model in bf16 at batch 64 and
 #                    128 (prompt 64, 128 new tokens), its share of the HBM
@@ -59,7 +72,7 @@
 #                    tokens.
 #
 # Each benchmark runs under `timeout` (its own cap, cut to what is left of
-# the whole budget, --budget seconds: 720 on the GPU), and a failure, a
+# the whole budget, --budget seconds: 900 on the GPU), and a failure, a
 # timeout or a skip is recorded in summary.txt and the next one runs. The
 # exit status is 0 when every benchmark succeeded, else 1.
 #
@@ -104,7 +117,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-BENCHMARKS="sft dpo sft_fused dpo_fused attention sampling rollout online_step"
+BENCHMARKS="sft dpo sft_fused dpo_fused sft_fused_x4 dpo_fused_x4 attention decode_matmul sampling rollout online_step"
 for name in ${ONLY//,/ }; do
   case " $BENCHMARKS " in
     *" $name "*) ;;
@@ -119,7 +132,7 @@ if [ "$SMOKE" = 1 ]; then
   export JAX_PLATFORMS=cpu
 else
   OUT="${OUT:-$REPO/experiments/results/gpu}"
-  BUDGET_S="${BUDGET_S:-720}"
+  BUDGET_S="${BUDGET_S:-900}"
 fi
 mkdir -p "$OUT" || exit 2
 OUT="$(cd "$OUT" && pwd)"
@@ -135,6 +148,8 @@ if [ "$SMOKE" = 1 ]; then
                --warmup=1 --profile=2)
   SFT_BATCH=(--batch_size=2)
   DPO_BATCH=(--batch_size=2)
+  SFT_BATCH_X4=(--batch_size=8)
+  DPO_BATCH_X4=(--batch_size=8)
   # cuDNN is the GPU's; the smoke test runs the same path through
   # jax.nn.dot_product_attention's XLA implementation.
   FUSED=(--attention_impl=dot_product --no_trl)
@@ -149,8 +164,10 @@ if [ "$SMOKE" = 1 ]; then
     SAMPLING+=(--no_transformers)
   fi
   ATTENTION=(--smoke)
+  DECODE_MATMUL=(--smoke --profile)
   CAP_SFT=300 CAP_DPO=300 CAP_FUSED=200 CAP_SAMPLING=200 CAP_ONLINE=300
-  CAP_ROLLOUT=200 CAP_ATTENTION=200 CAP_FUSED_DPO=200
+  CAP_ROLLOUT=200 CAP_ATTENTION=200 CAP_FUSED_DPO=200 CAP_FUSED_X4=200
+  CAP_FUSED_DPO_X4=200 CAP_DECODE_MATMUL=100
 else
   TRAIN_MODEL=(--arch=llama --size=tinyllama-1.1b --num_layers=8
                --vocab_size=32000 --dtype=bfloat16 --optimizer=adamw
@@ -158,6 +175,8 @@ else
                --warmup=2 --profile=3)
   SFT_BATCH=(--batch_size=8)
   DPO_BATCH=(--batch_size=4)
+  SFT_BATCH_X4=(--batch_size=32)
+  DPO_BATCH_X4=(--batch_size=16)
   FUSED=(--attention_impl=dot_product_cudnn --no_trl)
   SAMPLING=(--size=large --families=llama --batches=64,128 --prompt=64
             --new=128 --dtype=bfloat16 --repeats=2 --profile)
@@ -166,8 +185,10 @@ else
   ROLLOUT=(--families=llama --size=small --vocab_size=32128 --prompts=32
            --group=8 --prompt=64 --new=256 --eos_prob=0.05 --repeats=3)
   ATTENTION=()
+  DECODE_MATMUL=(--profile)
   CAP_SFT=125 CAP_DPO=130 CAP_FUSED=70 CAP_SAMPLING=160 CAP_ONLINE=210
-  CAP_ROLLOUT=50 CAP_ATTENTION=90 CAP_FUSED_DPO=100
+  CAP_ROLLOUT=50 CAP_ATTENTION=90 CAP_FUSED_DPO=100 CAP_FUSED_X4=90
+  CAP_FUSED_DPO_X4=120 CAP_DECODE_MATMUL=90
 fi
 
 SUMMARY="$OUT/summary.txt"
@@ -269,16 +290,25 @@ run() {
 SHARED_GPU=(XLA_PYTHON_CLIENT_PREALLOCATE=false)
 TRAIN_FIGURES='^(model:|compile:|step time:|FLOPs/step:|optimizer update|model FLOPs|peak (device memory|RSS)|kernels:|  by kind:|TRL \(|  step time:|ratio ours|TRL comparison skipped)'
 
+# The steps beside TRL's run XLA's einsums (their committed figures did;
+# 'auto' picks cuDNN's kernel on an H100 now: the _fused runs measure it).
+EINSUMS=(--attention_impl=xla)
 run sft "$CAP_SFT" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
-  "$PYTHON" experiments/bench_sft_step.py --algorithm=sft "${TRAIN_MODEL[@]}" "${SFT_BATCH[@]}"
+  "$PYTHON" experiments/bench_sft_step.py --algorithm=sft "${TRAIN_MODEL[@]}" "${SFT_BATCH[@]}" "${EINSUMS[@]}"
 run dpo "$CAP_DPO" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
-  "$PYTHON" experiments/bench_sft_step.py --algorithm=dpo "${TRAIN_MODEL[@]}" "${DPO_BATCH[@]}"
+  "$PYTHON" experiments/bench_sft_step.py --algorithm=dpo "${TRAIN_MODEL[@]}" "${DPO_BATCH[@]}" "${EINSUMS[@]}"
 run sft_fused "$CAP_FUSED" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sft_step.py --algorithm=sft "${TRAIN_MODEL[@]}" "${SFT_BATCH[@]}" "${FUSED[@]}"
 run dpo_fused "$CAP_FUSED_DPO" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sft_step.py --algorithm=dpo "${TRAIN_MODEL[@]}" "${DPO_BATCH[@]}" "${FUSED[@]}"
+run sft_fused_x4 "$CAP_FUSED_X4" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
+  "$PYTHON" experiments/bench_sft_step.py --algorithm=sft "${TRAIN_MODEL[@]}" "${SFT_BATCH_X4[@]}" "${FUSED[@]}"
+run dpo_fused_x4 "$CAP_FUSED_DPO_X4" "$TRAIN_FIGURES" "${SHARED_GPU[@]}" -- \
+  "$PYTHON" experiments/bench_sft_step.py --algorithm=dpo "${TRAIN_MODEL[@]}" "${DPO_BATCH_X4[@]}" "${FUSED[@]}"
 run attention "$CAP_ATTENTION" '^(device:|rows|(right-padded|padded both|packed) )' -- \
   "$PYTHON" experiments/bench_attention.py "${ATTENTION[@]}"
+run decode_matmul "$CAP_DECODE_MATMUL" '^(device:|batch|(  *64|  *128|  *[0-9]) +(separate|fused|lm_head) )' -- \
+  "$PYTHON" experiments/bench_decode_matmul.py "${DECODE_MATMUL[@]}"
 run sampling "$CAP_SAMPLING" '^(device:|family|(t5|llama) +[0-9]|  kernels:|    by kind:)' "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sampling.py "${SAMPLING[@]}"
 run rollout "$CAP_ROLLOUT" '^(device:|(t5|llama) |  +responses:)' -- \

@@ -248,6 +248,7 @@ def test_t5_says_why_it_takes_no_fused_kernel():
     # (interpreted, it would be slow; cuDNN is chosen by hand).
     ("llama", "tpu", "splash"), ("qwen3", "tpu", "splash"),
     ("gemma", "tpu", "splash"), ("llama", "cpu", "xla"),
+    # Not on a GPU without cuDNN's packed layout (these CPU devices).
     ("llama", "gpu", "xla"),
     # No fused kernel takes T5's bias; t5x's decoder-only model has 'xla'.
     ("t5", "tpu", "xla"), ("t5x_decoder_only", "tpu", "xla")])
@@ -265,6 +266,34 @@ def test_auto_attention_is_the_fused_kernel_where_the_family_has_it(
   # The run's config keeps 'auto': a checkpoint moved to other hardware
   # picks that hardware's kernel.
   assert model_cfg.attention_impl == "auto"
+
+
+@pytest.mark.parametrize("arch,fields,hopper,want", [
+    ("llama", {"dtype": "bfloat16"}, True, "dot_product_cudnn"),
+    ("qwen3", {"dtype": "float16"}, True, "dot_product_cudnn"),
+    # A GPU older than Hopper would need the dense [B, 1, L, L] mask.
+    ("llama", {"dtype": "bfloat16"}, False, "xla"),
+    # cuDNN's flash attention: half precision only, head sizes that are
+    # multiples of 8 up to 256, no soft cap (Gemma 2's tiny preset has one).
+    ("llama", {"dtype": "float32"}, True, "xla"),
+    ("llama", {"dtype": "bfloat16", "head_dim": 12}, True, "xla"),
+    ("llama", {"dtype": "bfloat16", "head_dim": 264}, True, "xla"),
+    ("llama", {"dtype": "bfloat16", "head_dim": 256}, True,
+     "dot_product_cudnn"),
+    ("gemma", {"dtype": "bfloat16"}, True, "xla"),
+    ("t5", {"dtype": "bfloat16"}, True, "xla")])
+def test_auto_attention_on_a_gpu_is_cudnn_where_cudnn_takes_the_model(
+    monkeypatch, arch, fields, hopper, want):
+  monkeypatch.setattr(fused_attention, "packed_layout_available",
+                      lambda: hopper)
+  model_cfg = ml_collections.ConfigDict(defaults.base_config().model)
+  model_cfg.arch, model_cfg.size = arch, "small" if arch == "t5" else "tiny"
+  model_cfg.update(fields)
+  _, config = models.build_model(model_cfg, 256, "gpu")
+  assert getattr(config, "attention_impl", "xla") == want
+  # The dimensions the choice read are the model's own.
+  if "head_dim" in fields:
+    assert config.head_dim == fields["head_dim"]
 
 
 def test_a_plan_counts_the_kernels_matmuls_as_the_dense_attentions():

@@ -97,8 +97,9 @@ def test_kernel_profile_busy_time_and_kinds():
 
 # --- experiments/gpu_benchmarks.sh ------------------------------------------------
 
-GPU_BENCHMARKS = ("sft", "dpo", "sft_fused", "dpo_fused", "attention",
-                  "sampling", "rollout", "online_step")
+GPU_BENCHMARKS = ("sft", "dpo", "sft_fused", "dpo_fused", "sft_fused_x4",
+                  "dpo_fused_x4", "attention", "decode_matmul", "sampling",
+                  "rollout", "online_step")
 
 
 def _close(a, b, rel, absolute):
@@ -178,7 +179,8 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
 
   # SFT: 2 x 8 target tokens per step; DPO: a chosen and a rejected each.
   for name, target_tokens in (("sft", 16), ("dpo", 32), ("sft_fused", 16),
-                              ("dpo_fused", 32)):
+                              ("dpo_fused", 32), ("sft_fused_x4", 64),
+                              ("dpo_fused_x4", 128)):
     m = re.search(r"step time: ([\d.]+) ms \| [\d.]+ steps/s \| ([\d,]+) "
                   r"target tokens/s", text[name])
     assert m, text[name]
@@ -195,6 +197,7 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
   # Their kernels, traced (bench_common.kernel_profile).
   for name, unit in (("sft", "step"), ("dpo", "step"),
                      ("sft_fused", "step"), ("dpo_fused", "step"),
+                     ("sft_fused_x4", "step"), ("dpo_fused_x4", "step"),
                      ("sampling", "decode step")):
     m = re.search(rf"kernels: ([\d.,]+) per {unit} \((\d+) distinct\); "
                   rf"device busy ([\d.]+) ms of ([\d.]+) ms wall", text[name])
@@ -205,8 +208,9 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
   # The top kernels' shapes and the JAX operations they came from.
   assert re.search(r"^ {30}f32\[[\d,]+\]\S* <- .*(jit\(step\)|dot_general)",
                    text["sft"], re.M), text["sft"]
-  for name in ("sft_fused", "dpo_fused"):
+  for name in ("sft_fused", "dpo_fused", "sft_fused_x4", "dpo_fused_x4"):
     assert "attention dot_product)" in text[name], text[name]
+  assert "attention xla)" in text["dpo"], text["dpo"]
   # Attention's paths: each row kind's einsums, and on the CPU the dense
   # mask's arguments through XLA, within the einsums' rounding.
   checked = re.findall(r"^(right-padded|padded both sides|packed \(3 "
@@ -214,6 +218,19 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
                        r"([\d.e+-]+)$", text["attention"], re.M)
   assert len(checked) == 5 and "FAILED" not in text["attention"], text[
       "attention"]
+  # The decode step's products: each path at each batch, checked against
+  # float32 matmuls, timed, with its kernels.
+  products = re.findall(r"^ +(\d+) (separate|fused|lm_head) +(\d) +([\d.]+) +"
+                        r"(\d+) +- +([\d.]+) +([\d.e+-]+)$",
+                        text["decode_matmul"], re.M)
+  assert [(b, p, n) for b, p, n, *_ in products] == [
+      (b, p, n) for b in ("2", "4") for p, n in (
+          ("separate", "7"), ("fused", "4"), ("lm_head", "1"))], (
+              text["decode_matmul"])
+  assert all(float(us) > 0 and float(wall) > 0 and float(error) < 2e-2
+             for *_, us, _, wall, error in products), text["decode_matmul"]
+  assert len(re.findall(r"kernels: [\d.]+ per layer", text["decode_matmul"])
+             ) == 6, text["decode_matmul"]
   rows = re.findall(r"^llama\s+(\d+)\s+([\d,]+)\s", text["sampling"], re.M)
   assert [int(b) for b, _ in rows] == [2, 4], text["sampling"]
   assert all(_number(rate) > 0 for _, rate in rows)

@@ -18,9 +18,11 @@ from typing import Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
+import jax.numpy as jnp
 import ml_collections
 
 from jaxrlhf.models import family
+from jaxrlhf.models import fused_attention
 from jaxrlhf.models import layers
 from jaxrlhf.models import t5
 
@@ -151,16 +153,37 @@ def prompt_feature_length(model_cfg: ml_collections.ConfigDict,
                           else 1)
 
 
-def attention_for(arch: str, platform: str) -> str:
+def attention_for(arch: str, platform: str, config=None) -> str:
   """The kernel `attention_impl='auto'` runs for family `arch` on
-  `platform` (a JAX platform name): Pallas splash attention on TPU where
-  the family takes it (it never builds the [length, length] scores), else
-  'xla'. cuDNN's flash attention stays a choice to make
-  ('dot_product_cudnn'): whether it runs depends on the GPU, the dtype and
-  the head size, which cuDNN only checks when the step is compiled."""
-  if platform == "tpu" and "splash" in get_family(arch).attention_impls:
+  `platform` (a JAX platform name), given the family's resolved `config`
+  (its dataclass): Pallas splash attention on TPU where the family takes it
+  (it never builds the [length, length] scores); cuDNN's flash attention on
+  a GPU of compute capability 9.0 or later (Hopper) where the family takes
+  it and cuDNN's conditions hold (`cudnn_takes`); else 'xla'."""
+  impls = get_family(arch).attention_impls
+  if platform == "tpu" and "splash" in impls:
     return "splash"
+  if (platform == "gpu" and "dot_product_cudnn" in impls
+      and config is not None and cudnn_takes(config)):
+    return "dot_product_cudnn"
   return "xla"
+
+
+def cudnn_takes(config) -> bool:
+  """Whether cuDNN's flash attention runs the model of `config` (a decoder-
+  only family's dataclass) on this process's GPUs, as `attention_impl=
+  'auto'` needs to know before the step compiles (cuDNN itself checks only
+  then, and fails the compile): half-precision compute, a head size that is
+  a multiple of 8 and at most 256, no soft cap of the attention logits
+  (cuDNN takes none), and a GPU that takes cuDNN's packed layout (compute
+  capability 9.0+: the trainers' unpacked rows use it, so no [batch, 1,
+  length, length] mask is built; `fused_attention.cudnn_unpacked`)."""
+  head_dim = getattr(config, "head_dim", None)
+  return (jnp.dtype(getattr(config, "dtype", "float32")) in (
+              jnp.dtype(jnp.bfloat16), jnp.dtype(jnp.float16))
+          and head_dim is not None and head_dim % 8 == 0 and head_dim <= 256
+          and getattr(config, "attn_logit_softcap", None) is None
+          and fused_attention.packed_layout_available())
 
 
 def build_model(model_cfg: ml_collections.ConfigDict, task_vocab_size: int,
@@ -181,9 +204,13 @@ def build_model(model_cfg: ml_collections.ConfigDict, task_vocab_size: int,
     raise ValueError(f"config.model.vocab_size {vocab_size} is smaller than the "
                      f"task vocabulary ({task_vocab_size}).")
   if model_cfg.get("attention_impl") == AUTO_ATTENTION:
+    # The kernel depends on the resolved dimensions and dtype: read them
+    # off the config with the kernel every family takes, then choose.
     model_cfg = model_cfg.copy_and_resolve_references()
+    model_cfg.attention_impl = "xla"
     model_cfg.attention_impl = attention_for(
-        model_cfg.arch, platform or jax.default_backend())
+        model_cfg.arch, platform or jax.default_backend(),
+        chosen.from_run_config(model_cfg, vocab_size))
   config = chosen.from_run_config(model_cfg, vocab_size)
   return chosen.module(config), config
 
