@@ -14,9 +14,10 @@ weights are all distinct, so that they stream from memory as in decoding
 whole), in one jit-compiled call:
 
   separate  q, k, v from one input, o, gate and up from one input, down:
-            the seven products of our layers (`layers.MultiHeadAttention`,
-            the gated MLP), which XLA may merge where they share an input
-            (its dot merger concatenates their weights at run time);
+            the seven products of our layers (`layers.Attention`, the
+            gated `layers.Mlp`), bf16 in and out as they compute them,
+            which XLA may merge where they share an input (its dot
+            merger);
   fused     qkv, o, gate_up, down: four products on weights concatenated
             beforehand, as a sampler could hold them for a rollout;
   lm_head   the 128,256-token output layer alone.
@@ -112,10 +113,15 @@ def inputs(args, batch, rng):
                down=x(args.mlp)) for _ in range(args.layers)]
 
 
+def _dot(a, b):
+  """a [rows, K] . b [K, N] in the inputs' dtype, as `layers.DenseGeneral`
+  computes (bf16 in, bf16 out, float32 sums inside the kernel)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  return jax.lax.dot_general(a, b, (((1,), (0,)), ((), ())))
+
+
 def separate_products(xs, ws):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32
-                             ).astype(jnp.bfloat16)
+  dot = _dot
   out = []
   for x, w in zip(xs, ws):
     out.append((dot(x["attn"], w["q"]), dot(x["attn"], w["k"]),
@@ -126,17 +132,14 @@ def separate_products(xs, ws):
 
 
 def fused_products(xs, ws):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  dot = lambda a, b: jnp.dot(a, b, preferred_element_type=jnp.float32
-                             ).astype(jnp.bfloat16)
+  dot = _dot
   return [(dot(x["attn"], w["qkv"]), dot(x["o"], w["o"]),
            dot(x["mlp"], w["gate_up"]), dot(x["down"], w["down"]))
           for x, w in zip(xs, ws)]
 
 
 def lm_head_product(x, w):
-  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
-  return jnp.dot(x, w, preferred_element_type=jnp.float32)
+  return _dot(x, w)
 
 
 def _nbytes(tree):

@@ -79,6 +79,8 @@ def test_two_processes_train_in_lock_step_checkpoint_and_restore(reference):
   assert first[0]["gold_reward"] is not None
   assert first[0]["gold_reward"] == first[1]["gold_reward"]
   assert "Resumed from checkpoint at step 6" in stdout0
+  # Gloo's connection line, printed from C++ on stdout, is kept off it.
+  assert "[Gloo]" not in stdout0, stdout0
   assert all(r["step"] == 10 and r["position"] == 10 for r in second)
   assert second[0]["checksum"] == second[1]["checksum"]
   assert second[0]["checksum"] != first[0]["checksum"]

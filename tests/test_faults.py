@@ -574,6 +574,13 @@ def test_the_nonfinite_error_says_what_was_kept_and_what_to_change():
   cudnn = loop._nonfinite_message(
       tiny_config(model__attention_impl="dot_product_cudnn"), 9, metrics, 8)
   assert "padding between real tokens" in cudnn and cudnn.endswith(".")
+  # 'auto' says so where it resolved to cuDNN's kernel (a Hopper GPU), not
+  # elsewhere.
+  auto = tiny_config(model__attention_impl="auto")
+  assert "padding between real tokens" in loop._nonfinite_message(
+      auto, 9, metrics, 8, "dot_product_cudnn")
+  assert "attention mask" not in loop._nonfinite_message(
+      auto, 9, metrics, 8, "xla")
 
 
 @pytest.mark.parametrize("field,value", [

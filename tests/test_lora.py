@@ -8,6 +8,7 @@ workdir (its policy merged), and the exports go to transformers and peft.
 """
 
 import dataclasses
+import functools
 import json
 import math
 import os
@@ -334,7 +335,11 @@ def test_dpo_from_the_sft_lora_run_trains_only_adapters_on_one_base(
     trainer = algorithms.build(config, mesh)
     state = trainer.init_state()
     assert set(state.frozen) == {"base"}
-    jax.tree.map(np.testing.assert_array_equal,
+    # The trainer folds the adapters in on the devices (jit), from_pretrained
+    # on the host (numpy): W + A . B summed in another order may differ in
+    # float32's last bit (seen on some CPUs), not more.
+    jax.tree.map(functools.partial(np.testing.assert_allclose, rtol=1e-6,
+                                   atol=1e-7),
                  jax.device_get(state.frozen["base"]), merged)
     view = trainer.view(state)
     assert view.frozen["reference"] is state.frozen["base"]

@@ -294,8 +294,10 @@ class _Run:
     config, trainer = self.config, self.trainer
     total = config.train.num_steps
     progress = metrics_lib.Progress(total)
-    pending = _PendingMetrics(config, self.logger, progress,
-                              self.checkpointer)
+    pending = _PendingMetrics(
+        config, self.logger, progress, self.checkpointer,
+        getattr(getattr(trainer, "model_config", None), "attention_impl",
+                None))
     eval_every = config.eval.every_steps
     ckpt_every = config.checkpoint.every_steps
     first_step = True
@@ -371,8 +373,10 @@ class _PendingMetrics:
   """Step metrics kept on the device until the next log or save, so that
   steps are not stalled by a device-to-host copy each."""
 
-  def __init__(self, config, logger, progress, checkpointer):
+  def __init__(self, config, logger, progress, checkpointer,
+               attention_impl=None):
     self._config, self._logger = config, logger
+    self._attention_impl = attention_impl
     self._progress, self._checkpointer = progress, checkpointer
     self._rows = []  # (step, device metrics, tokens)
 
@@ -386,7 +390,8 @@ class _PendingMetrics:
     for s, m in host:
       if m.get("nonfinite", 0.0) > 0:
         raise NonFiniteError(_nonfinite_message(
-            self._config, s, m, self._checkpointer.latest_step()))
+            self._config, s, m, self._checkpointer.latest_step(),
+            self._attention_impl))
       self._logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
     if host:
       s, m = host[-1]
@@ -404,8 +409,11 @@ def _record_base(workdir: str, record) -> None:
       json.dumps(record, indent=1, sort_keys=True) + "\n")
 
 
-def _nonfinite_message(config, step: int, metrics, last_saved) -> str:
-  """Which step, what was kept, and what to change to go on."""
+def _nonfinite_message(config, step: int, metrics, last_saved,
+                       attention_impl=None) -> str:
+  """Which step, what was kept, and what to change to go on.
+  `attention_impl`: the kernel the model runs (config.model's 'auto'
+  resolved), where known."""
   clip = config.optimizer.grad_clip_norm
   if last_saved is None:
     kept = ("no checkpoint had been saved yet, so running again starts "
@@ -420,8 +428,10 @@ def _nonfinite_message(config, step: int, metrics, last_saved) -> str:
   else:
     advice = (f"Lower optimizer.learning_rate and {again}, or set "
               "optimizer.grad_clip_norm in a fresh --workdir")
-  if config.model.get("attention_impl") == "dot_product_cudnn":
-    advice += (". With model.attention_impl='dot_product_cudnn' on a "
+  if (attention_impl or config.model.get("attention_impl")
+      ) == "dot_product_cudnn":
+    advice += (". With cuDNN's attention (model.attention_impl="
+               f"{config.model.get('attention_impl')!r}) on a "
                "Hopper GPU or later, a row whose attention mask has padding "
                "between real tokens also gives NaN "
                "(`fused_attention.cudnn_unpacked`): pad rows on the left or "

@@ -47,6 +47,29 @@ def initialize(coordinator_address: Optional[str] = None,
       process_id=process_id,
       heartbeat_timeout_seconds=int(JAX_HEARTBEAT_FACTOR
                                     * lost_process_timeout_s) + 1)
+  if (jax.process_count() > 1 and jax.default_backend() == "cpu"
+      and jax.config.jax_cpu_collectives_implementation == "gloo"):
+    _connect_gloo_quietly()
+
+
+def _connect_gloo_quietly() -> None:
+  """Gloo, JAX's collectives between the processes of a CPU run, prints
+  "[Gloo] Rank N is connected to M peer ranks ..." on the process's stdout
+  (from C++, past Python's sys.stdout) when it connects, at the first
+  collective. Connect it now with a barrier over every device, stdout's
+  file descriptor pointed at /dev/null meanwhile; later collectives reuse
+  the connection and print nothing."""
+  from jax.experimental import multihost_utils  # pylint: disable=g-import-not-at-top
+  sys.stdout.flush()
+  saved = os.dup(1)
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  try:
+    os.dup2(devnull, 1)
+    multihost_utils.sync_global_devices("jaxrlhf: collectives connected")
+  finally:
+    os.dup2(saved, 1)
+    os.close(saved)
+    os.close(devnull)
 
 
 def _client():
