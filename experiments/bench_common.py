@@ -22,6 +22,18 @@ def peak_tflops():
   return chip.peak_bf16_tflops if chip else None
 
 
+def hbm_gbps(given: float = 0.0) -> float:
+  """Memory bandwidth in GB/s of this machine's devices
+  (jaxrlhf.accelerators), for the share of it a benchmark reaches: `given`
+  (a --hbm_gbps flag) when set, else the chip's, else 0.0 (a CPU)."""
+  if given:
+    return given
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import accelerators  # pylint: disable=g-import-not-at-top
+  chip = accelerators.chip(jax.devices()[0].device_kind)
+  return chip.hbm_gbps if chip else 0.0
+
+
 def add_shape_flags(p: argparse.ArgumentParser, *, optimizer: str,
                     steps: int) -> None:
   """Model, batch and mesh flags, with the script's defaults."""

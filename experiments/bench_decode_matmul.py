@@ -173,12 +173,10 @@ def run(args):
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   import bench_common  # pylint: disable=g-import-not-at-top
-  from jaxrlhf import accelerators  # pylint: disable=g-import-not-at-top
   from jaxrlhf import console  # pylint: disable=g-import-not-at-top
   console.silence_library_noise(python_loggers=True)
   device = jax.devices()[0]
-  chip = accelerators.chip(device.device_kind)
-  gbps = args.hbm_gbps or (chip.hbm_gbps if chip else 0.0)
+  gbps = bench_common.hbm_gbps(args.hbm_gbps)
   rng = np.random.default_rng(0)
   separate, fused, head = weights(args, rng)
   print(f"device: {device.device_kind} ({device.platform}); XLA_FLAGS="

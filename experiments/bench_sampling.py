@@ -74,7 +74,6 @@ import jax.numpy as jnp  # noqa: E402
 import numpy as np  # noqa: E402
 
 import bench_common  # noqa: E402
-from jaxrlhf import accelerators  # noqa: E402
 from jaxrlhf import console  # noqa: E402
 from jaxrlhf import models  # noqa: E402
 from jaxrlhf.models import hf_io  # noqa: E402
@@ -197,8 +196,7 @@ def bandwidth_bound(config, params, batch, prompt, new, gbps):
 def main(args):
   console.silence_library_noise(python_loggers=True)
   device = jax.devices()[0]
-  chip = accelerators.chip(device.device_kind)
-  gbps = args.hbm_gbps or (chip.hbm_gbps if chip else 0.0)
+  gbps = bench_common.hbm_gbps(args.hbm_gbps)
   have_torch = not args.no_transformers
   if have_torch:
     try:

@@ -40,8 +40,8 @@
 #                    einsums, 'xla');
 #   dpo_fused.txt    the same for DPO;
 #   sft_fused_x4.txt, dpo_fused_x4.txt
-#                    the same at 4x the rows (16,384 tokens an update, a
-#                    smaller one than most runs use): the optimizer update,
+#                    the same at 4x the rows (16,384 tokens an update,
+#                    still fewer than most runs use): the optimizer update,
 #                    whose cost does not grow with the batch, takes a 4x
 #                    smaller share of the step;
 #   attention.txt    experiments/bench_attention.py: causal attention's

@@ -245,7 +245,7 @@ def test_t5_says_why_it_takes_no_fused_kernel():
 
 @pytest.mark.parametrize("arch,platform,want", [
     # Decoder-only families with the kernel: splash on TPU, nowhere else
-    # (interpreted, it would be slow; cuDNN is chosen by hand).
+    # (interpreted, it would be slow); cuDNN on Hopper GPUs (the next test).
     ("llama", "tpu", "splash"), ("qwen3", "tpu", "splash"),
     ("gemma", "tpu", "splash"), ("llama", "cpu", "xla"),
     # Not on a GPU without cuDNN's packed layout (these CPU devices).
