@@ -14,6 +14,7 @@ take less than (parameter bytes + mean KV-cache bytes) / HBM bandwidth.
   python experiments/bench_sampling.py                       # CPU, both
   python experiments/bench_sampling.py --families=t5 --batches=32 --threads=2
   python experiments/bench_sampling.py --no_transformers     # ours only
+  python experiments/bench_sampling.py --separate  # + projections unjoined
 
 Needs torch and transformers for the comparison (`pip install
 torch==2.13.0 transformers`); without them (or with --no_transformers) only
@@ -49,6 +50,10 @@ def _parse():
   p.add_argument("--threads", type=int, default=0,
                  help="CPU threads for both (0: all cores)")
   p.add_argument("--no_transformers", action="store_true")
+  p.add_argument("--separate", action="store_true",
+                 help="also time ours with each layer's projections read "
+                 "separately (fuse_projections=False) and print the joined "
+                 "one's speed-up over it")
   p.add_argument("--profile", action="store_true",
                  help="trace one more call of our sampler at the largest "
                  "batch and print its kernels per decode step "
@@ -126,19 +131,19 @@ def prompts(family, batch, length, vocab, seed=1):
   return tokens
 
 
-def ours(family, module, params, tokens, new, repeats):
-  """(seconds per call, tokens) of our greedy sampler, EOS disabled (an id
-  no model emits)."""
+def ours(family, module, params, tokens, new, repeats, fuse=True):
+  """(seconds per call, tokens, the call) of our greedy sampler, EOS
+  disabled (an id no model emits); `fuse`: its fuse_projections."""
   never = -1
   if family == "t5":
     run = lambda: sampling.sample_encoder_decoder(
         module, params, tokens, jax.random.PRNGKey(0), new, greedy=True,
-        eos_id=never).tokens
+        eos_id=never, fuse_projections=fuse).tokens
   else:
     mask = np.ones_like(tokens)
     run = lambda: sampling.sample_decoder_only(
         module, params, tokens, mask, jax.random.PRNGKey(0), new,
-        greedy=True, eos_id=never).tokens
+        greedy=True, eos_id=never, fuse_projections=fuse).tokens
   jax.block_until_ready(run())
   start = time.perf_counter()
   for _ in range(repeats):
@@ -215,6 +220,8 @@ def main(args):
         f"{args.dtype}; threads {args.threads or os.cpu_count()}")
   header = (f"{'family':8} {'batch':>5} {'ours tok/s':>11} "
             f"{'transformers':>13} {'ratio':>6} {'HBM bound':>10}")
+  if args.separate:
+    header += f" {'separate':>9} {'joined x':>9}"
   print(header)
   print("-" * len(header))
   for family in args.families.split(","):
@@ -244,6 +251,16 @@ def main(args):
         bound = bandwidth_bound(config, params, batch, args.prompt, args.new,
                                 gbps)
         row += f" {bound / seconds:>9.0%}"
+      elif args.separate:
+        row += f" {'-':>10}"
+      if args.separate:
+        # The projections read one by one: fuse_projections' gain.
+        sep_seconds, sep_out, _ = ours(family, module, params, tokens,
+                                       args.new, args.repeats, fuse=False)
+        row += (f" {batch * args.new / sep_seconds:>9,.0f}"
+                f" {sep_seconds / seconds:>9.2f}")
+        if args.dtype == "float32" and not np.array_equal(sep_out, out):
+          row += "  (the separate projections' tokens differ)"
       print(row)
     if args.profile:
       # The last batch's call again, traced: its prefill and `new` decode

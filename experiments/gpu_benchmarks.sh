@@ -3,7 +3,8 @@
 # minutes (issue 24, item 6; on an H100: SFT 88 s, DPO 89 s, SFT with
 # cuDNN's attention 56 s, DPO with it 80 s, both at 4x the rows 60 and 79
 # s, the attention paths about 70 s, the decode step's products about 45
-# s, sampling 104 s, rollout 30 s, the online step 187 s; more than one
+# s, sampling 104 s (before the projections' comparison: ~140 s now),
+# rollout 30 s, the online step 187 s; more than one
 # lent session's device time: split it over calls with --only, TensorFlow
 # installed between):
 #
@@ -58,9 +59,11 @@
 #   sampling.txt     experiments/bench_sampling.py: greedy decoding tokens/s
 #                    of a Llama 3.2 1B-shaped model in bf16 at batch 64 and
 #                    128 (prompt 64, 128 new tokens), its share of the HBM
-#                    bound, transformers' generate beside it, and the
-#                    kernels of one traced call at batch 128 (per decode
-#                    step);
+#                    bound, transformers' generate beside it, ours with
+#                    each layer's projections read apart beside it (the
+#                    joined weights' speed-up, sampling.fuse_projections),
+#                    and the kernels of one traced call at batch 128 (per
+#                    decode step);
 #   rollout.txt      experiments/bench_rollout.py: the same sampling with
 #                    the prompts repeated, the prefill shared, and stopping
 #                    when every row is done;
@@ -153,7 +156,7 @@ if [ "$SMOKE" = 1 ]; then
   # cuDNN is the GPU's; the smoke test runs the same path through
   # jax.nn.dot_product_attention's XLA implementation.
   FUSED=(--attention_impl=dot_product --no_trl)
-  SAMPLING=(--size=tiny --families=llama --batches=2,4 --prompt=4 --new=4
+  SAMPLING=(--size=tiny --families=llama --batches=2,4 --prompt=4 --new=4 --separate
             --vocab_size=128 --repeats=1 --profile)
   ONLINE=(--arch=llama --size=tiny --vocab_size=128 --prompts=2 --group=2
           --prompt=8 --new=8 --eos_prob=0.3 --repeats=1)
@@ -178,7 +181,7 @@ else
   SFT_BATCH_X4=(--batch_size=32)
   DPO_BATCH_X4=(--batch_size=16)
   FUSED=(--attention_impl=dot_product_cudnn --no_trl)
-  SAMPLING=(--size=large --families=llama --batches=64,128 --prompt=64
+  SAMPLING=(--size=large --families=llama --batches=64,128 --prompt=64 --separate
             --new=128 --dtype=bfloat16 --repeats=2 --profile)
   ONLINE=(--arch=llama --size=small --vocab_size=32128 --prompts=32 --group=8
           --prompt=64 --new=256 --eos_prob=0.05 --repeats=1)
@@ -186,7 +189,7 @@ else
            --group=8 --prompt=64 --new=256 --eos_prob=0.05 --repeats=3)
   ATTENTION=()
   DECODE_MATMUL=(--profile)
-  CAP_SFT=125 CAP_DPO=130 CAP_FUSED=70 CAP_SAMPLING=160 CAP_ONLINE=210
+  CAP_SFT=125 CAP_DPO=130 CAP_FUSED=70 CAP_SAMPLING=200 CAP_ONLINE=210
   CAP_ROLLOUT=50 CAP_ATTENTION=90 CAP_FUSED_DPO=100 CAP_FUSED_X4=90
   CAP_FUSED_DPO_X4=120 CAP_DECODE_MATMUL=90
 fi

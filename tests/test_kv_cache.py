@@ -664,3 +664,126 @@ def test_rollout_sampling_passes_the_group_options_through(group_sampling):
   assert samples.tokens.shape == (3 * GROUP, BUDGET)
   assert samples.num_steps.shape == ()
   assert "while[" in str(jax.make_jaxpr(fn)(params, right_padded))
+
+
+# ----------------------------------------------------------------------------
+# Projections joined for the decode loop (`fuse_projections`, on by default):
+# the truth is the same sampler reading each projection's weights apart.
+
+def _loop_products(fn, *args) -> int:
+  """dot_general equations inside the program's loops (the decode loop's
+  body, and a scanned stack's body within it), from the jaxpr."""
+  from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
+
+  def count(jaxpr, in_loop):
+    total = 0
+    for eqn in jaxpr.eqns:
+      name = eqn.primitive.name
+      total += in_loop and name == "dot_general"
+      for sub in flops.sub_jaxprs(eqn.params):
+        total += count(sub, in_loop or name in ("scan", "while"))
+    return total
+  return count(jax.make_jaxpr(fn)(*args).jaxpr, False)
+
+
+def _joined_and_separate(sample, params, prompts, **options):
+  """{(greedy, joined): Samples} from one compiled program."""
+  @jax.jit
+  def run(p):
+    return {(greedy, joined): sample(p, prompts, greedy=greedy,
+                                     fuse_projections=joined, **options)
+            for greedy in (True, False) for joined in (True, False)}
+  return jax.device_get(run(params))
+
+
+def _assert_same_samples(out):
+  for greedy in (True, False):
+    joined, apart = out[greedy, True], out[greedy, False]
+    np.testing.assert_array_equal(joined.tokens, apart.tokens)
+    # (The joined products' sums round differently: ~1e-5 here, where a
+    # misplaced head or bias would move a log-prob by ~1.)
+    np.testing.assert_allclose(joined.logprobs, apart.logprobs, atol=1e-4)
+    np.testing.assert_array_equal(joined.mask, apart.mask)
+
+
+@pytest.mark.parametrize("family", ["t5", "llama"])
+def test_joined_projections_sample_as_separate_ones(family, group_sampling):
+  """The same tokens and log-probs (float32, to rounding), from fewer
+  products a step: a decoder layer reads its self-attention's query, key
+  and value in one product and the gated MLP's two input projections in
+  one (3 fewer a layer; T5's cross-attention query stays apart)."""
+  model, params, prompts, sample = group_sampling[family]
+  out = _joined_and_separate(sample, params, prompts, num_samples=GROUP)
+  _assert_same_samples(out)
+  fewer = 3 * (T5_CONFIG.num_decoder_layers if family == "t5"
+               else model.config.num_layers)
+  products = {joined: _loop_products(
+      lambda p: sample(p, prompts, fuse_projections=joined).tokens, params)
+      for joined in (True, False)}
+  assert products[False] - products[True] == fewer, products
+
+
+def test_joined_projections_with_biases_in_a_scanned_stack():
+  """Qwen2's query/key/value biases join with their kernels, along the heads
+  axis of the stacked [layers, ...] parameters."""
+  from jaxrlhf.models import qwen2  # pylint: disable=g-import-not-at-top
+  model = qwen2.Qwen2(qwen2.Qwen2Config.preset("tiny", vocab_size=32,
+                                               scan_layers=True))
+  one = jnp.ones((1, 6), jnp.int32)
+  params = random_params(model, one, one, one, seed=2, scale=1.5)
+  sample = lambda p, x, **kw: sampling.sample_decoder_only(
+      model, p, x, x > 0, jax.random.PRNGKey(5), BUDGET, eos_id=EOS, **kw)
+  _assert_same_samples(_joined_and_separate(sample, params, PROMPTS))
+  # One scanned layer body: 3 products fewer in it.
+  products = {joined: _loop_products(
+      lambda p: sample(p, PROMPTS, fuse_projections=joined).tokens, params)
+      for joined in (True, False)}
+  assert products[False] - products[True] == 3, products
+
+
+def test_projections_stay_apart_under_lora_or_split_heads():
+  """A group joins only where every member is a plain kernel (and bias):
+  LoRA's factors on the query keep q/k/v apart while the MLP joins; a mesh
+  that splits the heads keeps q/k/v apart (the key/value heads need not
+  split like the query heads), and the MLP, stacked on a new axis, joins."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=32))
+  one = jnp.ones((1, 6), jnp.int32)
+  params = random_params(model, one, one, one)
+  with layers.recording_param_fusions() as fusions:
+    jax.eval_shape(lambda p: model.apply(
+        {"params": p}, one, one, one, 0, method=model.decode_step,
+        mutable=["cache"]), params)
+  block = lambda tree: tree["decoder"]["layers_0"]
+
+  def joined(tree):
+    return sorted(k for k in (*block(tree)["self_attention"],
+                              *block(tree)["mlp"]) if k.startswith("fused"))
+
+  plain = layers.fuse_projections(params, fusions)
+  assert joined(plain) == ["fused_qkv", "fused_wi"]
+  attention = block(params)["self_attention"]
+  np.testing.assert_array_equal(
+      block(plain)["self_attention"]["fused_qkv"]["kernel"],
+      np.concatenate([attention[n]["kernel"] for n in ("query", "key",
+                                                       "value")], axis=-2))
+  mlp = block(params)["mlp"]
+  np.testing.assert_array_equal(
+      block(plain)["mlp"]["fused_wi"]["kernel"],
+      np.stack([mlp["wi_0"]["kernel"], mlp["wi_1"]["kernel"]], axis=-2))
+
+  adapted = jax.tree_util.tree_map(lambda x: x, params)
+  query = block(adapted)["self_attention"]["query"]
+  query["lora_a"] = np.zeros((32, 2), np.float32)
+  query["lora_b"] = np.zeros((2, 4, 8), np.float32)
+  fused = layers.fuse_projections(adapted, fusions)
+  assert joined(fused) == ["fused_wi"]
+  assert "lora_a" in block(fused)["self_attention"]["query"]
+
+  for shape, expected in (((2, 1), ["fused_qkv", "fused_wi"]),
+                          ((1, 2), ["fused_wi"])):
+    mesh = jax.sharding.AbstractMesh(shape, ("data", "model"))
+    with jax.sharding.use_abstract_mesh(mesh), \
+        nn.logical_axis_rules(sharding.STANDARD_RULES):
+      assert joined(layers.fuse_projections(params, fusions)) == expected

@@ -641,9 +641,17 @@ class Attention(nn.Module):
       return DenseGeneral((heads, self.head_dim), ("embed", head_axis, "kv"),
                           use_bias=self.qkv_bias, dtype=self.dtype, name=name)
 
-    query = projection(self.num_heads, "heads", "query")(x)
-    key = projection(self.num_kv_heads, "kv_heads", "key")(x)
-    value = projection(self.num_kv_heads, "kv_heads", "value")(x)
+    if self.has_variable("params", FUSED_QKV.name):
+      # The three projections joined along heads (`fuse_projections`).
+      joined = projection(self.num_heads + 2 * self.num_kv_heads, "heads",
+                          FUSED_QKV.name)(x)
+      query, key, value = jnp.split(
+          joined, (self.num_heads, self.num_heads + self.num_kv_heads),
+          axis=-2)
+    else:
+      query = projection(self.num_heads, "heads", "query")(x)
+      key = projection(self.num_kv_heads, "kv_heads", "key")(x)
+      value = projection(self.num_kv_heads, "kv_heads", "value")(x)
     if self.qk_norm is not None:
       query = self.qk_norm("query_norm")(query)
       key = self.qk_norm("key_norm")(key)
@@ -691,6 +699,10 @@ class Attention(nn.Module):
     return DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
                         num_in_axes=2, use_bias=self.out_bias,
                         dtype=self.dtype, name="out")(out)
+
+  def param_fusions(self, method: str):
+    """The projections `fuse_projections` may join (`recording_param_reads`)."""
+    return (FUSED_QKV,) if method == "__call__" else ()
 
 
 # ----------------------------------------------------------------------------
@@ -820,6 +832,9 @@ class T5Attention(nn.Module):
   float32_logits: bool = False
   dropout_rate: float = 0.0
   attention_impl: str = "xla"
+  # Self-attention (`inputs_kv` is `inputs_q`): its query, key and value
+  # weights may be read joined (`fuse_projections`).
+  self_attention: bool = False
 
   @nn.compact
   def __call__(self, inputs_q, inputs_kv, bias, deterministic=True, *,
@@ -834,7 +849,17 @@ class T5Attention(nn.Module):
                                 kernel_init=_t5_attention_init)
     batch, q_len = inputs_q.shape[0], inputs_q.shape[1]
     head_axes = ("batch", "length", "heads", "kv")
-    query = project(kernel_init=query_init, name="query")(inputs_q)
+    joined = None
+    if self.self_attention and self.has_variable("params",
+                                                 FUSED_T5_QKV.name):
+      # The three projections joined (`fuse_projections`).
+      joined = jnp.split(
+          DenseGeneral((3 * features,), ("embed", "joined_kv"),
+                       dtype=self.dtype, name=FUSED_T5_QKV.name)(inputs_q),
+          3, axis=-1)
+      query = joined[0]
+    else:
+      query = project(kernel_init=query_init, name="query")(inputs_q)
     query = query.reshape(batch, q_len, self.num_heads, self.head_dim)
     query = nn.with_logical_constraint(query, head_axes)
     # Keys and values are [batch, k_len, heads, head_dim], or in the
@@ -849,8 +874,11 @@ class T5Attention(nn.Module):
             "pass the encoder output so its keys and values are cached.")
     else:
       k_len = inputs_kv.shape[1]
-      key = project(name="key")(inputs_kv)
-      value = project(name="value")(inputs_kv)
+      if joined is not None:
+        key, value = joined[1:]
+      else:
+        key = project(name="key")(inputs_kv)
+        value = project(name="value")(inputs_kv)
       key = key.reshape(batch, k_len, self.num_heads, self.head_dim)
       value = value.reshape(batch, k_len, self.num_heads, self.head_dim)
       key = nn.with_logical_constraint(key, head_axes)
@@ -891,6 +919,12 @@ class T5Attention(nn.Module):
     return DenseGeneral((inputs_q.shape[-1],), ("joined_kv", "embed"),
                         dtype=self.dtype, kernel_init=_t5_attention_init,
                         name="out")(out)
+
+  def param_fusions(self, method: str):
+    """The projections `fuse_projections` may join (`recording_param_reads`):
+    a self-attention's query, key and value."""
+    return ((FUSED_T5_QKV,) if method == "__call__" and self.self_attention
+            else ())
 
 
 # t5x's MLP activation names -> `ACTIVATIONS` (t5x's 'gelu' is the tanh
@@ -944,13 +978,21 @@ class Mlp(nn.Module):
   @nn.compact
   def __call__(self, x: Array, deterministic: bool = True) -> Array:
     """x [batch, length, embed] -> [batch, length, embed]."""
-    hidden = []
-    for i, name in enumerate(self.activations):
+    for name in self.activations:
       checks.check_choice("Mlp", "activation", name, ACTIVATIONS)
-      h = DenseGeneral((self.mlp_dim,), ("embed", "mlp"),
-                       use_bias=self.use_bias, dtype=self.dtype,
-                       name="wi" if len(self.activations) == 1 else f"wi_{i}")(x)
-      hidden.append(ACTIVATIONS[name](h))
+    if self.has_variable("params", FUSED_WI):
+      # The input projections stacked (`fuse_projections`).
+      joined = DenseGeneral((len(self.activations), self.mlp_dim),
+                            ("embed", None, "mlp"), use_bias=self.use_bias,
+                            dtype=self.dtype, name=FUSED_WI)(x)
+      projected = [joined[..., i, :] for i in range(len(self.activations))]
+    else:
+      projected = [
+          DenseGeneral((self.mlp_dim,), ("embed", "mlp"),
+                       use_bias=self.use_bias, dtype=self.dtype, name=name)(x)
+          for name in self._input_names()]
+    hidden = [ACTIVATIONS[name](h)
+              for name, h in zip(self.activations, projected)]
     h = functools.reduce(operator.mul, hidden)
     if self.dropout_rate:
       h = nn.Dropout(self.dropout_rate, broadcast_dims=(-2,))(
@@ -959,6 +1001,18 @@ class Mlp(nn.Module):
     return DenseGeneral((x.shape[-1],), ("mlp", "embed"),
                         use_bias=self.use_bias, dtype=self.dtype,
                         name="wo")(h)
+
+  def _input_names(self) -> Tuple[str, ...]:
+    if len(self.activations) == 1:
+      return ("wi",)
+    return tuple(f"wi_{i}" for i in range(len(self.activations)))
+
+  def param_fusions(self, method: str):
+    """The projections `fuse_projections` may join (`recording_param_reads`):
+    the gated MLP's input projections."""
+    if method != "__call__" or len(self.activations) == 1:
+      return ()
+    return (Fusion(FUSED_WI, self._input_names(), stack=True),)
 
 
 # ----------------------------------------------------------------------------
@@ -1028,6 +1082,20 @@ class OutputDense(nn.Module):
 # layer's slice inside the scan). Measured on an H100: 38% of a bfloat16
 # Llama 3.2 1B-shaped decode step (experiments/results/gpu/sampling.txt).
 
+def _recording(declaration: str, record: Callable[[Tuple[str, ...], Any],
+                                                  None]):
+  """Intercepts the model calls made inside it: for each call of a module
+  that has the method `declaration`, record(the module's path in the
+  parameter tree, declaration(the called method's name))."""
+  def interceptor(next_fun, args, kwargs, context):
+    declared = getattr(context.module, declaration, None)
+    # (Flax intercepts the declaring method's own call too.)
+    if declared is not None and context.method_name != declaration:
+      record(tuple(context.module.path), declared(context.method_name))
+    return next_fun(*args, **kwargs)
+  return nn.intercept_methods(interceptor)
+
+
 @contextlib.contextmanager
 def recording_param_reads():
   """Records, for the model calls made inside it, the dtype each parameter
@@ -1042,16 +1110,11 @@ def recording_param_reads():
   """
   reads = {}
 
-  def interceptor(next_fun, args, kwargs, context):
-    declared = getattr(context.module, "param_read_dtypes", None)
-    # (Flax intercepts the declaring method's own call too.)
-    if declared is not None and context.method_name != "param_read_dtypes":
-      for name, dtype in declared(context.method_name).items():
-        reads.setdefault(tuple(context.module.path) + (name,), set()).add(
-            jnp.dtype(dtype))
-    return next_fun(*args, **kwargs)
+  def record(path, dtypes):
+    for name, dtype in dtypes.items():
+      reads.setdefault(path + (name,), set()).add(jnp.dtype(dtype))
 
-  with nn.intercept_methods(interceptor):
+  with _recording("param_read_dtypes", record):
     yield reads
 
 
@@ -1070,6 +1133,118 @@ def cast_read_params(params, reads):
     return leaf.astype(dtype) if dtype.itemsize < leaf.dtype.itemsize else leaf
 
   return jax.tree_util.tree_map_with_path(cast, params)
+
+
+# ----------------------------------------------------------------------------
+# Projections joined for a decode loop: a decode step multiplies one row per
+# sequence by each weight matrix, so its products are bound by reading the
+# weights, and the small ones (a layer's query, key and value) reach a lower
+# share of the memory bandwidth than one product over their joined weights
+# (experiments/results/gpu/decode_matmul.txt). Joined once per rollout, like
+# the casts above, they are read joined at every step.
+
+@dataclasses.dataclass(frozen=True)
+class Fusion:
+  """Sibling projections of one input that `fuse_projections` may join.
+
+  members: the `DenseGeneral` submodules, in the order of their outputs in
+    the joined one, `name`. Their parameters are concatenated along `axis`
+    (the heads of the attention projections: -2 of a kernel [embed, heads,
+    head_dim] and of a bias [heads, head_dim]; -1 of t5x's joined kernels
+    [embed, heads * head_dim]) or, with `stack`, stacked along a new axis
+    there (the gated MLP's equal projections: [embed, n, mlp]).
+  unsplit: logical axes of the members that must not be split over the
+    current mesh for the joined axis to shard like its parts (a plan may
+    split the query heads and not the key/value heads).
+  """
+  name: str
+  members: Tuple[str, ...]
+  axis: int = -2
+  stack: bool = False
+  unsplit: Tuple[str, ...] = ()
+
+
+FUSED_QKV = Fusion("fused_qkv", ("query", "key", "value"),
+                   unsplit=("heads", "kv_heads"))
+FUSED_T5_QKV = Fusion("fused_qkv", ("query", "key", "value"), axis=-1,
+                      unsplit=("joined_kv",))
+FUSED_WI = "fused_wi"
+# The parameters of a projection that can be joined: a member with any
+# other (LoRA's factors) keeps its group separate.
+_JOINABLE = frozenset({"kernel", "bias"})
+
+
+@contextlib.contextmanager
+def recording_param_fusions():
+  """Records, for the model calls made inside it, the projections each
+  module could have read joined: yields {module path: (Fusion, ...)} for
+  the modules that declare them (`param_fusions(method)`: `Attention`,
+  a gated `Mlp`), to give to `fuse_projections`."""
+  fusions = {}
+
+  def record(path, declared):
+    if declared:
+      fusions[path] = tuple(declared)
+
+  with _recording("param_fusions", record):
+    yield fusions
+
+
+def _unsplit(axes: Sequence[str]) -> bool:
+  """Whether the logical `axes` are each on mesh axes of size 1 (or no mesh)
+  under the current mesh and logical-axis rules."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or not axes:
+    return True
+  for spec in nn.logical_to_mesh_axes(tuple(axes)):
+    spec = spec if isinstance(spec, tuple) else (spec,)
+    if int(np.prod([mesh.shape[a] for a in spec if a is not None])) > 1:
+      return False
+  return True
+
+
+def fuse_projections(params, fusions):
+  """`params` with each group of sibling projections recorded by
+  `recording_param_fusions` joined into one (`Fusion`): the modules then
+  compute each output from the joined weights with the same inputs and the
+  same sums, and a loop over the result reads one weight per group. A group
+  stays separate where a member is absent, holds more than a kernel and a
+  bias (LoRA's factors), differs from the others in its parameters' dtypes
+  or names, or where the current mesh splits an `unsplit` axis.
+  """
+  def fuse(node, fusion):
+    parts = [node.get(m) for m in fusion.members]
+    if fusion.name in node or not all(hasattr(p, "keys") for p in parts):
+      return node
+    names = set(parts[0].keys())
+    if (not names <= _JOINABLE or any(set(p.keys()) != names for p in parts)
+        or any(len({getattr(p[n], "dtype", None) for p in parts}) != 1
+               or not hasattr(parts[0][n], "dtype") for n in names)
+        or not _unsplit(fusion.unsplit)):
+      return node
+    def join(xs):
+      if fusion.stack:
+        xs = [jnp.expand_dims(x, fusion.axis) for x in xs]
+      return jnp.concatenate(xs, axis=fusion.axis)
+    joined = {n: join([p[n] for p in parts]) for n in sorted(names)}
+    node = {k: v for k, v in node.items() if k not in fusion.members}
+    node[fusion.name] = joined
+    return node
+
+  def replace_at(tree, path, fn):
+    if not path:
+      return fn(tree)
+    if not hasattr(tree, "keys") or path[0] not in tree:
+      return tree
+    out = dict(tree)
+    out[path[0]] = replace_at(tree[path[0]], path[1:], fn)
+    return out
+
+  for path, declared in fusions.items():
+    for fusion in declared:
+      params = replace_at(params, path, functools.partial(fuse,
+                                                          fusion=fusion))
+  return params
 
 
 # ----------------------------------------------------------------------------

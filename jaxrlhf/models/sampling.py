@@ -28,8 +28,11 @@ which are then decoded as k adjacent rows: the same rows, cache and random
 draws as sampling `jnp.repeat(prompts, k, axis=0)`, at 1/k of the prefill.
 The decode loop reads the weights in the compute dtype: each one the model
 only ever reads cast (the matrices, in bfloat16 with float32 parameters) is
-cast once after the prefill (`layers.cast_read_params`), not at every step;
-the values computed are the same.
+cast once after the prefill (`layers.cast_read_params`), not at every step,
+and the weights of the projections that read the same input (query, key
+and value; a gated MLP's two input projections) are joined there into one
+matrix each (`layers.fuse_projections`), so a step reads each group in one
+product; the values computed are the same.
 They are jit-compiled (the model and the sampling options are static) and
 run under a mesh: call them inside `jax.set_mesh(mesh)` and
 `flax.linen.logical_axis_rules(rules)` with inputs sharded over the batch
@@ -293,12 +296,25 @@ def _inference_module(model):
 
 
 _STATIC = ("model", "max_new_tokens", "temperature", "top_k", "top_p",
-           "greedy", "eos_id", "num_samples", "stop_when_done")
+           "greedy", "eos_id", "num_samples", "stop_when_done",
+           "fuse_projections")
+
+
+def _decode_params(params, reads, fusions, fuse_projections):
+  """The parameters the decode loop reads: cast once to the dtype of their
+  reads, and with `fuse_projections` each layer's query, key and value
+  projections (and a gated MLP's input projections) joined
+  (`layers.fuse_projections`), from what the prefill recorded."""
+  params = layers.cast_read_params(params, reads)
+  if fuse_projections:
+    params = layers.fuse_projections(params, fusions)
+  return params
 
 
 def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
                             max_new_tokens, temperature, top_k, top_p, greedy,
-                            eos_id, num_samples, stop_when_done):
+                            eos_id, num_samples, stop_when_done,
+                            fuse_projections):
   model = _inference_module(model)
   encoder_input_tokens = jnp.asarray(encoder_input_tokens, jnp.int32)
   batch = encoder_input_tokens.shape[0]
@@ -309,11 +325,12 @@ def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
   # Decoder position 0 holds BOS (0); new token t is fed at position t + 1.
   cache_length = max_new_tokens
   bos = jnp.zeros((batch, 1), jnp.int32)
-  with layers.recording_param_reads() as reads:
+  with layers.recording_param_reads() as reads, \
+      layers.recording_param_fusions() as fusions:
     logits, variables = model.apply(
         {"params": params}, encoded, encoder_input_tokens, bos, 0,
         cache_length, method=model.decode_step, mutable=["cache"])
-  params = layers.cast_read_params(params, reads)
+  params = _decode_params(params, reads, fusions, fuse_projections)
   logits = _repeat_rows(logits[:, -1], num_samples, 0, ("batch", "vocab"))
   cache = _repeat_cache(variables["cache"], num_samples, batch, "heads")
   encoder_input_tokens = _repeat_rows(encoder_input_tokens, num_samples, 0,
@@ -338,7 +355,8 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
                            top_k: int = 0, top_p: float = 1.0,
                            greedy: bool = False, eos_id: int = 1,
                            num_samples: int = 1,
-                           stop_when_done: bool = False) -> Samples:
+                           stop_when_done: bool = False,
+                           fuse_projections: bool = True) -> Samples:
   """Samples completions from a T5 (`jaxrlhf.models.t5.T5`).
 
   Args:
@@ -357,6 +375,11 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       draws as sampling `jnp.repeat(encoder_input_tokens, k, axis=0)`.
     stop_when_done: static; stop decoding once every row has drawn its EOS
       (the outputs are unchanged, `num_steps` counts the columns drawn).
+    fuse_projections: static; the decode loop reads each layer's query,
+      key and value weights (and a gated MLP's input weights) joined into
+      one matrix, built once after the prefill (`layers.fuse_projections`;
+      not where LoRA adapters sit on them or a mesh splits the heads). The
+      same products; False reads them separately (for comparison).
   Returns:
     Samples with [batch * num_samples, max_new_tokens] tokens (no BOS; EOS
     kept, then 0), log-probs, mask, [batch * num_samples] has_eos and
@@ -370,13 +393,14 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       temperature=float(temperature) if not greedy else 1.0,
       top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
       eos_id=int(eos_id), num_samples=int(num_samples),
-      stop_when_done=bool(stop_when_done))
+      stop_when_done=bool(stop_when_done),
+      fuse_projections=bool(fuse_projections))
 
 
 def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
                          rng, max_new_tokens, temperature, top_k, top_p, greedy,
                          eos_id, num_samples, stop_when_done,
-                         bidirectional_prompt):
+                         fuse_projections, bidirectional_prompt):
   model = _inference_module(model)
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   prompt_mask = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
@@ -389,11 +413,12 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
   num_real = jnp.sum(prompt_mask, axis=-1)
   extra = {"bidirectional_prompt": True} if bidirectional_prompt else {}
   # One prefill per prompt, repeated for its samples.
-  with layers.recording_param_reads() as reads:
+  with layers.recording_param_reads() as reads, \
+      layers.recording_param_fusions() as fusions:
     logits, variables = model.apply(
         {"params": params}, prompt_tokens, positions, cache_mask, 0,
         method=model.decode_step, mutable=["cache"], **extra)
-  params = layers.cast_read_params(params, reads)
+  params = _decode_params(params, reads, fusions, fuse_projections)
   logits = _repeat_rows(logits, num_samples, 0, ("batch", "vocab"))
   cache = _repeat_cache(variables["cache"], num_samples, batch, "kv_heads")
   cache_mask = _repeat_rows(cache_mask, num_samples, 0, ("batch", "length"))
@@ -441,7 +466,8 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
                         greedy: bool = False, eos_id: int = 1,
                         bidirectional_prompt: bool = False,
                         num_samples: int = 1,
-                        stop_when_done: bool = False) -> Samples:
+                        stop_when_done: bool = False,
+                        fuse_projections: bool = True) -> Samples:
   """Samples continuations from a decoder-only model.
 
   Works with `llama.Llama`, `gpt_neox.GPTNeoX` and
@@ -465,7 +491,7 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
       once and row i * k + j of the result is sample j of prompt i, the same
       draws as sampling the prompts repeated with `jnp.repeat(..., k,
       axis=0)`.
-    stop_when_done: as in `sample_encoder_decoder`.
+    stop_when_done, fuse_projections: as in `sample_encoder_decoder`.
   Returns:
     Samples of the NEW tokens only: [batch * num_samples, max_new_tokens]
     tokens (EOS kept, then 0), log-probs, mask, [batch * num_samples]
@@ -482,4 +508,5 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
       top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
       eos_id=int(eos_id), num_samples=int(num_samples),
       stop_when_done=bool(stop_when_done),
+      fuse_projections=bool(fuse_projections),
       bidirectional_prompt=bool(bidirectional_prompt))

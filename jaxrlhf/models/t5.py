@@ -128,10 +128,10 @@ def t5_config(size: str, **overrides) -> T5Config:
   return FAMILY.preset(size, **overrides)
 
 
-def _attention(cfg, name):
+def _attention(cfg, name, self_attention=False):
   return layers_lib.T5Attention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
                                 cfg.float32_attention_logits, cfg.dropout_rate,
-                                cfg.attention_impl, name=name)
+                                cfg.attention_impl, self_attention, name=name)
 
 
 def _norm(cfg, name):
@@ -159,7 +159,7 @@ class EncoderLayer(nn.Module):
   def __call__(self, x, bias, deterministic=True):
     cfg = self.config
     h = _norm(cfg, "pre_attention_layer_norm")(x)
-    h = _attention(cfg, "attention")(h, h, bias, deterministic)
+    h = _attention(cfg, "attention", True)(h, h, bias, deterministic)
     x = x + _residual_dropout(cfg, h, deterministic)
     h = _norm(cfg, "pre_mlp_layer_norm")(x)
     h = _mlp(cfg)(h, deterministic)
@@ -182,8 +182,8 @@ class DecoderLayer(nn.Module):
     cfg = self.config
     cached = cache_index is not None
     h = _norm(cfg, "pre_self_attention_layer_norm")(y)
-    h = _attention(cfg, "self_attention")(h, h, self_bias, deterministic,
-                                          cache_index=cache_index)
+    h = _attention(cfg, "self_attention", True)(
+        h, h, self_bias, deterministic, cache_index=cache_index)
     y = y + _residual_dropout(cfg, h, deterministic)
     h = _norm(cfg, "pre_cross_attention_layer_norm")(y)
     h = _attention(cfg, "encoder_decoder_attention")(

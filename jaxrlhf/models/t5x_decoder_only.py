@@ -192,6 +192,7 @@ class DecoderLayer(nn.Module):
                        name="pre_self_attention_layer_norm")(x)
     h = layers.T5Attention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
                            cfg.float32_attention_logits, cfg.dropout_rate,
+                           self_attention=True,
                            name="self_attention")(h, h, self_attention_bias,
                                                   deterministic,
                                                   cache_index=cache_index)
