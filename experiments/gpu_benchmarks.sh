@@ -156,7 +156,7 @@ if [ "$SMOKE" = 1 ]; then
   # cuDNN is the GPU's; the smoke test runs the same path through
   # jax.nn.dot_product_attention's XLA implementation.
   FUSED=(--attention_impl=dot_product --no_trl)
-  SAMPLING=(--size=tiny --families=llama --batches=2,4 --prompt=4 --new=4 --separate
+  SAMPLING=(--size=tiny --families=llama --batches=2,4 --prompt=4 --new=4 --separate --dtype=bfloat16
             --vocab_size=128 --repeats=1 --profile)
   ONLINE=(--arch=llama --size=tiny --vocab_size=128 --prompts=2 --group=2
           --prompt=8 --new=8 --eos_prob=0.3 --repeats=1)

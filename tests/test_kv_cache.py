@@ -686,59 +686,81 @@ def _loop_products(fn, *args) -> int:
   return count(jax.make_jaxpr(fn)(*args).jaxpr, False)
 
 
-def _joined_and_separate(sample, params, prompts, **options):
-  """{(greedy, joined): Samples} from one compiled program."""
-  @jax.jit
-  def run(p):
-    return {(greedy, joined): sample(p, prompts, greedy=greedy,
-                                     fuse_projections=joined, **options)
-            for greedy in (True, False) for joined in (True, False)}
-  return jax.device_get(run(params))
+@pytest.mark.parametrize("name", ["llama", "qwen2_scanned", "t5"])
+def test_joined_projections_compute_what_separate_ones_do(name):
+  """A decode call (a prefill; T5: the BOS step over the encoded prompt) on
+  the joined parameters gives the separate ones' logits, in float32 to the
+  rounding of other products (a head, a bias or a gate put in another's
+  place moves them by ~1): Llama's grouped-query heads, Qwen2's q/k/v
+  biases on a scanned stack's [layers, ...] parameters, T5's joined-kv
+  self-attention kernels; and each gated MLP."""
+  from jaxrlhf.models import qwen2  # pylint: disable=g-import-not-at-top
+  tokens = np.array([[0, 5, 9, 12], [7, 3, 8, 2]], np.int32)
+  mask = (tokens > 0).astype(np.int32)
+  positions = layers.positions_from_mask(mask)
+  if name == "t5":
+    model = t5.T5(T5_CONFIG)
+    params = random_params(model, tokens, tokens[:, :2], seed=3)
+    encoded = model.apply({"params": params}, tokens, method=model.encode)
+    call = lambda p: model.apply(
+        {"params": p}, encoded, tokens, tokens[:, :1] * 0, 0, 4,
+        method=model.decode_step, mutable=["cache"])[0]
+  else:
+    config = (llama.LlamaConfig.preset("tiny", vocab_size=32) if name ==
+              "llama" else qwen2.Qwen2Config.preset("tiny", vocab_size=32,
+                                                    scan_layers=True))
+    model = models.module_for_config(config)
+    params = random_params(model, tokens, positions, mask, seed=3)
+    call = lambda p: model.apply(
+        {"params": p}, tokens, positions, mask, 0, method=model.decode_step,
+        mutable=["cache"])[0]
+  with layers.recording_param_fusions() as fusions:
+    want = np.asarray(jax.jit(call)(params))
+  joined = layers.fuse_projections(params, fusions)
+  names = {str(path[-2].key) for path, _ in
+           jax.tree_util.tree_leaves_with_path(joined)}
+  assert {"fused_qkv", "fused_wi"} <= names, names
+  # (T5's cross-attention and encoder keep theirs.)
+  assert ("query" in names) == (name == "t5"), names
+  np.testing.assert_allclose(np.asarray(jax.jit(call)(joined)), want,
+                             rtol=1e-5, atol=1e-5)
 
 
-def _assert_same_samples(out):
-  for greedy in (True, False):
-    joined, apart = out[greedy, True], out[greedy, False]
-    np.testing.assert_array_equal(joined.tokens, apart.tokens)
-    # (The joined products' sums round differently: ~1e-5 here, where a
-    # misplaced head or bias would move a log-prob by ~1.)
-    np.testing.assert_allclose(joined.logprobs, apart.logprobs, atol=1e-4)
-    np.testing.assert_array_equal(joined.mask, apart.mask)
+def _bf16(model):
+  """The same module computing in bfloat16 (its float32 parameters are then
+  cast for the decode loop, and joined in the casts' place)."""
+  return type(model)(dataclasses.replace(model.config, dtype="bfloat16"))
 
 
 @pytest.mark.parametrize("family", ["t5", "llama"])
-def test_joined_projections_sample_as_separate_ones(family, group_sampling):
-  """The same tokens and log-probs (float32, to rounding), from fewer
-  products a step: a decoder layer reads its self-attention's query, key
-  and value in one product and the gated MLP's two input projections in
-  one (3 fewer a layer; T5's cross-attention query stays apart)."""
-  model, params, prompts, sample = group_sampling[family]
-  out = _joined_and_separate(sample, params, prompts, num_samples=GROUP)
-  _assert_same_samples(out)
-  fewer = 3 * (T5_CONFIG.num_decoder_layers if family == "t5"
-               else model.config.num_layers)
-  products = {joined: _loop_products(
-      lambda p: sample(p, prompts, fuse_projections=joined).tokens, params)
-      for joined in (True, False)}
-  assert products[False] - products[True] == fewer, products
+def test_the_decode_loop_reads_joined_projections_where_it_casts(
+    family, group_sampling):
+  """The sampler's decode loop runs fewer products a step: a decoder layer
+  reads its self-attention's query, key and value in one and the gated
+  MLP's two input projections in one (3 fewer a layer; T5's
+  cross-attention query stays apart), when the model computes in bfloat16
+  from float32 parameters; a float32 model's loop reads them apart (no
+  cast copy to put them in). Traced, not compiled."""
+  model, params, prompts, _ = group_sampling[family]
+  params = {k: v for k, v in params.items() if k != "eos_bias"}
+  base = t5.T5(model.config) if family == "t5" else llama.Llama(model.config)
 
+  def tokens(module, joined):
+    if family == "t5":
+      return lambda p: sampling.sample_encoder_decoder(
+          module, p, prompts, jax.random.PRNGKey(4), BUDGET, eos_id=EOS,
+          num_samples=GROUP, fuse_projections=joined).tokens
+    return lambda p: sampling.sample_decoder_only(
+        module, p, prompts, prompts > 0, jax.random.PRNGKey(4), BUDGET,
+        eos_id=EOS, num_samples=GROUP, fuse_projections=joined).tokens
 
-def test_joined_projections_with_biases_in_a_scanned_stack():
-  """Qwen2's query/key/value biases join with their kernels, along the heads
-  axis of the stacked [layers, ...] parameters."""
-  from jaxrlhf.models import qwen2  # pylint: disable=g-import-not-at-top
-  model = qwen2.Qwen2(qwen2.Qwen2Config.preset("tiny", vocab_size=32,
-                                               scan_layers=True))
-  one = jnp.ones((1, 6), jnp.int32)
-  params = random_params(model, one, one, one, seed=2, scale=1.5)
-  sample = lambda p, x, **kw: sampling.sample_decoder_only(
-      model, p, x, x > 0, jax.random.PRNGKey(5), BUDGET, eos_id=EOS, **kw)
-  _assert_same_samples(_joined_and_separate(sample, params, PROMPTS))
-  # One scanned layer body: 3 products fewer in it.
-  products = {joined: _loop_products(
-      lambda p: sample(p, PROMPTS, fuse_projections=joined).tokens, params)
-      for joined in (True, False)}
-  assert products[False] - products[True] == 3, products
+  layer_count = (T5_CONFIG.num_decoder_layers if family == "t5"
+                 else base.config.num_layers)
+  for module, fewer in ((_bf16(base), 3 * layer_count), (base, 0)):
+    products = {joined: _loop_products(tokens(module, joined), params)
+                for joined in (True, False)}
+    assert products[False] - products[True] == fewer, (module.config.dtype,
+                                                       products)
 
 
 def test_projections_stay_apart_under_lora_or_split_heads():
@@ -763,6 +785,12 @@ def test_projections_stay_apart_under_lora_or_split_heads():
 
   plain = layers.fuse_projections(params, fusions)
   assert joined(plain) == ["fused_qkv", "fused_wi"]
+  # Given what they were cast from: joined where cast, apart where not.
+  cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
+  assert joined(layers.fuse_projections(cast, fusions, cast_from=params)
+                ) == ["fused_qkv", "fused_wi"]
+  assert joined(layers.fuse_projections(params, fusions,
+                                        cast_from=params)) == []
   attention = block(params)["self_attention"]
   np.testing.assert_array_equal(
       block(plain)["self_attention"]["fused_qkv"]["kernel"],

@@ -1203,16 +1203,23 @@ def _unsplit(axes: Sequence[str]) -> bool:
   return True
 
 
-def fuse_projections(params, fusions):
+def fuse_projections(params, fusions, cast_from=None):
   """`params` with each group of sibling projections recorded by
   `recording_param_fusions` joined into one (`Fusion`): the modules then
   compute each output from the joined weights with the same inputs and the
-  same sums, and a loop over the result reads one weight per group. A group
-  stays separate where a member is absent, holds more than a kernel and a
-  bias (LoRA's factors), differs from the others in its parameters' dtypes
-  or names, or where the current mesh splits an `unsplit` axis.
+  same sums (rounded in another order, the products being others), and a
+  loop over the result reads one weight per group. A group stays separate
+  where a member is absent, holds more than a kernel and a bias (LoRA's
+  factors), differs from the others in its parameters' dtypes or names, or
+  where the current mesh splits an `unsplit` axis.
+
+  cast_from: the parameters `params` were cast from (`cast_read_params`);
+    then a group joins only where all its members' parameters were cast,
+    so that the joined copy takes the place of the cast ones and a loop
+    over the result holds no more memory than over `params` (parameters
+    read in the dtype they are held in have no copy to replace).
   """
-  def fuse(node, fusion):
+  def fuse(node, fusion, before):
     parts = [node.get(m) for m in fusion.members]
     if fusion.name in node or not all(hasattr(p, "keys") for p in parts):
       return node
@@ -1222,6 +1229,10 @@ def fuse_projections(params, fusions):
                or not hasattr(parts[0][n], "dtype") for n in names)
         or not _unsplit(fusion.unsplit)):
       return node
+    if before is not None and any(
+        before[m][n].dtype == node[m][n].dtype for m in fusion.members
+        for n in names):
+      return node
     def join(xs):
       if fusion.stack:
         xs = [jnp.expand_dims(x, fusion.axis) for x in xs]
@@ -1230,6 +1241,13 @@ def fuse_projections(params, fusions):
     node = {k: v for k, v in node.items() if k not in fusion.members}
     node[fusion.name] = joined
     return node
+
+  def at(tree, path):
+    for key in path:
+      if tree is None or not hasattr(tree, "keys") or key not in tree:
+        return None
+      tree = tree[key]
+    return tree
 
   def replace_at(tree, path, fn):
     if not path:
@@ -1241,9 +1259,10 @@ def fuse_projections(params, fusions):
     return out
 
   for path, declared in fusions.items():
+    before = at(cast_from, path) if cast_from is not None else None
     for fusion in declared:
-      params = replace_at(params, path, functools.partial(fuse,
-                                                          fusion=fusion))
+      params = replace_at(params, path, functools.partial(
+          fuse, fusion=fusion, before=before))
   return params
 
 

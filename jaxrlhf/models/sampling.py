@@ -31,8 +31,10 @@ only ever reads cast (the matrices, in bfloat16 with float32 parameters) is
 cast once after the prefill (`layers.cast_read_params`), not at every step,
 and the weights of the projections that read the same input (query, key
 and value; a gated MLP's two input projections) are joined there into one
-matrix each (`layers.fuse_projections`), so a step reads each group in one
-product; the values computed are the same.
+matrix each, in the place of their cast copies (`layers.fuse_projections`;
+weights read in the dtype they are held in have no copy, and stay apart),
+so a step reads each group in one product; the values computed are the
+same (the joined products may round their sums differently).
 They are jit-compiled (the model and the sampling options are static) and
 run under a mesh: call them inside `jax.set_mesh(mesh)` and
 `flax.linen.logical_axis_rules(rules)` with inputs sharded over the batch
@@ -303,12 +305,13 @@ _STATIC = ("model", "max_new_tokens", "temperature", "top_k", "top_p",
 def _decode_params(params, reads, fusions, fuse_projections):
   """The parameters the decode loop reads: cast once to the dtype of their
   reads, and with `fuse_projections` each layer's query, key and value
-  projections (and a gated MLP's input projections) joined
-  (`layers.fuse_projections`), from what the prefill recorded."""
-  params = layers.cast_read_params(params, reads)
+  projections (and a gated MLP's input projections) joined where they are
+  cast, into the cast copies' place (`layers.fuse_projections`), from what
+  the prefill recorded."""
+  cast = layers.cast_read_params(params, reads)
   if fuse_projections:
-    params = layers.fuse_projections(params, fusions)
-  return params
+    cast = layers.fuse_projections(cast, fusions, cast_from=params)
+  return cast
 
 
 def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
@@ -377,9 +380,12 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       (the outputs are unchanged, `num_steps` counts the columns drawn).
     fuse_projections: static; the decode loop reads each layer's query,
       key and value weights (and a gated MLP's input weights) joined into
-      one matrix, built once after the prefill (`layers.fuse_projections`;
-      not where LoRA adapters sit on them or a mesh splits the heads). The
-      same products; False reads them separately (for comparison).
+      one matrix, built once after the prefill where the weights are cast
+      to a narrower compute dtype (float32 parameters of a bfloat16
+      model), in the cast copies' place (`layers.fuse_projections`; not
+      where LoRA adapters sit on them or a mesh splits the heads). The same
+      products, rounded perhaps in another order; False reads them apart
+      (for comparison).
   Returns:
     Samples with [batch * num_samples, max_new_tokens] tokens (no BOS; EOS
     kept, then 0), log-probs, mask, [batch * num_samples] has_eos and
