@@ -134,24 +134,29 @@ def prompts(family, batch, length, vocab, seed=1):
 
 
 def ours(family, module, params, tokens, new, repeats, fuse=True):
-  """(seconds per call, tokens, the call) of our greedy sampler, EOS
-  disabled (an id no model emits); `fuse`: its fuse_projections."""
+  """(seconds per call, tokens, the call, its compiled program's text) of
+  our greedy sampler, EOS disabled (an id no model emits); `fuse`: its
+  fuse_projections."""
   never = -1
   if family == "t5":
-    run = lambda: sampling.sample_encoder_decoder(
-        module, params, tokens, jax.random.PRNGKey(0), new, greedy=True,
+    sample = lambda p, x: sampling.sample_encoder_decoder(
+        module, p, x, jax.random.PRNGKey(0), new, greedy=True,
         eos_id=never, fuse_projections=fuse).tokens
   else:
     mask = np.ones_like(tokens)
-    run = lambda: sampling.sample_decoder_only(
-        module, params, tokens, mask, jax.random.PRNGKey(0), new,
-        greedy=True, eos_id=never, fuse_projections=fuse).tokens
+    sample = lambda p, x: sampling.sample_decoder_only(
+        module, p, x, mask, jax.random.PRNGKey(0), new, greedy=True,
+        eos_id=never, fuse_projections=fuse).tokens
+  # Compiled here, so that a profile can name each kernel's JAX operation.
+  compiled = jax.jit(sample).lower(params, tokens).compile()
+  run = lambda: compiled(params, tokens)
   jax.block_until_ready(run())
   start = time.perf_counter()
   for _ in range(repeats):
     out = run()
   jax.block_until_ready(out)
-  return (time.perf_counter() - start) / repeats, np.asarray(out), run
+  return ((time.perf_counter() - start) / repeats, np.asarray(out), run,
+          compiled.as_text())
 
 
 def theirs(family, path, tokens, new, repeats, dtype):
@@ -235,8 +240,8 @@ def main(args):
       hf_io.export_hf_checkpoint(config, params, path)
     for batch in (int(b) for b in args.batches.split(",")):
       tokens = prompts(family, batch, args.prompt, args.vocab_size)
-      seconds, out, run = ours(family, module, params, tokens, args.new,
-                               args.repeats)
+      seconds, out, run, hlo = ours(family, module, params, tokens,
+                                    args.new, args.repeats)
       rate = batch * args.new / seconds
       row = f"{family:8} {batch:>5} {rate:>11,.0f} "
       if path:
@@ -257,8 +262,8 @@ def main(args):
         row += f" {'-':>10}"
       if args.separate:
         # The projections read one by one: fuse_projections' gain.
-        sep_seconds, _, _ = ours(family, module, params, tokens,
-                                       args.new, args.repeats, fuse=False)
+        sep_seconds, _, _, _ = ours(family, module, params, tokens,
+                                    args.new, args.repeats, fuse=False)
         row += (f" {batch * args.new / sep_seconds:>9,.0f}"
                 f" {sep_seconds / seconds:>9.2f}")
       print(row)
@@ -267,7 +272,7 @@ def main(args):
       # steps, counted per decode step.
       lines = bench_common.kernel_profile(
           lambda n: [jax.block_until_ready(run()) for _ in range(n)], 1,
-          "decode step", units_per_call=args.new)
+          "decode step", units_per_call=args.new, hlo=hlo)
       print(f"{family} at batch {batch}, one call traced:")
       print("\n".join("  " + line for line in lines))
   sys.stdout.flush()
