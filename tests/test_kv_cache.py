@@ -441,6 +441,25 @@ def test_decode_steps_read_the_weights_cast_once(family):
   assert _loop_param_casts(hlo, loop, shapes) == []
 
 
+def _one_decode_call(model):
+  """(random float32 parameters, call(params) -> logits) of one decode call
+  of `model` on two prompts: a T5's BOS step over the encoded prompts, a
+  decoder-only model's prefill of the left-padded prompts."""
+  tokens = np.array([[0, 5, 9, 12], [7, 3, 8, 2]], np.int32)
+  if isinstance(model, t5.T5):
+    params = random_params(model, tokens, tokens[:, :2], seed=3)
+    encoded = model.apply({"params": params}, tokens, method=model.encode)
+    return params, lambda p: model.apply(
+        {"params": p}, encoded, tokens, tokens[:, :1] * 0, 0, 4,
+        method=model.decode_step, mutable=["cache"])[0]
+  mask = (tokens > 0).astype(np.int32)
+  positions = layers.positions_from_mask(mask)
+  params = random_params(model, tokens, positions, mask, seed=3)
+  return params, lambda p: model.apply(
+      {"params": p}, tokens, positions, mask, 0, method=model.decode_step,
+      mutable=["cache"])[0]
+
+
 def _cast_and_kept(params, reads):
   cast = layers.cast_read_params(params, reads)
   paths = lambda keep: sorted(
@@ -460,19 +479,11 @@ def test_weights_cast_once_give_the_same_logits(name):
   LayerNorm, T5's tied embedding (its logits are float32, as t5x's) and
   t5x decoder-only's, the T5 relative-position tables."""
   from jaxrlhf.models import gemma3  # pylint: disable=g-import-not-at-top
-  tokens = np.array([[0, 5, 9, 12], [7, 3, 8, 2]], np.int32)
-  mask = (tokens > 0).astype(np.int32)
-  positions = layers.positions_from_mask(mask)
   if name == "t5_tied":
     model = t5.T5(t5.t5_config("tiny", vocab_size=32, dtype="bfloat16",
                                logits_via_embedding=True))
-    params = random_params(model, tokens, tokens[:, :2], seed=3)
-    encoded = model.apply({"params": params}, tokens, method=model.encode)
-    call = lambda p: model.apply(
-        {"params": p}, encoded, tokens, tokens[:, :1] * 0, 0, 4,
-        method=model.decode_step, mutable=["cache"])[0]
   else:
-    config = {
+    model = models.module_for_config({
         "llama_scanned": llama.LlamaConfig.preset(
             "tiny", vocab_size=32, scan_layers=True, dtype="bfloat16"),
         "gemma3": gemma3.Gemma3Config.preset("tiny", vocab_size=32,
@@ -482,12 +493,8 @@ def test_weights_cast_once_give_the_same_logits(name):
         "t5x_decoder_only": dataclasses.replace(
             t5x_do.T5X_DECODER_ONLY_PRESETS["tiny"], vocab_size=32,
             logits_via_embedding=False, dtype="bfloat16"),
-    }[name]
-    model = models.module_for_config(config)
-    params = random_params(model, tokens, positions, mask, seed=3)
-    call = lambda p: model.apply(
-        {"params": p}, tokens, positions, mask, 0, method=model.decode_step,
-        mutable=["cache"])[0]
+    }[name])
+  params, call = _one_decode_call(model)
   with layers.recording_param_reads() as reads:
     want = np.asarray(jax.jit(call)(params).astype(jnp.float32))
   cast, narrowed, kept = _cast_and_kept(params, reads)
@@ -695,25 +702,10 @@ def test_joined_projections_compute_what_separate_ones_do(name):
   biases on a scanned stack's [layers, ...] parameters, T5's joined-kv
   self-attention kernels; and each gated MLP."""
   from jaxrlhf.models import qwen2  # pylint: disable=g-import-not-at-top
-  tokens = np.array([[0, 5, 9, 12], [7, 3, 8, 2]], np.int32)
-  mask = (tokens > 0).astype(np.int32)
-  positions = layers.positions_from_mask(mask)
-  if name == "t5":
-    model = t5.T5(T5_CONFIG)
-    params = random_params(model, tokens, tokens[:, :2], seed=3)
-    encoded = model.apply({"params": params}, tokens, method=model.encode)
-    call = lambda p: model.apply(
-        {"params": p}, encoded, tokens, tokens[:, :1] * 0, 0, 4,
-        method=model.decode_step, mutable=["cache"])[0]
-  else:
-    config = (llama.LlamaConfig.preset("tiny", vocab_size=32) if name ==
-              "llama" else qwen2.Qwen2Config.preset("tiny", vocab_size=32,
-                                                    scan_layers=True))
-    model = models.module_for_config(config)
-    params = random_params(model, tokens, positions, mask, seed=3)
-    call = lambda p: model.apply(
-        {"params": p}, tokens, positions, mask, 0, method=model.decode_step,
-        mutable=["cache"])[0]
+  model = t5.T5(T5_CONFIG) if name == "t5" else models.module_for_config(
+      llama.LlamaConfig.preset("tiny", vocab_size=32) if name == "llama"
+      else qwen2.Qwen2Config.preset("tiny", vocab_size=32, scan_layers=True))
+  params, call = _one_decode_call(model)
   with layers.recording_param_fusions() as fusions:
     want = np.asarray(jax.jit(call)(params))
   joined = layers.fuse_projections(params, fusions)
