@@ -701,7 +701,8 @@ class Attention(nn.Module):
                         dtype=self.dtype, name="out")(out)
 
   def param_fusions(self, method: str):
-    """The projections `fuse_projections` may join (`recording_param_reads`)."""
+    """The projections `fuse_projections` may join
+    (`recording_param_fusions`)."""
     return (FUSED_QKV,) if method == "__call__" else ()
 
 
@@ -921,8 +922,8 @@ class T5Attention(nn.Module):
                         name="out")(out)
 
   def param_fusions(self, method: str):
-    """The projections `fuse_projections` may join (`recording_param_reads`):
-    a self-attention's query, key and value."""
+    """The projections `fuse_projections` may join
+    (`recording_param_fusions`): a self-attention's query, key and value."""
     return ((FUSED_T5_QKV,) if method == "__call__" and self.self_attention
             else ())
 
@@ -1008,8 +1009,8 @@ class Mlp(nn.Module):
     return tuple(f"wi_{i}" for i in range(len(self.activations)))
 
   def param_fusions(self, method: str):
-    """The projections `fuse_projections` may join (`recording_param_reads`):
-    the gated MLP's input projections."""
+    """The projections `fuse_projections` may join
+    (`recording_param_fusions`): the gated MLP's input projections."""
     if method != "__call__" or len(self.activations) == 1:
       return ()
     return (Fusion(FUSED_WI, self._input_names(), stack=True),)
@@ -1168,6 +1169,7 @@ FUSED_QKV = Fusion("fused_qkv", ("query", "key", "value"),
                    unsplit=("heads", "kv_heads"))
 FUSED_T5_QKV = Fusion("fused_qkv", ("query", "key", "value"), axis=-1,
                       unsplit=("joined_kv",))
+# A gated MLP's joined input projections (their number is its activations').
 FUSED_WI = "fused_wi"
 # The parameters of a projection that can be joined: a member with any
 # other (LoRA's factors) keeps its group separate.
@@ -1229,9 +1231,9 @@ def fuse_projections(params, fusions, cast_from=None):
                or not hasattr(parts[0][n], "dtype") for n in names)
         or not _unsplit(fusion.unsplit)):
       return node
-    if before is not None and any(
+    if cast_from is not None and (before is None or any(
         before[m][n].dtype == node[m][n].dtype for m in fusion.members
-        for n in names):
+        for n in names)):
       return node
     def join(xs):
       if fusion.stack:
