@@ -1,12 +1,17 @@
 """Math answers: extraction by style and the math-verify reward, checked
 against what the math is (1/2 = 0.5, sqrt(4) = 2, (x+1)^2 = x^2+2x+1)."""
 
+import subprocess
+import sys
+import textwrap
 import threading
 
 import pytest
 
+from conftest import REPO, quiet_env
 from jaxrlhf.rewards import host
 from jaxrlhf.rewards import math_answer
+from jaxrlhf.rewards import verifier_process
 
 extract = math_answer.extract_answer
 
@@ -135,3 +140,42 @@ def test_math_verify_timeout_needs_the_main_thread_and_is_turned_off_elsewhere()
                       timeout_s=60)
   assert scored.skipped == {}
   assert [None if v != v else float(v) for v in scored.values] == direct
+
+
+def test_an_answer_sympy_cannot_finish_scores_0_and_the_run_goes_on():
+  """\\boxed{10^{10^{10}}} asks sympy for a ten-billion-digit integer. In a
+  worker thread (host.score's), where math-verify's own limit is off, that
+  computation holds the interpreter's lock: the whole process stopped,
+  host.score's time limit included. The reward compares in its verifier
+  process, whose main thread keeps math-verify's limit: that row scores 0
+  after about verify_timeout_s, the others as they should. In a subprocess,
+  so that a regression fails the test instead of hanging the suite."""
+  code = textwrap.dedent(r"""
+      from jaxrlhf.rewards import host, math_answer
+      reward = math_answer.make_math_answer_reward(verify_timeout_s=1)
+      scored = host.score(
+          reward, "math", ["p"] * 3,
+          [r"\boxed{5}", r"\boxed{10^{10^{10}}}", r"\boxed{\frac{10}{2}}"],
+          {"answer": ["5"] * 3}, timeout_s=60)
+      print(scored.values.tolist(), scored.skipped)
+  """)
+  result = subprocess.run([sys.executable, "-c", code], capture_output=True,
+                          text=True, timeout=120, cwd=REPO, env=quiet_env())
+  assert result.returncode == 0, result.stderr[-2000:]
+  assert result.stdout.splitlines()[-1] == "[1.0, 0.0, 1.0] {}", (
+      result.stdout)
+
+
+def test_a_row_over_its_limit_is_wrong_and_a_fresh_verifier_answers_the_rest():
+  """The parent's own limit, for a comparison math-verify does not end: the
+  child is killed on that row, which counts as a wrong answer, and a new
+  child compares the rows after it."""
+  verifier = verifier_process.VerifierProcess(verify_timeout_s=60,
+                                              row_limit_s=1)
+  try:
+    equal, timed_out = verifier.compare([
+        ("5", "5"), ("10^{10^{10}}", "5"), ("\\frac{10}{2}", "5"),
+        ("6", "5")])
+  finally:
+    verifier.close()
+  assert (equal, timed_out) == ([True, False, True, False], 1)

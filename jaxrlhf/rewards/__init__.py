@@ -27,7 +27,9 @@ wrong counts, non-numbers, exceptions; `host.HostScores`), and
 Built-in functions:
 * `math_answer.make_math_answer_reward` / `math_answer.math_answer_reward`:
   1 when the completion's final answer equals the reference answer
-  symbolically (`math-verify`), else 0.
+  symbolically (`math-verify`), else 0; compared in a process of its own
+  with a time limit per row (`verifier_process`), so that an answer sympy
+  cannot evaluate scores 0 instead of stopping the run.
 * `text_rewards.make_regex_reward` (format rewards) and
   `text_rewards.make_length_reward`.
 * `code_execution.make_code_reward`: the fraction of a row's unit tests the

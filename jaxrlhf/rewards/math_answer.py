@@ -17,10 +17,13 @@ solution, the number after `####` of a GSM8K answer, else the whole text
 
 Timeouts. math-verify limits its own parsing and comparing time with
 `signal.alarm`, which works only in the main thread (elsewhere it raises).
-Called from the main thread, these functions keep that limit
-(`verify_timeout_s`); from any other thread (`host.score` runs reward
-functions in a worker thread) they turn it off, and the caller's time
-limit is the one that applies.
+`answers_match` keeps that limit (`verify_timeout_s`) in the main thread
+and turns it off in any other. The reward function compares in a process
+of its own (`verifier_process`), in that process's main thread, and waits
+for each row a bounded time: a completion whose answer sympy would take
+hours to evaluate (or that holds the interpreter's lock in one C call, as
+"\\boxed{10^{10^{10}}}" does) scores 0, as math-verify's own timeout
+scores it, and the run goes on.
 """
 
 import functools
@@ -31,6 +34,8 @@ from typing import Callable, List, Optional, Sequence
 
 from jaxrlhf import answers
 from jaxrlhf import checks
+from jaxrlhf import console
+from jaxrlhf.rewards import verifier_process
 
 # The extraction is `jaxrlhf.answers`' (one reading of answers for the data
 # layouts and the rewards); re-exported here with the reward.
@@ -84,6 +89,13 @@ def answers_match(answer: str, reference: str, *,
   return bool(_math_verify().verify(gold, guess, timeout_seconds=timeout))
 
 
+@functools.lru_cache(maxsize=None)
+def _verifier(verify_timeout_s: int) -> verifier_process.VerifierProcess:
+  """One verifier process per limit, shared by the reward functions (its
+  child starts at the first comparison)."""
+  return verifier_process.VerifierProcess(verify_timeout_s)
+
+
 def _reference_text(value, row: int, column: str) -> Optional[str]:
   if value is None:
     return None
@@ -110,8 +122,9 @@ def make_math_answer_reward(answer_column: str = "answer",
     style: how a completion's answer is found (`STYLES`); "regex" when a
       pattern is given.
     pattern: a regex with one group around the answer.
-    verify_timeout_s: math-verify's own limit per parse or comparison, in
-      the main thread only (module docstring).
+    verify_timeout_s: math-verify's own limit per parse or comparison (in
+      the verifier process; a row waits at most three of them and 5 s
+      more: module docstring).
   """
   where = "make_math_answer_reward"
   if pattern is not None:
@@ -126,6 +139,8 @@ def make_math_answer_reward(answer_column: str = "answer",
     raise ValueError(f"{where}: answer_column={answer_column!r} must be a "
                      "column name (a Python identifier).")
 
+  verifier = _verifier(int(verify_timeout_s))
+
   def math_answer_reward(prompts: Sequence[str], completions: Sequence[str],
                          **columns) -> List[Optional[float]]:
     del prompts  # The answer alone decides.
@@ -135,24 +150,28 @@ def make_math_answer_reward(answer_column: str = "answer",
           f"(their columns: {sorted(columns)}); set answer_column to the "
           "column that holds the reference answers.")
     references = columns[answer_column]
-    matches = {}  # The samples of one prompt share its reference.
+    keys = []  # (answer, reference) per row; None: no comparison.
     scores = []
     for row, (completion, value) in enumerate(zip(completions, references)):
       reference = _reference_text(value, row, answer_column)
       gold = reference_answer(reference) if reference is not None else None
-      if gold is None:
-        scores.append(None)
-        continue
-      answer = extract_answer(completion, style,
-                              pattern if style == "regex" else None)
-      if answer is None:
-        scores.append(0.0)
-        continue
-      key = (gold, answer)
-      if key not in matches:
-        matches[key] = answers_match(answer, gold,
-                                   verify_timeout_s=verify_timeout_s)
-      scores.append(1.0 if matches[key] else 0.0)
+      answer = None if gold is None else extract_answer(
+          completion, style, pattern if style == "regex" else None)
+      scores.append(None if gold is None else 0.0)
+      keys.append(None if answer is None else (answer, gold))
+    # The samples of one prompt share its reference: each distinct pair is
+    # compared once.
+    distinct = sorted({k for k in keys if k is not None})
+    if distinct:
+      equal, timed_out = verifier.compare(distinct)
+      if timed_out:
+        console.log(
+            f"Math answer reward: {timed_out} comparison(s) took longer "
+            f"than {verifier.row_limit_s:g} s and score as wrong answers "
+            "(the verifier process was restarted).")
+      matches = dict(zip(distinct, equal))
+      scores = [score if key is None else float(matches[key])
+                for score, key in zip(scores, keys)]
     return scores
 
   return math_answer_reward

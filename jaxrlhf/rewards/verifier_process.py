@@ -1,0 +1,158 @@
+"""Math answers compared in a process of their own, each with a time limit.
+
+math-verify bounds its parsing and comparing with `signal.alarm`, which
+works only in a process's main thread, and only between Python bytecodes.
+A host reward runs in a worker thread (`rewards.host`), where that limit is
+off, and a completion such as "\\boxed{10^{10^{10}}}" then makes sympy
+compute a ten-billion-digit integer in one C call that holds the
+interpreter's lock: the whole training process stops, its own time limits
+included. So the comparisons run in a child process, in its main thread
+(where math-verify's limit applies), and the parent waits for each row's
+answer at most `row_limit_s` seconds; a row that takes longer scores as a
+wrong answer (as math-verify's own timeout does), the child is killed and
+a fresh one answers the remaining rows.
+
+  verifier = VerifierProcess(verify_timeout_s=5)
+  equal, timed_out = verifier.compare([(answer, reference), ...])
+
+The child is `python -m jaxrlhf.rewards.verifier_process <seconds>`: it
+reads one JSON list of [answer, reference] pairs per line on its standard
+input and writes one JSON boolean per pair on its own protocol stream (its
+standard output; what the libraries print goes to /dev/null); it ends when
+its input closes, so it never outlives the parent.
+"""
+
+import atexit
+import json
+import os
+import select
+import subprocess
+import sys
+import threading
+import time
+from typing import List, Optional, Sequence, Tuple
+
+# The child's own start (its interpreter, math-verify, sympy), waited for
+# before the first row.
+_START_LIMIT_S = 120.0
+
+
+class VerifierProcess:
+  """A child process comparing math answers (module docstring); started on
+  the first comparison, restarted after a row that overran its limit."""
+
+  def __init__(self, verify_timeout_s: int = 5,
+               row_limit_s: Optional[float] = None):
+    """verify_timeout_s: math-verify's limit per parse or comparison, in the
+    child. row_limit_s: the most seconds the parent waits for one row's
+    answer (default: the three limits of a row's two parses and its
+    comparison, plus 5 s)."""
+    self.verify_timeout_s = int(verify_timeout_s)
+    self.row_limit_s = (3.0 * self.verify_timeout_s + 5.0
+                        if row_limit_s is None else float(row_limit_s))
+    self._child = None
+    self._pending = b""  # What the child wrote after the last line read.
+    self._lock = threading.Lock()
+    atexit.register(self.close)
+
+  def _start(self) -> None:
+    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    self._child = subprocess.Popen(
+        [sys.executable, "-m", __name__, str(self.verify_timeout_s)],
+        stdin=subprocess.PIPE, stdout=subprocess.PIPE,
+        stderr=subprocess.DEVNULL, env=env)
+    if self._read(_START_LIMIT_S) != "ready":
+      self.close()
+      raise RuntimeError(
+          "math answer reward: the verifier process (python -m "
+          f"{__name__}) did not start within {_START_LIMIT_S:g} s.")
+
+  def _read(self, limit_s: float) -> Optional[str]:
+    """The child's next line within limit_s seconds, or None (also when it
+    ended)."""
+    deadline = time.monotonic() + limit_s
+    fd = self._child.stdout.fileno()
+    while b"\n" not in self._pending:
+      left = deadline - time.monotonic()
+      ready, _, _ = select.select([fd], [], [], max(left, 0.0))
+      if not ready:
+        return None
+      chunk = os.read(fd, 4096)
+      if not chunk:
+        return None
+      self._pending += chunk
+    line, self._pending = self._pending.split(b"\n", 1)
+    return line.decode().strip()
+
+  def close(self) -> None:
+    """Ends the child (killed: it may be inside a computation that does not
+    return)."""
+    child, self._child = self._child, None
+    self._pending = b""
+    if child is None:
+      return
+    child.kill()
+    child.wait()
+    for stream in (child.stdin, child.stdout):
+      try:
+        stream.close()
+      except OSError:
+        pass
+
+  def compare(self, pairs: Sequence[Tuple[str, str]]
+              ) -> Tuple[List[bool], int]:
+    """([whether each (answer, reference) pair is equal as math], the number
+    of rows that overran row_limit_s and count as not equal)."""
+    equal = [False] * len(pairs)
+    timed_out = 0
+    start = 0
+    with self._lock:
+      while start < len(pairs):
+        if self._child is None or self._child.poll() is not None:
+          self.close()
+          self._start()
+        try:
+          self._child.stdin.write(
+              (json.dumps([list(p) for p in pairs[start:]]) + "\n").encode())
+          self._child.stdin.flush()
+        except BrokenPipeError:
+          self.close()
+          continue  # Started again above.
+        for row in range(start, len(pairs)):
+          line = self._read(self.row_limit_s)
+          if line not in ("true", "false"):
+            # Overran its limit, or the child died on it (a memory error):
+            # a wrong answer, and a fresh child for the rest.
+            self.close()
+            timed_out += 1
+            start = row + 1
+            break
+          equal[row] = line == "true"
+        else:
+          start = len(pairs)
+    return equal, timed_out
+
+
+def _serve(verify_timeout_s: int) -> None:
+  """The child's loop (module docstring)."""
+  protocol = os.fdopen(os.dup(1), "w")
+  devnull = os.open(os.devnull, os.O_WRONLY)
+  os.dup2(devnull, 1)  # What math-verify and sympy print.
+  sys.stdout = open(os.devnull, "w")
+  from jaxrlhf.rewards import math_answer  # pylint: disable=g-import-not-at-top
+  math_answer._math_verify()  # pylint: disable=protected-access
+  protocol.write("ready\n")
+  protocol.flush()
+  for line in sys.stdin:
+    for answer, reference in json.loads(line):
+      try:
+        equal = math_answer.answers_match(
+            answer, reference, verify_timeout_s=verify_timeout_s)
+      except Exception:  # pylint: disable=broad-except
+        equal = False
+      protocol.write("true\n" if equal else "false\n")
+      protocol.flush()
+
+
+if __name__ == "__main__":
+  _serve(int(sys.argv[1]))
