@@ -129,8 +129,9 @@ def test_math_verify_timeout_needs_the_main_thread_and_is_turned_off_elsewhere()
   thread.start()
   thread.join()
   assert errors and "threaded environment" in errors[0]
-  # ...so the reward turns it off there: in host.score's worker thread it
-  # gives the same rewards as in the main thread.
+  # ...so the reward compares in a process of its own, in that process's
+  # main thread (verifier_process): in host.score's worker thread it gives
+  # the same rewards as in the main thread.
   completions = [c for c, _, _ in CASES]
   answers = [a for _, a, _ in CASES]
   direct = math_answer.math_answer_reward(["p"] * len(CASES), completions,
