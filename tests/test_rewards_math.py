@@ -177,6 +177,13 @@ def test_a_row_over_its_limit_is_wrong_and_a_fresh_verifier_answers_the_rest():
     equal, timed_out = verifier.compare([
         ("5", "5"), ("10^{10^{10}}", "5"), ("\\frac{10}{2}", "5"),
         ("6", "5")])
+    # The fresh child runs with its address space bounded (a value sympy
+    # would build in memory fails there, not in the host's memory).
+    limits = open(f"/proc/{verifier._child.pid}/limits").read()  # pylint: disable=protected-access
   finally:
     verifier.close()
   assert (equal, timed_out) == ([True, False, True, False], 1)
+  address_space = next(line for line in limits.splitlines()
+                       if line.startswith("Max address space"))
+  assert address_space.split()[3] == str(
+      verifier_process._MEMORY_LIMIT_BYTES), address_space  # pylint: disable=protected-access

@@ -7,10 +7,10 @@ off, and a completion such as "\\boxed{10^{10^{10}}}" then makes sympy
 compute a ten-billion-digit integer in one C call that holds the
 interpreter's lock: the whole training process stops, its own time limits
 included. So the comparisons run in a child process, in its main thread
-(where math-verify's limit applies), and the parent waits for each row's
-answer at most `row_limit_s` seconds; a row that takes longer scores as a
-wrong answer (as math-verify's own timeout does), the child is killed and
-a fresh one answers the remaining rows.
+(where math-verify's limit applies), with a bounded address space, and the
+parent waits for each row's answer at most `row_limit_s` seconds; a row
+that takes longer scores as a wrong answer (as math-verify's own timeout
+does), the child is killed and a fresh one answers the remaining rows.
 
   verifier = VerifierProcess(verify_timeout_s=5)
   equal, timed_out = verifier.compare([(answer, reference), ...])
@@ -35,6 +35,11 @@ from typing import List, Optional, Sequence, Tuple
 # The child's own start (its interpreter, math-verify, sympy), waited for
 # before the first row.
 _START_LIMIT_S = 120.0
+# The child's address space: an answer whose value sympy would build in
+# memory (a huge power) fails there with a MemoryError, a wrong answer,
+# instead of taking the host's memory from the training process. A
+# comparison takes about 120 MB.
+_MEMORY_LIMIT_BYTES = 4 << 30
 
 
 class VerifierProcess:
@@ -56,7 +61,10 @@ class VerifierProcess:
     atexit.register(self.close)
 
   def _start(self) -> None:
-    env = dict(os.environ, PYTHONUNBUFFERED="1")
+    # One thread for the numerical libraries: the child needs none, and
+    # their per-thread buffers would count against its memory limit.
+    env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1",
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
     self._child = subprocess.Popen(
         [sys.executable, "-m", __name__, str(self.verify_timeout_s)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
@@ -135,6 +143,9 @@ class VerifierProcess:
 
 def _serve(verify_timeout_s: int) -> None:
   """The child's loop (module docstring)."""
+  import resource  # pylint: disable=g-import-not-at-top
+  resource.setrlimit(resource.RLIMIT_AS,
+                     (_MEMORY_LIMIT_BYTES, _MEMORY_LIMIT_BYTES))
   protocol = os.fdopen(os.dup(1), "w")
   devnull = os.open(os.devnull, os.O_WRONLY)
   os.dup2(devnull, 1)  # What math-verify and sympy print.
@@ -149,7 +160,7 @@ def _serve(verify_timeout_s: int) -> None:
         equal = math_answer.answers_match(
             answer, reference, verify_timeout_s=verify_timeout_s)
       except Exception:  # pylint: disable=broad-except
-        equal = False
+        equal = False  # A MemoryError included (_MEMORY_LIMIT_BYTES).
       protocol.write("true\n" if equal else "false\n")
       protocol.flush()
 
