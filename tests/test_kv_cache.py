@@ -755,11 +755,12 @@ def test_the_decode_loop_reads_joined_projections_where_it_casts(
                                                        products)
 
 
-def test_projections_stay_apart_under_lora_or_split_heads():
+def test_projections_stay_apart_under_lora_or_a_tensor_parallel_mesh():
   """A group joins only where every member is a plain kernel (and bias):
   LoRA's factors on the query keep q/k/v apart while the MLP joins; a mesh
-  that splits the heads keeps q/k/v apart (the key/value heads need not
-  split like the query heads), and the MLP, stacked on a new axis, joins."""
+  whose model axis splits the heads and the MLP keeps both apart (the
+  key/value heads need not split like the query heads); a data axis alone
+  splits neither."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
   model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=32))
@@ -802,7 +803,7 @@ def test_projections_stay_apart_under_lora_or_split_heads():
   assert "lora_a" in block(fused)["self_attention"]["query"]
 
   for shape, expected in (((2, 1), ["fused_qkv", "fused_wi"]),
-                          ((1, 2), ["fused_wi"])):
+                          ((1, 2), [])):
     mesh = jax.sharding.AbstractMesh(shape, ("data", "model"))
     with jax.sharding.use_abstract_mesh(mesh), \
         nn.logical_axis_rules(sharding.STANDARD_RULES):

@@ -383,9 +383,9 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       one matrix, built once after the prefill where the weights are cast
       to a narrower compute dtype (float32 parameters of a bfloat16
       model), in the cast copies' place (`layers.fuse_projections`; not
-      where LoRA adapters sit on them or a mesh splits the heads). The same
-      products, rounded perhaps in another order; False reads them apart
-      (for comparison).
+      where LoRA adapters sit on them or a tensor-parallel mesh splits the
+      heads or the MLP). The same products, rounded perhaps in another
+      order; False reads them apart (for comparison).
   Returns:
     Samples with [batch * num_samples, max_new_tokens] tokens (no BOS; EOS
     kept, then 0), log-probs, mask, [batch * num_samples] has_eos and
