@@ -187,3 +187,14 @@ def test_a_row_over_its_limit_is_wrong_and_a_fresh_verifier_answers_the_rest():
                        if line.startswith("Max address space"))
   assert address_space.split()[3] == str(
       verifier_process._MEMORY_LIMIT_BYTES), address_space  # pylint: disable=protected-access
+
+
+def test_a_verifier_that_cannot_start_is_named(monkeypatch):
+  """A child that exits as it starts stops the reward with a line that says
+  so and what to run, instead of a wait."""
+  monkeypatch.setattr(verifier_process.sys, "executable", "/bin/false")
+  verifier = verifier_process.VerifierProcess(verify_timeout_s=1)
+  with pytest.raises(RuntimeError, match=r"the verifier process \(python -m "
+                     r"jaxrlhf.rewards.verifier_process\) exited with status "
+                     r"1 as it started; run that command"):
+    verifier.compare([("1", "1")])

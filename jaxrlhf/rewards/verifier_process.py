@@ -63,17 +63,23 @@ class VerifierProcess:
   def _start(self) -> None:
     # One thread for the numerical libraries: the child needs none, and
     # their per-thread buffers would count against its memory limit.
+    # The parent's import path, so that the child finds this package however
+    # the parent did (installed, or a path added at run time).
     env = dict(os.environ, PYTHONUNBUFFERED="1", OPENBLAS_NUM_THREADS="1",
-               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1")
+               OMP_NUM_THREADS="1", MKL_NUM_THREADS="1",
+               PYTHONPATH=os.pathsep.join(p for p in sys.path if p))
     self._child = subprocess.Popen(
         [sys.executable, "-m", __name__, str(self.verify_timeout_s)],
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, env=env)
     if self._read(_START_LIMIT_S) != "ready":
+      status = self._child.poll()
       self.close()
       raise RuntimeError(
-          "math answer reward: the verifier process (python -m "
-          f"{__name__}) did not start within {_START_LIMIT_S:g} s.")
+          f"math answer reward: the verifier process (python -m {__name__}) "
+          + (f"exited with status {status} as it started; run that command "
+             "to see why." if status is not None else
+             f"did not start within {_START_LIMIT_S:g} s."))
 
   def _read(self, limit_s: float) -> Optional[str]:
     """The child's next line within limit_s seconds, or None (also when it
