@@ -73,7 +73,10 @@ class VerifierProcess:
         stdin=subprocess.PIPE, stdout=subprocess.PIPE,
         stderr=subprocess.DEVNULL, env=env)
     if self._read(_START_LIMIT_S) != "ready":
-      status = self._child.poll()
+      try:  # It closed its output as it exited, or it is still starting.
+        status = self._child.wait(timeout=5)
+      except subprocess.TimeoutExpired:
+        status = None
       self.close()
       raise RuntimeError(
           f"math answer reward: the verifier process (python -m {__name__}) "
