@@ -1230,10 +1230,12 @@ def fuse_projections(params, fusions, cast_from=None):
     if fusion.name in node or not all(hasattr(p, "keys") for p in parts):
       return node
     names = set(parts[0].keys())
-    if (not names <= _JOINABLE or any(set(p.keys()) != names for p in parts)
-        or any(len({getattr(p[n], "dtype", None) for p in parts}) != 1
-               or not hasattr(parts[0][n], "dtype") for n in names)
-        or not _unsplit(fusion.unsplit)):
+    if not names <= _JOINABLE or any(set(p.keys()) != names for p in parts):
+      return node
+    # One array dtype per parameter name (a boxed leaf has none).
+    dtypes = [{getattr(p[n], "dtype", None) for p in parts} for n in names]
+    if any(len(d) != 1 or None in d for d in dtypes) or not _unsplit(
+        fusion.unsplit):
       return node
     if cast_from is not None and (before is None or any(
         before[m][n].dtype == node[m][n].dtype for m in fusion.members
