@@ -15,6 +15,7 @@ take less than (parameter bytes + mean KV-cache bytes) / HBM bandwidth.
   python experiments/bench_sampling.py --families=t5 --batches=32 --threads=2
   python experiments/bench_sampling.py --no_transformers     # ours only
   python experiments/bench_sampling.py --separate  # + projections unjoined
+  python experiments/bench_sampling.py --new=1024 --segments=4  # + in chunks
 
 Needs torch and transformers for the comparison (`pip install
 torch==2.13.0 transformers`); without them (or with --no_transformers) only
@@ -56,6 +57,11 @@ def _parse():
                  "ones' speed-up over it (they join where the weights are "
                  "cast: --dtype=bfloat16; with float32 both are the same "
                  "program)")
+  p.add_argument("--segments", type=int, default=0,
+                 help="also time ours with the decode steps in this many "
+                 "segments, each step reading the KV cache written so far "
+                 "(sampling's cache_segments; ours reads the whole cache "
+                 "at every step), and print its speed-up (0: not)")
   p.add_argument("--profile", action="store_true",
                  help="trace one more call of our sampler at the largest "
                  "batch and print its kernels per decode step "
@@ -133,20 +139,20 @@ def prompts(family, batch, length, vocab, seed=1):
   return tokens
 
 
-def ours(family, module, params, tokens, new, repeats, fuse=True):
+def ours(family, module, params, tokens, new, repeats, **options):
   """(seconds per call, tokens, the call, its compiled program's text) of
-  our greedy sampler, EOS disabled (an id no model emits); `fuse`: its
-  fuse_projections."""
+  our greedy sampler, EOS disabled (an id no model emits); `options`: the
+  sampler's (fuse_projections, cache_segments)."""
   never = -1
   if family == "t5":
     sample = lambda p, x: sampling.sample_encoder_decoder(
         module, p, x, jax.random.PRNGKey(0), new, greedy=True,
-        eos_id=never, fuse_projections=fuse).tokens
+        eos_id=never, **options).tokens
   else:
     mask = np.ones_like(tokens)
     sample = lambda p, x: sampling.sample_decoder_only(
         module, p, x, mask, jax.random.PRNGKey(0), new, greedy=True,
-        eos_id=never, fuse_projections=fuse).tokens
+        eos_id=never, **options).tokens
   # Compiled here, so that a profile can name each kernel's JAX operation.
   compiled = jax.jit(sample).lower(params, tokens).compile()
   run = lambda: compiled(params, tokens)
@@ -229,6 +235,8 @@ def main(args):
             f"{'transformers':>13} {'ratio':>6} {'HBM bound':>10}")
   if args.separate:
     header += f" {'separate':>9} {'joined x':>9}"
+  if args.segments:
+    header += f" {f'{args.segments} segments':>11} {'segments x':>10}"
   print(header)
   print("-" * len(header))
   for family in args.families.split(","):
@@ -258,14 +266,24 @@ def main(args):
         bound = bandwidth_bound(config, params, batch, args.prompt, args.new,
                                 gbps)
         row += f" {bound / seconds:>9.0%}"
-      elif args.separate:
+      elif args.separate or args.segments:
         row += f" {'-':>10}"
       if args.separate:
         # The projections read one by one: fuse_projections' gain.
         sep_seconds, _, _, _ = ours(family, module, params, tokens,
-                                    args.new, args.repeats, fuse=False)
+                                    args.new, args.repeats,
+                                    fuse_projections=False)
         row += (f" {batch * args.new / sep_seconds:>9,.0f}"
                 f" {sep_seconds / seconds:>9.2f}")
+      if args.segments:
+        # The cache read in chunks as it is written: the segments' gain.
+        seg_seconds, seg_out, _, _ = ours(family, module, params, tokens,
+                                          args.new, args.repeats,
+                                          cache_segments=args.segments)
+        row += (f" {batch * args.new / seg_seconds:>11,.0f}"
+                f" {seconds / seg_seconds:>10.2f}")
+        if args.dtype == "float32" and not np.array_equal(seg_out, out):
+          row += "  (tokens differ from the whole cache's)"
       print(row)
     if args.profile:
       # The last batch's call again, traced: its prefill and `new` decode

@@ -4,6 +4,7 @@
 # cuDNN's attention 56 s, DPO with it 80 s, both at 4x the rows 60 and 79
 # s, the attention paths about 70 s, the decode step's products about 45
 # s, sampling 104 s (before the projections' comparison: ~140 s now),
+# sampling at 2048 new tokens not yet run (~120 s expected),
 # rollout 30 s, the online step 187 s; more than one
 # lent session's device time: split it over calls with --only, TensorFlow
 # installed between):
@@ -64,6 +65,12 @@
 #                    joined weights' speed-up, sampling.fuse_projections),
 #                    and the kernels of one traced call at batch 128 (per
 #                    decode step);
+#   sampling_long.txt
+#                    the same model at batch 64 for 2048 new tokens (a
+#                    reasoning rollout's length), every step reading the
+#                    whole KV cache, and the cache read in 4 segments
+#                    (each step reading the chunks written so far:
+#                    sampling's cache_segments) beside it;
 #   rollout.txt      experiments/bench_rollout.py: the same sampling with
 #                    the prompts repeated, the prefill shared, and stopping
 #                    when every row is done;
@@ -120,7 +127,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-BENCHMARKS="sft dpo sft_fused dpo_fused sft_fused_x4 dpo_fused_x4 attention decode_matmul sampling rollout online_step"
+BENCHMARKS="sft dpo sft_fused dpo_fused sft_fused_x4 dpo_fused_x4 attention decode_matmul sampling sampling_long rollout online_step"
 for name in ${ONLY//,/ }; do
   case " $BENCHMARKS " in
     *" $name "*) ;;
@@ -158,6 +165,8 @@ if [ "$SMOKE" = 1 ]; then
   FUSED=(--attention_impl=dot_product --no_trl)
   SAMPLING=(--size=tiny --families=llama --batches=2,4 --prompt=4 --new=4 --separate --dtype=bfloat16
             --vocab_size=128 --repeats=1 --profile)
+  SAMPLING_LONG=(--size=tiny --families=llama --batches=2 --prompt=4 --new=40
+                 --segments=4 --vocab_size=128 --repeats=1 --no_transformers)
   ONLINE=(--arch=llama --size=tiny --vocab_size=128 --prompts=2 --group=2
           --prompt=8 --new=8 --eos_prob=0.3 --repeats=1)
   ROLLOUT=(--families=llama --size=tiny --vocab_size=128 --prompts=2
@@ -170,7 +179,7 @@ if [ "$SMOKE" = 1 ]; then
   DECODE_MATMUL=(--smoke --profile)
   CAP_SFT=300 CAP_DPO=300 CAP_FUSED=200 CAP_SAMPLING=200 CAP_ONLINE=300
   CAP_ROLLOUT=200 CAP_ATTENTION=200 CAP_FUSED_DPO=200 CAP_FUSED_X4=200
-  CAP_FUSED_DPO_X4=200 CAP_DECODE_MATMUL=100
+  CAP_FUSED_DPO_X4=200 CAP_DECODE_MATMUL=100 CAP_SAMPLING_LONG=200
 else
   TRAIN_MODEL=(--arch=llama --size=tinyllama-1.1b --num_layers=8
                --vocab_size=32000 --dtype=bfloat16 --optimizer=adamw
@@ -183,6 +192,9 @@ else
   FUSED=(--attention_impl=dot_product_cudnn --no_trl)
   SAMPLING=(--size=large --families=llama --batches=64,128 --prompt=64 --separate
             --new=128 --dtype=bfloat16 --repeats=2 --profile)
+  SAMPLING_LONG=(--size=large --families=llama --batches=64 --prompt=64
+                 --new=2048 --segments=4 --dtype=bfloat16 --repeats=1
+                 --no_transformers)
   ONLINE=(--arch=llama --size=small --vocab_size=32128 --prompts=32 --group=8
           --prompt=64 --new=256 --eos_prob=0.05 --repeats=1)
   ROLLOUT=(--families=llama --size=small --vocab_size=32128 --prompts=32
@@ -191,7 +203,7 @@ else
   DECODE_MATMUL=(--profile)
   CAP_SFT=125 CAP_DPO=130 CAP_FUSED=70 CAP_SAMPLING=200 CAP_ONLINE=210
   CAP_ROLLOUT=50 CAP_ATTENTION=90 CAP_FUSED_DPO=100 CAP_FUSED_X4=90
-  CAP_FUSED_DPO_X4=120 CAP_DECODE_MATMUL=90
+  CAP_FUSED_DPO_X4=120 CAP_DECODE_MATMUL=90 CAP_SAMPLING_LONG=150
 fi
 
 SUMMARY="$OUT/summary.txt"
@@ -314,6 +326,8 @@ run decode_matmul "$CAP_DECODE_MATMUL" '^(device:|batch|(  *64|  *128|  *[0-9]) 
   "$PYTHON" experiments/bench_decode_matmul.py "${DECODE_MATMUL[@]}"
 run sampling "$CAP_SAMPLING" '^(device:|family|(t5|llama) +[0-9]|  kernels:|    by kind:)' "${SHARED_GPU[@]}" -- \
   "$PYTHON" experiments/bench_sampling.py "${SAMPLING[@]}"
+run sampling_long "$CAP_SAMPLING_LONG" '^(device:|family|llama +[0-9])' "${SHARED_GPU[@]}" -- \
+  "$PYTHON" experiments/bench_sampling.py "${SAMPLING_LONG[@]}"
 run rollout "$CAP_ROLLOUT" '^(device:|(t5|llama) |  +responses:)' -- \
   "$PYTHON" experiments/bench_rollout.py "${ROLLOUT[@]}"
 run online_step "$CAP_ONLINE" '^(device:|stop_when_done|sampling |host rewards |assemble(, no KL)? |updates |step \(split|fused|waiting on host)' -- \

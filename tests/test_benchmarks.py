@@ -104,7 +104,7 @@ def test_kernel_profile_busy_time_and_kinds():
 
 GPU_BENCHMARKS = ("sft", "dpo", "sft_fused", "dpo_fused", "sft_fused_x4",
                   "dpo_fused_x4", "attention", "decode_matmul", "sampling",
-                  "rollout", "online_step")
+                  "sampling_long", "rollout", "online_step")
 
 
 def _close(a, b, rel, absolute):
@@ -239,6 +239,17 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
   rows = re.findall(r"^llama\s+(\d+)\s+([\d,]+)\s", text["sampling"], re.M)
   assert [int(b) for b, _ in rows] == [2, 4], text["sampling"]
   assert all(_number(rate) > 0 for _, rate in rows)
+  # The long generation: the whole cache read at every step, then in 4
+  # segments, and the ratio of the two (whether their tokens agree is
+  # tests/test_kv_cache.py's to check, on models with clear margins).
+  assert "40 new tokens" in text["sampling_long"], text["sampling_long"]
+  long_rows = re.findall(r"^llama\s+2\s+([\d,]+)\s+-\s+-\s+-\s+([\d,]+)"
+                         r"\s+([\d.]+)(?:  \(tokens differ.*\))?$",
+                         text["sampling_long"], re.M)
+  assert len(long_rows) == 1, text["sampling_long"]
+  whole, segmented, ratio = long_rows[0]
+  assert _close(float(ratio), _number(segmented) / _number(whole), 0.011,
+                0.006), long_rows
   _check_online_step(text["online_step"])
   assert "waiting on host" in summary
   variants = {m[1]: int(m[2]) for m in re.finditer(

@@ -122,7 +122,8 @@ def _t5_logits(model, params, prompts, tokens):
 
 
 @pytest.mark.parametrize("options", [
-    dict(greedy=True), dict(temperature=0.8, top_k=6, top_p=0.95)])
+    dict(greedy=True), dict(temperature=0.8, top_k=6, top_p=0.95),
+    dict(greedy=True, cache_segments=3)])
 def test_t5_cached_sampling_matches_full_forward(t5_setup, options):
   model, params, prompts = t5_setup
   eos = 2  # a common token, so that some rows stop early
@@ -245,6 +246,8 @@ def _decoder_logits(model, params, prompts, prompt_mask, tokens):
 @pytest.mark.parametrize("name,options", [
     ("llama", dict(greedy=True)),
     ("llama_scanned", dict(temperature=1.3, top_p=0.9)),
+    # The cache in chunks, a scanned stack's too.
+    ("llama_scanned", dict(greedy=True, cache_segments=3)),
     ("gpt_neox", dict(greedy=True)),
     ("gpt_neox", dict(temperature=0.7, top_k=5)),
 ])
@@ -347,47 +350,123 @@ def test_greedy_matches_transformers_generate(name):
 # ----------------------------------------------------------------------------
 # A decode step reads the cache in place.
 
-def _whole_cache_rewrites(hlo_text, cache_elements):
-  """Copies and transposes inside the decode loop that are as large as a
-  layer's KV cache: what a decode step must not do (it writes only the new
+def _loop_computations(hlo_text):
+  """{name: its instruction lines} of the computations a compiled program
+  runs inside its while loops: the loops' bodies and conditions and what
+  they call, transitively."""
+  computations, name = {}, None
+  for line in hlo_text.splitlines():
+    header = re.match(r"(?:ENTRY )?%?([\w.\-]+) .*\{$", line)
+    if header and not line.startswith(" "):
+      name = header[1]
+      computations[name] = []
+    elif name is not None and line.startswith(" "):
+      computations[name].append(line)
+  called = lambda lines: {m for line in lines for m in re.findall(
+      r"(?:body|condition|calls|to_apply)=%?([\w.\-]+)", line)}
+  todo = {m for lines in computations.values() for line in lines
+          if " while(" in line
+          for m in re.findall(r"(?:body|condition)=%?([\w.\-]+)", line)}
+  inside = set()
+  while todo:
+    name = todo.pop()
+    if name in computations and name not in inside:
+      inside.add(name)
+      todo |= called(computations[name])
+  return {name: computations[name] for name in inside}
+
+
+def _cache_rewrites(hlo_text, batch, heads, head_dim, min_length):
+  """Copies and transposes inside the decode loops of arrays shaped like a
+  layer's KV cache (or a chunk of it), [batch, heads, length >= min_length,
+  head_dim]: what a decode step must not do (it writes only the new
   position, `update_kv_cache`)."""
   bad = []
-  for line in hlo_text.splitlines():
-    m = re.search(r"= \w+\[([\d,]+)\]\{[^}]*\} (copy|transpose)\(", line)
-    if not m or "while/body" not in line:
-      continue
-    if np.prod([int(d) for d in m[1].split(",")]) >= cache_elements:
-      bad.append(line.strip()[:160])
+  for lines in _loop_computations(hlo_text).values():
+    for line in lines:
+      m = re.search(r"= \w+\[(\d+),(\d+),(\d+),(\d+)\]\{[^}]*\} "
+                    r"(copy|transpose)\(", line)
+      if m and (int(m[1]), int(m[2]), int(m[4])) == (batch, heads, head_dim) \
+          and int(m[3]) >= min_length:
+        bad.append(line.strip()[:160])
   return bad
 
 
+def test_a_cache_in_chunks_is_written_and_read_chunk_by_chunk():
+  """`update_kv_cache` on a cache made in `kv_cache_chunks`: each call
+  writes into the chunk its length ends and returns the chunks up to it;
+  a length that does not end a chunk is refused."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+
+  class Cache(nn.Module):
+    @nn.compact
+    def __call__(self, new, index, length):
+      return layers.update_kv_cache(self, "key", new, index, length,
+                                    "kv_heads")
+  cache = Cache()
+  # [batch 1, L, heads 1, head_dim 2] of the value v.
+  rows = lambda v, length=1: jnp.full((1, length, 1, 2), v, jnp.float32)
+
+  def call(variables, value, index, length, positions=1):
+    read, variables = cache.apply(variables, rows(value, positions), index,
+                                  length, mutable=["cache"])
+    return [np.asarray(c)[0, 0, :, 0] for c in read], variables
+  with layers.kv_cache_chunks((3, 2)):
+    read, variables = call({}, 1.0, 0, 4, positions=4)  # the prefill
+  held = variables["cache"]["key"]
+  assert [c.shape[2] for c in held] == [4, 3, 2]
+  np.testing.assert_array_equal(read[0], [1, 1, 1, 1])
+  assert len(read) == 1
+  # Position 5 is the second chunk's second slot.
+  read, variables = call(variables, 5.0, 5, 7)
+  assert [len(c) for c in read] == [4, 3]
+  np.testing.assert_array_equal(read[1], [0, 5, 0])
+  read, variables = call(variables, 8.0, 8, 9)
+  np.testing.assert_array_equal(np.concatenate(read),
+                                [1, 1, 1, 1, 0, 5, 0, 0, 8])
+  with pytest.raises(ValueError, match="ending at \\[4, 7, 9\\].*must end"):
+    call(variables, 6.0, 6, 6)
+  # Outside kv_cache_chunks, one array: the whole cache.
+  read, variables = call({}, 2.0, 1, 3)
+  assert variables["cache"]["key"].shape == (1, 1, 3, 2)
+  np.testing.assert_array_equal(read[0], [0, 2, 0])
+
+
 @pytest.mark.parametrize("family", ["t5", "llama"])
-def test_decode_steps_do_not_copy_the_kv_cache(family):
+@pytest.mark.parametrize("segments", [1, 3])
+def test_decode_steps_do_not_copy_the_kv_cache(family, segments):
   """Laid out [batch, length, heads, head_dim], the cache of every layer
   was transposed (and copied) at every decode step, so sampling slowed with
   the cache's size, not with the new token (issue: T5's tokens/s did not
-  grow with batch)."""
+  grow with batch). Read in segments, each step reading a prefix, the cache
+  must not be copied either: a slice of one cache array that a step also
+  updates was copied whole at every step, so the cache is held in chunks."""
   batch, prompt, new = 4, 8, 16
   tokens = np.ones((batch, prompt), np.int32)
+  options = dict(greedy=True, cache_segments=segments)
   if family == "t5":
     config = t5.t5_config("tiny", vocab_size=64)
     model = t5.T5(config)
-    heads, head_dim, length = config.num_heads, config.head_dim, new
+    heads = config.num_heads
     params = random_params(model, tokens, tokens[:, :2])
     fn = lambda p, x: sampling.sample_encoder_decoder(
-        model, p, x, jax.random.PRNGKey(0), new, greedy=True).tokens
+        model, p, x, jax.random.PRNGKey(0), new, **options).tokens
   else:
     config = llama.LlamaConfig.preset("tiny")
     model = llama.Llama(config)
-    heads, head_dim = config.num_kv_heads, config.head_dim
-    length = prompt + new - 1
+    heads = config.num_kv_heads
     params = random_params(model, tokens, tokens, tokens)
     fn = lambda p, x: sampling.sample_decoder_only(
         model, p, x, jnp.ones_like(x), jax.random.PRNGKey(0), new,
-        greedy=True).tokens
+        **options).tokens
   hlo = jax.jit(fn).lower(params, tokens).compile().as_text()
-  assert "while/body" in hlo  # the decode loop is there to inspect
-  assert _whole_cache_rewrites(hlo, batch * heads * length * head_dim) == []
+  loops = _loop_computations(hlo)
+  assert loops and any("dot(" in line or "fusion(" in line
+                       for lines in loops.values() for line in lines)
+  # The shortest chunk: a later segment's steps.
+  ends = sampling.segment_ends(new, segments)
+  shortest = min(b - a for a, b in zip((0,) + ends[:-1], ends))
+  assert _cache_rewrites(hlo, batch, heads, config.head_dim, shortest) == []
 
 
 # ----------------------------------------------------------------------------
@@ -591,6 +670,12 @@ def test_shared_prefill_and_early_stop_equal_repeated_prompts(
                                      greedy=greedy)
       out[greedy, "shared_until_done"] = sample(
           p, prompts, num_samples=GROUP, stop_when_done=True, greedy=greedy)
+      # The steps in 3 segments, the cache in 3 chunks.
+      out[greedy, "segments"] = sample(p, prompts, num_samples=GROUP,
+                                       cache_segments=3, greedy=greedy)
+      out[greedy, "segments_until_done"] = sample(
+          p, prompts, num_samples=GROUP, stop_when_done=True,
+          cache_segments=3, greedy=greedy)
     return out
 
   for greedy in (True, False):
@@ -619,6 +704,17 @@ def test_shared_prefill_and_early_stop_equal_repeated_prompts(
       assert early.num_steps == (last_eos + 1 if ended.all() else BUDGET)
       if bias:
         assert early.num_steps < BUDGET
+      # Segments read the cache written so far: the same draws, the
+      # log-probs to float32 rounding (shorter sums), the same steps run
+      # (segments after the last EOS's run none).
+      for name, like in (("segments", shared),
+                         ("segments_until_done", early)):
+        got = out[greedy, name]
+        np.testing.assert_array_equal(got.tokens, like.tokens)
+        np.testing.assert_allclose(got.logprobs, like.logprobs, atol=1e-5)
+        np.testing.assert_array_equal(got.mask, like.mask)
+        np.testing.assert_array_equal(got.has_eos, like.has_eos)
+        assert got.num_steps == like.num_steps, name
 
 
 @pytest.mark.parametrize("family", ["t5", "llama"])
@@ -654,10 +750,38 @@ def test_shared_prefill_saves_the_prefill_flops(family, group_sampling):
   assert shared == repeated - (GROUP - 1) * one_prefill
   assert count(prompts, num_samples=GROUP, stop_when_done=True) == shared
 
+  # With the steps in 3 segments (ends 2, 4, 7 of BUDGET - 1 = 7 steps),
+  # the steps of a segment ending at e attend over the cache's first
+  # P + e positions (T5: e + 1) instead of its P + BUDGET - 1 (T5:
+  # BUDGET): each unread position saves its logit and its share of the
+  # output, 2 * 2 * heads * head_dim FLOPs per query, layer and step. The
+  # prefill (once per prompt: T5's BOS step, the decoder-only prompt's P
+  # queries) reads the first chunk, up to the first segment's positions.
+  config = model.config
+  if family == "t5":
+    layers_, offset = config.num_decoder_layers, 1
+    heads, full = config.num_heads, BUDGET
+  else:
+    layers_, offset = config.num_layers, prompts.shape[1]
+    heads, full = config.num_heads, prompts.shape[1] + BUDGET - 1
+  ends = sampling.segment_ends(BUDGET, 3)
+  assert ends == (2, 4, 7)
+  unread = sum(full - (offset + end)
+               for start, end in zip((0,) + ends[:-1], ends)
+               for _ in range(start, end))
+  per_prompt = 4 * heads * config.head_dim * layers_ * len(prompts)
+  prefill_queries = 1 if family == "t5" else prompts.shape[1]
+  prefill_unread = prefill_queries * (full - (offset + ends[0]))
+  segmented = count(prompts, num_samples=GROUP, cache_segments=3)
+  assert segmented == shared - per_prompt * (GROUP * unread
+                                             + prefill_unread)
+  assert count(prompts, num_samples=GROUP, cache_segments=3,
+               stop_when_done=True) == segmented
+
 
 def test_rollout_sampling_passes_the_group_options_through(group_sampling):
   """Traced only: P encoder-style prompts give P * GROUP rows, decoded by the
-  loop that stops early."""
+  loop that stops early, in 2 segments (2 loops)."""
   from jaxrlhf.models import scoring  # pylint: disable=g-import-not-at-top
   from jaxrlhf.rl import rollout  # pylint: disable=g-import-not-at-top
   model, params, _, _ = group_sampling["llama"]
@@ -666,11 +790,11 @@ def test_rollout_sampling_passes_the_group_options_through(group_sampling):
   fn = lambda p, x: rollout.sample_responses(
       scoring.adapter_for(model), p, x, jax.random.PRNGKey(0),
       max_new_tokens=BUDGET, temperature=1.0, eos_id=EOS,
-      num_samples=GROUP, stop_when_done=True)
+      num_samples=GROUP, stop_when_done=True, cache_segments=2)
   samples = jax.eval_shape(fn, params, right_padded)
   assert samples.tokens.shape == (3 * GROUP, BUDGET)
   assert samples.num_steps.shape == ()
-  assert "while[" in str(jax.make_jaxpr(fn)(params, right_padded))
+  assert str(jax.make_jaxpr(fn)(params, right_padded)).count("while[") == 2
 
 
 # ----------------------------------------------------------------------------

@@ -171,3 +171,20 @@ def test_sampling_option_errors():
   with pytest.raises(ValueError, match="num_samples"):
     sampling._check_options(  # pylint: disable=protected-access
         4, 1.0, 0, 1.0, num_samples=0)
+  with pytest.raises(ValueError, match="cache_segments"):
+    sampling._check_options(  # pylint: disable=protected-access
+        4, 1.0, 0, 1.0, cache_segments=0)
+
+
+def test_cache_segments_split_the_steps_evenly():
+  """`segment_ends`: near-equal runs of the max_new_tokens - 1 decode steps,
+  at most one per step."""
+  assert sampling.segment_ends(8, 3) == (2, 4, 7)
+  assert sampling.segment_ends(1025, 4) == (256, 512, 768, 1024)
+  assert sampling.segment_ends(3, 5) == (1, 2)  # 2 steps: 2 segments
+  assert sampling.segment_ends(1, 4) == (0,)  # no step
+  for new in (1, 2, 100, 300, 5000):
+    for k in (1, 2, 3, 4):
+      ends = sampling.segment_ends(new, k)
+      runs = np.diff((0,) + ends)
+      assert ends[-1] == new - 1 and runs.max() - runs.min() <= 1

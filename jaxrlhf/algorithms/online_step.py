@@ -91,7 +91,7 @@ def sample(trainer, params, frozen, prompt_tokens, rng):
         max_new_tokens=settings.max_new_tokens, temperature=o.temperature,
         eos_id=trainer.vocabulary.eos_id,
         num_samples=settings.samples_per_prompt,
-        stop_when_done=o.stop_when_done)
+        stop_when_done=o.stop_when_done, cache_segments=o.cache_segments)
   return _by_parts(trainer, part, prompt_tokens, key=rng)
 
 

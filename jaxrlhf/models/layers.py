@@ -29,7 +29,9 @@ flax "cache" collection (`cached_key` / `cached_value` [batch, kv_heads, T,
 head_dim], stacked along 'layers' when scanned) and attends over all T cached
 positions with `cache_mask`. `DecoderOnly.decode_step` is the entry point:
 one prefill call over a left-padded prompt (rotary positions from its mask),
-then one call per new token, each with `mutable=["cache"]`.
+then one call per new token, each with `mutable=["cache"]`. A cache made in
+`kv_cache_chunks` is held in chunks, and a call reads only the chunks its
+mask covers (`update_kv_cache`).
 
 Layers that attend differently (Gemma's sliding-window local layers between
 global ones, each kind with its own rotary base in Gemma 3; Mistral's window
@@ -397,8 +399,9 @@ def attend(query: Array, key: Array, value: Array, mask, *,
     query: [batch, q_length, heads, head_dim].
     key, value: [batch, kv_length, kv_heads, head_dim]; heads % kv_heads == 0
       and query head h reads key/value head h // (heads // kv_heads). With
-      `cache_layout` they are [batch, kv_heads, kv_length, head_dim], the KV
-      cache's layout (`update_kv_cache`), read in place.
+      `cache_layout` they are tuples of the KV cache's chunks [batch,
+      kv_heads, chunk_length, head_dim] (`update_kv_cache`; kv_length their
+      total), read in place.
     mask: bool [batch, 1, q_length, kv_length], True = may attend; or
       `CausalSegments` (self-attention, q_length == kv_length), narrowed by
       `window`.
@@ -422,7 +425,7 @@ def attend(query: Array, key: Array, value: Array, mask, *,
     [batch, q_length, heads, head_dim] in query's dtype.
   """
   batch, q_len, heads, head_dim = query.shape
-  kv_heads = key.shape[1 if cache_layout else 2]
+  kv_heads = key[0].shape[1] if cache_layout else key.shape[2]
   if scale is None:
     scale = 1.0 / np.sqrt(head_dim)
   if impl not in ATTENTION_IMPLS:
@@ -454,14 +457,15 @@ def attend(query: Array, key: Array, value: Array, mask, *,
     # Decoding reads the cache in its own layout with these einsums (one
     # query position: a fused kernel gains nothing there).
     kv = "bksh" if cache_layout else "bskh"
+    keys, values = (key, value) if cache_layout else ((key,), (value,))
     groups = heads // kv_heads
     query = query.reshape(batch, q_len, kv_heads, groups, head_dim)
-    logits = jnp.einsum(f"btkgh,{kv}->bkgts", query, key,
-                        preferred_element_type=jnp.float32) * scale
+    logits = cached_logits(f"btkgh,{kv}->bkgts", query, keys,
+                           preferred_element_type=jnp.float32) * scale
     logits = softcap(logits, logit_softcap)
     logits = jnp.where(mask[:, :, None], logits, jnp.finfo(jnp.float32).min)
-    probs = jax.nn.softmax(logits, axis=-1).astype(value.dtype)
-    out = jnp.einsum(f"bkgts,{kv}->btkgh", probs, value)
+    probs = jax.nn.softmax(logits, axis=-1).astype(values[0].dtype)
+    out = cached_mix(f"bkgts,{kv}->btkgh", probs, values)
     return out.reshape(batch, q_len, heads, head_dim)
   implementation = "cudnn" if impl == "dot_product_cudnn" else None
   return jax.nn.dot_product_attention(
@@ -560,28 +564,92 @@ def layer_rope_and_window(kinds: Sequence[LayerAttention], layer,
   return inv_freq, jnp.asarray(table)[layer]
 
 
+_KV_CACHE_CHUNKS = []  # the lengths of `kv_cache_chunks`, innermost last
+
+
+@contextlib.contextmanager
+def kv_cache_chunks(lengths: Sequence[int]):
+  """KV caches created inside (`update_kv_cache`, at the prefill) are held
+  as chunks: the prefill's `cache_length` positions, then a zero chunk of
+  each of `lengths` positions. A later call whose mask covers the first T
+  positions, T the end of a chunk, writes into that chunk and attends over
+  the chunks up to it only: a sampler's decode steps then read the part of
+  the cache written so far, each chunk in place, not the whole cache
+  (`sampling`'s cache segments)."""
+  _KV_CACHE_CHUNKS.append(tuple(int(n) for n in lengths))
+  try:
+    yield
+  finally:
+    _KV_CACHE_CHUNKS.pop()
+
+
 def update_kv_cache(module: nn.Module, name: str, new: Array, cache_index,
-                    cache_length: int, head_axis: str) -> Array:
+                    cache_length: int, head_axis: str) -> Tuple[Array, ...]:
   """Writes `new` [batch, L, heads, head_dim] into the cache variable `name`
-  at [cache_index, cache_index + L) along length; returns the whole cache
-  [batch, heads, cache_length, head_dim] (created as zeros if absent).
+  at [cache_index, cache_index + L) along length; returns the cache's first
+  `cache_length` positions as a tuple of its chunks [batch, heads, length,
+  head_dim] (read by `cached_logits` and `cached_mix`): one chunk, the
+  whole cache, unless it was created in `kv_cache_chunks`. Created as
+  zeros if absent, with cache_length positions (and the chunks of
+  `kv_cache_chunks`). With chunks, cache_length must end one, and the L
+  positions must lie in it.
 
   The cache keeps heads before length so that a decode step's attention
   (`attend(..., cache_layout=True)`, batch and heads leading) reads it in
   place: laid out as [batch, length, heads, head_dim], XLA transposed the
   whole cache of every layer at every step, so decoding cost grew with the
-  cache instead of with the new position.
+  cache instead of with the new position. Chunks (not slices of one array)
+  keep that: XLA copies a cache that a step both slices and updates.
   """
   batch, _, heads, head_dim = new.shape
-  var = module.variable("cache", name, jnp.zeros,
-                        (batch, heads, cache_length, head_dim), new.dtype)
+
+  def create():
+    lengths = (cache_length,) + (_KV_CACHE_CHUNKS[-1] if _KV_CACHE_CHUNKS
+                                 else ())
+    chunks = tuple(jnp.zeros((batch, heads, n, head_dim), new.dtype)
+                   for n in lengths)
+    return chunks if len(chunks) > 1 else chunks[0]
+  var = module.variable("cache", name, create)
+  chunks = var.value if isinstance(var.value, tuple) else (var.value,)
+  ends = np.cumsum([c.shape[2] for c in chunks]).tolist()
+  if cache_length not in ends:
+    raise ValueError(
+        f"KV cache {name!r}: a call attending over {cache_length} positions "
+        f"of a cache in chunks ending at {ends}; it must end a chunk.")
+  last = ends.index(cache_length)
   zero = jnp.zeros((), jnp.int32)
-  var.value = nn.with_logical_constraint(
+  start = jnp.asarray(cache_index, jnp.int32)
+  if last:  # the chunk's own position
+    start = start - ends[last - 1]
+  written = nn.with_logical_constraint(
       jax.lax.dynamic_update_slice(
-          var.value, jnp.swapaxes(new, 1, 2).astype(var.value.dtype),
-          (zero, zero, jnp.asarray(cache_index, jnp.int32), zero)),
+          chunks[last], jnp.swapaxes(new, 1, 2).astype(chunks[last].dtype),
+          (zero, zero, start, zero)),
       ("batch", head_axis, "length", "kv"))
-  return var.value
+  chunks = chunks[:last] + (written,) + chunks[last + 1:]
+  var.value = chunks if len(chunks) > 1 else written
+  return chunks[:last + 1]
+
+
+def cached_logits(spec: str, query: Array, keys: Tuple[Array, ...],
+                  **einsum_options) -> Array:
+  """The attention logits of `query` against the cache's key chunks
+  (`update_kv_cache`), `jnp.einsum(spec, query, key)` per chunk, joined
+  along the last axis (the keys')."""
+  logits = [jnp.einsum(spec, query, k, **einsum_options) for k in keys]
+  return logits[0] if len(logits) == 1 else jnp.concatenate(logits, -1)
+
+
+def cached_mix(spec: str, probs: Array, values: Tuple[Array, ...]) -> Array:
+  """`jnp.einsum(spec, probs, value)` over the cache's value chunks (length
+  their second-to-last axis): each chunk's share of `probs` (last axis),
+  summed in float32 when there are several."""
+  if len(values) == 1:
+    return jnp.einsum(spec, probs, values[0])
+  splits = np.cumsum([v.shape[-2] for v in values])[:-1].tolist()
+  out = sum(jnp.einsum(spec, p, v, preferred_element_type=jnp.float32)
+            for p, v in zip(jnp.split(probs, splits, axis=-1), values))
+  return out.astype(values[0].dtype)
 
 
 class Attention(nn.Module):
@@ -632,8 +700,9 @@ class Attention(nn.Module):
     positions [cache_index, cache_index + length) of `cached_key` /
     `cached_value` [batch, kv_heads, T, head_dim], T = mask.shape[-1]
     (created as zeros on the first call), and the queries attend over all T
-    cached positions; `mask` [batch, 1, length, T] (from `cache_mask`) hides
-    the pads and the positions not written yet. A prefill may instead pass
+    cached positions (a cache in chunks, `kv_cache_chunks`: over its first
+    T); `mask` [batch, 1, length, T] (from `cache_mask`) hides the pads and
+    the positions not written yet. A prefill may instead pass
     `CausalSegments` with their cache_length T: the cache is written the
     same way and the queries attend over their own keys.
     """
@@ -907,14 +976,18 @@ class T5Attention(nn.Module):
           bias=bias.astype(dtype), scale=1.0).astype(self.dtype)
     else:
       kv = "bhkd" if cache_layout else "bkhd"
+      # Keys and values as chunks (`update_kv_cache`'s; one otherwise).
+      keys = key if isinstance(key, tuple) else (key,)
+      values = value if isinstance(value, tuple) else (value,)
       if self.float32_logits:
-        query, key = query.astype(jnp.float32), key.astype(jnp.float32)
-      logits = jnp.einsum(f"bqhd,{kv}->bhqk", query, key)
+        query = query.astype(jnp.float32)
+        keys = tuple(k.astype(jnp.float32) for k in keys)
+      logits = cached_logits(f"bqhd,{kv}->bhqk", query, keys)
       logits = logits + bias.astype(logits.dtype)
       weights = jax.nn.softmax(logits).astype(self.dtype)
       if use_dropout:
         weights = nn.Dropout(self.dropout_rate)(weights, deterministic=False)
-      out = jnp.einsum(f"bhqk,{kv}->bqhd", weights, value)
+      out = cached_mix(f"bhqk,{kv}->bqhd", weights, values)
     out = out.reshape(batch, q_len, features)
     out = nn.with_logical_constraint(out, ("batch", "length", "joined_kv"))
     return DenseGeneral((inputs_q.shape[-1],), ("joined_kv", "embed"),
@@ -1465,8 +1538,9 @@ class DecoderOnly(nn.Module):
       positions: int [batch, L] rotary positions (for a left-padded prompt,
         `positions_from_mask`; a generated token's is one more than the
         previous token's).
-      attention_mask: [batch, T] over the whole cache: the prompt's mask,
-        then 1 for every generated position.
+      attention_mask: [batch, T] over the whole cache (a cache in chunks,
+        `kv_cache_chunks`: over its first T positions, the end of a chunk):
+        the prompt's mask, then 1 for every generated position.
       cache_index: int scalar (may be traced).
     Returns:
       float32 logits [batch, vocab] of the last of the L inputs.

@@ -34,7 +34,14 @@ and value; a gated MLP's two input projections) are joined there into one
 matrix each, in the place of their cast copies (`layers.fuse_projections`;
 weights read in the dtype they are held in have no copy, and stay apart),
 so a step reads each group in one product; the values computed are the
-same (the joined products may round their sums differently).
+same (the joined products may round their sums differently). With
+`cache_segments` > 1 the decode steps run in that many segments, one loop
+each, and the KV cache is held in one chunk per segment
+(`layers.kv_cache_chunks`: the prompt and the first segment's positions,
+then each later segment's): a step reads the chunks written so far, not
+the whole, mostly empty, cache of a long generation (the positions it
+leaves out are masked, so the outputs are the same; the attention's sums
+may round differently).
 They are jit-compiled (the model and the sampling options are static) and
 run under a mesh: call them inside `jax.set_mesh(mesh)` and
 `flax.linen.logical_axis_rules(rules)` with inputs sharded over the batch
@@ -95,7 +102,7 @@ def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
 
 
 def _check_options(max_new_tokens, temperature, top_k, top_p,
-                   num_samples=1):
+                   num_samples=1, cache_segments=1):
   for name, value in (("temperature", temperature), ("top_k", top_k),
                       ("top_p", top_p), ("num_samples", num_samples)):
     if isinstance(value, jax.Array):
@@ -104,9 +111,10 @@ def _check_options(max_new_tokens, temperature, top_k, top_p,
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int, got "
                      f"{max_new_tokens!r}.")
-  if not isinstance(num_samples, (int, np.integer)) or num_samples < 1:
-    raise ValueError(f"num_samples must be a positive int, got "
-                     f"{num_samples!r}.")
+  for name, value in (("num_samples", num_samples),
+                      ("cache_segments", cache_segments)):
+    if not isinstance(value, (int, np.integer)) or value < 1:
+      raise ValueError(f"{name} must be a positive int, got {value!r}.")
   if not temperature >= 0:
     raise ValueError(f"temperature must be >= 0 (0 = greedy), got "
                      f"{temperature!r}.")
@@ -116,22 +124,34 @@ def _check_options(max_new_tokens, temperature, top_k, top_p,
     raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")
 
 
+def segment_ends(max_new_tokens: int, segments: int) -> Tuple[int, ...]:
+  """The exclusive ends of `segments` near-equal runs of the decode steps
+  0 .. max_new_tokens - 2 (at most one per step; max_new_tokens 1 has no
+  step: (0,)). Equal runs read the least cache for their number."""
+  steps = max_new_tokens - 1
+  segments = max(1, min(segments, steps))
+  return tuple(steps * (i + 1) // segments for i in range(segments))
+
+
 def _decode_loop(first_logits: jax.Array, cache: Any,
-                 step: Callable[[Any, jax.Array, jax.Array],
+                 step: Callable[[Any, jax.Array, jax.Array, int],
                                 Tuple[jax.Array, Any]],
                  rng: jax.Array, max_new_tokens: int, temperature: float,
                  top_k: int, top_p: float, greedy: bool, eos_id: int,
-                 stop_when_done: bool = False) -> Samples:
+                 stop_when_done: bool, ends: Tuple[int, ...]) -> Samples:
   """Draws `max_new_tokens` tokens.
 
   Args:
     first_logits: [batch, vocab] logits of the first new token.
     cache: the model's KV cache after the prompt.
-    step: (cache, token [batch], t) -> (logits [batch, vocab] of token t + 1,
-      cache), feeding token t (the t-th new token, 0 after an EOS).
+    step: (cache, token [batch], t, end) -> (logits [batch, vocab] of token
+      t + 1, cache), feeding token t (the t-th new token, 0 after an EOS);
+      `end` (static) ends t's segment of steps, t < end.
     stop_when_done: stop once every row has drawn its EOS (a while loop)
       instead of always running max_new_tokens - 1 steps (a scan); the
       outputs are the same.
+    ends: the segments' ends (`segment_ends`), a loop each, one after the
+      other.
   """
   batch = first_logits.shape[0]
 
@@ -158,10 +178,10 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
   first_logits = first_logits.astype(jnp.float32)
   if stop_when_done:
     tokens, logprobs, has_eos, num_steps = _decode_until_done(
-        first_logits, cache, step, draw, done, rng, max_new_tokens)
+        first_logits, cache, step, draw, done, rng, max_new_tokens, ends)
   else:
     tokens, logprobs, has_eos = _decode_fixed(
-        first_logits, cache, step, draw, done, rng, max_new_tokens)
+        first_logits, cache, step, draw, done, rng, ends)
     num_steps = jnp.int32(max_new_tokens)
   # Real tokens: everything up to and including the first EOS.
   is_eos = tokens == eos_id
@@ -171,26 +191,34 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
                  has_eos=has_eos, num_steps=num_steps)
 
 
-def _decode_fixed(logits, cache, step, draw, done, rng, max_new_tokens):
-  """max_new_tokens draws and max_new_tokens - 1 steps, whether or not the
-  rows have ended. Returns (tokens, logprobs [batch, max_new_tokens],
-  has_eos [batch])."""
+def _segments(ends):
+  """(start, end) of each segment of steps that has a step."""
+  return [(start, end) for start, end in zip((0,) + ends[:-1], ends)
+          if end > start]
+
+
+def _decode_fixed(logits, cache, step, draw, done, rng, ends):
+  """max_new_tokens draws and max_new_tokens - 1 steps (a scan per segment,
+  `ends`), whether or not the rows have ended. Returns (tokens, logprobs
+  [batch, max_new_tokens], has_eos [batch])."""
   batch = logits.shape[0]
-
-  def body(carry, t):
-    logits, cache, done, rng = carry
-    token, logprob, done, rng = draw(logits, done, rng)
-    logits, cache = step(cache, token, t)
-    return (logits, cache, done, rng), (token, logprob)
-
   carry = (logits, cache, done, rng)
+  tokens = [jnp.zeros((0, batch), jnp.int32)]
+  logprobs = [jnp.zeros((0, batch), jnp.float32)]
+  for start, end in _segments(ends):
+    def body(carry, t, end=end):
+      logits, cache, done, rng = carry
+      token, logprob, done, rng = draw(logits, done, rng)
+      logits, cache = step(cache, token, t, end)
+      return (logits, cache, done, rng), (token, logprob)
+
+    carry, (drawn, drawn_logprobs) = jax.lax.scan(
+        body, carry, jnp.arange(start, end, dtype=jnp.int32))
+    tokens.append(drawn)
+    logprobs.append(drawn_logprobs)
+  tokens = jnp.concatenate(tokens, axis=0)
+  logprobs = jnp.concatenate(logprobs, axis=0)
   # The last token is drawn outside the loop: feeding it would be wasted.
-  if max_new_tokens > 1:
-    carry, (tokens, logprobs) = jax.lax.scan(
-        body, carry, jnp.arange(max_new_tokens - 1, dtype=jnp.int32))
-  else:
-    tokens = jnp.zeros((0, batch), jnp.int32)
-    logprobs = jnp.zeros((0, batch), jnp.float32)
   logits, _, done, rng = carry
   last, last_logprob, has_eos, _ = draw(logits, done, rng)
   tokens = jnp.concatenate([tokens.T, last[:, None]], axis=1)
@@ -198,11 +226,14 @@ def _decode_fixed(logits, cache, step, draw, done, rng, max_new_tokens):
   return tokens, logprobs, has_eos
 
 
-def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens):
+def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens,
+                       ends):
   """`_decode_fixed`'s draws and steps in the same order (so the same rng
   splits and tokens), stopping once every row is done: a step runs only when
   some row still needs the token after it. The columns never drawn keep the
   zeros (token 0, log-prob 0) a finished row's draws would have written.
+  A while loop per segment of steps (`ends`): once every row is done, the
+  later segments' loops run no step.
 
   Returns (tokens, logprobs [batch, max_new_tokens], has_eos [batch],
   num_steps int32 []: the columns drawn).
@@ -215,27 +246,40 @@ def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens):
   tokens = nn.with_logical_constraint(tokens, ("batch", "length"))
   logprobs = nn.with_logical_constraint(logprobs, ("batch", "length"))
 
-  # The counter t (the next column) starts at a literal 1, is compared with
-  # the literal max_new_tokens and grows by 1: `jaxrlhf.flops` reads that
-  # pattern as the loop's bound, max_new_tokens - 1 steps.
-  def keep_going(carry):
-    t, done = carry[0], carry[3]
-    return (t < max_new_tokens) & ~jnp.all(done)
+  carry = (token, cache, done, rng, tokens, logprobs)
+  num_steps = jnp.int32(1)
+  for start, end in _segments(ends):
+    # Step s draws column s + 1. The counter t (the next column) starts at
+    # the literal start + 1, is compared with the literal end + 1 and grows
+    # by 1: `jaxrlhf.flops` reads that pattern as the loop's bound, the
+    # segment's end - start steps.
+    def keep_going(carry, end=end):
+      t, done = carry[0], carry[3]
+      return (t < end + 1) & ~jnp.all(done)
 
-  def body(carry):
-    t, token, cache, done, rng, tokens, logprobs = carry
-    logits, cache = step(cache, token, t - 1)
-    token, logprob, done, rng = draw(logits, done, rng)
-    zero = jnp.zeros((), jnp.int32)
-    tokens = jax.lax.dynamic_update_slice(tokens, token[:, None], (zero, t))
-    logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None],
+    def body(carry, end=end):
+      t, token, cache, done, rng, tokens, logprobs = carry
+      logits, cache = step(cache, token, t - 1, end)
+      token, logprob, done, rng = draw(logits, done, rng)
+      zero = jnp.zeros((), jnp.int32)
+      tokens = jax.lax.dynamic_update_slice(tokens, token[:, None],
                                             (zero, t))
-    return t + 1, token, cache, done, rng, tokens, logprobs
+      logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None],
+                                              (zero, t))
+      return t + 1, token, cache, done, rng, tokens, logprobs
 
-  t, _, _, done, _, tokens, logprobs = jax.lax.while_loop(
-      keep_going, body,
-      (jnp.int32(1), token, cache, done, rng, tokens, logprobs))
-  return tokens, logprobs, done, t
+    t, *carry = jax.lax.while_loop(keep_going, body,
+                                   (jnp.int32(start + 1), *carry))
+    # A segment after the one where every row ended runs no step.
+    num_steps = num_steps + (t - (start + 1))
+  _, _, done, _, tokens, logprobs = carry
+  return tokens, logprobs, done, num_steps
+
+
+def _later_chunks(ends: Tuple[int, ...]) -> Tuple[int, ...]:
+  """The KV cache's chunks after the first (`layers.kv_cache_chunks`): one
+  per later segment of steps, as long as its steps."""
+  return tuple(end - start for start, end in zip(ends[:-1], ends[1:]))
 
 
 def _repeat_rows(x: jax.Array, num_samples: int, axis: int = 0,
@@ -299,7 +343,7 @@ def _inference_module(model):
 
 _STATIC = ("model", "max_new_tokens", "temperature", "top_k", "top_p",
            "greedy", "eos_id", "num_samples", "stop_when_done",
-           "fuse_projections")
+           "fuse_projections", "cache_segments")
 
 
 def _decode_params(params, reads, fusions, fuse_projections):
@@ -317,7 +361,7 @@ def _decode_params(params, reads, fusions, fuse_projections):
 def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
                             max_new_tokens, temperature, top_k, top_p, greedy,
                             eos_id, num_samples, stop_when_done,
-                            fuse_projections):
+                            fuse_projections, cache_segments):
   model = _inference_module(model)
   encoder_input_tokens = jnp.asarray(encoder_input_tokens, jnp.int32)
   batch = encoder_input_tokens.shape[0]
@@ -325,29 +369,32 @@ def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
   # step) runs once per prompt; its results are repeated for the samples.
   encoded = model.apply({"params": params}, encoder_input_tokens,
                         method=model.encode)
-  # Decoder position 0 holds BOS (0); new token t is fed at position t + 1.
-  cache_length = max_new_tokens
+  # Decoder position 0 holds BOS (0); new token t is fed at position t + 1,
+  # so the steps of a segment ending at `end` read positions 0 .. end. The
+  # cache's first chunk holds the first segment's.
+  ends = segment_ends(max_new_tokens, cache_segments)
   bos = jnp.zeros((batch, 1), jnp.int32)
   with layers.recording_param_reads() as reads, \
-      layers.recording_param_fusions() as fusions:
+      layers.recording_param_fusions() as fusions, \
+      layers.kv_cache_chunks(_later_chunks(ends)):
     logits, variables = model.apply(
         {"params": params}, encoded, encoder_input_tokens, bos, 0,
-        cache_length, method=model.decode_step, mutable=["cache"])
+        ends[0] + 1, method=model.decode_step, mutable=["cache"])
   params = _decode_params(params, reads, fusions, fuse_projections)
   logits = _repeat_rows(logits[:, -1], num_samples, 0, ("batch", "vocab"))
   cache = _repeat_cache(variables["cache"], num_samples, batch, "heads")
   encoder_input_tokens = _repeat_rows(encoder_input_tokens, num_samples, 0,
                                       ("batch", "length"))
 
-  def step(cache, token, t):
+  def step(cache, token, t, end):
     logits, variables = model.apply(
         {"params": params, "cache": cache}, None, encoder_input_tokens,
-        token[:, None], t + 1, cache_length, method=model.decode_step,
+        token[:, None], t + 1, end + 1, method=model.decode_step,
         mutable=["cache"])
     return logits[:, -1].astype(jnp.float32), variables["cache"]
 
   return _decode_loop(logits, cache, step, rng, max_new_tokens, temperature,
-                      top_k, top_p, greedy, eos_id, stop_when_done)
+                      top_k, top_p, greedy, eos_id, stop_when_done, ends)
 
 
 _sample_encoder_decoder_jit = _jit_static(_sample_encoder_decoder, _STATIC)
@@ -359,7 +406,8 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
                            greedy: bool = False, eos_id: int = 1,
                            num_samples: int = 1,
                            stop_when_done: bool = False,
-                           fuse_projections: bool = True) -> Samples:
+                           fuse_projections: bool = True,
+                           cache_segments: int = 1) -> Samples:
   """Samples completions from a T5 (`jaxrlhf.models.t5.T5`).
 
   Args:
@@ -386,12 +434,21 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       where LoRA adapters sit on them or a tensor-parallel mesh splits the
       heads or the MLP). The same products, rounded perhaps in another
       order; False reads them apart (for comparison).
+    cache_segments: static; the decode steps run in this many segments
+      (`segment_ends`: near-equal runs of steps, each its own compiled
+      loop) and the KV cache is held in a chunk per segment, so a step
+      reads the cache written so far, not the whole cache: the same
+      outputs (its sums may round differently), less of the cache read
+      in a long generation, for more, smaller attention products (a
+      step of segment s reads s + 1 chunks). 1: every step reads the
+      whole cache (experiments/bench_sampling.py --segments compares).
   Returns:
     Samples with [batch * num_samples, max_new_tokens] tokens (no BOS; EOS
     kept, then 0), log-probs, mask, [batch * num_samples] has_eos and
     num_steps.
   """
-  _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
+  _check_options(max_new_tokens, temperature, top_k, top_p, num_samples,
+                 cache_segments)
   greedy = greedy or temperature == 0
   return _sample_encoder_decoder_jit(
       model=model, params=params, encoder_input_tokens=encoder_input_tokens,
@@ -400,13 +457,15 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
       eos_id=int(eos_id), num_samples=int(num_samples),
       stop_when_done=bool(stop_when_done),
-      fuse_projections=bool(fuse_projections))
+      fuse_projections=bool(fuse_projections),
+      cache_segments=int(cache_segments))
 
 
 def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
                          rng, max_new_tokens, temperature, top_k, top_p, greedy,
                          eos_id, num_samples, stop_when_done,
-                         fuse_projections, bidirectional_prompt):
+                         fuse_projections, cache_segments,
+                         bidirectional_prompt):
   model = _inference_module(model)
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   prompt_mask = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
@@ -418,11 +477,17 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
   positions = layers.positions_from_mask(prompt_mask)
   num_real = jnp.sum(prompt_mask, axis=-1)
   extra = {"bidirectional_prompt": True} if bidirectional_prompt else {}
+  # Step t writes position prompt_length + t, so the steps of a segment
+  # ending at `end` read the positions before prompt_length + end. The
+  # cache's first chunk holds the prompt and the first segment's.
+  ends = segment_ends(max_new_tokens, cache_segments)
   # One prefill per prompt, repeated for its samples.
   with layers.recording_param_reads() as reads, \
-      layers.recording_param_fusions() as fusions:
+      layers.recording_param_fusions() as fusions, \
+      layers.kv_cache_chunks(_later_chunks(ends)):
     logits, variables = model.apply(
-        {"params": params}, prompt_tokens, positions, cache_mask, 0,
+        {"params": params}, prompt_tokens, positions,
+        cache_mask[:, :prompt_length + ends[0]], 0,
         method=model.decode_step, mutable=["cache"], **extra)
   params = _decode_params(params, reads, fusions, fuse_projections)
   logits = _repeat_rows(logits, num_samples, 0, ("batch", "vocab"))
@@ -430,16 +495,16 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
   cache_mask = _repeat_rows(cache_mask, num_samples, 0, ("batch", "length"))
   num_real = _repeat_rows(num_real, num_samples, 0, ("batch",))
 
-  def step(cache, token, t):
+  def step(cache, token, t, end):
     position = (num_real + t)[:, None].astype(jnp.int32)
     logits, variables = model.apply(
         {"params": params, "cache": cache}, token[:, None], position,
-        cache_mask, prompt_length + t, method=model.decode_step,
-        mutable=["cache"])
+        cache_mask[:, :prompt_length + end], prompt_length + t,
+        method=model.decode_step, mutable=["cache"])
     return logits.astype(jnp.float32), variables["cache"]
 
   return _decode_loop(logits, cache, step, rng, max_new_tokens, temperature,
-                      top_k, top_p, greedy, eos_id, stop_when_done)
+                      top_k, top_p, greedy, eos_id, stop_when_done, ends)
 
 
 _sample_decoder_only_jit = _jit_static(
@@ -473,7 +538,8 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
                         bidirectional_prompt: bool = False,
                         num_samples: int = 1,
                         stop_when_done: bool = False,
-                        fuse_projections: bool = True) -> Samples:
+                        fuse_projections: bool = True,
+                        cache_segments: int = 1) -> Samples:
   """Samples continuations from a decoder-only model.
 
   Works with `llama.Llama`, `gpt_neox.GPTNeoX` and
@@ -497,13 +563,15 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
       once and row i * k + j of the result is sample j of prompt i, the same
       draws as sampling the prompts repeated with `jnp.repeat(..., k,
       axis=0)`.
-    stop_when_done, fuse_projections: as in `sample_encoder_decoder`.
+    stop_when_done, fuse_projections, cache_segments: as in
+      `sample_encoder_decoder`.
   Returns:
     Samples of the NEW tokens only: [batch * num_samples, max_new_tokens]
     tokens (EOS kept, then 0), log-probs, mask, [batch * num_samples]
     has_eos, and num_steps.
   """
-  _check_options(max_new_tokens, temperature, top_k, top_p, num_samples)
+  _check_options(max_new_tokens, temperature, top_k, top_p, num_samples,
+                 cache_segments)
   _check_left_padded(prompt_attention_mask)
   greedy = greedy or temperature == 0
   return _sample_decoder_only_jit(
@@ -515,4 +583,5 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
       eos_id=int(eos_id), num_samples=int(num_samples),
       stop_when_done=bool(stop_when_done),
       fuse_projections=bool(fuse_projections),
+      cache_segments=int(cache_segments),
       bidirectional_prompt=bool(bidirectional_prompt))

@@ -117,7 +117,8 @@ def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):
 
 def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
                      temperature: float, eos_id: int, num_samples: int = 1,
-                     stop_when_done: bool = False) -> sampling.Samples:
+                     stop_when_done: bool = False,
+                     cache_segments: int = 1) -> sampling.Samples:
   """The policy's samples for the prompts, with their log-probs and stats.
 
   Args:
@@ -132,12 +133,15 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
       sampling `jnp.repeat(prompt_tokens, k, axis=0)` with num_samples=1.
     stop_when_done: static; stop decoding once every response has ended
       (same outputs; `Samples.num_steps` counts the columns drawn).
+    cache_segments: static; the decode loop's segments, each reading the
+      KV cache written so far (`sampling.sample_encoder_decoder`).
 
   Returns:
     `sampling.Samples` of [batch * num_samples, max_new_tokens].
   """
   options = dict(temperature=temperature, eos_id=eos_id,
-                 num_samples=num_samples, stop_when_done=stop_when_done)
+                 num_samples=num_samples, stop_when_done=stop_when_done,
+                 cache_segments=cache_segments)
   if lm.is_encoder_decoder:
     return sampling.sample_encoder_decoder(
         lm.module, params, prompt_tokens, rng, max_new_tokens, **options)
