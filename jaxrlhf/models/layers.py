@@ -48,6 +48,7 @@ import contextlib
 import dataclasses
 import functools
 import operator
+import threading
 from typing import Any, Callable, Optional, Sequence, Tuple
 
 import flax.linen as nn
@@ -564,7 +565,15 @@ def layer_rope_and_window(kinds: Sequence[LayerAttention], layer,
   return inv_freq, jnp.asarray(table)[layer]
 
 
-_KV_CACHE_CHUNKS = []  # the lengths of `kv_cache_chunks`, innermost last
+# The lengths of `kv_cache_chunks`, innermost last, per thread (a trace in
+# another thread makes its own caches).
+_KV_CACHE_CHUNKS = threading.local()
+
+
+def _cache_chunks() -> list:
+  if not hasattr(_KV_CACHE_CHUNKS, "stack"):
+    _KV_CACHE_CHUNKS.stack = []
+  return _KV_CACHE_CHUNKS.stack
 
 
 @contextlib.contextmanager
@@ -576,11 +585,11 @@ def kv_cache_chunks(lengths: Sequence[int]):
   the chunks up to it only: a sampler's decode steps then read the part of
   the cache written so far, each chunk in place, not the whole cache
   (`sampling`'s cache segments)."""
-  _KV_CACHE_CHUNKS.append(tuple(int(n) for n in lengths))
+  _cache_chunks().append(tuple(int(n) for n in lengths))
   try:
     yield
   finally:
-    _KV_CACHE_CHUNKS.pop()
+    _cache_chunks().pop()
 
 
 def update_kv_cache(module: nn.Module, name: str, new: Array, cache_index,
@@ -604,11 +613,11 @@ def update_kv_cache(module: nn.Module, name: str, new: Array, cache_index,
   batch, _, heads, head_dim = new.shape
 
   def create():
-    lengths = (cache_length,) + (_KV_CACHE_CHUNKS[-1] if _KV_CACHE_CHUNKS
-                                 else ())
-    chunks = tuple(jnp.zeros((batch, heads, n, head_dim), new.dtype)
-                   for n in lengths)
-    return chunks if len(chunks) > 1 else chunks[0]
+    later = _cache_chunks()
+    lengths = (cache_length,) + (later[-1] if later else ())
+    zeros = tuple(jnp.zeros((batch, heads, n, head_dim), new.dtype)
+                  for n in lengths)
+    return zeros if len(zeros) > 1 else zeros[0]
   var = module.variable("cache", name, create)
   chunks = var.value if isinstance(var.value, tuple) else (var.value,)
   ends = np.cumsum([c.shape[2] for c in chunks]).tolist()
