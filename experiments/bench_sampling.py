@@ -144,6 +144,8 @@ def ours(family, module, params, tokens, new, repeats, **options):
   our greedy sampler, EOS disabled (an id no model emits); `options`: the
   sampler's (fuse_projections, cache_segments)."""
   never = -1
+  options.setdefault("cache_segments", 1)  # the whole cache, whatever the
+  # default for long generations (sampling.default_cache_segments)
   if family == "t5":
     sample = lambda p, x: sampling.sample_encoder_decoder(
         module, p, x, jax.random.PRNGKey(0), new, greedy=True,

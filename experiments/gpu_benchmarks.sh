@@ -3,9 +3,8 @@
 # minutes (issue 24, item 6; on an H100: SFT 88 s, DPO 89 s, SFT with
 # cuDNN's attention 56 s, DPO with it 80 s, both at 4x the rows 60 and 79
 # s, the attention paths about 70 s, the decode step's products about 45
-# s, sampling 104 s (before the projections' comparison: ~140 s now),
-# sampling at 2048 new tokens not yet run (~120 s expected),
-# rollout 30 s, the online step 187 s; more than one
+# s, sampling 146 s, sampling at 1024 new tokens about 100 s (at 2048:
+# 90 s for batch 64 alone), rollout 30 s, the online step 187 s; more than one
 # lent session's device time: split it over calls with --only, TensorFlow
 # installed between):
 #
@@ -66,11 +65,13 @@
 #                    and the kernels of one traced call at batch 128 (per
 #                    decode step);
 #   sampling_long.txt
-#                    the same model at batch 64 for 2048 new tokens (a
-#                    reasoning rollout's length), every step reading the
-#                    whole KV cache, and the cache read in 4 segments
-#                    (each step reading the chunks written so far:
-#                    sampling's cache_segments) beside it;
+#                    the same model at batch 64 and 128 for 1024 new
+#                    tokens, every step reading the whole KV cache, and
+#                    the cache read in 2 segments (each step reading the
+#                    chunks written so far: sampling's cache_segments)
+#                    beside it: whether the default's 2 segments, measured
+#                    to pay at 2048 tokens (sampling.LONG_GENERATION),
+#                    pay at 1024 too;
 #   rollout.txt      experiments/bench_rollout.py: the same sampling with
 #                    the prompts repeated, the prefill shared, and stopping
 #                    when every row is done;
@@ -166,7 +167,7 @@ if [ "$SMOKE" = 1 ]; then
   SAMPLING=(--size=tiny --families=llama --batches=2,4 --prompt=4 --new=4 --separate --dtype=bfloat16
             --vocab_size=128 --repeats=1 --profile)
   SAMPLING_LONG=(--size=tiny --families=llama --batches=2 --prompt=4 --new=40
-                 --segments=4 --vocab_size=128 --repeats=1 --no_transformers)
+                 --segments=2 --vocab_size=128 --repeats=1 --no_transformers)
   ONLINE=(--arch=llama --size=tiny --vocab_size=128 --prompts=2 --group=2
           --prompt=8 --new=8 --eos_prob=0.3 --repeats=1)
   ROLLOUT=(--families=llama --size=tiny --vocab_size=128 --prompts=2
@@ -192,8 +193,8 @@ else
   FUSED=(--attention_impl=dot_product_cudnn --no_trl)
   SAMPLING=(--size=large --families=llama --batches=64,128 --prompt=64 --separate
             --new=128 --dtype=bfloat16 --repeats=2 --profile)
-  SAMPLING_LONG=(--size=large --families=llama --batches=64 --prompt=64
-                 --new=2048 --segments=4 --dtype=bfloat16 --repeats=1
+  SAMPLING_LONG=(--size=large --families=llama --batches=64,128 --prompt=64
+                 --new=1024 --segments=2 --dtype=bfloat16 --repeats=1
                  --no_transformers)
   ONLINE=(--arch=llama --size=small --vocab_size=32128 --prompts=32 --group=8
           --prompt=64 --new=256 --eos_prob=0.05 --repeats=1)
@@ -201,7 +202,7 @@ else
            --group=8 --prompt=64 --new=256 --eos_prob=0.05 --repeats=3)
   ATTENTION=()
   DECODE_MATMUL=(--profile)
-  CAP_SFT=125 CAP_DPO=130 CAP_FUSED=70 CAP_SAMPLING=200 CAP_ONLINE=210
+  CAP_SFT=125 CAP_DPO=130 CAP_FUSED=100 CAP_SAMPLING=200 CAP_ONLINE=210
   CAP_ROLLOUT=50 CAP_ATTENTION=90 CAP_FUSED_DPO=100 CAP_FUSED_X4=90
   CAP_FUSED_DPO_X4=120 CAP_DECODE_MATMUL=90 CAP_SAMPLING_LONG=150
 fi

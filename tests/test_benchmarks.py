@@ -239,7 +239,7 @@ def test_gpu_benchmarks_smoke_run(tmp_path):
   rows = re.findall(r"^llama\s+(\d+)\s+([\d,]+)\s", text["sampling"], re.M)
   assert [int(b) for b, _ in rows] == [2, 4], text["sampling"]
   assert all(_number(rate) > 0 for _, rate in rows)
-  # The long generation: the whole cache read at every step, then in 4
+  # The long generation: the whole cache read at every step, then in 2
   # segments, and the ratio of the two (whether their tokens agree is
   # tests/test_kv_cache.py's to check, on models with clear margins).
   assert "40 new tokens" in text["sampling_long"], text["sampling_long"]

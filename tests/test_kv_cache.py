@@ -779,22 +779,30 @@ def test_shared_prefill_saves_the_prefill_flops(family, group_sampling):
                stop_when_done=True) == segmented
 
 
-def test_rollout_sampling_passes_the_group_options_through(group_sampling):
+def test_rollout_sampling_passes_the_group_options_through(group_sampling,
+                                                           monkeypatch):
   """Traced only: P encoder-style prompts give P * GROUP rows, decoded by the
-  loop that stops early, in 2 segments (2 loops)."""
+  loop that stops early, in 2 segments (2 loops); segments left unset are
+  `sampling.default_cache_segments`' (1 on this CPU)."""
   from jaxrlhf.models import scoring  # pylint: disable=g-import-not-at-top
   from jaxrlhf.rl import rollout  # pylint: disable=g-import-not-at-top
   model, params, _, _ = group_sampling["llama"]
   right_padded = np.array([[5, 9, 0, 0], [4, 0, 0, 0], [7, 8, 6, 3]],
                           np.int32)
-  fn = lambda p, x: rollout.sample_responses(
+  fn = lambda p, x, **segments: rollout.sample_responses(
       scoring.adapter_for(model), p, x, jax.random.PRNGKey(0),
       max_new_tokens=BUDGET, temperature=1.0, eos_id=EOS,
-      num_samples=GROUP, stop_when_done=True, cache_segments=2)
+      num_samples=GROUP, stop_when_done=True, **segments)
+  loops = lambda **segments: str(jax.make_jaxpr(
+      functools.partial(fn, **segments))(params, right_padded)).count(
+          "while[")
   samples = jax.eval_shape(fn, params, right_padded)
   assert samples.tokens.shape == (3 * GROUP, BUDGET)
   assert samples.num_steps.shape == ()
-  assert str(jax.make_jaxpr(fn)(params, right_padded)).count("while[") == 2
+  assert loops(cache_segments=2) == 2
+  assert loops() == 1
+  monkeypatch.setattr(sampling, "default_cache_segments", lambda n: 3)
+  assert loops() == 3
 
 
 # ----------------------------------------------------------------------------

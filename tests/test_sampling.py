@@ -176,6 +176,20 @@ def test_sampling_option_errors():
         4, 1.0, 0, 1.0, cache_segments=0)
 
 
+def test_cache_segments_default_to_two_for_long_generations_on_a_gpu():
+  """Unset, the segments are 2 where they were measured to pay (a GPU,
+  generations of LONG_GENERATION tokens or more), else 1."""
+  assert sampling.LONG_GENERATION == 2048  # the length measured on an H100
+  assert sampling.default_cache_segments(2048, "gpu") == 2
+  assert sampling.default_cache_segments(8192, "gpu") == 2
+  assert sampling.default_cache_segments(2047, "gpu") == 1
+  assert sampling.default_cache_segments(8192, "cpu") == 1
+  assert sampling.default_cache_segments(8192, "tpu") == 1
+  assert sampling.default_cache_segments(8192) == 1  # this CPU
+  sampling._check_options(  # pylint: disable=protected-access
+      4, 1.0, 0, 1.0, cache_segments=None)
+
+
 def test_cache_segments_split_the_steps_evenly():
   """`segment_ends`: near-equal runs of the max_new_tokens - 1 decode steps,
   at most one per step."""

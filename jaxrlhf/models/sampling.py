@@ -41,7 +41,9 @@ each, and the KV cache is held in one chunk per segment
 then each later segment's): a step reads the chunks written so far, not
 the whole, mostly empty, cache of a long generation (the positions it
 leaves out are masked, so the outputs are the same; the attention's sums
-may round differently).
+may round differently). Unset, it is 2 for generations of
+`LONG_GENERATION` tokens or more on a GPU, where that was measured to pay,
+and 1 elsewhere (`default_cache_segments`).
 They are jit-compiled (the model and the sampling options are static) and
 run under a mesh: call them inside `jax.set_mesh(mesh)` and
 `flax.linen.logical_axis_rules(rules)` with inputs sharded over the batch
@@ -51,7 +53,7 @@ cache (batch over data, heads over model; a repeated cache keeps them).
 
 import dataclasses
 import functools
-from typing import Any, Callable, Tuple
+from typing import Any, Callable, Optional, Tuple
 
 import flax
 import flax.linen as nn
@@ -113,6 +115,8 @@ def _check_options(max_new_tokens, temperature, top_k, top_p,
                      f"{max_new_tokens!r}.")
   for name, value in (("num_samples", num_samples),
                       ("cache_segments", cache_segments)):
+    if name == "cache_segments" and value is None:
+      continue  # default_cache_segments
     if not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
   if not temperature >= 0:
@@ -122,6 +126,31 @@ def _check_options(max_new_tokens, temperature, top_k, top_p,
     raise ValueError(f"top_k must be >= 0 (0 = no top-k), got {top_k!r}.")
   if not 0 < top_p <= 1:
     raise ValueError(f"top_p must be in (0, 1], got {top_p!r}.")
+
+
+# Where `cache_segments` is left unset, a generation this long or longer
+# runs its decode steps in 2 segments on a GPU: measured on an H100 with a
+# Llama 3.2 1B shape in bfloat16 (2,048 new tokens after 64 prompt tokens),
+# 2 segments gave 1.11x the tokens/s at batch 64 and 1.14x at 128, 4 gave
+# 0.93x at 64 (experiments/results/gpu/README.md). Elsewhere it stays 1:
+# on a CPU the extra attention products cost more than the reads saved,
+# and on a TPU the speed is unmeasured (its temporaries grow).
+LONG_GENERATION = 2048
+
+
+def default_cache_segments(max_new_tokens: int,
+                           platform: Optional[str] = None) -> int:
+  """The decode loop's segments when `cache_segments` is unset: 2 for a
+  generation of `LONG_GENERATION` tokens or more on a GPU (`platform`,
+  default jax's default backend), else 1."""
+  platform = platform or jax.default_backend()
+  return 2 if platform == "gpu" and max_new_tokens >= LONG_GENERATION else 1
+
+
+def _segments_or_default(cache_segments, max_new_tokens) -> int:
+  if cache_segments is None:
+    return default_cache_segments(max_new_tokens)
+  return int(cache_segments)
 
 
 def segment_ends(max_new_tokens: int, segments: int) -> Tuple[int, ...]:
@@ -407,7 +436,7 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
                            num_samples: int = 1,
                            stop_when_done: bool = False,
                            fuse_projections: bool = True,
-                           cache_segments: int = 1) -> Samples:
+                           cache_segments: Optional[int] = None) -> Samples:
   """Samples completions from a T5 (`jaxrlhf.models.t5.T5`).
 
   Args:
@@ -441,7 +470,8 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       outputs (its sums may round differently), less of the cache read
       in a long generation, for more, smaller attention products (a
       step of segment s reads s + 1 chunks). 1: every step reads the
-      whole cache (experiments/bench_sampling.py --segments compares).
+      whole cache (experiments/bench_sampling.py --segments compares);
+      None: `default_cache_segments` (2 for long generations on a GPU).
   Returns:
     Samples with [batch * num_samples, max_new_tokens] tokens (no BOS; EOS
     kept, then 0), log-probs, mask, [batch * num_samples] has_eos and
@@ -458,7 +488,7 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       eos_id=int(eos_id), num_samples=int(num_samples),
       stop_when_done=bool(stop_when_done),
       fuse_projections=bool(fuse_projections),
-      cache_segments=int(cache_segments))
+      cache_segments=_segments_or_default(cache_segments, max_new_tokens))
 
 
 def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
@@ -539,7 +569,7 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
                         num_samples: int = 1,
                         stop_when_done: bool = False,
                         fuse_projections: bool = True,
-                        cache_segments: int = 1) -> Samples:
+                        cache_segments: Optional[int] = None) -> Samples:
   """Samples continuations from a decoder-only model.
 
   Works with `llama.Llama`, `gpt_neox.GPTNeoX` and
@@ -583,5 +613,5 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
       eos_id=int(eos_id), num_samples=int(num_samples),
       stop_when_done=bool(stop_when_done),
       fuse_projections=bool(fuse_projections),
-      cache_segments=int(cache_segments),
+      cache_segments=_segments_or_default(cache_segments, max_new_tokens),
       bidirectional_prompt=bool(bidirectional_prompt))

@@ -118,7 +118,8 @@ def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):
 def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
                      temperature: float, eos_id: int, num_samples: int = 1,
                      stop_when_done: bool = False,
-                     cache_segments: int = 1) -> sampling.Samples:
+                     cache_segments: Optional[int] = None
+                     ) -> sampling.Samples:
   """The policy's samples for the prompts, with their log-probs and stats.
 
   Args:
@@ -134,7 +135,8 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
     stop_when_done: static; stop decoding once every response has ended
       (same outputs; `Samples.num_steps` counts the columns drawn).
     cache_segments: static; the decode loop's segments, each reading the
-      KV cache written so far (`sampling.sample_encoder_decoder`).
+      KV cache written so far (`sampling.sample_encoder_decoder`; None:
+      `sampling.default_cache_segments`).
 
   Returns:
     `sampling.Samples` of [batch * num_samples, max_new_tokens].
