@@ -113,10 +113,10 @@ def _check_options(max_new_tokens, temperature, top_k, top_p,
   if not isinstance(max_new_tokens, (int, np.integer)) or max_new_tokens < 1:
     raise ValueError(f"max_new_tokens must be a positive int, got "
                      f"{max_new_tokens!r}.")
+  # Unset segments are `default_cache_segments`' (a positive int).
   for name, value in (("num_samples", num_samples),
-                      ("cache_segments", cache_segments)):
-    if name == "cache_segments" and value is None:
-      continue  # default_cache_segments
+                      ("cache_segments",
+                       1 if cache_segments is None else cache_segments)):
     if not isinstance(value, (int, np.integer)) or value < 1:
       raise ValueError(f"{name} must be a positive int, got {value!r}.")
   if not temperature >= 0:
