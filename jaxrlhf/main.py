@@ -93,27 +93,12 @@ def main(argv):
     # reward function that failed on a row): its last complete checkpoint
     # is kept, and running again resumes.
     print(f"error: {e}", file=sys.stderr)
-    _wait_for_device_work(jax)
     sys.exit(1)
   except ValueError as e:
-    _wait_for_device_work(jax)
     cli.fail(str(e))
   line = loop.gold_reward_line(summary)
   if line and jax.process_index() == 0:
     print(line, flush=True)
-
-
-def _wait_for_device_work(jax) -> None:
-  """Waits for the computations a failed run left running. The step split
-  around the host dispatches the rollout's scoring and scores on the host
-  meanwhile (`online_host`): a reward function that fails there stops the
-  run while the device may still compute, and a process that exits while
-  XLA runs can crash in the interpreter's shutdown (seen once under load: the
-  error line, then SIGSEGV instead of exit status 1)."""
-  try:
-    jax.block_until_ready(jax.live_arrays())
-  except Exception:  # pylint: disable=broad-except
-    pass  # a computation that failed has stopped too
 
 
 def run():

@@ -209,6 +209,31 @@ def test_dynamic_sampling_trains_on_groups_that_vary(workdirs):
   assert np.isfinite(metrics["loss"])
 
 
+def test_a_failing_reward_function_leaves_no_computation_running(
+    workdirs, tmp_path, monkeypatch):
+  """The split step scores on the host while the device assembles the
+  rollout. When a reward function fails there, the run waits for that
+  computation before it closes its files and raises (a process exiting
+  under a running XLA computation can crash in its shutdown instead of
+  exiting with status 1): observed as the run closes."""
+  running_at_close = []
+  close = loop._Run.close  # pylint: disable=protected-access
+
+  def observed_close(run):
+    running_at_close.append(
+        [a.shape for a in jax.live_arrays() if not a.is_ready()])
+    close(run)
+
+  monkeypatch.setattr(loop._Run, "close", observed_close)  # pylint: disable=protected-access
+  config = _config(workdirs, rewards__reward_model__weight=0.0,
+                   rewards__functions="reward_functions:raises",
+                   online__samples_per_prompt=8, train__batch_size=64,
+                   train__num_steps=1)
+  with pytest.raises(loop.RewardFunctionError, match="the grader is down"):
+    loop.train(config, str(tmp_path / "run"), jax.devices()[:1])
+  assert running_at_close == [[]], running_at_close
+
+
 def test_a_failing_reward_function_stops_the_run_in_one_line(workdirs,
                                                              tmp_path):
   """On the command line: exit status 1, one line naming the function,

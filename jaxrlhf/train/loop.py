@@ -187,8 +187,24 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
   try:
     with _StopFlag() as stop:
       return run.go(stop)
+  except Exception:
+    _wait_for_device_work()
+    raise
   finally:
     run.close()
+
+
+def _wait_for_device_work() -> None:
+  """Waits for the computations a failing run left running, so that none
+  outlives the failure. The step split around the host dispatches the
+  rollout's scoring and scores on the host meanwhile (`online_host`): a
+  reward function failing there left it running, and a process that exits
+  while XLA computes can crash in the interpreter's shutdown (seen once
+  under load: the error line, then SIGSEGV instead of exit status 1)."""
+  try:
+    jax.block_until_ready(jax.live_arrays())
+  except Exception:  # pylint: disable=broad-except
+    pass  # a computation that failed has ended too
 
 
 class _Run:
