@@ -27,10 +27,11 @@ from jaxrlhf.models import layers
 F = config_schema.Field
 G = config_schema.Group
 
+ALGORITHM = F("algorithm", "sft",
+              "Which algorithm trains (jaxrlhf/algorithms/; docs/config.md "
+              "lists them with a line each).", choices=algorithms.NAMES)
 TOP = [
-    F("algorithm", "sft",
-      "Which algorithm trains (jaxrlhf/algorithms/; docs/config.md lists "
-      "them with a line each).", choices=algorithms.NAMES),
+    ALGORITHM,
     F("seed", 0, "Seeds parameter initialisation, dropout and data "
       "shuffling (a JAX PRNG key holds 32 bits: a larger seed would be "
       "truncated to another run's).", bounds="[0, 4294967295]"),
@@ -443,6 +444,21 @@ SHARDING = G("sharding", "The sharding plan.", [
       "replicate).", resumable=True),
 ])
 
+
+def _check_pipeline_algorithm(c) -> None:
+  # The stages pick their algorithms: another config.algorithm on a
+  # pipeline's config (`--config.algorithm=grpo` on configs/quickstart.py)
+  # asks for a run that would not happen.
+  default = ALGORITHM.default
+  config_schema.require(
+      not c.pipeline.stages or c.algorithm == default, "algorithm",
+      f"{c.algorithm!r} would not run: config.pipeline.stages "
+      f"({c.pipeline.stages!r}) runs a pipeline whose stages pick their own "
+      f"algorithms. To run {c.algorithm} alone, add "
+      "--config.pipeline.stages= (empty); to run it as a stage, name it "
+      f"there and leave config.algorithm at {default!r}.")
+
+
 # Resumable: each stage's run is described by its own fields (the pipeline
 # sets them); these only plan the stages.
 PIPELINE = G("pipeline", "The pipeline of jaxrlhf.offline_pipeline "
@@ -485,7 +501,7 @@ PIPELINE = G("pipeline", "The pipeline of jaxrlhf.offline_pipeline "
                  F("best_of_n", 8,
                    "N of the best-of-N row (its KL is log N - (N - 1) / N).",
                    bounds=">0"),
-             ])
+             ], checks=(_check_pipeline_algorithm,))
 
 # The groups every run shares; each algorithm adds its own
 # (`algorithms.config_groups()`).

@@ -318,6 +318,8 @@ def test_reference_docs_are_current():
     ("checkpoint.best_metric", "eval/win_rate", "config.checkpoint.best_metric:"
      " 'eval/win_rate' picks among periodic evaluations, but "
      "eval.every_steps is 0"),
+    ("algorithm", "grpo", "config.algorithm: 'grpo' would not run: "
+     "config.pipeline.stages ('sft,data,"),
     ("data.files.holdout_test_prompts", 5,
      "config.data.files.holdout_test_prompts: 5 prompts of data.files.train "
      "are to be held out as the 'test' split, but data.files.train is not "
@@ -348,7 +350,8 @@ def test_overlap_settings_that_cannot_work_are_refused_naming_the_field():
 
   def refusal(check, **overrides):
     config = load("quickstart.py")
-    defaults.apply_overrides(config, {"rewards.reward_model.weight": 0.0,
+    defaults.apply_overrides(config, {"pipeline.stages": "",
+                                      "rewards.reward_model.weight": 0.0,
                                       "rewards.gold_reward.weight": 1.0,
                                       **overrides})
     with pytest.raises(ValueError) as error:
