@@ -2,7 +2,8 @@
 gold reward, a function named by its import path and the math verifier,
 summed with their weights and each logged; the step split around the host;
 DAPO's dynamic sampling; PPO's value from the policy without a reward
-model; a failing reward function named in one line.
+model; a failing reward function named in one line, and waited for: no
+computation of the step is left running when the run stops.
 
 Truths used: the rewards recomputed here from the decoded samples with the
 task's own gold reward, the function itself and the reward model's scores
