@@ -35,7 +35,7 @@ share of the score):
   overlong     DAPO's soft overlong penalty, 0 up to 384 response tokens,
                falling to -1 at the 512 sampled (weight 1).
 
-GRPO (jaxrlhf/algorithms/grpo.py): 16 responses per question sampled at
+GRPO (jaxrlhf/algorithms/online/grpo.py): 16 responses per question sampled at
 temperature 1 (DAPO; DeepSeekMath samples 64), advantages normalised by
 their group's mean and std (DeepSeekMath), and DAPO's changes: clip-higher
 (epsilon 0.2 below, 0.28 above), the token-level mean loss, no KL term

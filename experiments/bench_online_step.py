@@ -6,7 +6,7 @@ updates; and what overlapping generation with training saves.
       --prompts=32 --group=8 --new=256 --eos_prob=0.02
   python experiments/bench_online_step.py --overlap        # 8 CPU devices
 
-Both parts run GRPO (`jaxrlhf.algorithms.grpo`, its defaults) with a
+Both parts run GRPO (`jaxrlhf.algorithms.online.grpo`, its defaults) with a
 randomly initialised policy and reference (`--arch`, `--size`: the model
 presets of bench_sampling.py), `--group` (k) samples of at most `--new`
 tokens for each of `--prompts` (P) prompts of the built-in verifiable task

@@ -5,7 +5,7 @@ r"""Where one PPO iteration's time goes: rollout, scoring and update.
   python experiments/bench_ppo_iteration.py --arch=llama --size=tinyllama-1.1b \
       --dtype=bfloat16 --vocab_size=32000
 
-One PPO iteration of `jaxrlhf.algorithms.ppo` is timed whole (the jitted train
+One PPO iteration of `jaxrlhf.algorithms.online.ppo` is timed whole (the jitted train
 step) and in its three parts, each jitted alone:
 
   rollout  sampling `targets_length` tokens per prompt at temperature 0.7
@@ -33,9 +33,9 @@ import numpy as np
 import bench_common
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import online_step
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import ppo
+from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import ppo
 from jaxrlhf.rl import rollout as rollout_lib
 
 
@@ -69,9 +69,9 @@ def main():
                                   rules)
     o = c.online
     eos = trainer.vocabulary.eos_id
-    reward_lm = online_rewards.reward_lm(trainer)
+    reward_lm = reward_sources.reward_lm(trainer)
 
-    # The two halves of `online_step.make_rollout`, jitted apart.
+    # The two halves of `iteration.make_rollout`, jitted apart.
     @jax.jit
     def rollout(params, prompt_tokens, key):
       return rollout_lib.sample_responses(
@@ -90,7 +90,7 @@ def main():
 
     @jax.jit
     def update(state, ro, targets, key):
-      return online_step.run_updates(
+      return iteration.run_updates(
           trainer, state, ppo.update_data(ro, targets),
           lambda params, minibatch: ppo.minibatch_loss(trainer, params,
                                                        minibatch), key)

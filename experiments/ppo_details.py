@@ -90,7 +90,7 @@ def summarise_run(train, evals):
   m = sum(r["token_reward_mean"] for r in train) / len(train)
   s = sum(r["token_reward_std"] for r in train) / len(train)
   # Mean-preserving reward whitening adds L * m * (1 - 1/s) to the return
-  # of an L-token response (see jaxrlhf/algorithms/ppo.py).
+  # of an L-token response (see jaxrlhf/algorithms/online/ppo.py).
   row.update(token_reward_mean=m, token_reward_std=s,
              whitening_bonus_per_token=m * (1 - 1 / s))
   return row

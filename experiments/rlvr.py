@@ -50,7 +50,7 @@ reward model:
                      its value network started from the policy (there is no
                      reward model to start it from).
      The GRPO family (DAPO, GSPO, CISPO are settings of `grpo`:
-     jaxrlhf/algorithms/grpo.py) and REINFORCE++ make 2 optimizer updates
+     jaxrlhf/algorithms/online/grpo.py) and REINFORCE++ make 2 optimizer updates
      per rollout batch (online.num_minibatches 2), so that their ratios
      move off 1 and their clipping matters; RLOO and PPO keep their
      defaults of 4 epochs of one minibatch. Everything else is each

@@ -33,7 +33,7 @@ from jaxrlhf import algorithms
 from jaxrlhf import console
 from jaxrlhf import defaults
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import rejection_sampling
+from jaxrlhf.algorithms.online import rejection_sampling
 from jaxrlhf.data import synthetic_feedback
 from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation

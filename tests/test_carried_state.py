@@ -26,7 +26,7 @@ from jaxrlhf import algorithms
 from jaxrlhf import checkpoint_files
 from jaxrlhf import sharding
 from jaxrlhf.data import synthetic
-from jaxrlhf.losses import bco as bco_losses
+from jaxrlhf.losses import bco_losses as bco_losses
 from jaxrlhf.losses import preference
 from jaxrlhf.models import scoring
 from jaxrlhf.train import loop

@@ -10,8 +10,8 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.algorithms import sft
-from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.algorithms.offline import sft
+from jaxrlhf.losses import sft_losses as sft_losses
 from jaxrlhf.models import llama
 from jaxrlhf.models import scoring
 from jaxrlhf.models import t5

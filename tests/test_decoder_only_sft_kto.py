@@ -22,7 +22,7 @@ from jaxrlhf.data import feature_converters as fc
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
 from jaxrlhf import algorithms
-from jaxrlhf.algorithms import kto
+from jaxrlhf.algorithms.offline import kto
 from jaxrlhf.train import loop
 
 TOKENS = tf.TensorSpec([None], tf.int32)

@@ -1,4 +1,4 @@
-"""DRO-V as an algorithm (jaxrlhf/algorithms/dro.py): the policy learning-rate
+"""DRO-V as an algorithm (jaxrlhf/algorithms/offline/dro.py): the policy learning-rate
 rescaling by 1/tau, and where the value comes from.
 
 Truths used: Adafactor's and AdamW's invariance to the gradient's scale
@@ -21,7 +21,7 @@ import pytest
 from conftest import from_scratch, tiny_config, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import dro
+from jaxrlhf.algorithms.offline import dro
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback

@@ -1,4 +1,4 @@
-"""Tests for DRO-V (jaxrlhf/losses/dro.py).
+"""Tests for DRO-V (jaxrlhf/losses/dro_losses.py).
 
 Truths used: the closed-form optimum of equation 2 computed in numpy, and
 equations 7 and 8 of the DRO paper written out by hand in numpy.
@@ -12,7 +12,7 @@ import numpy as np
 import optax
 import pytest
 
-from jaxrlhf.losses import dro
+from jaxrlhf.losses import dro_losses
 
 NUM_PROMPTS, NUM_COMPLETIONS = 3, 4
 
@@ -53,7 +53,7 @@ def _train_tabular(ref_logp, rewards, behaviour, tau, steps=4000):
 
   def total_loss(params):
     logp = jax.nn.log_softmax(params["logits"], axis=-1).reshape(-1)
-    policy_loss, value_loss, metrics = dro.dro_v_losses(
+    policy_loss, value_loss, metrics = dro_losses.dro_v_losses(
         logp, ref_logp.reshape(-1), params["values"][prompt_of],
         rewards.reshape(-1), tau=tau, weights=weights)
     return policy_loss + value_loss, metrics
@@ -119,10 +119,10 @@ def test_gradients_equal_equations_7_and_8(tau):
   batch = policy_logps.shape[0]
 
   def policy_loss(p, v):
-    return dro.dro_v_losses(p, ref_logps, v, rewards, tau=tau)[0]
+    return dro_losses.dro_v_losses(p, ref_logps, v, rewards, tau=tau)[0]
 
   def value_loss(p, v):
-    return dro.dro_v_losses(p, ref_logps, v, rewards, tau=tau)[1]
+    return dro_losses.dro_v_losses(p, ref_logps, v, rewards, tau=tau)[1]
 
   # Hand-written (batch-mean, Algorithm 1) eq. 8 with grad_theta log pi = 1 per
   # coordinate: -tau/B [(r - V) - tau/2 * 2 l]. DRO-V's 1/tau rescaling is
@@ -150,7 +150,7 @@ def test_policy_gradient_is_gradient_of_equation_4():
     return 0.5 * jnp.mean(jnp.square(rewards - values - tau * (p - ref_logps)))
 
   expected = jax.grad(equation_4)(policy_logps)
-  got = jax.grad(lambda p: dro.dro_v_losses(
+  got = jax.grad(lambda p: dro_losses.dro_v_losses(
       p, ref_logps, values, rewards, tau=tau)[0])(policy_logps)
   np.testing.assert_allclose(got, expected, rtol=1e-5, atol=1e-6)
 
@@ -162,7 +162,7 @@ def test_value_loss_and_metrics_by_hand():
   values = np.array([0.5, -0.5], np.float32)
   rewards = np.array([1.0, 0.0], np.float32)
   # residuals r - V - tau l: 1 - 0.5 - 2*0.5 = -0.5 ; 0 + 0.5 - 2*(-1) = 2.5
-  _, value_loss, metrics = dro.dro_v_losses(policy_logps, ref_logps, values,
+  _, value_loss, metrics = dro_losses.dro_v_losses(policy_logps, ref_logps, values,
                                             rewards, tau=tau)
   expected = 0.5 * (0.25 + 6.25) / 2
   np.testing.assert_allclose(value_loss, expected, rtol=1e-6)
@@ -175,9 +175,9 @@ def test_value_loss_and_metrics_by_hand():
 def test_weights_drop_padding_examples():
   policy_logps, ref_logps, values, rewards = _random_inputs(2, batch=5)
   weights = np.array([1, 1, 1, 0, 0], np.float32)
-  full = dro.dro_v_losses(policy_logps, ref_logps, values, rewards, tau=1.5,
+  full = dro_losses.dro_v_losses(policy_logps, ref_logps, values, rewards, tau=1.5,
                           weights=weights)
-  head = dro.dro_v_losses(policy_logps[:3], ref_logps[:3], values[:3],
+  head = dro_losses.dro_v_losses(policy_logps[:3], ref_logps[:3], values[:3],
                           rewards[:3], tau=1.5)
   np.testing.assert_allclose(full[0], head[0], rtol=1e-6)
   np.testing.assert_allclose(full[1], head[1], rtol=1e-6)
@@ -190,20 +190,20 @@ def test_single_value_per_batch():
   log_ratio = policy_logps - ref_logps
   # A scalar V shared by the batch: eq. 7 summed over examples (batch mean).
   scalar_v = np.float32(0.4)
-  grad_scalar = jax.grad(lambda v: dro.dro_v_losses(
+  grad_scalar = jax.grad(lambda v: dro_losses.dro_v_losses(
       policy_logps, ref_logps, v, rewards, tau=tau)[1])(scalar_v)
   np.testing.assert_allclose(
       grad_scalar, np.mean(scalar_v - rewards + tau * log_ratio), rtol=1e-5)
   # Per-example outputs averaged into one V per batch.
   shared_v = values.mean()
-  grad_values = jax.grad(lambda v: dro.dro_v_losses(
+  grad_values = jax.grad(lambda v: dro_losses.dro_v_losses(
       policy_logps, ref_logps, v, rewards, tau=tau,
       single_value_per_batch=True)[1])(values)
   expected = np.full(batch, np.mean(shared_v - rewards + tau * log_ratio)
                      / batch)
   np.testing.assert_allclose(grad_values, expected, rtol=1e-5, atol=1e-7)
   # The policy sees the shared value as its baseline (eq. 8).
-  grad_policy = jax.grad(lambda p: dro.dro_v_losses(
+  grad_policy = jax.grad(lambda p: dro_losses.dro_v_losses(
       p, ref_logps, values, rewards, tau=tau,
       single_value_per_batch=True)[0])(policy_logps)
   np.testing.assert_allclose(
@@ -213,7 +213,7 @@ def test_single_value_per_batch():
 
 def test_jit_matches_eager():
   inputs = _random_inputs(4)
-  fn = functools.partial(dro.dro_v_losses, tau=0.8)
+  fn = functools.partial(dro_losses.dro_v_losses, tau=0.8)
   eager = fn(*inputs)
   jitted = jax.jit(fn)(*inputs)
   np.testing.assert_allclose(eager[0], jitted[0], rtol=1e-6)
@@ -223,7 +223,7 @@ def test_jit_matches_eager():
 def test_optimal_policy_and_value_matches_numpy():
   ref_logp, rewards, _ = _bandit(seed=5)
   log_pi_star, v_star = _numpy_optimum(ref_logp, rewards, 0.6)
-  got_log_pi, got_v = dro.optimal_policy_and_value(ref_logp, rewards, tau=0.6)
+  got_log_pi, got_v = dro_losses.optimal_policy_and_value(ref_logp, rewards, tau=0.6)
   np.testing.assert_allclose(got_log_pi, log_pi_star, rtol=1e-5, atol=1e-6)
   np.testing.assert_allclose(got_v, v_star, rtol=1e-5, atol=1e-6)
 
@@ -231,10 +231,10 @@ def test_optimal_policy_and_value_matches_numpy():
 def test_bad_input_errors():
   p = np.zeros(4, np.float32)
   with pytest.raises(ValueError, match="values must be"):
-    dro.dro_v_losses(p, p, np.zeros(3), p)
+    dro_losses.dro_v_losses(p, p, np.zeros(3), p)
   with pytest.raises(ValueError, match="sequence_logprob"):
-    dro.dro_v_losses(np.zeros((4, 2)), p, p, p)
+    dro_losses.dro_v_losses(np.zeros((4, 2)), p, p, p)
   with pytest.raises(ValueError, match="shapes must match"):
-    dro.dro_v_losses(p, np.zeros(5), p, p)
+    dro_losses.dro_v_losses(p, np.zeros(5), p, p)
   with pytest.raises(ValueError, match="tau"):
-    dro.dro_v_losses(p, p, p, p, tau=0.0)
+    dro_losses.dro_v_losses(p, p, p, p, tau=0.0)

@@ -1,4 +1,4 @@
-"""Tests for reward-model losses (jaxrlhf/losses/reward_model.py).
+"""Tests for reward-model losses (jaxrlhf/losses/reward_model_losses.py).
 
 Truths used: values and gradients computed by hand, the Plackett–Luce
 probabilities of every permutation summing to 1, and numpy statistics.
@@ -12,7 +12,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.losses import reward_model as rm
+from jaxrlhf.losses import reward_model_losses as rm
 
 # Compiled once per shape: op-by-op dispatch of the K x K log-sum-exp is slow.
 plackett_luce_loss = jax.jit(rm.plackett_luce_loss)

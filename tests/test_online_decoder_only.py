@@ -25,9 +25,9 @@ import pytest
 from conftest import tiny_config
 from jaxrlhf import algorithms
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import online_step
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import ppo
+from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import ppo
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf import checkpoint_files
@@ -200,7 +200,7 @@ def test_decoder_only_rollout_is_left_padding_invariant_and_values_are_shifted(
   responses[2, 1:] = [4, 5, 6, 7, 8, 9, 10]  # sampled on after its EOS
   with _mesh_context(config) as mesh:
     trainer = algorithms.build(config, mesh)
-    reward_lm = online_rewards.reward_lm(trainer)
+    reward_lm = reward_sources.reward_lm(trainer)
     assert not trainer.lm.is_encoder_decoder
     assert not reward_lm.is_encoder_decoder
     state = trainer.init_state()
@@ -212,7 +212,7 @@ def test_decoder_only_rollout_is_left_padding_invariant_and_values_are_shifted(
         reward_lm, s.frozen["reward"], prompts, r,
         temperature=temperature, eos_id=EOS, missing_eos_penalty=-1.0))
     ro = assemble(state, jnp.asarray(responses))
-    eval_scores = online_rewards.reward_scores(
+    eval_scores = reward_sources.reward_scores(
         trainer, state.frozen["reward"], np.asarray(prompts), sampling.Samples(
             tokens=np.asarray(ro.features["tokens"])[:, -MAX_NEW:],
             logprobs=np.asarray(ro.logprobs), mask=np.asarray(ro.mask),
@@ -280,7 +280,7 @@ def test_t5_reward_model_scores_a_decoder_only_policy(llama_workdirs,
   responses = jnp.asarray(_padded(RESPONSES, MAX_NEW))
   with _mesh_context(config) as mesh:
     trainer = algorithms.build(config, mesh)
-    reward_lm = online_rewards.reward_lm(trainer)
+    reward_lm = reward_sources.reward_lm(trainer)
     assert reward_lm.is_encoder_decoder
     state = trainer._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     ro = jax.jit(lambda s: rollout_lib.assemble_rollout(
@@ -381,12 +381,12 @@ def _update_with_microbatches(algorithm, workdirs, micro, state=None,
                                                state.params["policy"])))
     ro = jax.jit(lambda s: rollout_lib.assemble_rollout(
         trainer.lm, s.params["policy"], s.frozen["reference"],
-        online_rewards.reward_lm(trainer), s.frozen["reward"], jnp.asarray(prompts),
+        reward_sources.reward_lm(trainer), s.frozen["reward"], jnp.asarray(prompts),
         jnp.asarray(responses), temperature=config.online.temperature,
         eos_id=EOS))(state)
     rng = jax.random.PRNGKey(5)
     params, _, _, metrics = jax.jit(
-        lambda s, r, k: online_step.update(trainer, s, r, k))(state, ro, rng)
+        lambda s, r, k: iteration.update(trainer, s, r, k))(state, ro, rng)
   # The micro-batches of the first update hold different token counts (else
   # the weighting would not be tested).
   first = rollout_lib.minibatch_indices(rng, rows, trainer.online.num_epochs,

@@ -28,11 +28,11 @@ import tensorflow as tf
 from conftest import tiny_config
 from jaxrlhf import algorithms
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online
-from jaxrlhf.algorithms import online_step
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import rejection_sampling
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import recipe
+from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import rejection_sampling
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf import checkpoint_files
 from jaxrlhf.data import prompts as prompts_lib
@@ -122,9 +122,9 @@ def test_ppo_with_one_epoch_and_minibatch_is_the_policy_gradient_step(sgd_ppo):
   the step must equal SGD on those, with A and R from a plain-Python GAE."""
   trainer, state, batch = sgd_ppo
   cfg = trainer.config
-  reward_lm = online_rewards.reward_lm(trainer)
+  reward_lm = reward_sources.reward_lm(trainer)
   with _mesh_context(cfg):
-    rollout = jax.jit(lambda s, b: online_step.rollout_for_step(trainer, s,
+    rollout = jax.jit(lambda s, b: iteration.rollout_for_step(trainer, s,
                                                                 b))(
         state, batch)
     values = np.asarray(heads.token_values(
@@ -180,7 +180,7 @@ def test_rollout_truncates_after_eos_scores_at_eos_and_penalises_no_eos(
     sgd_ppo):
   trainer, state, batch = sgd_ppo
   cfg = trainer.config
-  reward_lm = online_rewards.reward_lm(trainer)
+  reward_lm = reward_sources.reward_lm(trainer)
   length = trainer.online.max_new_tokens
   prompts = np.asarray(batch["encoder_input_tokens"])[:3]
   eos = trainer.vocabulary.eos_id
@@ -489,12 +489,12 @@ def test_a_rollout_in_parts_is_its_parts_in_prompt_order(workdirs):
                                   trainer.rules)
     prompts = np.asarray(batch["encoder_input_tokens"])
     rng = jax.random.PRNGKey(3)
-    whole = jax.jit(lambda s, p: online_step.make_rollout(
+    whole = jax.jit(lambda s, p: iteration.make_rollout(
         trainer, s.params, s.frozen, p, rng))(state, prompts)
     rngs = jax.random.split(rng, parts)
     # Each part as a rollout of its own prompts, with its own key.
     config.online.rollout_microbatches = 1
-    part = [jax.jit(lambda s, p, r: online_step.make_rollout(
+    part = [jax.jit(lambda s, p, r: iteration.make_rollout(
         trainer, s.params, s.frozen, p, r))(state, prompts[p::parts], rngs[p])
             for p in range(parts)]
     config.online.rollout_microbatches = parts
@@ -535,7 +535,7 @@ def test_the_reference_is_scored_and_kept_only_where_a_step_reads_it(
   trainer = type("T", (), {"algorithm": algorithms.get(algorithm),
                            "config": config})
   assert kl_control.scores_reference(trainer) is scored
-  assert online.keeps_reference(trainer) is kept
+  assert recipe.keeps_reference(trainer) is kept
 
 
 @pytest.mark.parametrize("algorithm,field", [

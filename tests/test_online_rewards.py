@@ -26,8 +26,8 @@ from jaxrlhf import algorithms
 from jaxrlhf import checkpoint_files
 from jaxrlhf import plan as plan_lib
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import synthetic_arithmetic
 from jaxrlhf.eval import evaluation
@@ -106,11 +106,11 @@ def test_every_source_sums_with_its_weight_and_is_logged(workdirs):
                    optimizer__learning_rate=0.0)
   trainer, [((state, batch), metrics)] = _step(config)
   # The same samples: the step's rollout key.
-  _, rollout_rng, _ = online_step.step_rngs(state)
+  _, rollout_rng, _ = iteration.step_rngs(state)
   with sharding.activate(config, jax.devices()[:1]):
-    samples = online_step.sample(trainer, state.params, state.frozen,
+    samples = iteration.sample(trainer, state.params, state.frozen,
                                  batch["encoder_input_tokens"], rollout_rng)
-    rm = online_rewards.reward_scores(
+    rm = reward_sources.reward_scores(
         trainer, state.frozen["reward"],
         np.repeat(np.asarray(batch["encoder_input_tokens"]), 2, axis=0),
         jax.device_get(samples))

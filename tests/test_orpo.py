@@ -1,4 +1,4 @@
-"""ORPO (jaxrlhf/losses/orpo.py, jaxrlhf/algorithms/orpo.py).
+"""ORPO (jaxrlhf/losses/orpo_losses.py, jaxrlhf/algorithms/offline/orpo.py).
 
 Truths used: the ORPO paper's objective (the chosen completion's token NLL
 plus lambda times -log sigmoid of the log odds ratio of the length-
@@ -20,10 +20,10 @@ from conftest import from_scratch, tiny_config
 from conftest import one_device_mesh, synthetic_feedback_file, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import orpo
-from jaxrlhf.algorithms import sft
-from jaxrlhf.losses import orpo as orpo_losses
-from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.algorithms.offline import orpo
+from jaxrlhf.algorithms.offline import sft
+from jaxrlhf.losses import orpo_losses as orpo_losses
+from jaxrlhf.losses import sft_losses as sft_losses
 from jaxrlhf.models import scoring
 
 CHOSEN = np.array([-4.0, -9.0, -2.5, -12.0, -0.3], np.float32)

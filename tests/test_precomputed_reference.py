@@ -16,8 +16,8 @@ import pytest
 
 from conftest import from_scratch, tiny_config, trainer_of
 from jaxrlhf import algorithms
-from jaxrlhf.algorithms import precomputed_reference
-from jaxrlhf.algorithms import reference_cache
+from jaxrlhf.algorithms.offline import precomputed_reference
+from jaxrlhf.algorithms.offline import reference_cache
 from jaxrlhf import checkpoint_files
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback

@@ -9,7 +9,7 @@ from jaxrlhf import sharding
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_feedback
 from jaxrlhf.models import heads
-from jaxrlhf.algorithms import reward_model
+from jaxrlhf.algorithms.offline import reward_model
 
 RANKING = from_scratch(reward_model.RANKING)
 

@@ -23,10 +23,10 @@ from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import synthetic
-from jaxrlhf.losses import reward_model as rm_losses
+from jaxrlhf.losses import reward_model_losses as rm_losses
 from jaxrlhf.models import heads
 from jaxrlhf.models import pretrained
-from jaxrlhf.algorithms import reward_model
+from jaxrlhf.algorithms.offline import reward_model
 from jaxrlhf.train import loop
 
 NORMALIZE_TASK = "synthetic_summarize"

@@ -231,7 +231,7 @@ def test_grpo_kl_term_gradient_pulls_towards_reference():
 
 
 def test_one_update_of_the_clipped_surrogate_is_the_policy_gradient():
-  """REINFORCE and RLOO train with the clipped surrogate (jaxrlhf.algorithms.policy_gradient): with
+  """REINFORCE and RLOO train with the clipped surrogate (jaxrlhf.algorithms.online.critic_free): with
   the sampling policy's own log-probs the ratio is 1 and the gradient is
   the REINFORCE estimator -A grad log pi(y|x) (RLHF book 11.1.1)."""
   logprobs = jnp.array([[-1.0, -2.0, -5.0], [-0.5, -5.0, -5.0]])

@@ -1,4 +1,4 @@
-"""SimPO (jaxrlhf/algorithms/simpo.py).
+"""SimPO (jaxrlhf/algorithms/offline/simpo.py).
 
 Truths used: the SimPO paper's loss -log sigmoid(beta/|y_w| log pi(y_w) -
 beta/|y_l| log pi(y_l) - gamma) and TRL's CPOTrainer arrangement of it
@@ -18,7 +18,7 @@ from conftest import from_scratch, tiny_config
 from conftest import one_device_mesh, synthetic_feedback_file, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import simpo
+from jaxrlhf.algorithms.offline import simpo
 from jaxrlhf.losses import preference
 from jaxrlhf.models import scoring
 

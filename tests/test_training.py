@@ -17,12 +17,12 @@ import pytest
 from conftest import REPO, cli_args, evaluated_by, from_scratch, quiet_env
 from conftest import tiny_config
 from jaxrlhf import algorithms
-from jaxrlhf.algorithms import sft
+from jaxrlhf.algorithms.offline import sft
 from jaxrlhf.algorithms import trainer as trainer_lib
 from jaxrlhf.algorithms import update
 from jaxrlhf import checkpoint_files
 from jaxrlhf.data import file_sources
-from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.losses import sft_losses as sft_losses
 from jaxrlhf import sharding
 from jaxrlhf.train import loop
 

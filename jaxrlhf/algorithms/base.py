@@ -104,8 +104,8 @@ NOTHING_CARRIED = Carried()
 class Training:
   """How an algorithm learns: what each train step reads and does.
 
-  `jaxrlhf.algorithms.offline.Offline` (one gradient update per batch of a
-  dataset) and `jaxrlhf.algorithms.online.Online` (rollout -> targets ->
+  `jaxrlhf.algorithms.offline.training.Offline` (one gradient update per batch of a
+  dataset) and `jaxrlhf.algorithms.online.recipe.Online` (rollout -> targets ->
   updates on the policy's own samples) implement it; the trainer calls
   these and never asks which one it has. Every method takes the
   `Trainer` first.

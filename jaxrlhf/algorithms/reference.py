@@ -15,7 +15,7 @@ import jax
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.models import scoring
 
 MODES = ("in_step", "precomputed")
@@ -39,7 +39,7 @@ def precomputable(algorithm: base.Algorithm) -> bool:
   """The algorithm's loss reads the reference only per example, so its
   log-probs may be precomputed once."""
   training = algorithm.training
-  return isinstance(training, offline.Offline) and (
+  return isinstance(training, training.Offline) and (
       training.precomputable_reference)
 
 

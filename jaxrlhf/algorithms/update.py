@@ -5,7 +5,7 @@ between them and new parameters: micro-batching (gradient accumulation),
 the optimizer (whose chain clips the global gradient norm, see
 `optimizers`), and the non-finite guard. An offline train step is one
 `gradient_update`; an online step scans it over the minibatches of its
-rollouts (`jaxrlhf.algorithms.online`). How each micro-batch's loss is
+rollouts (`jaxrlhf.algorithms.online.recipe`). How each micro-batch's loss is
 weighted is part of an algorithm's loss: `loss_fn` returns each
 micro-batch's share of the whole batch's loss (`mean_over_examples` and
 `weighted_share` build the usual two), so the shares sum to the loss of the

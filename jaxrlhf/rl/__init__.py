@@ -7,8 +7,8 @@ Modules:
   advantages       GAE, reward/advantage whitening, RLOO, GRPO, REINFORCE,
                    REINFORCE++.
   reductions       per-sequence / token / constant-length loss reductions.
-  ppo              PPO rollout targets, clipped policy and value losses.
-  policy_gradient  the clipped policy-gradient loss of RLOO, REINFORCE and
+  ppo_losses       PPO rollout targets, clipped policy and value losses.
+  policy_gradient_losses  the clipped policy-gradient loss of RLOO, REINFORCE and
                    GRPO (k3 KL term in the loss, asymmetric clipping).
   best_of_n        best-of-N / rejection-sampling selection, best-of-N KL.
 
@@ -35,13 +35,13 @@ from jaxrlhf.rl.kl import kl_estimate
 from jaxrlhf.rl.kl import kl_penalized_sequence_rewards
 from jaxrlhf.rl.kl import per_token_rewards
 from jaxrlhf.rl.kl import sequence_kl
-from jaxrlhf.rl.policy_gradient import clipped_policy_gradient_loss
-from jaxrlhf.rl.ppo import clipped_surrogate
-from jaxrlhf.rl.ppo import explained_variance
-from jaxrlhf.rl.ppo import ppo_loss
-from jaxrlhf.rl.ppo import ppo_policy_loss
-from jaxrlhf.rl.ppo import ppo_rollout_targets
-from jaxrlhf.rl.ppo import ppo_value_loss
+from jaxrlhf.rl.policy_gradient_losses import clipped_policy_gradient_loss
+from jaxrlhf.rl.ppo_losses import clipped_surrogate
+from jaxrlhf.rl.ppo_losses import explained_variance
+from jaxrlhf.rl.ppo_losses import ppo_loss
+from jaxrlhf.rl.ppo_losses import ppo_policy_loss
+from jaxrlhf.rl.ppo_losses import ppo_rollout_targets
+from jaxrlhf.rl.ppo_losses import ppo_value_loss
 from jaxrlhf.rl.reductions import reduce_token_losses
 from jaxrlhf.rl.rollout_rewards import last_token_index
 from jaxrlhf.rl.rollout_rewards import replace_score_without_eos

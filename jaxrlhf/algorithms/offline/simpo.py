@@ -18,7 +18,7 @@ runs (`reference.POLICY_ONLY`).
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
 from jaxrlhf.data import alignment_kinds
@@ -60,7 +60,7 @@ ALGORITHM = base.Algorithm(
     "token log-likelihood) with a target margin gamma.",
     data="pairs",
     networks=reference.POLICY_ONLY,
-    training=offline.Offline(loss=loss, packs=True),
+    training=training.Offline(loss=loss, packs=True),
     evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),
     pipeline_stage=True,

@@ -32,7 +32,7 @@ import jax.numpy as jnp
 from jaxrlhf import checks
 from jaxrlhf.losses import common
 from jaxrlhf.rl import kl as kl_lib
-from jaxrlhf.rl import ppo
+from jaxrlhf.rl import ppo_losses
 from jaxrlhf.rl import reductions
 
 RATIO_LEVELS = ("token", "sequence")
@@ -101,7 +101,7 @@ def clipped_policy_gradient_loss(logprobs, old_logprobs, ref_logprobs,
     ratio_logprobs = jax.lax.stop_gradient(old_logprobs) + (
         importance_log_ratios(logprobs, old_logprobs, fmask, ratio_level))
   if objective == "clipped":
-    policy_per_token, clipped = ppo.clipped_surrogate(
+    policy_per_token, clipped = ppo_losses.clipped_surrogate(
         ratio_logprobs, old_logprobs, advantages, clip_eps_low,
         clip_eps_high)
   else:
@@ -128,5 +128,5 @@ def clipped_policy_gradient_loss(logprobs, old_logprobs, ref_logprobs,
       policy_loss=reductions.reduce_token_losses(policy_per_token, fmask,
                                                  reduction, max_length),
       clip_fraction=common.masked_mean(clipped.astype(fmask.dtype), fmask))
-  metrics.update(ppo.policy_drift_metrics(logprobs, old_logprobs, fmask))
+  metrics.update(ppo_losses.policy_drift_metrics(logprobs, old_logprobs, fmask))
   return loss, metrics

@@ -5,7 +5,7 @@ Advantages are each score's deviation from its group's mean, divided by the
 group std (or not: Dr. GRPO, Liu et al. 2025); the KL to the reference is a
 k3 term of the loss weighted by `grpo.kl_coef` (carried between steps, so
 `online.adaptive_kl` can move it), not a penalty in the reward. The
-variants (`jaxrlhf.rl.policy_gradient`):
+variants (`jaxrlhf.rl.policy_gradient_losses`):
 
   Dr. GRPO  grpo.scale_by_std=False, grpo.reduction=constant_length
   DAPO      grpo.clip_eps_high=0.28 (clip-higher), grpo.reduction=token_mean,
@@ -23,21 +23,21 @@ variants (`jaxrlhf.rl.policy_gradient`):
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online
-from jaxrlhf.algorithms import online_config
-from jaxrlhf.algorithms import online_eval
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import policy_gradient
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import recipe
+from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import reward_model_eval
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
-from jaxrlhf.rl import policy_gradient as policy_gradient_lib
+from jaxrlhf.rl import policy_gradient_losses as policy_gradient_lib
 from jaxrlhf.rl import reductions
 
 F = config_schema.Field
 
 GROUP = config_schema.Group(
     "grpo", "GRPO and its 2025 variants (Dr. GRPO, DAPO, GSPO, CISPO: "
-    "jaxrlhf/algorithms/grpo.py lists their settings).", [
+    "jaxrlhf/algorithms/online/grpo.py lists their settings).", [
         F("kl_coef", 0.04,
           "beta of the k3 KL(pi || reference) term in the loss "
           "(DeepSeekMath: 0.04); 0 (DAPO, Dr. GRPO) also skips the "
@@ -78,10 +78,10 @@ GROUP = config_schema.Group(
     ])
 
 
-def clipping(config) -> policy_gradient.Clipping:
+def clipping(config) -> critic_free.Clipping:
   o, g = config.online, config.grpo
   high = o.clip_eps if g.clip_eps_high is None else g.clip_eps_high
-  return policy_gradient.Clipping(o.clip_eps, high, g.reduction,
+  return critic_free.Clipping(o.clip_eps, high, g.reduction,
                                   loss_kl=True, ratio_level=g.ratio_level,
                                   objective=g.objective)
 
@@ -105,17 +105,17 @@ ALGORITHM = base.Algorithm(
     "advantages, a k3 KL term in the loss, asymmetric clipping and the loss "
     "reductions of DAPO and Dr. GRPO.",
     data=base.PROMPTS,
-    networks=online.POLICY_REFERENCE_AND_REWARD,
-    training=online.Online(
+    networks=recipe.POLICY_REFERENCE_AND_REWARD,
+    training=recipe.Online(
         samples_per_prompt=4, num_epochs=1,
-        targets=policy_gradient.make_targets(advantages),
-        loss=policy_gradient.make_loss(clipping),
-        loss_count=policy_gradient.make_loss_count(clipping),
+        targets=critic_free.make_targets(advantages),
+        loss=critic_free.make_loss(clipping),
+        loss_count=critic_free.make_loss_count(clipping),
         dynamic_sampling=sampling_rounds),
     # GRPO's carried KL coefficient is its loss's.
     carried=kl_control.carried("grpo.kl_coef"),
-    evaluation=online_eval.EVALUATION,
-    config_groups=(online_config.ONLINE, online_rewards.GROUP, GROUP),
-    checks=(online_config.check_online, online_config.check_groups_of_two),
+    evaluation=reward_model_eval.EVALUATION,
+    config_groups=(options.ONLINE, reward_sources.GROUP, GROUP),
+    checks=(options.check_online, options.check_groups_of_two),
     pipeline_stage=True,
 )

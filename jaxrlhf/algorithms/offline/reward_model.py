@@ -1,6 +1,6 @@
 """Reward modelling: Bradley-Terry on preference pairs (optional margin,
 reward centring, and every prompt weighted once) and, on K-wise rankings,
-Plackett-Luce or Bradley-Terry over all pairs (jaxrlhf.losses.reward_model).
+Plackett-Luce or Bradley-Terry over all pairs (jaxrlhf.losses.reward_model_losses).
 
 The reward model is a copy of the policy backbone (`init.policy_checkpoint`)
 with a scalar head read at the completion's EOS (jaxrlhf.models.heads).
@@ -26,7 +26,7 @@ from jaxrlhf import config_schema
 from jaxrlhf import console
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import file_layouts
 from jaxrlhf.data import file_tasks
@@ -34,7 +34,7 @@ from jaxrlhf.data import pipeline
 from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation
 from jaxrlhf.eval import pair_metrics
-from jaxrlhf.losses import reward_model as rm_losses
+from jaxrlhf.losses import reward_model_losses as rm_losses
 from jaxrlhf.models import heads
 from jaxrlhf.models import scoring
 
@@ -365,7 +365,7 @@ ALGORITHM = base.Algorithm(
     "PPO detail 15).",
     data="pairs",
     networks=NETWORKS,
-    training=offline.Offline(loss=pairs_loss),
+    training=training.Offline(loss=pairs_loss),
     evaluation=base.Evaluation(evaluate=evaluate_pairs, describe=describe,
                                check=check_normalize_task),
     config_groups=(GROUP,),
@@ -435,7 +435,7 @@ RANKING = base.Algorithm(
     "Bradley-Terry on all K-choose-2 pairs (InstructGPT).",
     data="ranking",
     networks=NETWORKS,
-    training=offline.Offline(loss=rankings_loss),
+    training=training.Offline(loss=rankings_loss),
     evaluation=base.Evaluation(evaluate=evaluate_rankings, describe=describe,
                                check=check_normalize_task),
     config_groups=(GROUP,),

@@ -20,7 +20,7 @@ on-policy run's.
 
 The update trains on responses of the previous parameters. The rollout's
 log-probs are computed on the sampler with the parameters that sampled
-(`online_step.assemble`), and `online.off_policy_correction` says what the
+(`iteration.assemble`), and `online.off_policy_correction` says what the
 update does with them:
 
   sampling   the ratios of ppo, grpo, rloo and reinforce take them as the
@@ -47,8 +47,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import online_host
-from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms.online import host_split
+from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.eval import evaluation
 from jaxrlhf.losses import common
 from jaxrlhf.rl import rollout as rollout_lib
@@ -93,7 +93,7 @@ class OverlappedStep:
           "the training mesh's; build the trainer on "
           "`sharding.training_mesh(config)`.")
     self.mesh = mesh
-    self._rollouts = online_host.HostSplitStep(t, mesh=mesh)
+    self._rollouts = host_split.HostSplitStep(t, mesh=mesh)
     self._params_on_sampler = _on_mesh(t.state_shardings.params, mesh)
     self._frozen_on_sampler = _on_mesh(t.state_shardings.frozen, mesh)
     self._frozen = None  # the frozen networks on the sampler, moved once
@@ -115,7 +115,7 @@ class OverlappedStep:
             "off_policy/capped_fraction": common.masked_mean(
                 (ratio > cap).astype(jnp.float32), rollout.mask)}
         rollout = rollout.replace(logprobs=start)
-      state, out = online_step.finish_step(t, state, rollout, update_rng,
+      state, out = iteration.finish_step(t, state, rollout, update_rng,
                                            next_rng, weights)
       out.update(metrics)
       return state, out
@@ -146,7 +146,7 @@ class OverlappedStep:
     t = self._trainer
     if self._step is None:  # the first call: where the run starts
       self._step = int(jax.device_get(state.step))
-    next_rng, rollout_rng, update_rng = online_step.step_rngs(state)
+    next_rng, rollout_rng, update_rng = iteration.step_rngs(state)
     if self._pending is None:
       local = {k: evaluation.local_rows(v) for k, v in batch.items()}
       self._pending = self._sample(state.params, state, local, rollout_rng)
@@ -161,10 +161,10 @@ class OverlappedStep:
       # While the training devices update, the sampler samples the next
       # step's prompts with the parameters this step started from.
       stream = t.online.prompt_stream
-      _, next_rollout_rng, _ = online_step.split_step_key(next_rng)
+      _, next_rollout_rng, _ = iteration.split_step_key(next_rng)
       self._pending = self._sample(params, state,
                                    stream.batch_at(stream.position),
                                    next_rollout_rng)
     self._step += 1
-    metrics.update(online_host.summed_over_processes(host_metrics))
+    metrics.update(host_split.summed_over_processes(host_metrics))
     return state, metrics

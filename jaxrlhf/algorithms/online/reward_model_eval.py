@@ -6,7 +6,7 @@ when looking for over-optimisation)."""
 from typing import Dict
 
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import online_rewards
+from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.eval import evaluation
 
@@ -14,7 +14,7 @@ from jaxrlhf.eval import evaluation
 def evaluate(trainer, state) -> Dict[str, float]:
   metrics = policy_eval.against_reference(trainer, state)
   prompts = policy_eval.eval_prompts(trainer)
-  if prompts is None or not online_rewards.uses_reward_model(trainer.config):
+  if prompts is None or not reward_sources.uses_reward_model(trainer.config):
     return metrics
   tokens = prompts[0]
   cfg = trainer.config
@@ -23,7 +23,7 @@ def evaluate(trainer, state) -> Dict[str, float]:
   samples = evaluation.sample(trainer, state.params["policy"], tokens,
                               greedy=False, temperature=cfg.eval.temperature,
                               seed=cfg.seed)
-  scores = online_rewards.reward_scores(trainer, state.frozen["reward"],
+  scores = reward_sources.reward_scores(trainer, state.frozen["reward"],
                                         tokens, samples)
   metrics["eval/reward_model_score"] = evaluation.global_mean(
       float(scores.sum()), len(scores))

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
 from jaxrlhf.data import feature_converters
@@ -141,7 +141,7 @@ ALGORITHM = base.Algorithm(
     "mean, the DRO paper's baseline).",
     data="trajectory",
     networks=reference.POLICY_AND_REFERENCE,
-    training=offline.Offline(loss=loss, batch_statistics=lambda c: (
+    training=training.Offline(loss=loss, batch_statistics=lambda c: (
         "its KL baseline z0 and which completions are desirable (reward "
         "above the batch mean)")),
     evaluation=policy_eval.AGAINST_REFERENCE,
@@ -154,7 +154,7 @@ THUMBS = base.Algorithm(
     summary="KTO on thumbs up/down labels.",
     data="thumbs",
     networks=reference.POLICY_AND_REFERENCE,
-    training=offline.Offline(loss=loss,
+    training=training.Offline(loss=loss,
                              batch_statistics=lambda c: "its KL baseline z0"),
     evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),

@@ -77,7 +77,7 @@ def _weight(doc: str, default: float = 0.0) -> F:
 
 
 GROUP = G("rewards", "What online RL trains on: the weighted sum of these "
-          "sources (jaxrlhf/algorithms/online_rewards.py); each is logged as "
+          "sources (jaxrlhf/algorithms/online/reward_sources.py); each is logged as "
           "reward/<name>.", [
               G(REWARD_MODEL, "A trained jaxrlhf reward model "
                 "(online.reward_model_checkpoint), at each response's EOS.",

@@ -35,12 +35,12 @@ from typing import Any, Callable, Optional, Tuple
 import jax
 
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online_config
-from jaxrlhf.algorithms import online_host
-from jaxrlhf.algorithms import online_overlap
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import host_split
+from jaxrlhf.algorithms.online import overlap
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.algorithms import reference
 from jaxrlhf.data import prompts as prompts_lib
@@ -110,15 +110,15 @@ class Online(base.Training):
   def setup(self, trainer) -> None:
     o = trainer.config.online
     trainer.online = OnlineSettings(
-        samples_per_prompt=online_config.resolve(o.samples_per_prompt,
+        samples_per_prompt=options.resolve(o.samples_per_prompt,
                                                  self.samples_per_prompt),
-        num_epochs=online_config.resolve(o.num_epochs, self.num_epochs),
+        num_epochs=options.resolve(o.num_epochs, self.num_epochs),
         num_minibatches=o.num_minibatches,
-        max_new_tokens=online_config.resolve(
+        max_new_tokens=options.resolve(
             o.max_new_tokens, trainer.config.data.targets_length))
 
   def check_rows(self, algorithm, config, data_parallel: int) -> None:
-    online_config.check_rows(algorithm, config, data_parallel)
+    options.check_rows(algorithm, config, data_parallel)
 
   def batches(self, trainer, position: int):
     config = trainer.config
@@ -144,7 +144,7 @@ class Online(base.Training):
     return rows * settings.max_new_tokens * jax.process_count()
 
   def loaded_networks(self, trainer, abstract_state):
-    return online_rewards.loaded_networks(trainer, abstract_state,
+    return reward_sources.loaded_networks(trainer, abstract_state,
                                           self.value_from_reward_model)
 
   def optimizer(self, trainer, per_network, update_scales):
@@ -167,22 +167,22 @@ class Online(base.Training):
     """One RL iteration: rollout -> the algorithm's targets -> updates, all
     compiled (the host's rewards, if any, count 0 here: see
     `train_step_function`)."""
-    next_rng, rollout_rng, update_rng = online_step.step_rngs(state)
-    rollout = online_step.make_rollout(
+    next_rng, rollout_rng, update_rng = iteration.step_rngs(state)
+    rollout = iteration.make_rollout(
         trainer, state.params, state.frozen,
         batch[prompts_lib.PROMPT_FEATURE], rollout_rng)
-    return online_step.finish_step(trainer, state, rollout, update_rng,
+    return iteration.finish_step(trainer, state, rollout, update_rng,
                                    next_rng)
 
   def train_step_function(self, trainer):
     """The compiled step, or, when the host must score the responses (or
     pick which groups to train on), the step split around it
-    (`online_host.HostSplitStep`), or, with sampler devices or off-policy
+    (`host_split.HostSplitStep`), or, with sampler devices or off-policy
     steps, rollouts made on the sampler (`online_overlap`)."""
-    if online_overlap.overlaps(trainer):
-      return online_overlap.OverlappedStep(trainer)
-    if online_host.needs_host(trainer):
-      return online_host.HostSplitStep(trainer)
+    if overlap.overlaps(trainer):
+      return overlap.OverlappedStep(trainer)
+    if host_split.needs_host(trainer):
+      return host_split.HostSplitStep(trainer)
     return super().train_step_function(trainer)
 
 
@@ -205,7 +205,7 @@ def frozen_reference_and_reward(trainer, rng):
   the reward model when one is weighted."""
   a, b = jax.random.split(rng)
   kept = {"reference": trainer.init_lm(a)} if keeps_reference(trainer) else {}
-  return {**kept, **online_rewards.frozen_networks(trainer, b)}
+  return {**kept, **reward_sources.frozen_networks(trainer, b)}
 
 
 def policy_and_reference_checkpoints(trainer):

@@ -1,6 +1,6 @@
 """BCO (Jung et al. 2024) on thumbs up / down: the policy as a binary
 classifier of its implicit reward against a running reward shift
-(`jaxrlhf.losses.bco`).
+(`jaxrlhf.losses.bco_losses`).
 
 The shift is the running mean of the implicit rewards of every example seen
 so far, this batch's included (as TRL's BCOTrainer keeps it); it is carried
@@ -11,10 +11,10 @@ estimated from the whole batch, so micro-batches are refused.
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
-from jaxrlhf.losses import bco as bco_losses
+from jaxrlhf.losses import bco_losses as bco_losses
 from jaxrlhf.models import scoring
 
 F = config_schema.Field
@@ -54,7 +54,7 @@ ALGORITHM = base.Algorithm(
     "reward against a running reward shift.",
     data="thumbs",
     networks=reference.POLICY_AND_REFERENCE,
-    training=offline.Offline(
+    training=training.Offline(
         loss=loss, precomputable_reference=True, carry=carry,
         batch_statistics=lambda c: "its reward shift (the running mean of "
         "the implicit rewards, this batch's included)"),

@@ -21,8 +21,8 @@ import functools
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online_rewards
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.rl import rollout as rollout_lib
@@ -102,8 +102,8 @@ def assemble(trainer, params, frozen, prompt_tokens, samples):
   the sampling temperature (the reference's only when a KL term weighs
   them: `kl_control.scores_reference`)."""
   o, k = trainer.config.online, trainer.online.samples_per_prompt
-  uses_rm = online_rewards.uses_reward_model(trainer.config)
-  names = list(online_rewards.weights(trainer.config))
+  uses_rm = reward_sources.uses_reward_model(trainer.config)
+  names = list(reward_sources.weights(trainer.config))
   params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
   reference = (frozen["reference"] if kl_control.scores_reference(trainer)
                else None)
@@ -111,11 +111,11 @@ def assemble(trainer, params, frozen, prompt_tokens, samples):
   def part(prompts, tokens, unused_key):
     rollout = rollout_lib.assemble_rollout(
         trainer.lm, params["policy"], reference,
-        online_rewards.reward_lm(trainer) if uses_rm else None,
+        reward_sources.reward_lm(trainer) if uses_rm else None,
         frozen.get("reward"), jnp.repeat(prompts, k, axis=0), tokens,
         temperature=o.temperature, eos_id=trainer.vocabulary.eos_id,
         missing_eos_penalty=o.missing_eos_penalty if o.eos_trick else None)
-    device = online_rewards.device_rewards(trainer, frozen, rollout)
+    device = reward_sources.device_rewards(trainer, frozen, rollout)
     missing = jnp.full(rollout.has_eos.shape, jnp.nan, jnp.float32)
     rewards = jnp.stack([device.get(name, missing) for name in names],
                         axis=1)
@@ -124,19 +124,19 @@ def assemble(trainer, params, frozen, prompt_tokens, samples):
   rollout = _by_parts(trainer, part, prompt_tokens, samples.tokens)
   # (The rollout's own decode_steps are None: they are the samples'.)
   return rollout.replace(
-      scores=online_rewards.combine(trainer, rollout.rewards),
+      scores=reward_sources.combine(trainer, rollout.rewards),
       decode_steps=samples.num_steps)
 
 
 def with_host_rewards(trainer, rollout, host_values):
   """The rollout with the host rewards [rows, num host rewards] in their
   columns, and its scores summed again."""
-  names = list(online_rewards.weights(trainer.config))
+  names = list(reward_sources.weights(trainer.config))
   columns = [names.index(r.name)
-             for r in online_rewards.host_rewards(trainer)]
+             for r in reward_sources.host_rewards(trainer)]
   rewards = rollout.rewards.at[:, jnp.asarray(columns)].set(host_values)
   return rollout.replace(rewards=rewards,
-                         scores=online_rewards.combine(trainer, rewards))
+                         scores=reward_sources.combine(trainer, rewards))
 
 
 def make_rollout(trainer, params, frozen, prompt_tokens, rng):
@@ -187,10 +187,10 @@ def update(trainer, state, rollout, rng, token_weights=None):
       rollout, kl_control.coefficient(state),
       trainer.config.online.kl_estimator,
       reference_scored=kl_control.scores_reference(trainer)))
-  if not online_rewards.uses_reward_model(trainer.config):
+  if not reward_sources.uses_reward_model(trainer.config):
     metrics.pop("raw_score")  # there is no reward model
   if rollout.rewards is not None:  # None: the reward model's score alone
-    metrics.update(online_rewards.reward_metrics(trainer, rollout.rewards))
+    metrics.update(reward_sources.reward_metrics(trainer, rollout.rewards))
   metrics.update(target_metrics)
   return params, opt_state, algorithm_state, metrics
 

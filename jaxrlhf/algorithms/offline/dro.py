@@ -1,6 +1,6 @@
 """DRO-V (Richemond et al. 2024, section 3.3 and Algorithm 1).
 
-Single trajectories (x, y, r). The losses are jaxrlhf.losses.dro.dro_v_losses:
+Single trajectories (x, y, r). The losses are jaxrlhf.losses.dro_losses.dro_v_losses:
 the policy receives equation 8 and the value equation 7. The policy's update
 is multiplied by 1/tau after its optimizer (`update_scales`), the paper's
 "policy learning rate rescaling" (end of section 3.3). The reference
@@ -34,11 +34,11 @@ import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
-from jaxrlhf.algorithms import sft
-from jaxrlhf.losses import dro as dro_losses
+from jaxrlhf.algorithms.offline import sft
+from jaxrlhf.losses import dro_losses as dro_losses
 from jaxrlhf.models import heads
 from jaxrlhf.models import scoring
 
@@ -211,7 +211,7 @@ ALGORITHM = base.Algorithm(
     networks=base.Networks(trainable=networks, frozen=reference.reference,
                            checkpoints=checkpoints, optimizers=optimizers,
                            update_scales=update_scales, reference=True),
-    training=offline.Offline(
+    training=training.Offline(
         loss=loss, precomputable_reference=True, packs=True,
         batch_statistics=lambda c: ("its value (one per batch: "
                                     "dro.single_value_per_batch)"

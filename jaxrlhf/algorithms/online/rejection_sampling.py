@@ -23,10 +23,10 @@ import numpy as np
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import online
-from jaxrlhf.algorithms import online_config
-from jaxrlhf.algorithms import online_eval
-from jaxrlhf.algorithms import online_rewards
+from jaxrlhf.algorithms.online import recipe
+from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import reward_model_eval
+from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.eval import evaluation
 from jaxrlhf.losses import common
@@ -117,14 +117,14 @@ ALGORITHM = base.Algorithm(
     summary="Rejection-sampling fine-tuning: SFT on the reward model's best "
     "of N samples per prompt (or the best K of a batch).",
     data=base.PROMPTS,
-    networks=online.POLICY_REFERENCE_AND_REWARD,
-    training=online.Online(
+    networks=recipe.POLICY_REFERENCE_AND_REWARD,
+    training=recipe.Online(
         samples_per_prompt=8, num_epochs=1, targets=targets, loss=loss,
         update_rows=update_rows, sample_params=sample_params,
         samples_reference=samples_reference),
-    evaluation=online_eval.EVALUATION,
-    config_groups=(online_config.ONLINE, online_rewards.GROUP, GROUP),
-    checks=(online_config.check_online,),
+    evaluation=reward_model_eval.EVALUATION,
+    config_groups=(options.ONLINE, reward_sources.GROUP, GROUP),
+    checks=(options.check_online,),
     pipeline_stage=True,
 )
 
@@ -159,7 +159,7 @@ def best_of_n_evaluation(trainer, state, n: int) -> Dict[str, float]:
         trainer, policy, tokens, greedy=False,
         temperature=cfg.eval.temperature,
         seed=cfg.seed + 7919 * (k + 1) + j) for j in range(n)]
-    scores = np.stack([online_rewards.reward_scores(trainer, state.frozen["reward"],
+    scores = np.stack([reward_sources.reward_scores(trainer, state.frozen["reward"],
                                             tokens, s)
                        for s in candidates], axis=1)  # [prompts, n]
     best = np.asarray(best_of_n_lib.top_per_prompt(jnp.asarray(scores)))

@@ -11,12 +11,12 @@ PPO's clipped surrogate per token, averaged over the batch's tokens.
 """
 
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online
-from jaxrlhf.algorithms import online_config
-from jaxrlhf.algorithms import online_eval
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import policy_gradient
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import recipe
+from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import reward_model_eval
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
 from jaxrlhf.rl import kl as kl_lib
 
@@ -30,11 +30,11 @@ def advantages(trainer, state, rollout):
           state.algorithm_state, {})
 
 
-def clipping(config) -> policy_gradient.Clipping:
+def clipping(config) -> critic_free.Clipping:
   """PPO's symmetric clip, a mean over the batch's tokens, no KL term in
   the loss (it is in the reward)."""
   eps = config.online.clip_eps
-  return policy_gradient.Clipping(eps, eps, "token_mean", loss_kl=False)
+  return critic_free.Clipping(eps, eps, "token_mean", loss_kl=False)
 
 
 ALGORITHM = base.Algorithm(
@@ -42,14 +42,14 @@ ALGORITHM = base.Algorithm(
     summary="REINFORCE++: token-level KL in the reward, returns normalised "
     "over the whole batch, PPO's clipped token loss, no critic.",
     data=base.PROMPTS,
-    networks=online.POLICY_REFERENCE_AND_REWARD,
-    training=online.Online(
+    networks=recipe.POLICY_REFERENCE_AND_REWARD,
+    training=recipe.Online(
         samples_per_prompt=1, num_epochs=1,
-        targets=policy_gradient.make_targets(advantages),
-        loss=policy_gradient.make_loss(clipping),
-        loss_count=policy_gradient.make_loss_count(clipping)),
+        targets=critic_free.make_targets(advantages),
+        loss=critic_free.make_loss(clipping),
+        loss_count=critic_free.make_loss_count(clipping)),
     carried=kl_control.carried("online.kl_coef"),
-    evaluation=online_eval.EVALUATION,
-    config_groups=(online_config.ONLINE, online_rewards.GROUP),
-    checks=(online_config.check_online,),
+    evaluation=reward_model_eval.EVALUATION,
+    config_groups=(options.ONLINE, reward_sources.GROUP),
+    checks=(options.check_online,),
 )

@@ -1,18 +1,18 @@
 """ORPO (Hong et al. 2024, "ORPO: Monolithic Preference Optimization without
 Reference Model") on preference pairs: the chosen completion's token NLL
 plus lambda times an odds-ratio term on the length-normalised likelihoods
-(`jaxrlhf.losses.orpo`). No reference network is built or run; evaluation
+(`jaxrlhf.losses.orpo_losses`). No reference network is built or run; evaluation
 compares the policy with the one it started from, loaded while it runs
 (`reference.POLICY_ONLY`).
 """
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
 from jaxrlhf.data import alignment_kinds
-from jaxrlhf.losses import orpo
+from jaxrlhf.losses import orpo_losses
 from jaxrlhf.models import scoring
 
 F = config_schema.Field
@@ -33,7 +33,7 @@ def loss(trainer, params, state, batch, rng):
   del state, rng
   pi = scoring.sequence_logprobs(trainer.lm, params["policy"], batch, PAIR)
   lengths = scoring.completion_lengths(trainer.lm, batch, PAIR)
-  return orpo.orpo_loss(
+  return orpo_losses.orpo_loss(
       pi["chosen"], pi["rejected"], lengths["chosen"], lengths["rejected"],
       odds_ratio_weight=trainer.config.orpo.odds_ratio_weight,
       weights=scoring.example_weights(batch))
@@ -45,7 +45,7 @@ ALGORITHM = base.Algorithm(
     "term, without a reference model.",
     data="pairs",
     networks=reference.POLICY_ONLY,
-    training=offline.Offline(loss=loss, packs=True),
+    training=training.Offline(loss=loss, packs=True),
     evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP,),
     pipeline_stage=True,

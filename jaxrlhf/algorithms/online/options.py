@@ -9,7 +9,7 @@ could not make.
 """
 
 from jaxrlhf import config_schema
-from jaxrlhf.algorithms import online_rewards
+from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.rl import kl as kl_lib
@@ -31,7 +31,7 @@ ONLINE = config_schema.Group(
           "rollouts (and initialises PPO's value network, detail 22). Its "
           "vocabulary must be the policy's. Required while "
           "rewards.reward_model.weight is not 0.", path=True,
-          read_when=online_rewards.uses_reward_model),
+          read_when=reward_sources.uses_reward_model),
         F("temperature", 0.7,
           "Sampling temperature of rollouts (Table 7: 0.7); the log-probs of "
           "PPO ratios and of the KL penalty are computed at the same "
@@ -165,13 +165,13 @@ ONLINE = config_schema.Group(
 
 def check_online(c) -> None:
   """What every online algorithm needs: deterministic log-probs, and
-  rewards to train on (`online_rewards.check_rewards`)."""
+  rewards to train on (`reward_sources.check_rewards`)."""
   config_schema.require(
       c.model.dropout_rate == 0, "model.dropout_rate",
       f"{c.model.dropout_rate}: online RL needs deterministic log-probs (PPO "
       "details, detail 7: with dropout the ratios are not 1 before the first "
       "update); set it to 0.")
-  online_rewards.check_rewards(c)
+  reward_sources.check_rewards(c)
   check_off_policy(c)
 
 

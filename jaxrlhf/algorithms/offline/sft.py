@@ -16,11 +16,11 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.data import pipeline
 from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation
-from jaxrlhf.losses import sft as sft_losses
+from jaxrlhf.losses import sft_losses as sft_losses
 
 
 def next_token_targets(lm, params, batch, rng=None):
@@ -169,7 +169,7 @@ ALGORITHM = base.Algorithm(
     "seqio task's (inputs, targets).",
     data=base.SFT_DATA,
     networks=base.Networks(trainable=policy, checkpoints=checkpoints),
-    training=offline.Offline(loss=loss, share=token_mean_share,
+    training=training.Offline(loss=loss, share=token_mean_share,
                              packs=True),
     evaluation=base.Evaluation(evaluate=evaluate, describe=describe),
 )

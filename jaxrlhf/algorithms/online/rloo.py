@@ -7,17 +7,17 @@ response it is subtracted from).
 """
 
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online
-from jaxrlhf.algorithms import online_config
-from jaxrlhf.algorithms import online_eval
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import policy_gradient
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import recipe
+from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import reward_model_eval
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
 
 
 def advantages(trainer, state, rollout):
-  rewards = policy_gradient.penalized_rewards(
+  rewards = critic_free.penalized_rewards(
       trainer, rollout, kl_control.coefficient(state))
   return (advantages_lib.rloo_advantages(rewards,
                                          trainer.online.samples_per_prompt),
@@ -29,18 +29,18 @@ ALGORITHM = base.Algorithm(
     summary="REINFORCE leave-one-out: each response's baseline is the mean "
     "KL-penalised reward of the other responses to its prompt.",
     data=base.PROMPTS,
-    networks=online.POLICY_REFERENCE_AND_REWARD,
-    training=online.Online(
+    networks=recipe.POLICY_REFERENCE_AND_REWARD,
+    training=recipe.Online(
         samples_per_prompt=4,
         # Several clipped updates per batch, as TRL's RLOO trainer does.
         num_epochs=4,
-        targets=policy_gradient.make_targets(advantages),
-        loss=policy_gradient.make_loss(policy_gradient.symmetric_clipping),
-        loss_count=policy_gradient.make_loss_count(
-            policy_gradient.symmetric_clipping)),
+        targets=critic_free.make_targets(advantages),
+        loss=critic_free.make_loss(critic_free.symmetric_clipping),
+        loss_count=critic_free.make_loss_count(
+            critic_free.symmetric_clipping)),
     carried=kl_control.carried("online.kl_coef"),
-    evaluation=online_eval.EVALUATION,
-    config_groups=(online_config.ONLINE, online_rewards.GROUP),
-    checks=(online_config.check_online, online_config.check_groups_of_two),
+    evaluation=reward_model_eval.EVALUATION,
+    config_groups=(options.ONLINE, reward_sources.GROUP),
+    checks=(options.check_online, options.check_groups_of_two),
     pipeline_stage=True,
 )

@@ -6,7 +6,7 @@ jaxrlhf.algorithms.reference)."""
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
 from jaxrlhf.data import alignment_kinds
@@ -60,7 +60,7 @@ ALGORITHM = base.Algorithm(
     "IPO, SLiC, with length normalisation and an NLL term (dpo.loss_type).",
     data="pairs",
     networks=reference.POLICY_AND_REFERENCE,
-    training=offline.Offline(loss=loss, precomputable_reference=True,
+    training=training.Offline(loss=loss, precomputable_reference=True,
                              packs=True),
     evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(GROUP, reference.REFERENCE_LOGPROBS),

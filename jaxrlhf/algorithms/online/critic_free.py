@@ -1,6 +1,6 @@
 """What the critic-free online algorithms share: a response's advantage
 comes from other rewards, not from a value network, and the update is the
-clipped policy gradient (`jaxrlhf.rl.policy_gradient`).
+clipped policy gradient (`jaxrlhf.rl.policy_gradient_losses`).
 
 Each step samples `online.samples_per_prompt` (k) responses per prompt,
 adjacent in the batch, and scores them as PPO does (EOS trick, reward at the
@@ -18,10 +18,10 @@ from typing import Callable
 
 import jax.numpy as jnp
 
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.rl import kl as kl_lib
-from jaxrlhf.rl import policy_gradient as policy_gradient_lib
+from jaxrlhf.rl import policy_gradient_losses as policy_gradient_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -29,7 +29,7 @@ class Clipping:
   """How an algorithm's clipped surrogate is reduced and regularised:
   (eps_low, eps_high, reduction, whether its carried KL coefficient weighs
   a KL term of the loss, the importance ratio's level and the objective of
-  `jaxrlhf.rl.policy_gradient`)."""
+  `jaxrlhf.rl.policy_gradient_losses`)."""
   eps_low: float
   eps_high: float
   reduction: str
@@ -81,7 +81,7 @@ def make_loss(clipping_fn: Callable):
 
   def loss(trainer, params, minibatch, algorithm_state):
     clipping = clipping_fn(trainer.config)
-    logprobs, entropy, mask = online_step.policy_logprobs(trainer, params,
+    logprobs, entropy, mask = iteration.policy_logprobs(trainer, params,
                                                      minibatch)
     value, metrics = policy_gradient_lib.clipped_policy_gradient_loss(
         logprobs, minibatch["old_logprobs"], minibatch.get("ref_logprobs"),
@@ -105,7 +105,7 @@ def make_loss_count(clipping_fn: Callable):
 
   def count(trainer, minibatch):
     if clipping_fn(trainer.config).reduction == "token_mean":
-      return online_step.token_count(trainer, minibatch)
-    return online_step.response_count(trainer, minibatch)
+      return iteration.token_count(trainer, minibatch)
+    return iteration.response_count(trainer, minibatch)
 
   return count

@@ -9,12 +9,12 @@ import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online
-from jaxrlhf.algorithms import online_config
-from jaxrlhf.algorithms import online_eval
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import policy_gradient
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import recipe
+from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import reward_model_eval
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
 
 F = config_schema.Field
@@ -36,7 +36,7 @@ GROUP = config_schema.Group(
 
 def advantages(trainer, state, rollout):
   cfg = trainer.config.reinforce
-  rewards = policy_gradient.penalized_rewards(
+  rewards = critic_free.penalized_rewards(
       trainer, rollout, kl_control.coefficient(state))
   algorithm_state = dict(state.algorithm_state)
   if cfg.baseline == "running_mean":
@@ -63,17 +63,17 @@ ALGORITHM = base.Algorithm(
     summary="REINFORCE on the KL-penalised reward with a running-mean, "
     "batch-mean or no baseline.",
     data=base.PROMPTS,
-    networks=online.POLICY_REFERENCE_AND_REWARD,
-    training=online.Online(
+    networks=recipe.POLICY_REFERENCE_AND_REWARD,
+    training=recipe.Online(
         samples_per_prompt=1, num_epochs=1,
-        targets=policy_gradient.make_targets(advantages),
-        loss=policy_gradient.make_loss(policy_gradient.symmetric_clipping),
-        loss_count=policy_gradient.make_loss_count(
-            policy_gradient.symmetric_clipping)),
+        targets=critic_free.make_targets(advantages),
+        loss=critic_free.make_loss(critic_free.symmetric_clipping),
+        loss_count=critic_free.make_loss_count(
+            critic_free.symmetric_clipping)),
     carried=dataclasses.replace(KL_PENALTY, init=lambda config: dict(
         KL_PENALTY.init(config), baseline=0.0)),
-    evaluation=online_eval.EVALUATION,
-    config_groups=(online_config.ONLINE, online_rewards.GROUP, GROUP),
-    checks=(online_config.check_online,),
+    evaluation=reward_model_eval.EVALUATION,
+    config_groups=(options.ONLINE, reward_sources.GROUP, GROUP),
+    checks=(options.check_online,),
     pipeline_stage=True,
 )

@@ -20,8 +20,8 @@ import jax
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import dpo
-from jaxrlhf.algorithms import offline
+from jaxrlhf.algorithms.offline import dpo
+from jaxrlhf.algorithms.offline import training
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
 
@@ -64,7 +64,7 @@ ALGORITHM = base.Algorithm(
     "is mixed with the policy every tr_dpo.sync_steps steps.",
     data="pairs",
     networks=reference.POLICY_AND_REFERENCE,
-    training=offline.Offline(loss=dpo.loss, carry=mix_reference),
+    training=training.Offline(loss=dpo.loss, carry=mix_reference),
     carried=base.Carried(changes_frozen=("reference",)),
     evaluation=policy_eval.AGAINST_REFERENCE,
     config_groups=(dpo.GROUP, GROUP),

@@ -20,7 +20,7 @@ import seqio
 
 from jaxrlhf import console
 from jaxrlhf import sharding
-from jaxrlhf.algorithms import reference_cache
+from jaxrlhf.algorithms.offline import reference_cache
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import pipeline
 from jaxrlhf.models import pretrained

@@ -25,7 +25,7 @@ multiplying the update by a factor of 1/tau"). That is not part of the loss:
 Adafactor and Adam normalise the gradient's scale away, so a loss multiplied by
 1/tau would move them exactly as far as the loss itself. The algorithm applies
 it to the policy's update after its optimizer
-(`jaxrlhf.algorithms.dro.update_scales`); this module's losses give eq. 8 and
+(`jaxrlhf.algorithms.offline.dro.update_scales`); this module's losses give eq. 8 and
 eq. 7 as they are.
 
 Note on Algorithm 1: as printed it writes the regulariser of the rescaled

@@ -16,7 +16,7 @@ import numpy as np
 
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import optimizers
-from jaxrlhf.algorithms import precomputed_reference
+from jaxrlhf.algorithms.offline import precomputed_reference
 from jaxrlhf.algorithms import update
 from jaxrlhf.data import feature_converters
 from jaxrlhf.data import pipeline

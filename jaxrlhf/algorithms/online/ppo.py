@@ -2,7 +2,7 @@
 
 "The N+ implementation details of RLHF with PPO" (Huang et al. 2024,
 details 20-25, Table 7), after Stiennon et al. 2020 / Ziegler et al. 2019.
-One train step is one PPO iteration (`online.Online.step`):
+One train step is one PPO iteration (`recipe.Online.step`):
 
   rollout     the policy samples a fixed number of tokens at temperature 0.7,
               cut after the first EOS; the frozen reward model scores the EOS
@@ -37,15 +37,15 @@ import jax.numpy as jnp
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import kl_control
-from jaxrlhf.algorithms import online
-from jaxrlhf.algorithms import online_step
-from jaxrlhf.algorithms import online_config
-from jaxrlhf.algorithms import online_eval
-from jaxrlhf.algorithms import online_rewards
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import recipe
+from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import reward_model_eval
+from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.losses import common
 from jaxrlhf.rl import kl as kl_lib
-from jaxrlhf.rl import ppo as ppo_lib
+from jaxrlhf.rl import ppo_losses as ppo_lib
 from jaxrlhf.rl import rollout as rollout_lib
 
 F = config_schema.Field
@@ -76,7 +76,7 @@ GROUP = config_schema.Group(
 def networks(trainer, rng):
   a, b = jax.random.split(rng)
   return {"policy": trainer.init_lm(a),
-          "value": online_rewards.init_reward_net(trainer, b)}
+          "value": reward_sources.init_reward_net(trainer, b)}
 
 
 def optimizers(trainer):
@@ -93,7 +93,7 @@ def values(trainer, value_params, features):
   decoder-only value network, the position before t;
   `rollout.response_values`). `features` are laid out for the value network,
   which has the reward model's architecture (detail 22)."""
-  return rollout_lib.response_values(online_rewards.reward_lm(trainer),
+  return rollout_lib.response_values(reward_sources.reward_lm(trainer),
                                      value_params,
                                      features, trainer.online.max_new_tokens)
 
@@ -156,7 +156,7 @@ def minibatch_loss(trainer, params, minibatch, algorithm_state=None):
   """PPO's loss on one minibatch of rollout rows."""
   del algorithm_state
   cfg = trainer.config
-  logprobs, entropy, mask = online_step.policy_logprobs(trainer, params, minibatch)
+  logprobs, entropy, mask = iteration.policy_logprobs(trainer, params, minibatch)
   value = values(trainer, params["value"], minibatch)
   return ppo_lib.ppo_loss(
       logprobs, minibatch["old_logprobs"], minibatch["advantages"], value,
@@ -175,16 +175,16 @@ ALGORITHM = base.Algorithm(
     "whitening, fixed or adaptive KL.",
     data=base.PROMPTS,
     networks=base.Networks(
-        trainable=networks, frozen=online.frozen_reference_and_reward,
-        checkpoints=online.policy_and_reference_checkpoints,
+        trainable=networks, frozen=recipe.frozen_reference_and_reward,
+        checkpoints=recipe.policy_and_reference_checkpoints,
         optimizers=optimizers, reference=True),
-    training=online.Online(
+    training=recipe.Online(
         samples_per_prompt=1, num_epochs=4,  # Table 7: K = 4
         targets=targets, loss=minibatch_loss,
         value_from_reward_model=("value",)),  # detail 22
     carried=kl_control.carried("online.kl_coef"),
-    evaluation=online_eval.EVALUATION,
-    config_groups=(online_config.ONLINE, online_rewards.GROUP, GROUP),
-    checks=(online_config.check_online,),
+    evaluation=reward_model_eval.EVALUATION,
+    config_groups=(options.ONLINE, reward_sources.GROUP, GROUP),
+    checks=(options.check_online,),
     pipeline_stage=True,
 )

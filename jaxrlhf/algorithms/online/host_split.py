@@ -11,7 +11,7 @@ them, keeping the device busy meanwhile:
                   (compiled, dispatched without waiting: the device computes
                   it while the host scores)
      host         this process's responses decoded and scored by the host
-                  rewards (`online_rewards.score_on_host`): each process
+                  rewards (`reward_sources.score_on_host`): each process
                   scores its own rows
   3. update       the host rewards added to the scores, the algorithm's
                   targets and the updates (compiled; the state donated)
@@ -38,8 +38,8 @@ import numpy as np
 
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms import online_rewards
-from jaxrlhf.algorithms import online_step
+from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import sampling
@@ -53,7 +53,7 @@ def dynamic_sampling_rounds(trainer):
 
 def needs_host(trainer) -> bool:
   """The step must be split: host rewards, or dynamic sampling."""
-  return bool(online_rewards.host_rewards(trainer)) or (
+  return bool(reward_sources.host_rewards(trainer)) or (
       dynamic_sampling_rounds(trainer) is not None)
 
 
@@ -73,20 +73,20 @@ class HostSplitStep:
     samples = sampling.Samples(tokens=rows, logprobs=rows, mask=rows,
                                has_eos=rows, num_steps=replicated)
     self._sample = jax.jit(
-        lambda params, frozen, prompts, key: online_step.sample(
+        lambda params, frozen, prompts, key: iteration.sample(
             t, params, frozen, prompts, key),
         out_shardings=samples)
     self._assemble = jax.jit(
-        lambda params, frozen, prompts, samples: online_step.assemble(
+        lambda params, frozen, prompts, samples: iteration.assemble(
             t, params, frozen, prompts, samples))
     self._add_host = jax.jit(
-        lambda rollout, values: online_step.with_host_rewards(t, rollout,
+        lambda rollout, values: iteration.with_host_rewards(t, rollout,
                                                               values))
     self._scores = jax.jit(lambda rollout: rollout.scores,
                            out_shardings=replicated)
     self._select = jax.jit(_select_rows)
     self._finish = jax.jit(
-        lambda state, rollout, update_rng, next_rng: online_step.finish_step(
+        lambda state, rollout, update_rng, next_rng: iteration.finish_step(
             t, state, rollout, update_rng, next_rng),
         donate_argnums=0,
         out_shardings=(t.state_shardings, replicated))
@@ -94,7 +94,7 @@ class HostSplitStep:
 
   def __call__(self, state, batch):
     t = self._trainer
-    next_rng, rollout_rng, update_rng = online_step.step_rngs(state)
+    next_rng, rollout_rng, update_rng = iteration.step_rngs(state)
     cap = dynamic_sampling_rounds(t)
     rollouts, host_metrics = [], {}
     kept: List[Tuple[int, int]] = []  # (round, group) of groups that vary
@@ -137,7 +137,7 @@ class HostSplitStep:
     # Dispatched without waiting: the device assembles the rollout while
     # the host scores the responses.
     rollout = self._assemble(params, frozen, prompts, samples)
-    if not online_rewards.host_rewards(t):
+    if not reward_sources.host_rewards(t):
       return rollout, {}
     values, skipped = self._score_on_host(samples, batch)
     return self._add_host(rollout, values), skipped
@@ -157,7 +157,7 @@ class HostSplitStep:
                    for row in tokens]
     columns = {name: [values[i] for i in prompt_index]
                for name, values in prompts.columns.items()}
-    values, skipped = online_rewards.score_on_host(
+    values, skipped = reward_sources.score_on_host(
         t, [prompts.texts[i] for i in prompt_index], completions,
         [bool(f) for f in finished], columns)
     return jax.make_array_from_process_local_data(
