@@ -64,9 +64,7 @@ import jinja2.ext
 import jinja2.nodes
 import jinja2.sandbox
 import jinja2.utils
-import tensorflow as tf
 
-from jaxrlhf.data import hf_tokenizer
 
 # Where transformers (>= 4.51) saves a tokenizer's single template.
 CHAT_TEMPLATE_FILE = "chat_template.jinja"
@@ -344,14 +342,26 @@ def assistant_turns(messages: Sequence[Mapping[str, Any]]) -> List[int]:
 _CONFIG_EOS = object()
 
 
+# TensorFlow's file system reads gs:// too. It and the tokenizers
+# (`hf_tokenizer`, seqio) load where a template is read, not when the config
+# loads this module (through `file_layouts`).
+
+
 def _read_text(path: str) -> str:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   with tf.io.gfile.GFile(path, "r") as f:
     return f.read()
+
+
+def _exists(path: str) -> bool:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  return tf.io.gfile.exists(path)
 
 
 def special_tokens_of(tokenizer_config: Mapping[str, Any]) -> Dict[str, str]:
   """The named special tokens a template is rendered with, from a
   tokenizer_config.json (the null or absent ones left out)."""
+  from jaxrlhf.data import hf_tokenizer  # pylint: disable=g-import-not-at-top
   out = {}
   for name in SPECIAL_TOKEN_NAMES:
     text = hf_tokenizer.token_content(tokenizer_config.get(name))
@@ -405,7 +415,7 @@ def from_files(tokenizer_file: Optional[str] = None, *,
   config_path = os.path.join(folder, TOKENIZER_CONFIG_FILE) if folder else ""
   if tokenizer_config is None:
     tokenizer_config = {}
-    if config_path and tf.io.gfile.exists(config_path):
+    if config_path and _exists(config_path):
       try:
         tokenizer_config = json.loads(_read_text(config_path))
       except ValueError as e:
@@ -413,11 +423,11 @@ def from_files(tokenizer_file: Optional[str] = None, *,
   special_tokens = special_tokens_of(tokenizer_config)
   jinja_path = os.path.join(folder, CHAT_TEMPLATE_FILE) if folder else ""
   if template_file:
-    if not tf.io.gfile.exists(template_file):
+    if not _exists(template_file):
       raise ValueError(f"config.data.files.chat_template: no file "
                        f"{template_file!r}.")
     source, origin = _read_text(template_file), template_file
-  elif jinja_path and tf.io.gfile.exists(jinja_path):
+  elif jinja_path and _exists(jinja_path):
     source, origin = _read_text(jinja_path), jinja_path
   else:
     origin = f"{config_path} chat_template"
@@ -449,6 +459,7 @@ def for_vocabulary(vocabulary, template_file: str = "",
       tokenizer's own special tokens to every text it encodes (the template
       writes them: Llama 3's `<|begin_of_text|>` would come twice).
   """
+  from jaxrlhf.data import hf_tokenizer  # pylint: disable=g-import-not-at-top
   if isinstance(vocabulary, hf_tokenizer.HFTokenizerVocabulary):
     if vocabulary.add_special_tokens:
       raise ValueError(

@@ -55,6 +55,7 @@ import seqio
 import tensorflow as tf
 
 from jaxrlhf.data import alignment_kinds as kinds_lib
+from jaxrlhf.data import names
 
 FeatureSpec = seqio.FeatureConverter.FeatureSpec
 
@@ -81,9 +82,8 @@ def _scalar_and_mask_features(kind: kinds_lib.DataKind):
   return features
 
 
-ENCDEC_SUFFIXES = ("decoder_target_tokens", "decoder_input_tokens",
-                   "decoder_loss_weights")
-DECODER_SUFFIXES = ("tokens", "loss_weights", "positions", "attention_mask")
+ENCDEC_SUFFIXES = names.ENCDEC_SUFFIXES
+DECODER_SUFFIXES = names.DECODER_SUFFIXES
 DECODER_PROMPT_FEATURES = ("prompt_tokens", "prompt_attention_mask",
                            "prompt_positions")
 

@@ -47,13 +47,14 @@ from jaxrlhf import console
 from jaxrlhf.data import alignment_kinds as kinds_lib
 from jaxrlhf.data import chat_templates
 from jaxrlhf.data import file_layouts
+from jaxrlhf.data import names
 from jaxrlhf.data import row_checks
 
 BadRow = row_checks.BadRow
 BadRowError = row_checks.BadRowError
 BadRowRecord = row_checks.BadRowRecord
 
-ON_BAD_ROW = ("raise", "skip_and_report")
+ON_BAD_ROW = names.ON_BAD_ROW
 FILE_FORMATS = ("jsonl", "parquet")
 # How many bad-row messages a source keeps per split (all are counted).
 MAX_KEPT_BAD_ROWS = 1000

@@ -26,10 +26,8 @@ from typing import Callable, Dict, List, Tuple
 
 import jax
 import numpy as np
-import tensorflow as tf
 
 from jaxrlhf.data import alignment_kinds
-from jaxrlhf.data import pipeline
 
 
 # What to do with a prompt longer than the limit (`fit_prompt`).
@@ -126,11 +124,19 @@ def _prompt_feature(task) -> str:
 
 
 @functools.lru_cache(maxsize=8)
-@pipeline.traced_as_written
 def _load_prompts(task, split: str, max_tokens: int, on_long: str,
                   suffix: str) -> Prompts:
   # The task object itself is the cache key (not its name or id(): the cache
   # keeps it alive, so a re-registered task is a new key and is re-read).
+  # The data stack loads where prompts are first read, not with the config.
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+  return pipeline.traced_as_written(_read_prompts)(task, split, max_tokens,
+                                                   on_long, suffix)
+
+
+def _read_prompts(task, split: str, max_tokens: int, on_long: str,
+                  suffix: str) -> Prompts:
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   task_name = task.name
   name = _prompt_feature(task)
   feature = task.output_features[name]
@@ -196,6 +202,7 @@ def load_prompts(task_name: str, split: str, max_tokens: int, *,
   """The prompts of a split of a registered task, fitted to `max_tokens`
   (`fit_prompt`), with their texts and extra columns; read once per
   process and task object."""
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
   return _load_prompts(pipeline.get_task(task_name), split, max_tokens,
                        on_long, suffix)
 
@@ -229,6 +236,7 @@ class PromptBatches:
                position: int = 0):
     self.prompts = prompts
     self.global_batch_size = global_batch_size
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     self.local_batch_size = pipeline.local_batch_size(global_batch_size)
     self.seed = seed
     self.position = position
@@ -267,7 +275,6 @@ class PromptBatches:
     return batch
 
 
-@pipeline.traced_as_written
 def held_out_prompts(task_name: str, split: str, max_tokens: int,
                      num_prompts: int, field: str = "config.eval.split"
                      ) -> Tuple[np.ndarray, List[str]]:
@@ -284,7 +291,15 @@ def held_out_prompts(task_name: str, split: str, max_tokens: int,
     (tokens [n, max_tokens] int32: each prompt as the task stores it (EOS
     appended), right-padded with 0; their texts).
   """
-  task = pipeline.get_task(task_name)
+  # The data stack loads where prompts are first read, not with the config.
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+  return pipeline.traced_as_written(_read_held_out_prompts)(
+      pipeline.get_task(task_name), split, max_tokens, num_prompts, field)
+
+
+def _read_held_out_prompts(task, split, max_tokens, num_prompts, field):
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  task_name = task.name
   name = _prompt_feature(task)
   text_key = f"{name}_pretokenized"
   try:

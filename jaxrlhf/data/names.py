@@ -1,0 +1,19 @@
+"""Names of the data floor that the config and the algorithms use without
+reading data: the choices of data config fields and the feature names of a
+batch.
+
+The config (`jaxrlhf.defaults`, each algorithm's config groups) loads this
+module, so it imports no data stack (TensorFlow, seqio): a config error or
+`--help` stays quick. The modules that read data (`file_sources`,
+`feature_converters`) take their names from here.
+"""
+
+# What a file source does with a malformed row (`data.files.on_bad_row`).
+ON_BAD_ROW = ("raise", "skip_and_report")
+
+# Suffixes of a completion's features in a batch, per architecture: the
+# encoder-decoder layout ("<completion>_decoder_target_tokens", ...) and the
+# decoder-only one ("<completion>_tokens", ...) (`feature_converters`).
+ENCDEC_SUFFIXES = ("decoder_target_tokens", "decoder_input_tokens",
+                   "decoder_loss_weights")
+DECODER_SUFFIXES = ("tokens", "loss_weights", "positions", "attention_mask")
