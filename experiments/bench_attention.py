@@ -33,7 +33,7 @@ import jax.numpy as jnp  # pylint: disable=g-import-not-at-top,wrong-import-posi
 import numpy as np  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 from jaxrlhf import console  # pylint: disable=g-import-not-at-top,wrong-import-position
-from jaxrlhf.models import layers  # pylint: disable=g-import-not-at-top,wrong-import-position
+from jaxrlhf.models.layers import attentions  # pylint: disable=g-import-not-at-top,wrong-import-position
 
 
 def parse_args(argv=None):
@@ -111,21 +111,21 @@ def main(argv=None):
     return jax.jit(jax.value_and_grad(loss, argnums=(0, 1, 2), has_aux=True))
 
   def einsums(mask):
-    return lambda q, k, v: layers.attend(
-        q, k, v, layers.CausalSegments(jnp.asarray(mask)), impl="xla",
+    return lambda q, k, v: attentions.attend(
+        q, k, v, attentions.CausalSegments(jnp.asarray(mask)), impl="xla",
         scale=scale)
 
   def dense_mask(mask):
-    dense = layers.CausalSegments(jnp.asarray(mask)).dense()
+    dense = attentions.CausalSegments(jnp.asarray(mask)).dense()
     return lambda q, k, v: jax.nn.dot_product_attention(
         q, k, v, mask=dense, scale=scale, implementation=implementation)
 
   def packed_layout(mask, packed):
     # What the model runs: packing's segments say their bound on runs.
-    segments = layers.CausalSegments(jnp.asarray(mask),
-                                     max_runs=4 if packed else None)
-    return lambda q, k, v: layers.attend(q, k, v, segments,
-                                         impl="dot_product_cudnn", scale=scale)
+    segments = attentions.CausalSegments(jnp.asarray(mask),
+                                         max_runs=4 if packed else None)
+    return lambda q, k, v: attentions.attend(
+        q, k, v, segments, impl="dot_product_cudnn", scale=scale)
 
   def measure(fn):
     result = fn(q, k, v)

@@ -88,9 +88,9 @@ import numpy as np  # noqa: E402
 
 import bench_common  # noqa: E402
 from jaxrlhf import console  # noqa: E402
-from jaxrlhf import models  # noqa: E402
 from jaxrlhf.models import hf_io  # noqa: E402
 from jaxrlhf.models import llama  # noqa: E402
+from jaxrlhf.models import registry  # noqa: E402
 from jaxrlhf.models import sampling  # noqa: E402
 from jaxrlhf.models import t5  # noqa: E402
 
@@ -118,8 +118,8 @@ def model_config(family: str, vocab_size: int, dtype: str, size: str):
 
 
 def init_params(config, seed=0):
-  module = models.module_for_config(config)
-  abstract = models.abstract_params(module)
+  module = registry.module_for_config(config)
+  abstract = registry.abstract_params(module)
   rng = np.random.default_rng(seed)
 
   def draw(a):

@@ -49,8 +49,8 @@ from jaxrlhf.algorithms import state as state_lib  # noqa: E402
 from jaxrlhf.data import prompts as prompts_lib  # noqa: E402
 from jaxrlhf.data import synthetic  # noqa: E402
 from jaxrlhf.data import synthetic_feedback  # noqa: E402
-from jaxrlhf.models import from_pretrained  # noqa: E402
-from jaxrlhf.models import layers  # noqa: E402
+from jaxrlhf.models.layers import rotary  # noqa: E402
+from jaxrlhf.models.loading import from_pretrained  # noqa: E402
 from jaxrlhf.models import sampling  # noqa: E402
 from jaxrlhf.train import checkpointing  # noqa: E402
 from jaxrlhf.train import loop  # noqa: E402
@@ -132,7 +132,7 @@ def models():
   mask = (tokens > 0).astype(np.int32)
 
   def llama_forward(m, p, x, a):
-    return m.apply({"params": p}, x, layers.positions_from_mask(a), a)
+    return m.apply({"params": p}, x, rotary.positions_from_mask(a), a)
 
   results["llama"] = _model(
       FIXTURES / "hf" / "llama_gqa", lambda: (tokens, mask), llama_forward,

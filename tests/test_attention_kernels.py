@@ -21,14 +21,14 @@ import numpy as np
 import pytest
 
 from jaxrlhf import defaults
-from jaxrlhf import models
 from jaxrlhf import sharding
 from jaxrlhf.models import fused_attention
 from jaxrlhf.models import gemma3
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
+from jaxrlhf.models import registry
 from jaxrlhf.models import sampling
 from jaxrlhf.models import t5
+from jaxrlhf.models.layers import attentions
 
 # Two rows of 20 slots: three packed examples and padding; one example and
 # padding.
@@ -63,10 +63,10 @@ def test_segment_masks():
   causal = np.tril(np.ones((5, 5), bool))
   expected = (causal[None] & (mask[:, :, None] & mask[:, None, :])) | np.eye(
       5, dtype=bool)
-  np.testing.assert_array_equal(layers.causal_padding_mask(mask)[:, 0],
+  np.testing.assert_array_equal(attentions.causal_padding_mask(mask)[:, 0],
                                 expected)
   # Packed: each token sees the earlier tokens of its own example.
-  dense = np.asarray(layers.CausalSegments(jnp.asarray(SEGMENTS)).dense())
+  dense = np.asarray(attentions.CausalSegments(jnp.asarray(SEGMENTS)).dense())
   q, k = 9, 6
   assert dense[0, 0, q, k] and not dense[0, 0, q, 4] and not dense[0, 0, k, q]
   assert dense[0, 0, 17, 17] and not dense[0, 0, 17, 16]  # a pad: itself
@@ -74,10 +74,10 @@ def test_segment_masks():
 
 def test_splash_equals_xla_forward_and_gradient():
   query, key, value = _qkv()
-  segments = layers.CausalSegments(jnp.asarray(SEGMENTS))
+  segments = attentions.CausalSegments(jnp.asarray(SEGMENTS))
 
   def loss(impl, q, k, v):
-    out = layers.attend(q, k, v, segments, impl=impl, scale=0.3)
+    out = attentions.attend(q, k, v, segments, impl=impl, scale=0.3)
     return jnp.sum(jnp.where(REAL[..., None, None], out, 0.0) ** 2), out
 
   grads = {}
@@ -96,13 +96,13 @@ def test_splash_window_and_soft_cap_equal_xla():
   """Under a mesh, as in training: the kernel runs per shard (shard_map),
   the replicated key/value heads given to each query head."""
   query, key, value = _qkv()
-  segments = layers.CausalSegments(jnp.asarray(SEGMENTS))
+  segments = attentions.CausalSegments(jnp.asarray(SEGMENTS))
   mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
   outs = []
   for impl in ("xla", "splash"):
     with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.STANDARD_RULES):
       outs.append(jax.jit(functools.partial(
-          layers.attend, impl=impl, window=4, logit_softcap=2.0))(
+          attentions.attend, impl=impl, window=4, logit_softcap=2.0))(
               query, key, value, segments))
   np.testing.assert_allclose(np.asarray(outs[1])[REAL],
                              np.asarray(outs[0])[REAL], atol=2e-6)
@@ -113,7 +113,7 @@ def test_scanned_layers_with_different_windows_and_packing():
   window is traced, each layer's kernel picked by its index."""
   config = gemma3.Gemma3Config.preset(
       "tiny", num_layers=2, scan_layers=True).with_layer_types(
-          (layers.SLIDING_ATTENTION, layers.FULL_ATTENTION))
+          (attentions.SLIDING_ATTENTION, attentions.FULL_ATTENTION))
   tokens = np.where(REAL, np.arange(2, 2 + LENGTH) % 100, 0).astype(np.int32)
   args = (tokens, _positions(SEGMENTS), REAL.astype(np.int32), SEGMENTS, 3)
   params = nn.meta.unbox(gemma3.Gemma3(config).init(jax.random.PRNGKey(0),
@@ -161,7 +161,7 @@ def test_cudnn_packed_layout_describes_the_segment_mask():
   np.testing.assert_array_equal(seqlen, [[5, 7, 3, 5], [9, 11, -1, -1]])
   np.testing.assert_array_equal(offsets, [[0, 5, 12, 15, -1],
                                           [0, 9, -1, -1, -1]])
-  dense = np.asarray(layers.CausalSegments(jnp.asarray(SEGMENTS)).dense())
+  dense = np.asarray(attentions.CausalSegments(jnp.asarray(SEGMENTS)).dense())
   for b in range(2):
     run = np.full(LENGTH, -1)
     for m, (start, n) in enumerate(zip(offsets[b], seqlen[b])):
@@ -213,12 +213,12 @@ def test_cudnn_unpacked_rows_are_three_runs_or_nan(monkeypatch, window):
   real[0, :13] = 1  # right-padded
   real[1, 4:17] = 1  # padded on both sides
   for mask in (real, real[:, ::-1].copy()):
-    segments = layers.CausalSegments(jnp.asarray(mask))
+    segments = attentions.CausalSegments(jnp.asarray(mask))
     keep = mask > 0
 
     def loss(impl, q, k, v, segments=segments, keep=keep):
-      out = layers.attend(q, k, v, segments, impl=impl, scale=0.3,
-                          window=window)
+      out = attentions.attend(q, k, v, segments, impl=impl, scale=0.3,
+                              window=window)
       return jnp.sum(jnp.where(keep[..., None, None], out, 0.0) ** 2), out
 
     (gf, outf), (gx, outx) = (
@@ -231,9 +231,9 @@ def test_cudnn_unpacked_rows_are_three_runs_or_nan(monkeypatch, window):
       np.testing.assert_allclose(a, b, atol=2e-5)
   holes = real.copy()
   holes[0, 6] = 0
-  out = layers.attend(query, key, value,
-                      layers.CausalSegments(jnp.asarray(holes)),
-                      impl="dot_product_cudnn", scale=0.3)
+  out = attentions.attend(query, key, value,
+                          attentions.CausalSegments(jnp.asarray(holes)),
+                          impl="dot_product_cudnn", scale=0.3)
   assert np.isnan(np.asarray(out[0])).all()
   assert np.isfinite(np.asarray(out[1])).all()
 
@@ -261,7 +261,7 @@ def test_auto_attention_is_the_fused_kernel_where_the_family_has_it(
   assert model_cfg.attention_impl == "auto"  # the default
   # (Gemma 2's tiny preset soft-caps its attention logits: the kernel
   # takes the cap.)
-  _, config = models.build_model(model_cfg, 256, platform)
+  _, config = registry.build_model(model_cfg, 256, platform)
   assert getattr(config, "attention_impl", "xla") == want
   # The run's config keeps 'auto': a checkpoint moved to other hardware
   # picks that hardware's kernel.
@@ -289,7 +289,7 @@ def test_auto_attention_on_a_gpu_is_cudnn_where_cudnn_takes_the_model(
   model_cfg = ml_collections.ConfigDict(defaults.base_config().model)
   model_cfg.arch, model_cfg.size = arch, "small" if arch == "t5" else "tiny"
   model_cfg.update(fields)
-  _, config = models.build_model(model_cfg, 256, "gpu")
+  _, config = registry.build_model(model_cfg, 256, "gpu")
   assert getattr(config, "attention_impl", "xla") == want
   # The dimensions the choice read are the model's own.
   if "head_dim" in fields:
@@ -304,9 +304,9 @@ def test_a_plan_counts_the_kernels_matmuls_as_the_dense_attentions():
   from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
   shape = (1, 512, 2, 128)
   q = jax.ShapeDtypeStruct(shape, jnp.float32)
-  segments = layers.CausalSegments(jnp.ones(shape[:2], jnp.int32))
+  segments = attentions.CausalSegments(jnp.ones(shape[:2], jnp.int32))
   dense = 2 * (2 * shape[0] * shape[2] * shape[1] ** 2 * shape[3])
   for impl in ("xla", "splash"):
-    attend = functools.partial(layers.attend, mask=segments, impl=impl,
+    attend = functools.partial(attentions.attend, mask=segments, impl=impl,
                                scale=0.1)
     assert flops.function_flops(attend, q, q, q) == dense, impl

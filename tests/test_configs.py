@@ -213,7 +213,9 @@ def _tldr_files(tmp_path):
 def _tiny_pythia_folder(path):
   """A random tiny GPT-NeoX written as a Hugging Face folder: the SFT
   stage's pretrained checkpoint."""
-  from jaxrlhf.models import export_hf, gpt_neox  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import gpt_neox
+  from jaxrlhf.models.loading import export_hf
   module = gpt_neox.GPTNeoX(gpt_neox.GPTNeoXConfig(
       vocab_size=384, emb_dim=32, num_heads=2, num_layers=1, mlp_dim=64))
   params = module.init(jax.random.PRNGKey(0), jnp.ones((1, 4), jnp.int32),

@@ -22,8 +22,8 @@ from conftest import FIXTURES, tiny_config, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
 from jaxrlhf.data.hf_tokenizer import HFTokenizerVocabulary
-from jaxrlhf.models import from_pretrained
 from jaxrlhf.models import sampling
+from jaxrlhf.models.loading import from_pretrained
 from jaxrlhf.models.token_rows import swap_token_rows
 from jaxrlhf.rl import rollout
 from jaxrlhf.train import loop

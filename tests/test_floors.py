@@ -100,3 +100,120 @@ def test_the_check_sees_a_climbing_import(tmp_path):
                     "  import jaxrlhf.algorithms.base\n")
   assert [m for _, m in imported_modules(source)] == [
       "train/loop.py", "algorithms/base.py"]
+
+
+# The most lines a module of jaxrlhf/ may have (README's house rules).
+MAX_MODULE_LINES = 800
+
+
+def import_graph(package: pathlib.Path = PACKAGE):
+  """{module file: set of jaxrlhf module files it imports}, relative to
+  jaxrlhf/, top-level and function-level imports alike (`imported_modules`).
+  A module importing itself is no edge."""
+  graph = {}
+  for path in sorted(package.rglob("*.py")):
+    relative = str(path.relative_to(package))
+    graph[relative] = {m for _, m in imported_modules(path)
+                       if m is not None and m != relative}
+  return graph
+
+
+def import_cycles(graph):
+  """[(cycle [a, b, ..., a], every node of its circle)], one per strongly
+  connected component of `graph` ({node: set of nodes}) with more than one
+  node: the shortest cycle from the component's smallest node (ties to the
+  smaller next node), and the sorted component; [] when the graph has no
+  cycle."""
+  # Tarjan's strongly connected components, iteratively (no recursion
+  # limit on a long chain).
+  index, low, on_stack, stack, components = {}, {}, set(), [], []
+  for root in sorted(graph):
+    if root in index:
+      continue
+    work = [(root, iter(sorted(graph.get(root, ()))))]
+    index[root] = low[root] = len(index)
+    stack.append(root)
+    on_stack.add(root)
+    while work:
+      node, children = work[-1]
+      child = next(children, None)
+      if child is not None:
+        if child not in index:
+          index[child] = low[child] = len(index)
+          stack.append(child)
+          on_stack.add(child)
+          work.append((child, iter(sorted(graph.get(child, ())))))
+        elif child in on_stack:
+          low[node] = min(low[node], index[child])
+        continue
+      work.pop()
+      if work:
+        low[work[-1][0]] = min(low[work[-1][0]], low[node])
+      if low[node] == index[node]:
+        component = set()
+        while True:
+          member = stack.pop()
+          on_stack.discard(member)
+          component.add(member)
+          if member == node:
+            break
+        if len(component) > 1:
+          components.append(component)
+  cycles = []
+  for component in sorted(components, key=min):
+    # The shortest way back to the start within the component (breadth
+    # first), so the message names a real cycle, not just its members.
+    start = min(component)
+    came_from = {}
+    frontier = [start]
+    while start not in came_from:
+      following = []
+      for node in frontier:
+        for child in sorted(graph[node] & component):
+          if child not in came_from:
+            came_from[child] = node
+            following.append(child)
+      frontier = following
+    path = [start]
+    node = came_from[start]
+    while node != start:
+      path.append(node)
+      node = came_from[node]
+    cycles.append(([start] + path[:0:-1] + [start], sorted(component)))
+  return cycles
+
+
+def test_no_import_cycle_among_modules():
+  cycles = import_cycles(import_graph())
+  assert not cycles, "import cycles among jaxrlhf/ modules:\n" + "\n".join(
+      " -> ".join(f"jaxrlhf/{m}" for m in cycle)
+      + f"\n  (the circle holds {', '.join(members)})"
+      for cycle, members in cycles)
+
+
+def test_the_cycle_finder_sees_a_cycle():
+  """A finder that never finds one would pass whatever the tree holds."""
+  graph = {"a.py": {"b.py"}, "b.py": {"c.py", "d.py"}, "c.py": {"a.py"},
+           "d.py": set(), "e.py": {"e.py", "d.py"}}
+  assert import_cycles(graph) == [(["a.py", "b.py", "c.py", "a.py"],
+                                   ["a.py", "b.py", "c.py"])]
+  assert import_cycles({"x.py": {"y.py"}, "y.py": set()}) == []
+  assert import_cycles({"p.py": {"q.py"}, "q.py": {"p.py"}}) == [
+      (["p.py", "q.py", "p.py"], ["p.py", "q.py"])]
+
+
+def test_the_import_graph_reads_function_level_imports(tmp_path):
+  (tmp_path / "one.py").write_text(
+      "import os\n\ndef f():\n  from jaxrlhf.models import family\n")
+  (tmp_path / "two.py").write_text("from jaxrlhf import checks\n")
+  assert import_graph(tmp_path) == {"one.py": {"models/family.py"},
+                                    "two.py": {"checks.py"}}
+
+
+def test_no_module_is_over_the_line_limit():
+  long = sorted(
+      f"jaxrlhf/{p.relative_to(PACKAGE)}: {n} lines"
+      for p in PACKAGE.rglob("*.py")
+      if (n := len(p.read_text().splitlines())) > MAX_MODULE_LINES)
+  assert not long, (f"modules over {MAX_MODULE_LINES} lines (split them by "
+                    "concern):\n" + "\n".join(long))

@@ -18,15 +18,16 @@ import pytest
 
 from jaxrlhf import defaults
 from jaxrlhf import sharding
-from jaxrlhf.models import build_model
-from jaxrlhf.models import export_hf
-from jaxrlhf.models import from_pretrained
 from jaxrlhf.models import gpt_neox
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
 from jaxrlhf.models import loading
 from jaxrlhf.models import t5
 from jaxrlhf.models import t5x_decoder_only as t5x_do
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import rotary
+from jaxrlhf.models.loading import export_hf
+from jaxrlhf.models.loading import from_pretrained
+from jaxrlhf.models.registry import build_model
 from jaxrlhf.train import checkpointing
 
 HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
@@ -218,7 +219,7 @@ def test_a_scanned_run_starts_from_an_unscanned_t5x_checkpoint(t5x_fixtures):
   expected = unrolled
   for stack, count in (("encoder", config.num_encoder_layers),
                        ("decoder", config.num_decoder_layers)):
-    expected = layers.stack_layer_params(expected, count, stack)
+    expected = decoders.stack_layer_params(expected, count, stack)
   _assert_same_params(loaded, expected)
   assert all(jax.tree.leaves(jax.tree.map(
       lambda a, t: a.sharding == t.sharding, loaded, target)))
@@ -230,11 +231,11 @@ def test_orbax_workdir_of_a_llama_run_into_scanned_layout(tmp_path):
   assert isinstance(model_config, llama.LlamaConfig)
   module, config, loaded = from_pretrained(workdir, scan_layers=True)
   assert config == dataclasses.replace(model_config, scan_layers=True)
-  _assert_same_params(loaded, layers.stack_layer_params(
+  _assert_same_params(loaded, decoders.stack_layer_params(
       params, model_config.num_layers))
   tokens = jnp.array([[0, 3, 4, 5]], jnp.int32)
   mask = (tokens > 0).astype(jnp.int32)
-  positions = layers.positions_from_mask(mask)
+  positions = rotary.positions_from_mask(mask)
   unscanned = jax.jit(llama.Llama(model_config).apply)(
       {"params": params}, tokens, positions, mask)
   scanned = jax.jit(module.apply)({"params": loaded}, tokens, positions, mask)

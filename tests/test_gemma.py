@@ -14,14 +14,14 @@ import jax
 import numpy as np
 import pytest
 
-from jaxrlhf import models
 from jaxrlhf.models import gemma
 from jaxrlhf.models import hf_io
-from jaxrlhf.models import layers
+from jaxrlhf.models import registry
 from jaxrlhf.models import sampling
+from jaxrlhf.models.layers import attentions
 
 HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
-SLIDING, FULL = layers.SLIDING_ATTENTION, layers.FULL_ATTENTION
+SLIDING, FULL = attentions.SLIDING_ATTENTION, attentions.FULL_ATTENTION
 
 
 @functools.lru_cache(maxsize=None)
@@ -31,7 +31,7 @@ def _loaded(name="gemma2"):
 
 @functools.lru_cache(maxsize=None)
 def _apply(config):
-  return jax.jit(models.module_for_config(config).apply)
+  return jax.jit(registry.module_for_config(config).apply)
 
 
 def _logits(config, params, name="gemma2"):
@@ -91,7 +91,7 @@ def test_greedy_generation_matches_transformers(name):
   g = dict(np.load(HF_FIXTURES / name / "generate.npz"))
   # 6 prompt + 8 new tokens through a KV cache: the window slides.
   samples = sampling.sample_decoder_only(
-      models.module_for_config(config), params, g["prompt_tokens"],
+      registry.module_for_config(config), params, g["prompt_tokens"],
       g["prompt_attention_mask"], jax.random.PRNGKey(0),
       int(g["max_new_tokens"]), greedy=True, eos_id=int(g["eos_id"]))
   np.testing.assert_array_equal(samples.tokens, g["generated"])
@@ -143,6 +143,6 @@ def test_config_errors_name_the_field():
 
 def test_gemma2_2b_preset_has_the_published_parameter_count():
   # google/gemma-2-2b: 2,614,341,888 parameters (its model card).
-  shapes = models.param_shapes(gemma.GemmaConfig.preset("gemma2-2b",
-                                                        scan_layers=True))
+  shapes = registry.param_shapes(gemma.GemmaConfig.preset("gemma2-2b",
+                                                          scan_layers=True))
   assert sum(int(np.prod(s)) for s in shapes.values()) == 2_614_341_888

@@ -15,7 +15,8 @@ import pytest
 
 from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import hf_io
-from jaxrlhf.models import layers
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import rotary
 
 CONFIG = gpt_neox.GPTNeoXConfig.preset("tiny")
 LENGTH = 8
@@ -43,7 +44,7 @@ def _logits(config, params, tokens, mask):
   mask = jnp.asarray(mask, jnp.int32)
   return np.asarray(_jitted(config)(
       {"params": params}, jnp.asarray(tokens, jnp.int32),
-      layers.positions_from_mask(mask), mask))
+      rotary.positions_from_mask(mask), mask))
 
 
 def _batch(left):
@@ -74,7 +75,7 @@ def test_scan_layers_matches_unrolled(params):
   expected = _logits(CONFIG, params, tokens, mask)
   scanned = gpt_neox.GPTNeoXConfig.preset("tiny", scan_layers=True,
                                           remat_policy="full")
-  stacked = layers.stack_layer_params(params, CONFIG.num_layers)
+  stacked = decoders.stack_layer_params(params, CONFIG.num_layers)
   np.testing.assert_allclose(_logits(scanned, stacked, tokens, mask),
                              expected, atol=1e-5, rtol=1e-5)
 
@@ -110,8 +111,8 @@ def test_partial_rotary_leaves_the_other_channels_alone():
   assert CONFIG.head_dim == 16 and CONFIG.rotary_dim == 4
   x = jnp.asarray(np.random.default_rng(2).normal(size=(1, 1, 2, 16)),
                   jnp.float32)
-  inv_freq = layers.rope_inverse_frequencies(CONFIG.rotary_dim, 10000.0)
-  rotated = layers.apply_rotary_embedding(x, jnp.array([[5]]), inv_freq)
+  inv_freq = rotary.rope_inverse_frequencies(CONFIG.rotary_dim, 10000.0)
+  rotated = rotary.apply_rotary_embedding(x, jnp.array([[5]]), inv_freq)
   np.testing.assert_array_equal(rotated[..., 4:], x[..., 4:])
   assert np.abs(rotated[..., :4] - x[..., :4]).max() > 1e-2
   # Pair (0, 2) turns by 5 * inv_freq[0] = 5 radians: hand-computed rotation.

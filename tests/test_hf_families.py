@@ -22,19 +22,20 @@ import pytest
 
 from conftest import from_scratch, one_device_mesh, tiny_config, trainer_of
 from jaxrlhf import algorithms
-from jaxrlhf import models
 from jaxrlhf import sharding
 from jaxrlhf.models import gemma3
 from jaxrlhf.models import hf_io
-from jaxrlhf.models import layers
 from jaxrlhf.models import mistral
 from jaxrlhf.models import qwen2
 from jaxrlhf.models import qwen3
+from jaxrlhf.models import registry
 from jaxrlhf.models import sampling
+from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import rotary
 
 HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 FIXTURES = ("qwen2", "qwen3", "gemma3", "mistral", "llama3_rope")
-SLIDING, FULL = layers.SLIDING_ATTENTION, layers.FULL_ATTENTION
+SLIDING, FULL = attentions.SLIDING_ATTENTION, attentions.FULL_ATTENTION
 
 
 @functools.lru_cache(maxsize=None)
@@ -44,7 +45,7 @@ def _loaded(name, **overrides):
 
 @functools.lru_cache(maxsize=None)
 def _apply(config):
-  return jax.jit(models.module_for_config(config).apply)
+  return jax.jit(registry.module_for_config(config).apply)
 
 
 def _logit_error(name, config, params):
@@ -59,7 +60,7 @@ def _logit_error(name, config, params):
 def _greedy(name, config, params):
   g = dict(np.load(HF_FIXTURES / name / "generate.npz"))
   samples = sampling.sample_decoder_only(
-      models.module_for_config(config), params, g["prompt_tokens"],
+      registry.module_for_config(config), params, g["prompt_tokens"],
       g["prompt_attention_mask"], jax.random.PRNGKey(0),
       int(g["max_new_tokens"]), greedy=True, eos_id=int(g["eos_id"]))
   return np.asarray(samples.tokens), g["generated"]
@@ -84,10 +85,10 @@ def test_configs_read_the_fixtures():
   assert config.layer_types is None
   assert config.attention_types == (SLIDING,) * 5 + (FULL, SLIDING)
   assert (config.rope_theta, config.local_rope_theta) == (1e6, 1e4)
-  assert config.rope_scaling == layers.RopeScaling("linear", 4.0)
+  assert config.rope_scaling == rotary.RopeScaling("linear", 4.0)
   kinds = config.layer_attention()
-  assert kinds[5] == layers.LayerAttention(1e6, config.rope_scaling, None)
-  assert kinds[6] == layers.LayerAttention(1e4, None, 3)
+  assert kinds[5] == attentions.LayerAttention(1e6, config.rope_scaling, None)
+  assert kinds[6] == attentions.LayerAttention(1e4, None, 3)
   config, _ = _loaded("mistral")
   assert isinstance(config, mistral.MistralConfig)
   assert config.sliding_window == 3 and config.attention_types == (SLIDING,) * 2
@@ -126,11 +127,11 @@ def test_scanned_layers_that_differ_compute_the_same():
     ("llama3_rope", dict(rope_scaling=None)),
     # Each band of Llama 3's scaling: the interpolated band's edges, the
     # slowed band's factor.
-    ("llama3_rope", dict(rope_scaling=layers.RopeScaling("llama3", 32.0, 2.0,
+    ("llama3_rope", dict(rope_scaling=rotary.RopeScaling("llama3", 32.0, 2.0,
                                                          4.0, 64))),
-    ("llama3_rope", dict(rope_scaling=layers.RopeScaling("llama3", 32.0, 1.0,
+    ("llama3_rope", dict(rope_scaling=rotary.RopeScaling("llama3", 32.0, 1.0,
                                                          2.0, 64))),
-    ("llama3_rope", dict(rope_scaling=layers.RopeScaling("llama3", 8.0, 1.0,
+    ("llama3_rope", dict(rope_scaling=rotary.RopeScaling("llama3", 8.0, 1.0,
                                                          4.0, 64))),
 ])
 def test_the_fixtures_exercise_each_detail(name, change):
@@ -235,7 +236,7 @@ def test_published_configs_translate_to_presets(published, preset, ids):
 ], ids=lambda v: getattr(v, "emb_dim", v))
 def test_presets_have_published_parameter_counts(preset, published):
   # Scanned, so that only one layer is traced.
-  shapes = models.param_shapes(dataclasses.replace(preset, scan_layers=True))
+  shapes = registry.param_shapes(dataclasses.replace(preset, scan_layers=True))
   assert sum(math.prod(s) for s in shapes.values()) == published
 
 
@@ -264,7 +265,7 @@ def _sft_trainer(arch, **overrides):
                        optimizer__warmup_steps=0, **overrides)
   mesh, rules = one_device_mesh(config)
   trainer = trainer_of(from_scratch(algorithms.get("sft")), config, mesh)
-  assert models.family_of(trainer.model).name == arch
+  assert registry.family_of(trainer.model).name == arch
   return trainer, mesh, rules
 
 

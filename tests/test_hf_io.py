@@ -23,14 +23,14 @@ import numpy as np
 import pytest
 from safetensors import numpy as safetensors_np
 
-from jaxrlhf import models
 from jaxrlhf.models import family
 from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import hf_io
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
+from jaxrlhf.models import registry
 from jaxrlhf.models import sampling
 from jaxrlhf.models import t5
+from jaxrlhf.models.layers import rotary
 
 HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
 DECODER_ONLY = ("llama_gqa", "llama_tied", "pythia", "neox_sequential",
@@ -43,7 +43,7 @@ ENCODER_DECODER = ("t5_gated", "t5_relu_tied", "t5_tied")
 
 @functools.lru_cache(maxsize=None)
 def _jitted_apply(config):
-  return jax.jit(models.module_for_config(config).apply)
+  return jax.jit(registry.module_for_config(config).apply)
 
 
 def _logits(config, params, inputs):
@@ -87,7 +87,7 @@ def test_logits_match_transformers(name):
 def test_fixture_configs_translate_as_written():
   config, _ = hf_io.load_hf_checkpoint(HF_FIXTURES / "llama_gqa")
   assert (config.num_heads, config.num_kv_heads, config.head_dim) == (4, 2, 8)
-  assert config.rope_scaling == layers.RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
+  assert config.rope_scaling == rotary.RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
   assert config.rope_theta == 500000.0 and not config.tie_embeddings
   config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / "llama_tied")
   assert config.tie_embeddings and config.head_dim == 16
@@ -280,17 +280,17 @@ def _random_model(kind):
     if kind == "llama":
       config = llama.LlamaConfig.preset(
           "tiny", scan_layers=True, vocab_size=64,
-          rope_scaling=layers.RopeScaling("linear", 2.0))
+          rope_scaling=rotary.RopeScaling("linear", 2.0))
     else:
       config = gpt_neox.GPTNeoXConfig.preset("tiny", vocab_size=64)
     mask = np.ones((2, 6), np.int32)
     mask[1, :2] = 0
     inputs = {"tokens": rng.integers(2, 64, size=(2, 6)).astype(np.int32),
               "attention_mask": mask,
-              "positions": np.asarray(layers.positions_from_mask(mask))}
+              "positions": np.asarray(rotary.positions_from_mask(mask))}
     init_args = (inputs["tokens"], inputs["positions"],
                  inputs["attention_mask"])
-  variables = jax.jit(models.module_for_config(config).init)(
+  variables = jax.jit(registry.module_for_config(config).init)(
       jax.random.PRNGKey(3), *init_args)
   # Noise on every leaf: init's ones and zeros would hide swapped tensors.
   params = jax.tree.map(
@@ -433,7 +433,7 @@ def test_transformers_generate_on_our_export_stops_where_ours_does(tmp_path):
                                pad_token_id=0)
   hf_io.export_hf_checkpoint(config, params, tmp_path)
   ours = sampling.sample_decoder_only(
-      models.module_for_config(config), params, g["prompt_tokens"],
+      registry.module_for_config(config), params, g["prompt_tokens"],
       g["prompt_attention_mask"], jax.random.PRNGKey(0),
       int(g["max_new_tokens"]), greedy=True, eos_id=config.eos_token_id)
   model = transformers.AutoModelForCausalLM.from_pretrained(

@@ -19,14 +19,16 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf import models
 from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import hf_io
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
+from jaxrlhf.models import registry
 from jaxrlhf.models import sampling
 from jaxrlhf.models import t5
 from jaxrlhf.models import t5x_decoder_only as t5x_do
+from jaxrlhf.models.layers import kv_cache
+from jaxrlhf.models.layers import param_recording
+from jaxrlhf.models.layers import rotary
 from jaxrlhf.models.t5x_checkpoint import read_t5x_checkpoint
 
 HF_FIXTURES = pathlib.Path(__file__).resolve().parent / "fixtures" / "hf"
@@ -223,7 +225,7 @@ def _decoder_configs():
 @functools.lru_cache(maxsize=None)
 def _decoder_setup(name):
   config = _decoder_configs()[name]
-  model = models.module_for_config(config)
+  model = registry.module_for_config(config)
   one = jnp.ones((1, 6), jnp.int32)
   return model, random_params(model, one, one, one, seed=1, scale=1.5)
 
@@ -238,7 +240,7 @@ def _decoder_logits(model, params, prompts, prompt_mask, tokens):
   full = np.concatenate([prompts, tokens], 1)
   mask = np.concatenate([prompt_mask, np.ones_like(tokens)], 1)
   logits = _decoder_forward(model)({"params": params}, full,
-                                   layers.positions_from_mask(mask), mask)
+                                   rotary.positions_from_mask(mask), mask)
   p, n = prompts.shape[1], tokens.shape[1]
   return np.asarray(logits)[:, p - 1:p + n - 1]
 
@@ -330,7 +332,7 @@ def test_t5x_decoder_only_sampled_path_matches_full_forward(decoder_only):
                                   "t5_relu_tied"])
 def test_greedy_matches_transformers_generate(name):
   config, params = hf_io.load_hf_checkpoint(HF_FIXTURES / name)
-  model = models.module_for_config(config)
+  model = registry.module_for_config(config)
   g = dict(np.load(HF_FIXTURES / name / "generate.npz"))
   options = dict(rng=jax.random.PRNGKey(0),
                  max_new_tokens=int(g["max_new_tokens"]), greedy=True,
@@ -401,8 +403,8 @@ def test_a_cache_in_chunks_is_written_and_read_chunk_by_chunk():
   class Cache(nn.Module):
     @nn.compact
     def __call__(self, new, index, length):
-      return layers.update_kv_cache(self, "key", new, index, length,
-                                    "kv_heads")
+      return kv_cache.update_kv_cache(self, "key", new, index, length,
+                                      "kv_heads")
   cache = Cache()
   # [batch 1, L, heads 1, head_dim 2] of the value v.
   rows = lambda v, length=1: jnp.full((1, length, 1, 2), v, jnp.float32)
@@ -411,7 +413,7 @@ def test_a_cache_in_chunks_is_written_and_read_chunk_by_chunk():
     read, variables = cache.apply(variables, rows(value, positions), index,
                                   length, mutable=["cache"])
     return [np.asarray(c)[0, 0, :, 0] for c in read], variables
-  with layers.kv_cache_chunks((3, 2)):
+  with kv_cache.kv_cache_chunks((3, 2)):
     read, variables = call({}, 1.0, 0, 4, positions=4)  # the prefill
   held = variables["cache"]["key"]
   assert [c.shape[2] for c in held] == [4, 3, 2]
@@ -532,7 +534,7 @@ def _one_decode_call(model):
         {"params": p}, encoded, tokens, tokens[:, :1] * 0, 0, 4,
         method=model.decode_step, mutable=["cache"])[0]
   mask = (tokens > 0).astype(np.int32)
-  positions = layers.positions_from_mask(mask)
+  positions = rotary.positions_from_mask(mask)
   params = random_params(model, tokens, positions, mask, seed=3)
   return params, lambda p: model.apply(
       {"params": p}, tokens, positions, mask, 0, method=model.decode_step,
@@ -540,7 +542,7 @@ def _one_decode_call(model):
 
 
 def _cast_and_kept(params, reads):
-  cast = layers.cast_read_params(params, reads)
+  cast = param_recording.cast_read_params(params, reads)
   paths = lambda keep: sorted(
       "/".join(str(k.key) for k in path)
       for path, leaf in jax.tree_util.tree_leaves_with_path(cast)
@@ -562,7 +564,7 @@ def test_weights_cast_once_give_the_same_logits(name):
     model = t5.T5(t5.t5_config("tiny", vocab_size=32, dtype="bfloat16",
                                logits_via_embedding=True))
   else:
-    model = models.module_for_config({
+    model = registry.module_for_config({
         "llama_scanned": llama.LlamaConfig.preset(
             "tiny", vocab_size=32, scan_layers=True, dtype="bfloat16"),
         "gemma3": gemma3.Gemma3Config.preset("tiny", vocab_size=32,
@@ -574,7 +576,7 @@ def test_weights_cast_once_give_the_same_logits(name):
             logits_via_embedding=False, dtype="bfloat16"),
     }[name])
   params, call = _one_decode_call(model)
-  with layers.recording_param_reads() as reads:
+  with param_recording.recording_param_reads() as reads:
     want = np.asarray(jax.jit(call)(params).astype(jnp.float32))
   cast, narrowed, kept = _cast_and_kept(params, reads)
   got = np.asarray(jax.jit(call)(cast).astype(jnp.float32))
@@ -737,7 +739,7 @@ def test_shared_prefill_saves_the_prefill_flops(family, group_sampling):
       cache_mask = jnp.pad(mask, ((0, 0), (0, BUDGET - 1)),
                            constant_values=1)
       return model.apply({"params": params}, x,
-                         layers.positions_from_mask(mask), cache_mask, 0,
+                         rotary.positions_from_mask(mask), cache_mask, 0,
                          method=model.decode_step, mutable=["cache"])
 
   def count(x, **options):
@@ -834,13 +836,13 @@ def test_joined_projections_compute_what_separate_ones_do(name):
   biases on a scanned stack's [layers, ...] parameters, T5's joined-kv
   self-attention kernels; and each gated MLP."""
   from jaxrlhf.models import qwen2  # pylint: disable=g-import-not-at-top
-  model = t5.T5(T5_CONFIG) if name == "t5" else models.module_for_config(
+  model = t5.T5(T5_CONFIG) if name == "t5" else registry.module_for_config(
       llama.LlamaConfig.preset("tiny", vocab_size=32) if name == "llama"
       else qwen2.Qwen2Config.preset("tiny", vocab_size=32, scan_layers=True))
   params, call = _one_decode_call(model)
-  with layers.recording_param_fusions() as fusions:
+  with param_recording.recording_param_fusions() as fusions:
     want = np.asarray(jax.jit(call)(params))
-  joined = layers.fuse_projections(params, fusions)
+  joined = param_recording.fuse_projections(params, fusions)
   names = {str(path[-2].key) for path, _ in
            jax.tree_util.tree_leaves_with_path(joined)}
   assert {"fused_qkv", "fused_wi"} <= names, names
@@ -898,7 +900,7 @@ def test_projections_stay_apart_under_lora_or_a_tensor_parallel_mesh():
   model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=32))
   one = jnp.ones((1, 6), jnp.int32)
   params = random_params(model, one, one, one)
-  with layers.recording_param_fusions() as fusions:
+  with param_recording.recording_param_fusions() as fusions:
     jax.eval_shape(lambda p: model.apply(
         {"params": p}, one, one, one, 0, method=model.decode_step,
         mutable=["cache"]), params)
@@ -908,14 +910,14 @@ def test_projections_stay_apart_under_lora_or_a_tensor_parallel_mesh():
     return sorted(k for k in (*block(tree)["self_attention"],
                               *block(tree)["mlp"]) if k.startswith("fused"))
 
-  plain = layers.fuse_projections(params, fusions)
+  plain = param_recording.fuse_projections(params, fusions)
   assert joined(plain) == ["fused_qkv", "fused_wi"]
   # Given what they were cast from: joined where cast, apart where not.
   cast = jax.tree.map(lambda x: x.astype(jnp.bfloat16), params)
-  assert joined(layers.fuse_projections(cast, fusions, cast_from=params)
-                ) == ["fused_qkv", "fused_wi"]
-  assert joined(layers.fuse_projections(params, fusions,
-                                        cast_from=params)) == []
+  assert joined(param_recording.fuse_projections(
+      cast, fusions, cast_from=params)) == ["fused_qkv", "fused_wi"]
+  assert joined(param_recording.fuse_projections(params, fusions,
+                                                 cast_from=params)) == []
   attention = block(params)["self_attention"]
   np.testing.assert_array_equal(
       block(plain)["self_attention"]["fused_qkv"]["kernel"],
@@ -930,7 +932,7 @@ def test_projections_stay_apart_under_lora_or_a_tensor_parallel_mesh():
   query = block(adapted)["self_attention"]["query"]
   query["lora_a"] = np.zeros((32, 2), np.float32)
   query["lora_b"] = np.zeros((2, 4, 8), np.float32)
-  fused = layers.fuse_projections(adapted, fusions)
+  fused = param_recording.fuse_projections(adapted, fusions)
   assert joined(fused) == ["fused_wi"]
   assert "lora_a" in block(fused)["self_attention"]["query"]
 
@@ -939,4 +941,5 @@ def test_projections_stay_apart_under_lora_or_a_tensor_parallel_mesh():
     mesh = jax.sharding.AbstractMesh(shape, ("data", "model"))
     with jax.sharding.use_abstract_mesh(mesh), \
         nn.logical_axis_rules(sharding.STANDARD_RULES):
-      assert joined(layers.fuse_projections(params, fusions)) == expected
+      assert joined(param_recording.fuse_projections(params, fusions)
+                   ) == expected

@@ -16,8 +16,10 @@ import numpy as np
 import pytest
 
 from jaxrlhf.models import hf_io
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
+from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import rotary
 
 CONFIG = llama.LlamaConfig.preset("tiny")
 
@@ -44,7 +46,7 @@ def _logits(config, params, tokens, mask):
   mask = jnp.asarray(mask, jnp.int32)
   return np.asarray(_jitted(config)(
       {"params": params}, jnp.asarray(tokens, jnp.int32),
-      layers.positions_from_mask(mask), mask))
+      rotary.positions_from_mask(mask), mask))
 
 
 LENGTH = 8
@@ -98,14 +100,14 @@ def test_causal_future_tokens_do_not_change_past_logits(params):
 def test_scan_layers_matches_unrolled(params):
   tokens, mask = _pad(_sequences(), LENGTH, left=True)
   expected = _logits(CONFIG, params, tokens, mask)
-  stacked = layers.stack_layer_params(params, CONFIG.num_layers)
+  stacked = decoders.stack_layer_params(params, CONFIG.num_layers)
   assert stacked["decoder"]["layers"]["mlp"]["wo"]["kernel"].shape == (
       CONFIG.num_layers, CONFIG.mlp_dim, CONFIG.emb_dim)
   # (GPT-NeoX's test runs the scan under remat_policy='full'.)
   scanned = llama.LlamaConfig.preset("tiny", scan_layers=True)
   np.testing.assert_allclose(_logits(scanned, stacked, tokens, mask),
                              expected, atol=1e-5, rtol=1e-5)
-  restored = layers.unstack_layer_params(stacked)
+  restored = decoders.unstack_layer_params(stacked)
   jax.tree.map(np.testing.assert_array_equal, restored, params)
 
 
@@ -119,7 +121,7 @@ def test_remat_does_not_change_gradients(params):
     config = llama.LlamaConfig.preset("tiny", num_layers=1,
                                       remat_policy=remat)
     logits = llama.Llama(config).apply(
-        {"params": p}, jnp.asarray(tokens), layers.positions_from_mask(mask),
+        {"params": p}, jnp.asarray(tokens), rotary.positions_from_mask(mask),
         jnp.asarray(mask))
     return jnp.mean(jax.nn.log_softmax(logits)[..., 3] * mask)
 
@@ -164,7 +166,7 @@ def test_attend_matches_loop_reference():
   k = rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32)
   v = rng.normal(size=(batch, length, kv_heads, dim)).astype(np.float32)
   attention_mask = np.array([[1, 1, 1, 1, 1], [0, 0, 1, 1, 1]])
-  mask = layers.causal_padding_mask(attention_mask)
+  mask = attentions.causal_padding_mask(attention_mask)
   expected = np.zeros_like(q)
   for b in range(batch):
     for h in range(heads):
@@ -176,8 +178,8 @@ def test_attend_matches_loop_reference():
         w /= w.sum()
         expected[b, t, h] = sum(wi * v[b, s, g] for wi, s in zip(w, keys))
   for impl in ("xla", "dot_product"):
-    out = layers.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v), mask,
-                        impl=impl)
+    out = attentions.attend(jnp.asarray(q), jnp.asarray(k), jnp.asarray(v),
+                            mask, impl=impl)
     np.testing.assert_allclose(np.asarray(out), expected, atol=1e-5)
 
 
@@ -185,19 +187,19 @@ def test_rotary_scores_depend_only_on_relative_position():
   rng = np.random.default_rng(2)
   q = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
   k = jnp.asarray(rng.normal(size=(1, 1, 1, 8)), jnp.float32)
-  scaling = layers.RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
-  inv_freq = layers.rope_inverse_frequencies(8, 500000.0, scaling)
+  scaling = rotary.RopeScaling("llama3", 8.0, 1.0, 4.0, 16)
+  inv_freq = rotary.rope_inverse_frequencies(8, 500000.0, scaling)
 
   def score(m, n):
-    qm = layers.apply_rotary_embedding(q, jnp.array([[m]]), inv_freq)
-    kn = layers.apply_rotary_embedding(k, jnp.array([[n]]), inv_freq)
+    qm = rotary.apply_rotary_embedding(q, jnp.array([[m]]), inv_freq)
+    kn = rotary.apply_rotary_embedding(k, jnp.array([[n]]), inv_freq)
     return float(jnp.sum(qm * kn))
 
   assert score(3, 1) == pytest.approx(score(12, 10), abs=1e-4)
   assert score(0, 0) == pytest.approx(float(jnp.sum(q * k)), abs=1e-5)
   assert abs(score(5, 0) - score(0, 0)) > 1e-3
   # Rotation preserves norms.
-  rotated = layers.apply_rotary_embedding(q, jnp.array([[7]]), inv_freq)
+  rotated = rotary.apply_rotary_embedding(q, jnp.array([[7]]), inv_freq)
   assert float(jnp.linalg.norm(rotated)) == pytest.approx(
       float(jnp.linalg.norm(q)), rel=1e-5)
 
@@ -207,8 +209,8 @@ def test_llama3_rope_scaling_bands():
   by `factor`, below original/high_freq_factor kept, in between blended."""
   theta, dim = 10000.0, 8
   base = 1.0 / theta ** (np.arange(0, dim, 2) / dim)  # wavelengths 2pi/base
-  scaled = layers.rope_inverse_frequencies(
-      dim, theta, layers.RopeScaling("llama3", 4.0, 1.0, 4.0, 64))
+  scaled = rotary.rope_inverse_frequencies(
+      dim, theta, rotary.RopeScaling("llama3", 4.0, 1.0, 4.0, 64))
   # wavelengths: 6.28 (< 16: kept), 62.8 (16..64: blended), 628 and 6283
   # (> 64: divided by 4).
   np.testing.assert_allclose(scaled[0], base[0], rtol=1e-6)
@@ -323,7 +325,7 @@ def test_hidden_states_feed_the_output_layer(params):
   hidden = jax.jit(functools.partial(
       llama.Llama(CONFIG).apply, method=llama.Llama.hidden_states))(
           {"params": params}, jnp.asarray(tokens),
-          layers.positions_from_mask(mask), jnp.asarray(mask))
+          rotary.positions_from_mask(mask), jnp.asarray(mask))
   assert hidden.shape == (3, LENGTH, CONFIG.emb_dim)
   kernel = params["decoder"]["logits_dense"]["kernel"]
   np.testing.assert_allclose(np.asarray(hidden) @ np.asarray(kernel),

@@ -23,14 +23,14 @@ from conftest import from_scratch, tiny_config, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import checkpoint_files
 from jaxrlhf import defaults
-from jaxrlhf import models
 from jaxrlhf import sharding
-from jaxrlhf.models import export_hf
-from jaxrlhf.models import from_pretrained
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
 from jaxrlhf.models import lora
+from jaxrlhf.models import registry
 from jaxrlhf.models import t5
+from jaxrlhf.models.layers import rotary
+from jaxrlhf.models.loading import export_hf
+from jaxrlhf.models.loading import from_pretrained
 from jaxrlhf.train import loop
 
 RANK, ALPHA = 4, 8.0
@@ -40,7 +40,7 @@ def _tokens():
   tokens = jnp.array([[5, 9, 17, 33, 6, 2, 0, 0], [7, 3, 3, 8, 11, 12, 4, 2]],
                      jnp.int32)
   mask = (tokens > 0).astype(jnp.int32)
-  return tokens, layers.positions_from_mask(mask), mask
+  return tokens, rotary.positions_from_mask(mask), mask
 
 
 # --- the module math -------------------------------------------------------------
@@ -375,7 +375,7 @@ def test_the_state_takes_the_memory_the_rank_predicts(rank, dtype,
               (d, m.mlp_dim), (d, m.mlp_dim), (m.mlp_dim, d)]  # wi_0, wi_1, wo
   adapters = m.num_layers * sum(rank * (i + o) for i, o in matrices) * 4
   # The model's parameters are float32 (its dtype is what it computes in).
-  base = _bytes(nn.unbox(models.abstract_params(trainer.model)))
+  base = _bytes(nn.unbox(registry.abstract_params(trainer.model)))
   if dtype == "bfloat16" and base_dtype == "model":
     base //= 2
   state = trainer.abstract_state
@@ -399,7 +399,7 @@ def test_dro_v_value_network_adapts_the_policy_base():
     leaves = jax.tree_util.tree_flatten_with_path(tree)[0]
     assert {p[-1].key for p, _ in leaves} == {"lora_a", "lora_b"}
     assert {p[0].key for p, _ in leaves} == {"encoder", "decoder"}
-  assert _bytes(state.frozen) == _bytes(nn.unbox(models.abstract_params(
+  assert _bytes(state.frozen) == _bytes(nn.unbox(registry.abstract_params(
       trainer.model)))
 
 

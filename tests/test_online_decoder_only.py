@@ -32,7 +32,7 @@ from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf import checkpoint_files
 from jaxrlhf.data import tasks
-from jaxrlhf.models import build_model
+from jaxrlhf.models.registry import build_model
 from jaxrlhf.models import heads
 from jaxrlhf.models import sampling
 from jaxrlhf.models import scoring

@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf import models
+from jaxrlhf.models import registry
 from jaxrlhf.models import sampling
 from jaxrlhf.models import t5
 
@@ -105,7 +105,7 @@ HF_LLAMA = __import__("pathlib").Path(__file__).resolve().parent / (
 def tiny_llama():
   from jaxrlhf.models import hf_io  # pylint: disable=g-import-not-at-top
   config, params = hf_io.load_hf_checkpoint(HF_LLAMA)
-  model = models.module_for_config(config)
+  model = registry.module_for_config(config)
   # Left-padded by 2: rotary positions must come from the mask.
   prompt = jnp.array([[0, 0, 5, 9, 12]], jnp.int32)
   return model, params, prompt, (prompt > 0).astype(jnp.int32)
@@ -113,10 +113,11 @@ def tiny_llama():
 
 def _full_forward_probs(model, params, tokens, temperature, top_k, top_p):
   """Filtered next-token probabilities after `tokens` [1, L] (no cache)."""
-  from jaxrlhf.models import layers  # pylint: disable=g-import-not-at-top
+  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models.layers import rotary
   mask = (jnp.arange(tokens.shape[1]) >= 2).astype(jnp.int32)[None]
   logits = jax.jit(model.apply)({"params": params}, tokens,
-                                layers.positions_from_mask(mask), mask)[0, -1]
+                                rotary.positions_from_mask(mask), mask)[0, -1]
   return np.asarray(jax.nn.softmax(
       sampling.filter_logits(logits, temperature, top_k, top_p)), np.float64)
 

@@ -7,10 +7,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from jaxrlhf.models import layers
 from jaxrlhf.models import sampling
 from jaxrlhf.models import scoring
 from jaxrlhf.models import t5
+from jaxrlhf.models.layers import t5_attention
 from jaxrlhf.models.t5x_checkpoint import read_t5x_checkpoint
 
 
@@ -84,13 +84,13 @@ def test_bfloat16_compute_stays_close_to_float32(encdec):
 def test_relative_position_buckets_by_hand():
   # Bidirectional, 32 buckets: offsets 0..7 exact; negative offsets (memory
   # before query) in the upper half; far offsets share log-spaced buckets.
-  b = layers.relative_position_bucket(np.array([0, 1, -1, 7, -7, 8, 127, 1000]),
-                                  True, 32, 128)
+  b = t5_attention.relative_position_bucket(
+      np.array([0, 1, -1, 7, -7, 8, 127, 1000]), True, 32, 128)
   assert list(b[:5]) == [0, 16 + 1, 1, 16 + 7, 7]
   # n = 8: 8 + floor(log(8/8) / log(128/8) * 8) = 8; n = 127: 8 + floor(7.98).
   assert list(b[5:]) == [16 + 8, 16 + 15, 16 + 15]
   # Unidirectional: future positions (memory after query) all map to 0.
-  u = layers.relative_position_bucket(np.array([3, 0, -3, -20, -200]), False, 32,
-                                  128)
+  u = t5_attention.relative_position_bucket(
+      np.array([3, 0, -3, -20, -200]), False, 32, 128)
   # n = 20: 16 + floor(log(20/16) / log(128/16) * 16) = 16 + floor(1.72).
   assert list(u) == [0, 0, 3, 17, 31]

@@ -29,11 +29,11 @@ from jaxrlhf.data import file_tasks
 from jaxrlhf.data import pipeline
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
-from jaxrlhf.models import build_model
-from jaxrlhf.models import planned_vocab_size
-from jaxrlhf.models import prompt_feature_length
 from jaxrlhf.models import pretrained
 from jaxrlhf.models import scoring
+from jaxrlhf.models.registry import build_model
+from jaxrlhf.models.registry import planned_vocab_size
+from jaxrlhf.models.registry import prompt_feature_length
 
 
 class Trainer:

@@ -27,13 +27,13 @@ import numpy as np
 import seqio
 import tensorflow as tf
 
-from jaxrlhf import models
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import alignment_kinds
 from jaxrlhf.data import chat_templates
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import tasks
 from jaxrlhf.data import vocab
+from jaxrlhf.models import registry
 
 DEMONSTRATIONS = alignment_kinds.DEMONSTRATIONS.name
 PROMPTS = alignment_kinds.PROMPTS.name
@@ -281,8 +281,8 @@ def register_task_from_files(config, kind: str) -> None:
                        f"{pattern!r}.")
   vocabulary = files_vocabulary(config)
   # The prompt's tokens with the EOS the task appends to it.
-  max_prompt_tokens = models.prompt_feature_length(config.model,
-                                                   config.data.inputs_length)
+  max_prompt_tokens = registry.prompt_feature_length(config.model,
+                                                     config.data.inputs_length)
   paths = {split: files[split] for split in ("train", "validation", "test")
            if files[split]}
   source = file_sources.AlignmentFileSource(

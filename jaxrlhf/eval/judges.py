@@ -47,9 +47,9 @@ from jaxrlhf.models import pretrained
 from jaxrlhf.data import tasks as tasks_lib
 from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation
-from jaxrlhf.models import build_model
 from jaxrlhf.models import heads
 from jaxrlhf.models import scoring
+from jaxrlhf.models.registry import build_model
 from jaxrlhf.rl import rollout as rollout_lib
 
 JUDGES = ("gold_reward", "reward_model", "function")

@@ -5,7 +5,7 @@ presets, how `config.model` becomes that config, where its layer stacks are
 (for the scanned/unrolled relayout), and optionally its Hugging Face
 mapping (`HFMapping`: config.json and tensor names both ways). Each family's
 module (`t5.py`, `llama.py`, `qwen2.py`, `gemma3.py`, ...; one per
-family) ends with its `FAMILY`, and `jaxrlhf/models/__init__.py`
+family) ends with its `FAMILY`, and `jaxrlhf/models/registry.py`
 registers them in one tuple; `config.model.arch`'s choices, `build_model`,
 `from_pretrained`, `export_hf`, sampling and scoring look families up
 there, never by class name.
@@ -28,7 +28,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import checks
-from jaxrlhf.models import layers
+from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import rotary
 
 ENCODER_DECODER = "encoder_decoder"
 DECODER_ONLY = "decoder_only"
@@ -87,7 +89,7 @@ class Family:
     module_cls: the Flax module; `module_cls(config)` is the model.
     kind: ENCODER_DECODER (`encode`/`decode`, T5's call signature) or
       DECODER_ONLY (`hidden_states(tokens, positions, attention_mask)`,
-      `logits_from_hidden`, `decode_step`: see `layers.CausalLM`).
+      `logits_from_hidden`, `decode_step`: see `decoders.CausalLM`).
     presets: {size name: config}; `config.model.size` picks one.
     from_run_config: (config.model ConfigDict, vocab_size) -> config: the
       preset `size` with the fields that are set overriding it; a field
@@ -108,7 +110,7 @@ class Family:
   layer_stacks: Callable[[Any], Sequence[Tuple[str, int]]]
   hf: Optional[HFMapping] = None
   t5x: bool = False
-  attention_impls: Tuple[str, ...] = layers.ATTENTION_IMPLS
+  attention_impls: Tuple[str, ...] = attentions.ATTENTION_IMPLS
 
   def preset(self, size: str, **overrides):
     """The preset `size` with fields overridden."""
@@ -138,6 +140,15 @@ def replace_fields(config, overrides: Mapping[str, Any]):
   return dataclasses.replace(config, **overrides)
 
 
+def check_dtype(value, field="dtype"):
+  """Refuses a `value` that is not a dtype name, naming `field`."""
+  try:
+    jnp.dtype(value)
+  except TypeError as e:
+    raise ValueError(f"{field}={value!r} is not a dtype name (e.g. 'float32', "
+                     "'bfloat16').") from e
+
+
 # ----------------------------------------------------------------------------
 # The shared config of the decoder-only families.
 
@@ -147,7 +158,7 @@ class DecoderConfig:
 
   A family's config subclasses it (or `GroupedQueryConfig`), adds its own
   fields (and their defaults), and extends `check` for what its
-  architecture requires; the shared decoder stack (`layers.DecoderOnly`),
+  architecture requires; the shared decoder stack (`decoders.DecoderOnly`),
   `decoder_from_run_config` and the KV-cache sampler read these fields.
   """
   vocab_size: int = 32000
@@ -169,7 +180,7 @@ class DecoderConfig:
   scan_layers: bool = False
   remat_policy: str = "none"
   # 'xla' (einsum + float32 softmax) or 'dot_product'
-  # (jax.nn.dot_product_attention); see layers.attend.
+  # (jax.nn.dot_product_attention); see attentions.attend.
   attention_impl: str = "xla"
   # Generation ids of the checkpoint's tokenizer (HF config.json), carried
   # so that an export stops where the import did; None = not set.
@@ -194,10 +205,10 @@ class DecoderConfig:
         raise ValueError(f"{name}.{field} must be a positive integer, got "
                          f"{value!r}.")
     checks.check_choice(name, "attention_impl", self.attention_impl,
-                        layers.ATTENTION_IMPLS)
+                        attentions.ATTENTION_IMPLS)
     checks.check_choice(name, "remat_policy", self.remat_policy,
-                        layers.REMAT_POLICIES)
-    layers.check_dtype(self.dtype, f"{name}.dtype")
+                        decoders.REMAT_POLICIES)
+    check_dtype(self.dtype, f"{name}.dtype")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -211,18 +222,18 @@ class GroupedQueryConfig(DecoderConfig):
   num_kv_heads: int = 32
   head_dim: int = 128
   # Rescaled rotary frequencies (Llama 3.1's 'llama3', 'linear'); None: none.
-  rope_scaling: Optional[layers.RopeScaling] = None
+  rope_scaling: Optional[rotary.RopeScaling] = None
 
   _POSITIVE = DecoderConfig._POSITIVE + ("num_kv_heads", "head_dim")
 
-  def layer_attention(self) -> Tuple[layers.LayerAttention, ...]:
-    """One `layers.LayerAttention` per layer (`Attention.layer_kinds`)."""
-    return (layers.LayerAttention(self.rope_theta, self.rope_scaling),
+  def layer_attention(self) -> Tuple[attentions.LayerAttention, ...]:
+    """One `attentions.LayerAttention` per layer (`Attention.layer_kinds`)."""
+    return (attentions.LayerAttention(self.rope_theta, self.rope_scaling),
             ) * self.num_layers
 
   def layers_differ(self) -> bool:
     """Whether the layers attend differently (then each layer is given its
-    index: `layers.DecoderOnly`'s index_layers)."""
+    index: `decoders.DecoderOnly`'s index_layers)."""
     return len(set(self.layer_attention())) > 1
 
   def check(self) -> None:
@@ -261,8 +272,8 @@ class LayerTypesConfig(GroupedQueryConfig):
 
   def default_layer_types(self) -> Tuple[str, ...]:
     """The family's pattern for `num_layers` layers."""
-    kind = (layers.SLIDING_ATTENTION if self.sliding_window is not None
-            else layers.FULL_ATTENTION)
+    kind = (attentions.SLIDING_ATTENTION if self.sliding_window is not None
+            else attentions.FULL_ATTENTION)
     return (kind,) * self.num_layers
 
   @property
@@ -281,16 +292,16 @@ class LayerTypesConfig(GroupedQueryConfig):
       return config
     return dataclasses.replace(self, layer_types=tuple(types))
 
-  def sliding_layer_rope(self) -> Tuple[float, Optional[layers.RopeScaling]]:
+  def sliding_layer_rope(self) -> Tuple[float, Optional[rotary.RopeScaling]]:
     """(rotary base, scaling) of the sliding layers: the full layers' here;
     Gemma 3's local layers have their own."""
     return self.rope_theta, self.rope_scaling
 
-  def layer_attention(self) -> Tuple[layers.LayerAttention, ...]:
-    full = layers.LayerAttention(self.rope_theta, self.rope_scaling)
-    local = layers.LayerAttention(*self.sliding_layer_rope(),
-                                  sliding_window=self.sliding_window)
-    return tuple(local if t == layers.SLIDING_ATTENTION else full
+  def layer_attention(self) -> Tuple[attentions.LayerAttention, ...]:
+    full = attentions.LayerAttention(self.rope_theta, self.rope_scaling)
+    local = attentions.LayerAttention(*self.sliding_layer_rope(),
+                                      sliding_window=self.sliding_window)
+    return tuple(local if t == attentions.SLIDING_ATTENTION else full
                  for t in self.attention_types)
 
   def check(self) -> None:
@@ -303,13 +314,13 @@ class LayerTypesConfig(GroupedQueryConfig):
           f"{self.num_layers}: give one per layer, or None for the family's "
           "pattern.")
     for t in types:
-      checks.check_choice(name, "layer_types", t, layers.LAYER_TYPES)
+      checks.check_choice(name, "layer_types", t, attentions.LAYER_TYPES)
     window = self.sliding_window
     if window is not None and (not isinstance(window, (int, np.integer))
                                or window <= 0):
       raise ValueError(f"{name}.sliding_window must be a positive integer or "
                        f"None, got {window!r}.")
-    if window is None and layers.SLIDING_ATTENTION in types:
+    if window is None and attentions.SLIDING_ATTENTION in types:
       raise ValueError(f"{name}: layer_types has sliding_attention layers "
                        "but sliding_window is None.")
 
@@ -482,25 +493,25 @@ def rope_parameters(hf_config) -> Dict[str, Any]:
 
 
 def rope_scaling_from_hf(rope, architecture: str
-                         ) -> Optional[layers.RopeScaling]:
-  """`layers.RopeScaling` of a config.json's rotary options (as
+                         ) -> Optional[rotary.RopeScaling]:
+  """`rotary.RopeScaling` of a config.json's rotary options (as
   `rope_parameters` merges them); None for the default rotary."""
   rope_type = rope.get("rope_type", rope.get("type", "default"))
   if rope_type == "default":
     return None
   if rope_type == "llama3":
-    return layers.RopeScaling(
+    return rotary.RopeScaling(
         kind="llama3", factor=float(rope["factor"]),
         low_freq_factor=float(rope["low_freq_factor"]),
         high_freq_factor=float(rope["high_freq_factor"]),
         original_max_length=int(rope["original_max_position_embeddings"]))
   if rope_type == "linear":
-    return layers.RopeScaling(kind="linear", factor=float(rope["factor"]))
+    return rotary.RopeScaling(kind="linear", factor=float(rope["factor"]))
   unsupported(architecture, f"rope type {rope_type!r} (default, llama3, "
               "linear)")
 
 
-def rope_scaling_to_hf(scaling: Optional[layers.RopeScaling]
+def rope_scaling_to_hf(scaling: Optional[rotary.RopeScaling]
                        ) -> Optional[Dict[str, Any]]:
   """config.json's `rope_scaling` (transformers 4.x key) of a RopeScaling."""
   if scaling is None:

@@ -40,8 +40,10 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models import family
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
+from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import linears
 
 Array = jax.Array
 
@@ -73,8 +75,8 @@ class GemmaConfig(family.LayerTypesConfig):
 
   def default_layer_types(self):
     """Local and global layers alternating, the first local."""
-    return tuple(layers.SLIDING_ATTENTION if i % 2 == 0
-                 else layers.FULL_ATTENTION for i in range(self.num_layers))
+    return tuple(attentions.SLIDING_ATTENTION if i % 2 == 0
+                 else attentions.FULL_ATTENTION for i in range(self.num_layers))
 
   def check(self):
     super().check()
@@ -87,12 +89,12 @@ class GemmaConfig(family.LayerTypesConfig):
     if not self.tie_embeddings:
       raise ValueError(f"{name}: tie_embeddings=False is not a Gemma "
                        "model (its output layer is the embedding).")
-    if (self.attention_impl not in layers.SOFTCAP_IMPLS
+    if (self.attention_impl not in attentions.SOFTCAP_IMPLS
         and self.attn_logit_softcap is not None):
       raise ValueError(
           f"{name}: attention_impl={self.attention_impl!r} cannot "
           "soft-cap attention logits (attn_logit_softcap); use one of "
-          f"{list(layers.SOFTCAP_IMPLS)}.")
+          f"{list(attentions.SOFTCAP_IMPLS)}.")
 
   @classmethod
   def preset(cls, name: str, **overrides) -> "GemmaConfig":
@@ -145,7 +147,7 @@ class GemmaLayer(nn.Module):
   config: Any
 
   def attention_options(self) -> Dict[str, Any]:
-    """Further `layers.Attention` fields of the family."""
+    """Further `attentions.Attention` fields of the family."""
     return {}
 
   @nn.compact
@@ -155,7 +157,7 @@ class GemmaLayer(nn.Module):
     dtype = jnp.dtype(cfg.dtype)
     norm = functools.partial(GemmaRMSNorm, cfg.norm_epsilon, dtype)
     h = norm(name="pre_self_attention_layer_norm")(x)
-    h = layers.Attention(
+    h = attentions.Attention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, rotary_dim=cfg.head_dim,
         layer_kinds=cfg.layer_attention(), dtype=dtype,
@@ -165,13 +167,13 @@ class GemmaLayer(nn.Module):
         **self.attention_options())(h, positions, mask, cache_index, layer)
     x = x + norm(name="post_self_attention_layer_norm")(h)
     h = norm(name="pre_mlp_layer_norm")(x)
-    h = layers.Mlp(cfg.mlp_dim, ("gelu_pytorch_tanh", "linear"),
-                   use_bias=False, dtype=dtype, name="mlp")(h)
+    h = linears.Mlp(cfg.mlp_dim, ("gelu_pytorch_tanh", "linear"),
+                    use_bias=False, dtype=dtype, name="mlp")(h)
     x = x + norm(name="post_mlp_layer_norm")(h)
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
 
 
-class Gemma(layers.CausalLM):
+class Gemma(decoders.CausalLM):
   """Gemma 2 causal LM; parameters under 'decoder' (t5x layout)."""
   config: GemmaConfig
   block_cls = GemmaLayer

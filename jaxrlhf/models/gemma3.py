@@ -26,8 +26,9 @@ import jax.numpy as jnp
 
 from jaxrlhf.models import family
 from jaxrlhf.models import gemma
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
+from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import rotary
 
 
 @dataclasses.dataclass(frozen=True)
@@ -56,8 +57,8 @@ class Gemma3Config(gemma.GemmaConfig):
   PATTERN = 6
 
   def default_layer_types(self):
-    return tuple(layers.FULL_ATTENTION if (i + 1) % self.PATTERN == 0
-                 else layers.SLIDING_ATTENTION
+    return tuple(attentions.FULL_ATTENTION if (i + 1) % self.PATTERN == 0
+                 else attentions.SLIDING_ATTENTION
                  for i in range(self.num_layers))
 
   def sliding_layer_rope(self):
@@ -74,7 +75,7 @@ def _larger(**fields):
   # vocabulary (image tokens included), global frequencies slowed 8 times.
   return Gemma3Config(
       vocab_size=262208, sliding_window=1024, max_length=131072,
-      rope_scaling=layers.RopeScaling(kind="linear", factor=8.0), **fields)
+      rope_scaling=rotary.RopeScaling(kind="linear", factor=8.0), **fields)
 
 
 # Dimensions from the published config.json of google/gemma-3-* (the text
@@ -127,9 +128,9 @@ def config_from_hf(hf) -> Gemma3Config:
   if hf.get("use_bidirectional_attention"):
     _unsupported("use_bidirectional_attention=true")
   rope = hf.get("rope_parameters") or {}
-  if rope.keys() & set(layers.LAYER_TYPES):  # transformers 5: per type
-    full = dict(rope.get(layers.FULL_ATTENTION) or {})
-    local = dict(rope.get(layers.SLIDING_ATTENTION) or {})
+  if rope.keys() & set(attentions.LAYER_TYPES):  # transformers 5: per type
+    full = dict(rope.get(attentions.FULL_ATTENTION) or {})
+    local = dict(rope.get(attentions.SLIDING_ATTENTION) or {})
   else:  # transformers 4: rope_theta, rope_local_base_freq, rope_scaling
     full, local = family.rope_parameters(hf), {}
   if family.rope_scaling_from_hf(local, HF_ARCHITECTURE) is not None:
@@ -144,8 +145,9 @@ def config_from_hf(hf) -> Gemma3Config:
   types = hf.get("layer_types")
   if types is None:  # what transformers makes of an older config.json
     pattern = family.hf_int(hf, "sliding_window_pattern", Gemma3Config.PATTERN)
-    types = [layers.FULL_ATTENTION if (i + 1) % pattern == 0
-             else layers.SLIDING_ATTENTION for i in range(config.num_layers)]
+    types = [attentions.FULL_ATTENTION if (i + 1) % pattern == 0
+             else attentions.SLIDING_ATTENTION
+             for i in range(config.num_layers)]
   return config.with_layer_types(types)
 
 

@@ -27,7 +27,11 @@ import numpy as np
 
 from jaxrlhf import checks
 from jaxrlhf.models import family
-from jaxrlhf.models import layers
+from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import linears
+from jaxrlhf.models.layers import normalizations
+from jaxrlhf.models.layers import rotary
 
 Array = jax.Array
 
@@ -54,16 +58,16 @@ class GPTNeoXConfig(family.DecoderConfig):
       raise ValueError(f"GPTNeoXConfig: emb_dim={self.emb_dim} must be a "
                        f"multiple of num_heads={self.num_heads}.")
     super().check()
-    if layers.rotated_channels(self.rotary_dim) > self.head_dim:
+    if rotary.rotated_channels(self.rotary_dim) > self.head_dim:
       raise ValueError(
           f"GPTNeoXConfig: rotary_pct={self.rotary_pct} of head_dim="
-          f"{self.head_dim} rotates {layers.rotated_channels(self.rotary_dim)}"
+          f"{self.head_dim} rotates {rotary.rotated_channels(self.rotary_dim)}"
           " channels, more than a head has.")
     if self.tie_embeddings:
       raise ValueError("GPTNeoXConfig: tie_embeddings=True is not a GPT-NeoX "
                        "model (its embed_out is separate).")
     checks.check_choice("GPTNeoXConfig", "mlp_activation",
-                        self.mlp_activation, layers.ACTIVATIONS)
+                        self.mlp_activation, linears.ACTIVATIONS)
 
   @property
   def head_dim(self) -> int:
@@ -72,7 +76,7 @@ class GPTNeoXConfig(family.DecoderConfig):
   @property
   def rotary_dim(self) -> int:
     # int() truncation as HF's `int(head_size * rotary_pct)`; an odd value
-    # is kept (see layers.rope_inverse_frequencies).
+    # is kept (see rotary.rope_inverse_frequencies).
     return int(self.head_dim * self.rotary_pct)
 
   @classmethod
@@ -112,17 +116,17 @@ class GPTNeoXBlock(nn.Module):
                cache_index=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    norm = functools.partial(layers.LayerNorm, cfg.norm_epsilon, dtype)
+    norm = functools.partial(normalizations.LayerNorm, cfg.norm_epsilon, dtype)
     h = norm(name="pre_self_attention_layer_norm")(x)
-    attn = layers.Attention(
+    attn = attentions.Attention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_heads,
         head_dim=cfg.head_dim, rotary_dim=cfg.rotary_dim,
         rope_theta=cfg.rope_theta, qkv_bias=True, out_bias=True,
         dtype=dtype,
         attention_impl=cfg.attention_impl,
         name="self_attention")(h, positions, mask, cache_index)
-    mlp = layers.Mlp(cfg.mlp_dim, (cfg.mlp_activation,), use_bias=True,
-                     dtype=dtype, name="mlp")
+    mlp = linears.Mlp(cfg.mlp_dim, (cfg.mlp_activation,), use_bias=True,
+                      dtype=dtype, name="mlp")
     if cfg.use_parallel_residual:
       x = x + attn + mlp(norm(name="pre_mlp_layer_norm")(x))
     else:
@@ -131,13 +135,13 @@ class GPTNeoXBlock(nn.Module):
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
 
 
-class GPTNeoX(layers.CausalLM):
+class GPTNeoX(decoders.CausalLM):
   """GPT-NeoX-style causal LM; parameters under 'decoder' (t5x layout)."""
   config: GPTNeoXConfig
   block_cls = GPTNeoXBlock
 
   def final_norm(self):
-    return functools.partial(layers.LayerNorm, self.config.norm_epsilon,
+    return functools.partial(normalizations.LayerNorm, self.config.norm_epsilon,
                              jnp.dtype(self.config.dtype))
 
 
@@ -180,9 +184,9 @@ def config_from_hf(hf) -> GPTNeoXConfig:
   if get("tie_word_embeddings", False):
     _unsupported("tie_word_embeddings=true")
   act = get("hidden_act", "gelu")
-  if act not in layers.ACTIVATIONS:
+  if act not in linears.ACTIVATIONS:
     _unsupported(f"hidden_act={act!r} (choose from "
-                 f"{sorted(layers.ACTIVATIONS)})")
+                 f"{sorted(linears.ACTIVATIONS)})")
   return GPTNeoXConfig(
       vocab_size=get("vocab_size"), emb_dim=get("hidden_size"),
       num_heads=get("num_attention_heads"),

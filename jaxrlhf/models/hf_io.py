@@ -1,7 +1,7 @@
 """Hugging Face checkpoints (config.json + safetensors) in and out.
 
   config, params = load_hf_checkpoint("/path/to/hf_model")
-  logits = models.module_for_config(config).apply({"params": params}, ...)
+  logits = registry.module_for_config(config).apply({"params": params}, ...)
   export_hf_checkpoint(config, params, "/path/to/out")   # transformers loads it
 
 This module is the part every family shares: reading and writing
@@ -30,8 +30,8 @@ import ml_dtypes
 import numpy as np
 from safetensors import numpy as safetensors_np
 
-from jaxrlhf import models as models_lib
 from jaxrlhf.models import family as family_lib
+from jaxrlhf.models import registry
 
 SINGLE_FILE = "model.safetensors"
 INDEX_FILE = "model.safetensors.index.json"
@@ -83,7 +83,7 @@ def read_hf_config(path) -> Dict[str, Any]:
 
 
 def _mappings():
-  return [f for f in models_lib.FAMILIES.values() if f.hf is not None]
+  return [f for f in registry.FAMILIES.values() if f.hf is not None]
 
 
 def family_for_hf_config(hf_config) -> family_lib.Family:
@@ -101,7 +101,7 @@ def family_for_hf_config(hf_config) -> family_lib.Family:
 
 
 def _hf_family(config) -> family_lib.Family:
-  chosen = models_lib.family_of(config)
+  chosen = registry.family_of(config)
   if chosen.hf is None:
     raise HFCheckpointError(
         f"transformers has no model for the {chosen.name} family; keep it as "
@@ -164,7 +164,7 @@ def _check_tensors(mapping, shapes, tensors, where):
 
 def expected_param_shapes(config) -> Dict[str, Tuple[int, ...]]:
   """{'a/b/c': shape} of the model's parameters (no compute: eval_shape)."""
-  return models_lib.param_shapes(config)
+  return registry.param_shapes(config)
 
 
 def check_params(config, params, where="params"):
@@ -210,7 +210,7 @@ def from_hf_tensors(config, tensors: Dict[str, np.ndarray],
   _check_tensors(mapping, shapes, tensors, where)
   as_f32 = {n: np.asarray(v, dtype=np.float32) for n, v in tensors.items()
             if n in shapes}
-  params = models_lib.relayout_params(mapping.from_hf(config, as_f32), config)
+  params = registry.relayout_params(mapping.from_hf(config, as_f32), config)
   check_params(config, params, where=f"parameters mapped from {where}")
   return config, params
 
@@ -227,7 +227,8 @@ def load_hf_checkpoint(path, **config_overrides):
     (config, params): the family's config (LlamaConfig, Qwen2Config,
     GemmaConfig, GPTNeoXConfig, t5.T5Config, ...), and the
     parameter dict (float32 numpy arrays; `jax.device_put` them with the
-    shardings you want) for `models.module_for_config(config).apply({'params': ...})`.
+    shardings you want) for
+    `registry.module_for_config(config).apply({'params': ...})`.
   Raises:
     HFCheckpointError: unsupported architecture or options, missing or
       unexpected weights, shape mismatches; the message names each tensor.
@@ -261,7 +262,7 @@ def to_hf_tensors(config, params) -> Dict[str, np.ndarray]:
   check_params(config, params)
   unrolled = dataclasses.replace(config, scan_layers=False) if getattr(
       config, "scan_layers", False) else config
-  params = models_lib.relayout_params(params, unrolled)
+  params = registry.relayout_params(params, unrolled)
   tensors = mapping.to_hf(config, params)
   return {n: np.ascontiguousarray(v) for n, v in tensors.items()}
 

@@ -31,10 +31,14 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models import family
-from jaxrlhf.models import layers
+from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import linears
+from jaxrlhf.models.layers import normalizations
+from jaxrlhf.models.layers import rotary
 
 Array = jax.Array
-RopeScaling = layers.RopeScaling
+RopeScaling = rotary.RopeScaling
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,7 +111,8 @@ class LlamaBlock(nn.Module):
   config: Any
 
   def attention_options(self) -> Dict[str, Any]:
-    """Further `layers.Attention` fields of the family (biases, q/k norms)."""
+    """Further `attentions.Attention` fields of the family (biases, q/k
+    norms)."""
     return {}
 
   @nn.compact
@@ -115,29 +120,30 @@ class LlamaBlock(nn.Module):
                cache_index=None, layer=None):
     cfg = self.config
     dtype = jnp.dtype(cfg.dtype)
-    h = layers.RMSNorm(cfg.norm_epsilon, dtype,
-                       name="pre_self_attention_layer_norm")(x)
-    h = layers.Attention(
+    h = normalizations.RMSNorm(cfg.norm_epsilon, dtype,
+                               name="pre_self_attention_layer_norm")(x)
+    h = attentions.Attention(
         num_heads=cfg.num_heads, num_kv_heads=cfg.num_kv_heads,
         head_dim=cfg.head_dim, rotary_dim=cfg.head_dim,
         layer_kinds=cfg.layer_attention(), dtype=dtype,
         attention_impl=cfg.attention_impl, name="self_attention",
         **self.attention_options())(h, positions, mask, cache_index, layer)
     x = x + h
-    h = layers.RMSNorm(cfg.norm_epsilon, dtype, name="pre_mlp_layer_norm")(x)
-    h = layers.Mlp(cfg.mlp_dim, ("silu", "linear"), use_bias=False,
-                   dtype=dtype, name="mlp")(h)
+    h = normalizations.RMSNorm(cfg.norm_epsilon, dtype,
+                               name="pre_mlp_layer_norm")(x)
+    h = linears.Mlp(cfg.mlp_dim, ("silu", "linear"), use_bias=False,
+                    dtype=dtype, name="mlp")(h)
     x = x + h
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
 
 
-class Llama(layers.CausalLM):
+class Llama(decoders.CausalLM):
   """Llama-style causal LM; parameters under 'decoder' (t5x layout)."""
   config: LlamaConfig
   block_cls = LlamaBlock
 
   def final_norm(self):
-    return functools.partial(layers.RMSNorm, self.config.norm_epsilon,
+    return functools.partial(normalizations.RMSNorm, self.config.norm_epsilon,
                              jnp.dtype(self.config.dtype))
 
   def decoder_options(self):

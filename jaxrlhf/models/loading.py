@@ -54,14 +54,15 @@ import ml_collections
 import numpy as np
 
 from jaxrlhf import checkpoint_files
-from jaxrlhf import models as models_lib
 from jaxrlhf import sharding as sharding_lib
 from jaxrlhf.models import family as family_lib
 from jaxrlhf.models import hf_io
 from jaxrlhf.models import lora
+from jaxrlhf.models import registry
 from jaxrlhf.models import t5
 from jaxrlhf.models import t5x_checkpoint
 from jaxrlhf.models import t5x_decoder_only
+from jaxrlhf.models import token_rows
 
 HF, T5X, ORBAX = "huggingface", "t5x", "orbax"
 
@@ -73,9 +74,9 @@ class PretrainedError(ValueError):
 # ----------------------------------------------------------------------------
 # Modules, configs and their abstract parameters.
 
-module_for_config = models_lib.module_for_config
-abstract_params = models_lib.abstract_params
-relayout_params = models_lib.relayout_params
+module_for_config = registry.module_for_config
+abstract_params = registry.abstract_params
+relayout_params = registry.relayout_params
 
 
 def param_shardings(module: nn.Module, mesh, rules=None):
@@ -124,7 +125,7 @@ def is_scanned(params, config) -> bool:
   """Whether `params` (arrays or shapes) hold `config`'s family's layers
   stacked under `layers` (the scanned layout)."""
   return any("layers" in params.get(name, {})
-             for name, _ in models_lib.family_of(config).layer_stacks(config))
+             for name, _ in registry.family_of(config).layer_stacks(config))
 
 
 # ----------------------------------------------------------------------------
@@ -357,8 +358,6 @@ def _embedding_rows(meta_params):
 
 def _load_lora_orbax(item, spec, overrides):
   """(module, config, merged host params, None) of a LoRA run's policy."""
-  from jaxrlhf.models import build_model  # pylint: disable=g-import-not-at-top
-  from jaxrlhf.models import token_rows  # pylint: disable=g-import-not-at-top
   record = lora.read_base_record(item)
   if not record or not record.get("checkpoint"):
     raise PretrainedError(
@@ -369,7 +368,7 @@ def _load_lora_orbax(item, spec, overrides):
   _, base_config, base = from_pretrained(record["checkpoint"])
   _, model_cfg = _find_run_config(item)
   model_cfg.vocab_size = base_config.vocab_size
-  _, config = build_model(model_cfg, base_config.vocab_size)
+  _, config = registry.build_model(model_cfg, base_config.vocab_size)
   module = module_for_config(config)
   base = relayout_params(_to_host(base), config)
   swap = record.get("token_swap")
@@ -384,7 +383,6 @@ def _load_lora_orbax(item, spec, overrides):
 
 def _load_orbax(path, model_config, overrides, mesh, rules, step):
   import orbax.checkpoint as ocp  # pylint: disable=g-import-not-at-top
-  from jaxrlhf.models import build_model  # pylint: disable=g-import-not-at-top
   item = _orbax_item_dir(pathlib.Path(path), step)
   spec = lora.LoraSpec.from_config(
       (checkpoint_files.run_config(item) or {}).get("lora") or {})
@@ -400,7 +398,7 @@ def _load_orbax(path, model_config, overrides, mesh, rules, step):
           "model_config= (e.g. t5.t5_config('small')).")
     vocab = _embedding_rows(meta)
     model_cfg.vocab_size = vocab
-    _, config = build_model(model_cfg, vocab)
+    _, config = registry.build_model(model_cfg, vocab)
     # The layout the run saved is the run's; overrides may change it.
     saved_config = config
   else:

@@ -5,7 +5,7 @@ A [*in, r] . B [r, *out] scaled by alpha / r, B starting at zero so that
 the adapted model starts as the base exactly. Here:
 
   - the adapters are a tree of their own, `{..., <projection>: {"lora_a",
-    "lora_b"}}` at the paths of the adapted `layers.DenseGeneral`s of the
+    "lora_b"}}` at the paths of the adapted `linears.DenseGeneral`s of the
     base's parameter tree (`init_adapters`), so that the optimizer sees
     only them and a checkpoint holds only them;
   - `view(base, adapters, spec)` is what the model runs on: the base tree
@@ -54,7 +54,12 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.models import layers
+from jaxrlhf.models import family
+from jaxrlhf.models import hf_io
+from jaxrlhf.models import llama
+from jaxrlhf.models import registry
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import linears
 
 # The projections of every family: attention (T5's cross-attention too) and
 # MLP (the gated MLP's wi_0/wi_1, the plain MLP's wi).
@@ -128,17 +133,16 @@ def _projections(module) -> Dict[Path, Site]:
   """{scope path: Site} of every `DenseGeneral` the module calls, from one
   abstract trace of its initialisation (scanned stacks have one path,
   `.../layers/...`, for all their layers)."""
-  from jaxrlhf import models  # pylint: disable=g-import-not-at-top
-  from jaxrlhf.models import family  # pylint: disable=g-import-not-at-top
   found = {}
 
   def record(next_fun, args, kwargs, context):
     m = context.module
-    if isinstance(m, layers.DenseGeneral) and context.method_name == "__call__":
+    if (isinstance(m, linears.DenseGeneral)
+        and context.method_name == "__call__"):
       found[tuple(m.scope.path)] = Site(m.num_in_axes, len(tuple(m.features)))
     return next_fun(*args, **kwargs)
 
-  kind = models.family_of(module).kind
+  kind = registry.family_of(module).kind
   # Everything inside eval_shape: nothing runs (a plan's mesh may be a
   # topology without devices here).
   with nn.intercept_methods(record), nn.logical_axis_rules(()):
@@ -428,16 +432,13 @@ def _peft_module_names(config) -> Dict[Path, str]:
   """{our projection's path under an unrolled stack: the transformers
   module it is} for the families whose Hugging Face layers are Llama's
   (Llama, Qwen2/3, Mistral, Gemma 2/3: `llama.to_hf`)."""
-  # pylint: disable=g-import-not-at-top
-  from jaxrlhf import models
-  from jaxrlhf.models import llama
-  family = models.family_of(config)
-  to_hf = getattr(family.hf, "to_hf", None)
+  chosen = registry.family_of(config)
+  to_hf = getattr(chosen.hf, "to_hf", None)
   while isinstance(to_hf, functools.partial):
     to_hf = to_hf.func
   if to_hf is not llama.to_hf:
     raise ValueError(
-        f"export_peft: {family.name} models are not written as PEFT "
+        f"export_peft: {chosen.name} models are not written as PEFT "
         "adapters (the decoder-only families with Llama's layer names are: "
         "llama, qwen2, qwen3, mistral, gemma, gemma3); export the merged "
         "weights with export_hf instead.")
@@ -472,14 +473,13 @@ def export_peft(module_or_config, adapters, spec: LoraSpec, path, *,
   """
   # pylint: disable=g-import-not-at-top
   from safetensors import numpy as safetensors_np
-  from jaxrlhf.models import hf_io
   config = getattr(module_or_config, "config", module_or_config)
   names = _peft_module_names(config)
   host = jax.tree.map(lambda x: np.asarray(jax.device_get(x), np.float32),
                       _plain(nn.meta.unbox(adapters)))
   if getattr(config, "scan_layers", False) and "layers" in host.get(
       "decoder", {}):
-    host = layers.unstack_layer_params(host, "decoder")
+    host = decoders.unstack_layer_params(host, "decoder")
   to_dtype = hf_io._EXPORT_DTYPES[dtype]  # pylint: disable=protected-access
   tensors, modules, layer_ids = {}, set(), set()
   for key, (a, b) in adapter_matrices(host).items():

@@ -28,8 +28,11 @@ import jax
 import numpy as np
 
 from jaxrlhf import checkpoint_files
+from jaxrlhf.models import hf_io
+from jaxrlhf.models import loading
 from jaxrlhf.models import lora
 from jaxrlhf.models import t5x_checkpoint
+from jaxrlhf.models import token_rows
 
 
 def _is_t5x(path: str) -> bool:
@@ -79,7 +82,6 @@ def _check_same_tree(loaded, target, path):
 
 
 def _is_hf(path: str) -> bool:
-  from jaxrlhf.models import loading  # pylint: disable=g-import-not-at-top
   try:
     return loading.checkpoint_kind(path) == loading.HF
   except loading.PretrainedError:
@@ -89,10 +91,6 @@ def _is_hf(path: str) -> bool:
 def _load_hf(path: str, target: Any, module, token_swap) -> Any:
   """A Hugging Face folder's parameters for `module`, token rows exchanged
   by `token_swap`, shaped and sharded like `target`."""
-  # pylint: disable=g-import-not-at-top
-  from jaxrlhf.models import hf_io
-  from jaxrlhf.models import loading
-  from jaxrlhf.models import token_rows
   if module is None:
     raise ValueError(f"{path!r} is a Hugging Face folder; loading it needs "
                      "the run's model (module=).")
@@ -124,7 +122,6 @@ def load_lm_params(path: str, target: Any, *, module=None,
   if _is_hf(path):
     return _load_hf(path, target, module, token_swap)
   if _is_t5x(path):
-    from jaxrlhf.models import loading  # pylint: disable=g-import-not-at-top
     shapes = t5x_checkpoint.t5x_param_shapes(path)["params"]
     if module is not None and loading.is_scanned(shapes, module.config) != (
         bool(getattr(module.config, "scan_layers", False))):

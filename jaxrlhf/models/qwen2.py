@@ -16,8 +16,8 @@ import functools
 from typing import Any, Dict
 
 from jaxrlhf.models import family
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
+from jaxrlhf.models.layers import attentions
 
 
 @dataclasses.dataclass(frozen=True)
@@ -96,8 +96,8 @@ def hf_window(hf, num_layers: int) -> Dict[str, Any]:
   types = hf.get("layer_types")
   if types is None:
     first = family.hf_int(hf, "max_window_layers", num_layers)
-    types = [layers.SLIDING_ATTENTION if window is not None and i >= first
-             else layers.FULL_ATTENTION for i in range(num_layers)]
+    types = [attentions.SLIDING_ATTENTION if window is not None and i >= first
+             else attentions.FULL_ATTENTION for i in range(num_layers)]
   return {"sliding_window": window, "layer_types": types}
 
 
@@ -105,7 +105,8 @@ def hf_window_dict(config) -> Dict[str, Any]:
   """config.json's window keys of a Qwen config (`hf_window`'s inverse;
   `layer_types` decides, max_window_layers is for older readers)."""
   types = config.attention_types
-  sliding = [i for i, t in enumerate(types) if t == layers.SLIDING_ATTENTION]
+  sliding = [i for i, t in enumerate(types)
+             if t == attentions.SLIDING_ATTENTION]
   if not sliding:
     return {"use_sliding_window": False, "sliding_window": None,
             "layer_types": list(types)}

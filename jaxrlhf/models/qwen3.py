@@ -15,9 +15,9 @@ import functools
 import jax.numpy as jnp
 
 from jaxrlhf.models import family
-from jaxrlhf.models import layers
 from jaxrlhf.models import llama
 from jaxrlhf.models import qwen2
+from jaxrlhf.models.layers import normalizations
 
 
 @dataclasses.dataclass(frozen=True)
@@ -64,7 +64,7 @@ class Qwen3Block(llama.LlamaBlock):
 
   def attention_options(self):
     cfg = self.config
-    return {"qk_norm": lambda name: layers.RMSNorm(
+    return {"qk_norm": lambda name: normalizations.RMSNorm(
         cfg.norm_epsilon, jnp.dtype(cfg.dtype), axis_name="kv", name=name)}
 
 

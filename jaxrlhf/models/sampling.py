@@ -28,16 +28,16 @@ which are then decoded as k adjacent rows: the same rows, cache and random
 draws as sampling `jnp.repeat(prompts, k, axis=0)`, at 1/k of the prefill.
 The decode loop reads the weights in the compute dtype: each one the model
 only ever reads cast (the matrices, in bfloat16 with float32 parameters) is
-cast once after the prefill (`layers.cast_read_params`), not at every step,
-and the weights of the projections that read the same input (query, key
-and value; a gated MLP's two input projections) are joined there into one
-matrix each, in the place of their cast copies (`layers.fuse_projections`;
-weights read in the dtype they are held in have no copy, and stay apart),
+cast once after the prefill (`param_recording.cast_read_params`), not at
+every step, and the weights of the projections that read the same input
+(query, key and value; a gated MLP's two input projections) are joined
+there into one matrix each, in the place of their cast copies
+(`param_recording.fuse_projections`; weights read in the dtype they are held in have no copy, and stay apart),
 so a step reads each group in one product; the values computed are the
 same (the joined products may round their sums differently). With
 `cache_segments` > 1 the decode steps run in that many segments, one loop
 each, and the KV cache is held in one chunk per segment
-(`layers.kv_cache_chunks`: the prompt and the first segment's positions,
+(`kv_cache.kv_cache_chunks`: the prompt and the first segment's positions,
 then each later segment's): a step reads the chunks written so far, not
 the whole, mostly empty, cache of a long generation (the positions it
 leaves out are masked, so the outputs are the same; the attention's sums
@@ -61,7 +61,9 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from jaxrlhf.models import layers
+from jaxrlhf.models.layers import kv_cache
+from jaxrlhf.models.layers import param_recording
+from jaxrlhf.models.layers import rotary
 
 _NEG_INF = -1e30
 
@@ -306,7 +308,7 @@ def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens,
 
 
 def _later_chunks(ends: Tuple[int, ...]) -> Tuple[int, ...]:
-  """The KV cache's chunks after the first (`layers.kv_cache_chunks`): one
+  """The KV cache's chunks after the first (`kv_cache.kv_cache_chunks`): one
   per later segment of steps, as long as its steps."""
   return tuple(end - start for start, end in zip(ends[:-1], ends[1:]))
 
@@ -328,7 +330,7 @@ def _repeat_cache(cache: Any, num_samples: int, batch: int,
   """A prefilled KV cache for `batch` prompts as the cache of their
   batch * num_samples samples (`_repeat_rows` along batch).
 
-  Every cache leaf is a `layers.update_kv_cache` or T5 cross-attention
+  Every cache leaf is a `kv_cache.update_kv_cache` or T5 cross-attention
   array, [batch, heads, length, head_dim], with a leading [layers] axis
   when the layers are scanned; `head_axis` is the heads' logical name
   ("heads" for T5, "kv_heads" for decoder-only models), as they constrain it.
@@ -379,11 +381,11 @@ def _decode_params(params, reads, fusions, fuse_projections):
   """The parameters the decode loop reads: cast once to the dtype of their
   reads, and with `fuse_projections` each layer's query, key and value
   projections (and a gated MLP's input projections) joined where they are
-  cast, into the cast copies' place (`layers.fuse_projections`), from what
-  the prefill recorded."""
-  cast = layers.cast_read_params(params, reads)
+  cast, into the cast copies' place (`param_recording.fuse_projections`),
+  from what the prefill recorded."""
+  cast = param_recording.cast_read_params(params, reads)
   if fuse_projections:
-    cast = layers.fuse_projections(cast, fusions, cast_from=params)
+    cast = param_recording.fuse_projections(cast, fusions, cast_from=params)
   return cast
 
 
@@ -403,9 +405,9 @@ def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
   # cache's first chunk holds the first segment's.
   ends = segment_ends(max_new_tokens, cache_segments)
   bos = jnp.zeros((batch, 1), jnp.int32)
-  with layers.recording_param_reads() as reads, \
-      layers.recording_param_fusions() as fusions, \
-      layers.kv_cache_chunks(_later_chunks(ends)):
+  with param_recording.recording_param_reads() as reads, \
+      param_recording.recording_param_fusions() as fusions, \
+      kv_cache.kv_cache_chunks(_later_chunks(ends)):
     logits, variables = model.apply(
         {"params": params}, encoded, encoder_input_tokens, bos, 0,
         ends[0] + 1, method=model.decode_step, mutable=["cache"])
@@ -459,7 +461,7 @@ def sample_encoder_decoder(model, params, encoder_input_tokens, rng,
       key and value weights (and a gated MLP's input weights) joined into
       one matrix, built once after the prefill where the weights are cast
       to a narrower compute dtype (float32 parameters of a bfloat16
-      model), in the cast copies' place (`layers.fuse_projections`; not
+      model), in the cast copies' place (`param_recording.fuse_projections`; not
       where LoRA adapters sit on them or a tensor-parallel mesh splits the
       heads or the MLP). The same products, rounded perhaps in another
       order; False reads them apart (for comparison).
@@ -504,7 +506,7 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
   # last new token is never fed).
   cache_mask = jnp.concatenate(
       [prompt_mask, jnp.ones((batch, max_new_tokens - 1), jnp.int32)], axis=1)
-  positions = layers.positions_from_mask(prompt_mask)
+  positions = rotary.positions_from_mask(prompt_mask)
   num_real = jnp.sum(prompt_mask, axis=-1)
   extra = {"bidirectional_prompt": True} if bidirectional_prompt else {}
   # Step t writes position prompt_length + t, so the steps of a segment
@@ -512,9 +514,9 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
   # cache's first chunk holds the prompt and the first segment's.
   ends = segment_ends(max_new_tokens, cache_segments)
   # One prefill per prompt, repeated for its samples.
-  with layers.recording_param_reads() as reads, \
-      layers.recording_param_fusions() as fusions, \
-      layers.kv_cache_chunks(_later_chunks(ends)):
+  with param_recording.recording_param_reads() as reads, \
+      param_recording.recording_param_fusions() as fusions, \
+      kv_cache.kv_cache_chunks(_later_chunks(ends)):
     logits, variables = model.apply(
         {"params": params}, prompt_tokens, positions,
         cache_mask[:, :prompt_length + ends[0]], 0,

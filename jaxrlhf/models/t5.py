@@ -43,7 +43,10 @@ import numpy as np
 
 from jaxrlhf import checks
 from jaxrlhf.models import family
-from jaxrlhf.models import layers as layers_lib
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import linears
+from jaxrlhf.models.layers import normalizations
+from jaxrlhf.models.layers import t5_attention
 
 # T5's attention adds a learned relative-position bias to every logit;
 # the fused kernels of the decoder-only families take no such bias.
@@ -98,7 +101,7 @@ class T5Config:
     checks.check_choice("T5Config", "attention_impl",
                         self.attention_impl, ATTENTION_IMPLS)
     checks.check_choice("T5Config", "remat_policy",
-                        self.remat_policy, layers_lib.REMAT_POLICIES)
+                        self.remat_policy, decoders.REMAT_POLICIES)
 
   @property
   def compute_dtype(self):
@@ -129,20 +132,21 @@ def t5_config(size: str, **overrides) -> T5Config:
 
 
 def _attention(cfg, name, self_attention=False):
-  return layers_lib.T5Attention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
-                                cfg.float32_attention_logits, cfg.dropout_rate,
-                                cfg.attention_impl, self_attention, name=name)
+  return t5_attention.T5Attention(
+      cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
+      cfg.float32_attention_logits, cfg.dropout_rate, cfg.attention_impl,
+      self_attention, name=name)
 
 
 def _norm(cfg, name):
-  return layers_lib.RMSNorm(1e-6, cfg.compute_dtype, name=name)
+  return normalizations.RMSNorm(1e-6, cfg.compute_dtype, name=name)
 
 
 def _mlp(cfg):
-  return layers_lib.Mlp(cfg.mlp_dim,
-                        layers_lib.t5_mlp_activations(cfg.mlp_activations),
-                        dtype=cfg.compute_dtype, dropout_rate=cfg.dropout_rate,
-                        name="mlp")
+  return linears.Mlp(cfg.mlp_dim,
+                     linears.t5_mlp_activations(cfg.mlp_activations),
+                     dtype=cfg.compute_dtype, dropout_rate=cfg.dropout_rate,
+                     name="mlp")
 
 
 def _residual_dropout(cfg, x, deterministic):
@@ -198,18 +202,18 @@ class DecoderLayer(nn.Module):
 def _layer_stack(cfg, layer_cls, num_layers, num_args, deterministic_argnum):
   """The stack's layers, called as `run(x, *args) -> x` (t5x's unscanned
   `layers_{i}` names, or one scanned `layers`; `layers.make_layer_stack`)."""
-  stack = layers_lib.make_layer_stack(
+  stack = decoders.make_layer_stack(
       layer_cls, cfg, num_layers, cfg.scan_layers, cfg.remat_policy,
       num_args=num_args, static_argnums=(deterministic_argnum,),
       name="layers")
-  return functools.partial(layers_lib.run_layer_stack, stack)
+  return functools.partial(decoders.run_layer_stack, stack)
 
 
 def _embedding(cfg):
   # t5x: N(0, 1) embeddings; tied logits are computed in float32.
-  return layers_lib.Embed(cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype,
-                          embedding_init=nn.initializers.normal(stddev=1.0),
-                          attend_dtype=jnp.float32)
+  return linears.Embed(cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype,
+                       embedding_init=nn.initializers.normal(stddev=1.0),
+                       attend_dtype=jnp.float32)
 
 
 def same_segment(mask, query_segment_ids, key_segment_ids):
@@ -231,14 +235,14 @@ class Encoder(nn.Module):
   def __call__(self, tokens, deterministic=True, segment_ids=None):
     cfg = self.config
     length = tokens.shape[-1]
-    bias = layers_lib.RelativePositionBias(
+    bias = t5_attention.RelativePositionBias(
         cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
         bidirectional=True, dtype=cfg.compute_dtype, name="relpos_bias")(
             length, length)
     valid = tokens > 0
-    mask = same_segment(layers_lib.pairwise_mask(valid, valid), segment_ids,
+    mask = same_segment(t5_attention.pairwise_mask(valid, valid), segment_ids,
                         segment_ids)
-    bias = layers_lib.mask_to_bias(mask, cfg.compute_dtype) + bias
+    bias = t5_attention.mask_to_bias(mask, cfg.compute_dtype) + bias
     x = self.shared_embedding(tokens)
     x = _residual_dropout(cfg, x, deterministic)
     x = nn.with_logical_constraint(x, ("batch", "length", "embed"))
@@ -267,7 +271,7 @@ class Decoder(nn.Module):
     """
     cfg = self.config
     length = decoder_input_tokens.shape[-1]
-    relpos = layers_lib.RelativePositionBias(
+    relpos = t5_attention.RelativePositionBias(
         cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
         bidirectional=False, dtype=cfg.compute_dtype, name="relpos_bias")
     if (encoder_segment_ids is None) != (decoder_segment_ids is None):
@@ -275,8 +279,8 @@ class Decoder(nn.Module):
                        "decoder_segment_ids.")
     if cache_index is None:
       self_mask = same_segment(
-          layers_lib.pairwise_mask(decoder_valid, decoder_valid,
-                                   causal=True),
+          t5_attention.pairwise_mask(decoder_valid, decoder_valid,
+                                     causal=True),
           decoder_segment_ids, decoder_segment_ids)
       bias = relpos(length, length)
     else:
@@ -287,10 +291,10 @@ class Decoder(nn.Module):
       causal = jnp.arange(cache_length)[None, :] <= query_positions[:, None]
       self_mask = decoder_valid[:, None, :, None] & causal[None, None]
       bias = relpos(length, cache_length, query_offset=cache_index)
-    self_bias = layers_lib.mask_to_bias(self_mask, cfg.compute_dtype) + bias
-    cross_bias = layers_lib.mask_to_bias(
-        same_segment(layers_lib.pairwise_mask(decoder_valid,
-                                              encoder_tokens > 0),
+    self_bias = t5_attention.mask_to_bias(self_mask, cfg.compute_dtype) + bias
+    cross_bias = t5_attention.mask_to_bias(
+        same_segment(t5_attention.pairwise_mask(decoder_valid,
+                                                encoder_tokens > 0),
                      decoder_segment_ids, encoder_segment_ids),
         cfg.compute_dtype)
     y = self.shared_embedding(decoder_input_tokens)
@@ -307,7 +311,7 @@ class Decoder(nn.Module):
       if cfg.scale_tied_logits:
         logits = logits / np.sqrt(y.shape[-1])
     else:
-      logits = layers_lib.DenseGeneral(
+      logits = linears.DenseGeneral(
           (cfg.vocab_size,), ("embed", "vocab"), dtype=cfg.compute_dtype,
           name="logits_dense")(y)
     return nn.with_logical_constraint(logits, ("batch", "length", "vocab"))
@@ -402,17 +406,17 @@ def scan_layer_params(params, config: T5Config):
   """t5x layout (`encoder/layers_i`, `decoder/layers_i`) -> the stacked
   layout of `scan_layers=True` (`encoder/layers`, `decoder/layers`, each leaf
   with a leading [num_layers] axis). Host numpy leaves stay on the host."""
-  params = layers_lib.stack_layer_params(params, config.num_encoder_layers,
-                                         "encoder")
-  return layers_lib.stack_layer_params(params, config.num_decoder_layers,
-                                       "decoder")
+  params = decoders.stack_layer_params(params, config.num_encoder_layers,
+                                       "encoder")
+  return decoders.stack_layer_params(params, config.num_decoder_layers,
+                                     "decoder")
 
 
 def unscan_layer_params(params):
   """Inverse of `scan_layer_params` (what T5X checkpoints and the HF export
   expect)."""
-  params = layers_lib.unstack_layer_params(params, "encoder")
-  return layers_lib.unstack_layer_params(params, "decoder")
+  params = decoders.unstack_layer_params(params, "encoder")
+  return decoders.unstack_layer_params(params, "decoder")
 
 
 # ----------------------------------------------------------------------------

@@ -43,9 +43,13 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models import family
-from jaxrlhf.models import layers
+from jaxrlhf.models import sampling
 from jaxrlhf.models import scoring
 from jaxrlhf.models import t5
+from jaxrlhf.models.layers import decoders
+from jaxrlhf.models.layers import linears
+from jaxrlhf.models.layers import normalizations
+from jaxrlhf.models.layers import t5_attention
 
 Array = jax.Array
 
@@ -167,10 +171,10 @@ def make_decoder_mask(decoder_target_tokens: Array,
     [batch, 1, length, length] bool.
   """
   valid = decoder_target_tokens > 0
-  mask = layers.pairwise_mask(valid, valid, causal=True)
+  mask = t5_attention.pairwise_mask(valid, valid, causal=True)
   if decoder_causal_attention is not None:
     prefix = (decoder_causal_attention > 0) & valid
-    mask = mask | layers.pairwise_mask(prefix, prefix)
+    mask = mask | t5_attention.pairwise_mask(prefix, prefix)
   if decoder_segment_ids is not None:
     mask = mask & (decoder_segment_ids[:, None, :, None]
                    == decoder_segment_ids[:, None, None, :])
@@ -188,20 +192,20 @@ class DecoderLayer(nn.Module):
     """x [batch, length, embed]; bias [batch|1, heads, length, length], or
     [.., length, T] over a KV cache of T positions with `cache_index`."""
     cfg = self.config
-    h = layers.RMSNorm(1e-6, cfg.compute_dtype,
-                       name="pre_self_attention_layer_norm")(x)
-    h = layers.T5Attention(cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
-                           cfg.float32_attention_logits, cfg.dropout_rate,
-                           self_attention=True,
-                           name="self_attention")(h, h, self_attention_bias,
-                                                  deterministic,
-                                                  cache_index=cache_index)
+    h = normalizations.RMSNorm(1e-6, cfg.compute_dtype,
+                               name="pre_self_attention_layer_norm")(x)
+    h = t5_attention.T5Attention(
+        cfg.num_heads, cfg.head_dim, cfg.compute_dtype,
+        cfg.float32_attention_logits, cfg.dropout_rate, self_attention=True,
+        name="self_attention")(h, h, self_attention_bias, deterministic,
+                               cache_index=cache_index)
     x = x + _dropout(cfg, h, deterministic)
-    h = layers.RMSNorm(1e-6, cfg.compute_dtype, name="pre_mlp_layer_norm")(x)
-    h = layers.Mlp(cfg.mlp_dim,
-                   layers.t5_mlp_activations(cfg.mlp_activations),
-                   dtype=cfg.compute_dtype, dropout_rate=cfg.dropout_rate,
-                   name="mlp")(h, deterministic)
+    h = normalizations.RMSNorm(1e-6, cfg.compute_dtype,
+                               name="pre_mlp_layer_norm")(x)
+    h = linears.Mlp(cfg.mlp_dim,
+                    linears.t5_mlp_activations(cfg.mlp_activations),
+                    dtype=cfg.compute_dtype, dropout_rate=cfg.dropout_rate,
+                    name="mlp")(h, deterministic)
     x = x + _dropout(cfg, h, deterministic)
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
 
@@ -218,26 +222,26 @@ class Decoder(nn.Module):
 
   def setup(self):
     cfg = self.config
-    self.token_embedder = layers.Embed(
+    self.token_embedder = linears.Embed(
         cfg.vocab_size, cfg.emb_dim, cfg.compute_dtype,
         embedding_init=nn.initializers.normal(stddev=1.0),
         attend_dtype=jnp.float32)
-    self.relpos_bias = layers.RelativePositionBias(
+    self.relpos_bias = t5_attention.RelativePositionBias(
         cfg.num_heads, cfg.relpos_num_buckets, cfg.relpos_max_distance,
         bidirectional=False, dtype=cfg.compute_dtype)
     # `deterministic` is argument 3 counting `self`; a list attribute names
     # its modules layers_0, layers_1, ... (t5x's names).
-    self.layers = layers.make_layer_stack(
+    self.layers = decoders.make_layer_stack(
         DecoderLayer, cfg, cfg.num_layers, False, cfg.remat_policy,
         num_args=3, static_argnums=(3,))
-    self.decoder_norm = layers.RMSNorm(1e-6, cfg.compute_dtype)
+    self.decoder_norm = normalizations.RMSNorm(1e-6, cfg.compute_dtype)
     self.input_dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     self.output_dropout = nn.Dropout(cfg.dropout_rate, broadcast_dims=(-2,))
     if not cfg.logits_via_embedding:
       # float32 output layer, as t5x ("for stability").
-      self.logits_dense = layers.DenseGeneral((cfg.vocab_size,),
-                                              ("embed", "vocab"),
-                                              dtype=jnp.float32)
+      self.logits_dense = linears.DenseGeneral((cfg.vocab_size,),
+                                               ("embed", "vocab"),
+                                               dtype=jnp.float32)
 
   def hidden_states(self, decoder_input_tokens, decoder_target_tokens=None,
                     *, decoder_causal_attention=None, decoder_segment_ids=None,
@@ -259,12 +263,12 @@ class Decoder(nn.Module):
     length = decoder_input_tokens.shape[-1]
     mask = make_decoder_mask(decoder_target_tokens, decoder_causal_attention,
                              decoder_segment_ids)
-    bias = (layers.mask_to_bias(mask, cfg.compute_dtype)
+    bias = (t5_attention.mask_to_bias(mask, cfg.compute_dtype)
             + self.relpos_bias(length, length))
     y = self.token_embedder(decoder_input_tokens.astype(jnp.int32))
     y = self.input_dropout(y, deterministic=deterministic)
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
-    y = layers.run_layer_stack(self.layers, y, bias, deterministic, None)
+    y = decoders.run_layer_stack(self.layers, y, bias, deterministic, None)
     y = self.decoder_norm(y)
     return self.output_dropout(y, deterministic=deterministic)
 
@@ -292,11 +296,11 @@ class Decoder(nn.Module):
                       & (key_slots < cache_index + length))
       mask = mask | (real_queries[:, None, :, None] & real[:, None, None, :]
                      & among_inputs[None, None, None, :])
-    bias = (layers.mask_to_bias(mask, cfg.compute_dtype)
+    bias = (t5_attention.mask_to_bias(mask, cfg.compute_dtype)
             + self.relpos_bias(length, cache_length, query_offset=cache_index))
     y = self.token_embedder(tokens.astype(jnp.int32))
     y = nn.with_logical_constraint(y, ("batch", "length", "embed"))
-    y = layers.run_layer_stack(self.layers, y, bias, True, cache_index)
+    y = decoders.run_layer_stack(self.layers, y, bias, True, cache_index)
     y = self.decoder_norm(y[:, -1:])
     return self.logits_from_hidden(y)[:, 0]
 
@@ -332,7 +336,7 @@ def _check_tokens(tokens, name):
 class T5xDecoderOnly(nn.Module):
   """t5x's `DecoderWrapper`: the decoder under an outer `decoder/` scope.
 
-  It has the decoder-only families' common signature (`layers.CausalLM`),
+  It has the decoder-only families' common signature (`decoders.CausalLM`),
   so every algorithm trains it:
 
     logits = model.apply({'params': p}, tokens, positions, attention_mask)
@@ -384,7 +388,7 @@ class T5xDecoderOnly(nn.Module):
     """Incremental decoding with the KV cache; apply with mutable=["cache"].
 
     The decoder-only families' common signature (see
-    `layers.DecoderOnly.decode_step`): the first call passes a left-padded
+    `decoders.DecoderOnly.decode_step`): the first call passes a left-padded
     prompt at cache_index 0 and creates a cache of T =
     attention_mask.shape[-1] positions; later calls pass the newest token.
     Relative positions are differences of cache positions, which left
@@ -535,7 +539,6 @@ def greedy_continuation(model: T5xDecoderOnly, params,
 def _greedy_continuation_cached(model, params, decoder_input_tokens,
                                 decoder_causal_attention,
                                 inputs_bidirectional_attention, eos_id):
-  from jaxrlhf.models import sampling  # pylint: disable=g-import-not-at-top
   length = decoder_input_tokens.shape[-1]
   tokens, mask, prompt_length = left_padded_prompts(
       jnp.asarray(decoder_input_tokens), jnp.asarray(decoder_causal_attention))

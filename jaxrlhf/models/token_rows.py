@@ -16,6 +16,8 @@ import flax.linen as nn
 import jax
 import numpy as np
 
+from jaxrlhf.models import registry
+
 
 def swap_token_rows(module: nn.Module, params, ids: Optional[Tuple[int, int]]):
   """`params` of `module` with the entries of token ids `ids` = (a, b)
@@ -29,9 +31,8 @@ def swap_token_rows(module: nn.Module, params, ids: Optional[Tuple[int, int]]):
   """
   if ids is None:
     return params
-  from jaxrlhf.models import loading  # pylint: disable=g-import-not-at-top
   a, b = ids
-  boxed = loading.abstract_params(module)
+  boxed = registry.abstract_params(module)
   names = jax.tree.map(
       lambda x: x.names if isinstance(x, nn.LogicallyPartitioned) else (),
       boxed, is_leaf=lambda x: isinstance(x, nn.LogicallyPartitioned))

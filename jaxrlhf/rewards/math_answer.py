@@ -8,28 +8,25 @@ answers too).
 function (the `jaxrlhf.rewards` convention): 1.0 when the completion's
 extracted answer equals the row's reference answer symbolically, 0.0 when
 it does not or no answer is found, None when the row has no reference.
-Equality is `math-verify`'s (`parse` then `verify`, as TRL's examples use
-it): 0.5 = 1/2 = \\frac{1}{2}, 1,000 = 1000, \\text{(B)} = B, x=3 = 3.
+Equality is `math-verify`'s (`verifier_process.answers_match`: `parse`
+then `verify`, as TRL's examples use it): 0.5 = 1/2 = \\frac{1}{2},
+1,000 = 1000, \\text{(B)} = B, x=3 = 3.
 The reference is read by `reference_answer`: the last `\\boxed{}` of a MATH
 solution, the number after `####` of a GSM8K answer, else the whole text
 (an answer column that holds just "72" or "\\frac{1}{2}").
 `math_answer_reward` is the one for column "answer" and style "auto".
 
-Timeouts. math-verify limits its own parsing and comparing time with
-`signal.alarm`, which works only in the main thread (elsewhere it raises).
-`answers_match` keeps that limit (`verify_timeout_s`) in the main thread
-and turns it off in any other. The reward function compares in a process
-of its own (`verifier_process`), in that process's main thread, and waits
-for each row a bounded time: a completion whose answer sympy would take
-hours to evaluate (or that holds the interpreter's lock in one C call, as
+Timeouts. The reward function compares in a process of its own
+(`verifier_process`, which holds the equality, `answers_match`), in that
+process's main thread, where math-verify's own limit works, and waits for
+each row a bounded time: a completion whose answer sympy would take hours
+to evaluate (or that holds the interpreter's lock in one C call, as
 "\\boxed{10^{10^{10}}}" does) scores 0, as math-verify's own timeout
 scores it, and the run goes on.
 """
 
 import functools
-import logging
 import numbers
-import threading
 from typing import Callable, List, Optional, Sequence
 
 from jaxrlhf import answers
@@ -44,49 +41,6 @@ extract_answer = answers.extract_answer
 reference_answer = answers.reference_answer
 last_boxed = answers.last_boxed
 gsm8k_answer = answers.gsm8k_answer
-
-
-# --- equality with math-verify -------------------------------------------------
-
-
-class _QuietTimeoutWarning(logging.Filter):
-  """math-verify warns once that its timeout is off; ours is on."""
-
-  def filter(self, record):
-    return not record.getMessage().startswith("Timeout is disabled")
-
-
-@functools.lru_cache(maxsize=None)
-def _math_verify():
-  # Imported on first use: math-verify brings sympy (seconds to import).
-  import math_verify  # pylint: disable=g-import-not-at-top
-  for name in ("math_verify.parser", "math_verify.grader"):
-    logging.getLogger(name).addFilter(_QuietTimeoutWarning())
-  return math_verify
-
-
-def _signal_timeout(seconds: int) -> Optional[int]:
-  if threading.current_thread() is threading.main_thread():
-    return seconds
-  return None
-
-
-def _parse(answer: str, timeout: Optional[int]) -> list:
-  text = answer.strip()
-  if not (text.startswith("$") and text.endswith("$") and len(text) > 1):
-    text = f"${text}$"
-  return _math_verify().parse(text, parsing_timeout=timeout)
-
-
-def answers_match(answer: str, reference: str, *,
-                  verify_timeout_s: int = 5) -> bool:
-  """Whether two extracted answers are equal as math (`math-verify`); when
-  either cannot be parsed, whether they are the same text."""
-  timeout = _signal_timeout(verify_timeout_s)
-  gold, guess = _parse(reference, timeout), _parse(answer, timeout)
-  if not gold or not guess:
-    return answer.strip() == reference.strip()
-  return bool(_math_verify().verify(gold, guess, timeout_seconds=timeout))
 
 
 @functools.lru_cache(maxsize=None)

@@ -15,6 +15,11 @@ does), the child is killed and a fresh one answers the remaining rows.
   verifier = VerifierProcess(verify_timeout_s=5)
   equal, timed_out = verifier.compare([(answer, reference), ...])
 
+The equality is `answers_match` (math-verify's `parse` then `verify`; the
+same text when either side does not parse), which the child runs. It keeps
+math-verify's limit (`verify_timeout_s`) in the main thread and turns it
+off in any other, where `signal.alarm` raises.
+
 The child is `python -m jaxrlhf.rewards.verifier_process <seconds>`: it
 reads one JSON list of [answer, reference] pairs per line on its standard
 input and writes one JSON boolean per pair on its own protocol stream (its
@@ -23,7 +28,9 @@ its input closes, so it never outlives the parent.
 """
 
 import atexit
+import functools
 import json
+import logging
 import os
 import select
 import subprocess
@@ -41,6 +48,51 @@ _START_LIMIT_S = 120.0
 # comparison takes about 120 MB.
 _MEMORY_LIMIT_BYTES = 4 << 30
 
+
+# --- equality with math-verify ------------------------------------------------
+
+class _QuietTimeoutWarning(logging.Filter):
+  """math-verify warns once that its timeout is off; ours is on."""
+
+  def filter(self, record):
+    return not record.getMessage().startswith("Timeout is disabled")
+
+
+@functools.lru_cache(maxsize=None)
+def load_math_verify():
+  """The math_verify module, its timeout warning quieted."""
+  # Imported on first use: math-verify brings sympy (seconds to import).
+  import math_verify  # pylint: disable=g-import-not-at-top
+  for name in ("math_verify.parser", "math_verify.grader"):
+    logging.getLogger(name).addFilter(_QuietTimeoutWarning())
+  return math_verify
+
+
+def _signal_timeout(seconds: int) -> Optional[int]:
+  if threading.current_thread() is threading.main_thread():
+    return seconds
+  return None
+
+
+def _parse(answer: str, timeout: Optional[int]) -> list:
+  text = answer.strip()
+  if not (text.startswith("$") and text.endswith("$") and len(text) > 1):
+    text = f"${text}$"
+  return load_math_verify().parse(text, parsing_timeout=timeout)
+
+
+def answers_match(answer: str, reference: str, *,
+                  verify_timeout_s: int = 5) -> bool:
+  """Whether two extracted answers are equal as math (`math-verify`); when
+  either cannot be parsed, whether they are the same text."""
+  timeout = _signal_timeout(verify_timeout_s)
+  gold, guess = _parse(reference, timeout), _parse(answer, timeout)
+  if not gold or not guess:
+    return answer.strip() == reference.strip()
+  return bool(load_math_verify().verify(gold, guess, timeout_seconds=timeout))
+
+
+# --- the verifier process -----------------------------------------------------
 
 class VerifierProcess:
   """A child process comparing math answers (module docstring); started on
@@ -159,15 +211,14 @@ def _serve(verify_timeout_s: int) -> None:
   devnull = os.open(os.devnull, os.O_WRONLY)
   os.dup2(devnull, 1)  # What math-verify and sympy print.
   sys.stdout = open(os.devnull, "w")
-  from jaxrlhf.rewards import math_answer  # pylint: disable=g-import-not-at-top
-  math_answer._math_verify()  # pylint: disable=protected-access
+  load_math_verify()
   protocol.write("ready\n")
   protocol.flush()
   for line in sys.stdin:
     for answer, reference in json.loads(line):
       try:
-        equal = math_answer.answers_match(
-            answer, reference, verify_timeout_s=verify_timeout_s)
+        equal = answers_match(answer, reference,
+                              verify_timeout_s=verify_timeout_s)
       except Exception:  # pylint: disable=broad-except
         equal = False  # A MemoryError included (_MEMORY_LIMIT_BYTES).
       protocol.write("true\n" if equal else "false\n")

@@ -39,8 +39,8 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models import heads
-from jaxrlhf.models import layers
 from jaxrlhf.models import sampling
+from jaxrlhf.models.layers import rotary
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import rollout_rewards
 
@@ -184,7 +184,7 @@ def response_features(lm, prompt_tokens, response_tokens, response_mask,
           # From the mask: the first real token is position 0 however much
           # left padding precedes it (the RM and SFT saw right-padded rows
           # starting at 0; detail 14).
-          "positions": layers.positions_from_mask(attention_mask),
+          "positions": rotary.positions_from_mask(attention_mask),
           "attention_mask": attention_mask,
           "loss_weights": jnp.concatenate([jnp.zeros_like(prompt_mask),
                                            weights], axis=1)}

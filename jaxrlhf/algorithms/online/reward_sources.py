@@ -51,10 +51,10 @@ from jaxrlhf.data import file_sources
 from jaxrlhf.data import tasks as tasks_lib
 from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation
-from jaxrlhf.models import build_model
 from jaxrlhf.models import heads
 from jaxrlhf.models import pretrained
 from jaxrlhf.models import scoring
+from jaxrlhf.models.registry import build_model
 from jaxrlhf.rewards import code_execution
 from jaxrlhf.rewards import host
 from jaxrlhf.rewards import math_answer
