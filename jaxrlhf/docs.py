@@ -4,6 +4,10 @@ from the code.
 
   python -m jaxrlhf.docs            # rewrite docs/config.md
   python -m jaxrlhf.docs --check    # exit 1 if it is out of date
+  python -m jaxrlhf.docs --help     # this text
+
+Rendering loads the config's declarations, not the data stack (TensorFlow,
+seqio).
 """
 
 import pathlib
@@ -12,7 +16,7 @@ import sys
 from jaxrlhf import algorithms
 from jaxrlhf import config_schema
 from jaxrlhf import defaults
-from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms import base
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -22,7 +26,7 @@ def _algorithms_table() -> str:
            "| --- | --- | --- | --- |"]
   for algorithm in algorithms.REGISTRY.values():
     kind = "online" if algorithm.online else "offline"
-    if reference.precomputable(algorithm):
+    if base.precomputable(algorithm):
       kind += " (reference log-probs may be precomputed)"
     lines.append(f"| `{algorithm.name}` | {algorithm.data} | {kind} | "
                  f"{algorithm.summary} |")
@@ -50,6 +54,9 @@ def render() -> str:
 
 
 def main(argv) -> int:
+  if any(a in ("--help", "-h") for a in argv[1:]):
+    print(__doc__.strip())
+    return 0
   text = render()
   if "--check" in argv[1:]:
     if not PATH.is_file() or PATH.read_text() != text:

@@ -21,13 +21,10 @@ from typing import Dict
 
 import jax
 import numpy as np
-import seqio
 
 from jaxrlhf import console
 from jaxrlhf.algorithms import base
-from jaxrlhf.data import pipeline
 from jaxrlhf.data import prompts as prompts_lib
-from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation
 from jaxrlhf.eval import judges
 from jaxrlhf.eval import pair_metrics
@@ -47,6 +44,9 @@ def eval_prompts(trainer, split: str = ""):
   split = split or cfg.eval.split
 
   def read():
+    # The data stack loads here, where the data is read, not with the config.
+    import seqio  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     task = cfg.eval.task or cfg.data.task
     judge = judges.make_judge(trainer, task)
     if judge is None:
@@ -70,6 +70,9 @@ def check_eval_task(trainer) -> None:
   """The judge must be able to work (`judges.check`); a named eval task must
   exist and, judged by the gold reward, have one; without any judge the run
   says once that it will not judge the policy."""
+  # The data stack loads here, where the data is read, not with the config.
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
   cfg = trainer.config
   if cfg.eval.task:
     pipeline.get_task(cfg.eval.task, field="config.eval.task")
@@ -146,6 +149,8 @@ def held_out_pairs(trainer):
   cfg = trainer.config
 
   def read():
+    # The data stack loads here, where the data is read, not with the config.
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     try:
       features, _ = pipeline.eval_examples(
           cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,

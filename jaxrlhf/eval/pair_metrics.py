@@ -20,7 +20,6 @@ from typing import Dict, Mapping, Optional
 import jax
 import numpy as np
 
-from jaxrlhf.data import pipeline
 from jaxrlhf.eval import evaluation
 
 
@@ -47,6 +46,8 @@ def wins(chosen: np.ndarray, rejected: np.ndarray) -> np.ndarray:
 def confidence_scale(task_name: str) -> Optional[float]:
   """The factor a file layout divided annotator confidences by (TL;DR: 9),
   to report them on the raters' scale; None if the task's source has none."""
+  # The data stack (seqio) loads with the data, not with the config.
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
   source = getattr(pipeline.get_task(task_name), "source", None)
   options = getattr(source, "layout_options", None) or {}
   return options.get("confidence_scale")

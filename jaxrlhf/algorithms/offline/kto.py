@@ -16,7 +16,7 @@ from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms.offline import training
 from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms import reference
-from jaxrlhf.data import feature_converters
+from jaxrlhf.data import names
 from jaxrlhf.losses import preference
 from jaxrlhf.models import scoring
 
@@ -99,7 +99,7 @@ def with_mismatched_completions(batch):
     rebuilt = mismatched_decoder_sequences(
         batch["completion_tokens"], batch["completion_loss_weights"],
         batch["completion_attention_mask"], index)
-    for suffix in feature_converters.DECODER_SUFFIXES:
+    for suffix in names.DECODER_SUFFIXES:
       out[f"mismatched_{suffix}"] = rebuilt[suffix]
     return out
   if "completion_decoder_target_tokens" not in batch:
@@ -110,7 +110,7 @@ def with_mismatched_completions(batch):
         "thumbs task through the recipe's feature converter.")
   index = preference.kto_mismatched_indices(
       batch["completion_decoder_target_tokens"].shape[0])
-  for suffix in feature_converters.ENCDEC_SUFFIXES:
+  for suffix in names.ENCDEC_SUFFIXES:
     out[f"mismatched_{suffix}"] = batch[f"completion_{suffix}"][index]
   return out
 

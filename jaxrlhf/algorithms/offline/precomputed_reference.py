@@ -16,13 +16,11 @@ from typing import Callable, Dict
 
 import jax
 import numpy as np
-import seqio
 
 from jaxrlhf import console
 from jaxrlhf import sharding
 from jaxrlhf.algorithms.offline import reference_cache
-from jaxrlhf.data import alignment_data
-from jaxrlhf.data import pipeline
+from jaxrlhf.data import alignment_kinds
 from jaxrlhf.models import pretrained
 from jaxrlhf.models import scoring
 
@@ -40,7 +38,7 @@ class PrecomputedReference:
 
   def __init__(self, trainer):
     self._trainer = trainer
-    self.completion_fields = alignment_data.get_kind(
+    self.completion_fields = alignment_kinds.get_kind(
         trainer.algorithm.data).completion_fields
     # Loaded (or computed) before the first batch: `prepare`.
     self.table = None
@@ -108,6 +106,9 @@ class PrecomputedReference:
     absent, or stale in a new run (a stale cache of a resumed run is a
     CacheMismatchError). `reference_params`: () -> the reference's
     parameters, called only when they must be computed."""
+    # The data stack loads here, where the data is read, not with the config.
+    import seqio  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     config = self._trainer.config
     if isinstance(pipeline.get_task(config.data.task), seqio.Mixture):
       raise ValueError(
@@ -132,6 +133,8 @@ class PrecomputedReference:
     self.table = table
 
   def _build(self, params, directory, expected):
+    # The data stack loads here, where the data is read, not with the config.
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     trainer = self._trainer
     cfg = trainer.config
     global_size = (cfg.reference_logprobs.batch_size

@@ -44,7 +44,6 @@ from typing import Sequence, Tuple
 
 import jax
 import numpy as np
-import tensorflow as tf
 
 from jaxrlhf import console
 
@@ -200,6 +199,8 @@ def _differing(a: Mapping, b: Mapping) -> List[str]:
 
 
 def _write_atomically(path: str, data: bytes) -> None:
+  # The data stack loads here, where the data is read, not with the config.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   tmp = f"{path}.tmp-{jax.process_index()}"
   with tf.io.gfile.GFile(tmp, "wb") as f:
     f.write(data)
@@ -208,6 +209,8 @@ def _write_atomically(path: str, data: bytes) -> None:
 
 def read_manifest(directory: str) -> Optional[dict]:
   """The cache's manifest, or None when there is no complete cache."""
+  # The data stack loads here, where the data is read, not with the config.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   path = os.path.join(directory, MANIFEST)
   if not tf.io.gfile.exists(path):
     return None
@@ -223,6 +226,8 @@ def load(directory: str, fingerprint: Mapping) -> Optional[ReferenceTable]:
     fingerprint: what the caller's values must have been made from
       (JSON-serialisable); it must equal the stored one.
   """
+  # The data stack loads here, where the data is read, not with the config.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   manifest = read_manifest(directory)
   if manifest is None:
     return None
@@ -350,6 +355,8 @@ def write(directory: str, fingerprint: Mapping, keys: np.ndarray,
   one. The build directory is named after the fingerprint, so a crashed
   build's leftovers are overwritten by the next build of the same setup.
   """
+  # The data stack loads here, where the data is read, not with the config.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
   fingerprint = json.loads(_canonical(dict(fingerprint)))
   build = "build-" + hashlib.sha256(
       _canonical(fingerprint).encode()).hexdigest()[:16]

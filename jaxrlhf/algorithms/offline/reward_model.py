@@ -19,19 +19,13 @@ from typing import Dict, Tuple
 import jax
 import jax.numpy as jnp
 import numpy as np
-import seqio
-import tensorflow as tf
 
 from jaxrlhf import config_schema
 from jaxrlhf import console
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms.offline import training
-from jaxrlhf.data import alignment_data
 from jaxrlhf.data import file_layouts
-from jaxrlhf.data import file_tasks
-from jaxrlhf.data import pipeline
-from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation
 from jaxrlhf.eval import pair_metrics
 from jaxrlhf.losses import reward_model_losses as rm_losses
@@ -139,6 +133,8 @@ def eval_rewards(trainer, state, reward_fn):
   cfg = trainer.config
 
   def prepare():
+    # The data stack loads here, where the data is read, not with the config.
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     try:
       features, _ = pipeline.eval_examples(
           cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
@@ -191,6 +187,9 @@ def describe(trainer) -> str:
 
 def register_normalization_files(trainer) -> None:
   """Registers reward_model.normalize_files as the task normalize_on_task."""
+  # The data stack loads here, where the data is read, not with the config.
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import file_tasks  # pylint: disable=g-import-not-at-top
   cfg = trainer.config
   rm = cfg.reward_model
   field = "config.reward_model.normalize_on_task"
@@ -213,6 +212,9 @@ def register_normalization_files(trainer) -> None:
 
 def check_normalize_task(trainer) -> None:
   """Fails at start-up, naming the field, if the task cannot be scored."""
+  # The data stack loads here, where the data is read, not with the config.
+  import seqio  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import vocab  # pylint: disable=g-import-not-at-top
   rm = trainer.config.reward_model
   if rm.normalize_files:
     register_normalization_files(trainer)
@@ -237,13 +239,9 @@ def check_normalize_task(trainer) -> None:
         "('inputs') with its reference completion ('targets'), as an SFT "
         "task holds them.")
   vocabulary = features["targets"].vocabulary
-  if vocab.fingerprint(vocabulary) != vocab.fingerprint(trainer.vocabulary):
-    raise ValueError(
-        f"{field}: task {name!r} uses vocabulary "
-        f"{vocab.describe(vocabulary)}, but the reward model "
-        f"reads {vocab.describe(trainer.vocabulary)}; its scores "
-        "of the other vocabulary's token ids would be meaningless. Use a "
-        "task with the reward model's vocabulary.")
+  vocab.require_same(trainer.vocabulary, vocabulary,
+                     f"{field}: the reward model", f"task {name!r}",
+                     "Use a task with the reward model's vocabulary.")
 
 
 def reference_features(trainer) -> Dict[str, np.ndarray]:
@@ -252,6 +250,11 @@ def reference_features(trainer) -> Dict[str, np.ndarray]:
   ([n, ...] numpy arrays, the task's order); read once."""
 
   def read():
+    # The data stack loads here, where the data is read, not with the config.
+    import seqio  # pylint: disable=g-import-not-at-top
+    import tensorflow as tf  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.data import alignment_data  # pylint: disable=g-import-not-at-top
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     cfg = trainer.config
     rm = cfg.reward_model
     task = seqio.get_mixture_or_task(rm.normalize_on_task)
@@ -386,6 +389,8 @@ def ranking_feature_lengths(trainer):
 
 
 def ranking_feature_converter(trainer):
+  # The data stack loads here, where the data is read, not with the config.
+  from jaxrlhf.data import alignment_data  # pylint: disable=g-import-not-at-top
   return alignment_data.feature_converter_for(
       "ranking", trainer.architecture,
       num_completions=trainer.config.reward_model.num_completions,

@@ -17,8 +17,6 @@ import jax.numpy as jnp
 
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms.offline import training
-from jaxrlhf.data import pipeline
-from jaxrlhf.data import tasks
 from jaxrlhf.eval import evaluation
 from jaxrlhf.losses import sft_losses as sft_losses
 
@@ -117,9 +115,13 @@ def evaluate(trainer, state) -> Dict[str, float]:
   """Held-out loss, token accuracy and (if the task has one) the gold reward
   of greedy decodes; {} when the task has no data.eval_split (files without
   data.files.validation)."""
+  # The data stack loads here, where the data is read, not with the config.
+  from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
   cfg = trainer.config
 
   def prepare():
+    # The data stack loads here, where the data is read, not with the config.
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     splits = getattr(pipeline.get_task(cfg.data.task), "splits", None)
     if splits is not None and cfg.data.eval_split not in splits:
       return None
@@ -157,6 +159,8 @@ def evaluate(trainer, state) -> Dict[str, float]:
 
 
 def describe(trainer) -> str:
+  # The data stack loads here, where the data is read, not with the config.
+  from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
   examples = f"{trainer.config.eval.num_examples} held-out examples"
   if tasks.gold_reward_for(trainer.config.data.task) is None:
     return examples

@@ -18,8 +18,6 @@ from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.algorithms.offline import precomputed_reference
 from jaxrlhf.algorithms import update
-from jaxrlhf.data import feature_converters
-from jaxrlhf.data import pipeline
 from jaxrlhf.models import scoring
 
 
@@ -83,6 +81,8 @@ class Offline(base.Training):
                        field="train.batch_size")
 
   def batches(self, trainer, position: int):
+    # The data stack loads here, where the data is read, not with the config.
+    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     config = trainer.config
     batches = pipeline.BatchIterator(
         config.data.task, config.data.train_split, trainer.feature_lengths,
@@ -93,6 +93,8 @@ class Offline(base.Training):
     return batches
 
   def batch_spec(self, trainer) -> Dict[str, jax.ShapeDtypeStruct]:
+    # The data stack loads here, where the data is read, not with the config.
+    from jaxrlhf.data import feature_converters  # pylint: disable=g-import-not-at-top
     batch = trainer.config.train.batch_size
     kind = (None if trainer.algorithm.data == base.SFT_DATA
             else trainer.algorithm.data)
