@@ -6,8 +6,10 @@ r"""Submits a jaxrlhf run as a GCP Batch job (one VM with GPUs).
       --machine_type=a3-highgpu-8g --gpu_type=nvidia-h100-80gb --gpu_count=8 \
       --spot --submit -- --config.train.num_steps=20000
 
-Writes the job spec to <name>.batch.json and, with --submit, submits it
-with `gcloud batch jobs submit`, then prints the job's console page and the
+Writes the job spec to --spec_out (by default <name>.batch.json in a new
+temporary directory, outside this repository, whose files
+launch/tpu_vm_pod.sh run copies to TPU workers) and, with --submit,
+submits it with `gcloud batch jobs submit`, then prints the job's console page and the
 commands that follow its state and logs. The image is built from this
 repository's Dockerfile (its header says how); the job runs
 `python -m jaxrlhf.main --config=CONFIG --workdir=WORKDIR [overrides]` in
@@ -32,12 +34,17 @@ import re
 import shlex
 import subprocess
 import sys
+import tempfile
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 # Batch's exit code for a task whose VM was preempted.
 PREEMPTED = 50001
 # Batch's rule for job names (its API refuses any other).
 JOB_NAME = re.compile(r"^[a-z]([a-z0-9-]{0,61}[a-z0-9])?$")
+# Cloud Storage's rule for bucket names: lowercase letters, digits, "-", "_"
+# and ".", starting and ending with a letter or digit, 3-63 characters (up
+# to 222 with dots, each dot-separated part at most 63).
+BUCKET = re.compile(r"^[a-z0-9][a-z0-9._-]*[a-z0-9]$")
 
 
 def job_spec(args, overrides):
@@ -98,6 +105,7 @@ def check(args):
     raise UsageError(
         f"--workdir={args.workdir}: must be a gs:// path: a directory on the "
         "VM is lost with it, and every retry would start from scratch.")
+  check_gs_path(args.workdir)
   path = args.config.split(":", 1)[0]
   if os.path.isabs(path) or not os.path.isfile(os.path.join(REPO, path)):
     raise UsageError(
@@ -109,6 +117,42 @@ def check(args):
                      "allows 0 to 10.")
   if args.gpu_count < 0 or args.max_run_hours < 1:
     raise UsageError("--gpu_count must be >= 0 and --max_run_hours >= 1.")
+
+
+def check_gs_path(workdir):
+  """Refuses a gs:// workdir with no bucket, a bucket name Cloud Storage
+  does not allow, or an empty part (what an unset shell variable leaves:
+  gs://$BUCKET/runs gives gs:///runs)."""
+  bucket, _, path = workdir[len("gs://"):].partition("/")
+  if not bucket:
+    problem = "the bucket name is empty (an unset variable?)"
+  elif not (BUCKET.match(bucket) and 3 <= len(bucket) <= 222
+            and all(len(p) <= 63 for p in bucket.split("."))):
+    problem = (f"{bucket!r} is not a bucket name (3-63 lowercase letters, "
+               "digits, '-', '_' and '.', starting and ending with a letter "
+               "or digit)")
+  elif "" in path.rstrip("/").split("/")[int(not path):]:
+    problem = "it has an empty part ('//'; an unset variable?)"
+  else:
+    return
+  raise UsageError(f"--workdir={workdir}: {problem}; give "
+                   "gs://BUCKET/PATH.")
+
+
+def spec_path(args):
+  """Where the job spec goes: --spec_out, or a new temporary directory; a
+  path inside this repository is refused (launch/tpu_vm_pod.sh run would
+  copy it to the TPU workers)."""
+  if not args.spec_out:
+    return os.path.join(tempfile.mkdtemp(prefix="jaxrlhf-batch-"),
+                        f"{args.name}.batch.json")
+  path = os.path.abspath(args.spec_out)
+  if os.path.commonpath([path, REPO]) == REPO:
+    raise UsageError(
+        f"--spec_out={args.spec_out}: inside the repository, whose files "
+        "launch/tpu_vm_pod.sh run copies to TPU workers; write it elsewhere "
+        "(left out, a new temporary directory).")
+  return path
 
 
 def submit(args, path):
@@ -181,6 +225,10 @@ def parse(argv):
   p.add_argument("--location", default="us-central1")
   p.add_argument("--submit", action="store_true",
                  help="Submit with gcloud (otherwise only write the spec).")
+  p.add_argument("--spec_out", default="",
+                 help="Where to write the job spec (JSON), outside the "
+                 "repository; default: <name>.batch.json in a new temporary "
+                 "directory.")
   return p.parse_args(argv), overrides
 
 
@@ -188,7 +236,8 @@ def main(argv=None):
   try:
     args, overrides = parse(sys.argv[1:] if argv is None else argv)
     check(args)
-    path = f"{args.name}.batch.json"
+    path = spec_path(args)
+    os.makedirs(os.path.dirname(path), exist_ok=True)
     with open(path, "w") as f:
       json.dump(job_spec(args, overrides), f, indent=2)
     print(f"Wrote {path}")

@@ -6,6 +6,7 @@ import pathlib
 import re
 import subprocess
 import sys
+import tempfile
 
 import pytest
 
@@ -16,30 +17,45 @@ sys.path.insert(0, str(REPO / "launch"))
 import gcp_batch  # noqa: E402
 
 GOOD = ["--name=dro-t5l", "--config=configs/quickstart.py",
-        "--workdir=gs://b/dro-t5l", "--image=img"]
+        "--workdir=gs://bucket/dro-t5l", "--image=img"]
 
 
 def test_batch_job_runs_main_in_the_image_and_retries_only_preemptions(
     tmp_path):
-  """README's command, submitted through the fake gcloud, which runs the
-  job's container command here as Batch would (FAKE_BATCH_RUN)."""
+  """README's command, run from the repository's top and submitted through
+  the fake gcloud, which runs the job's container command here as Batch
+  would (FAKE_BATCH_RUN), with the image's `python` this one, whatever
+  `python` is first on PATH (another Python, when a venv's tests run
+  without activating it)."""
   cloud = tmp_path / "cloud"
-  env = fake_cloud.install(cloud, quiet_env(FAKE_BATCH_RUN="1",
-                                            FAKE_CONTAINER_DIR=str(REPO)))
+  other = tmp_path / "other-python"
+  other.mkdir()
+  (other / "python").write_text("#!/bin/sh\necho 'not this Python'\n"
+                                "exit 1\n")
+  (other / "python").chmod(0o755)
+  env = fake_cloud.install(cloud, quiet_env(
+      FAKE_BATCH_RUN="1", FAKE_CONTAINER_DIR=str(REPO),
+      TMPDIR=str(tmp_path), PATH=f"{other}:{quiet_env()['PATH']}"))
   done = subprocess.run(
       [sys.executable, str(REPO / "launch" / "gcp_batch.py"), *GOOD,
        "--gpu_count=4", "--spot", "--submit", "--",
        "--config.mesh.shape=(-1,4)", "--config.train.num_steps=0"],
-      cwd=tmp_path, env=env, capture_output=True, text=True, check=False)
+      cwd=REPO, env=env, capture_output=True, text=True, check=False)
   assert done.returncode == 0, done.stdout + done.stderr
   assert done.stderr == ""
-  spec = json.loads((tmp_path / "dro-t5l.batch.json").read_text())
+  # The spec went to a new directory in TMPDIR, nothing into the repository
+  # (whose files launch/tpu_vm_pod.sh run copies to TPU workers).
+  wrote = pathlib.Path(done.stdout.splitlines()[0].removeprefix("Wrote "))
+  assert wrote.name == "dro-t5l.batch.json"
+  assert wrote.parent.parent == tmp_path
+  assert not (REPO / "dro-t5l.batch.json").exists()
+  spec = json.loads(wrote.read_text())
   task = spec["taskGroups"][0]["taskSpec"]
   container = task["runnables"][0]["container"]
   # Our command whatever the image's entrypoint, with no shell in between.
   assert [container["entrypoint"], *container["commands"]] == [
       "python", "-m", "jaxrlhf.main", "--config=configs/quickstart.py",
-      "--workdir=gs://b/dro-t5l", "--config.mesh.shape=(-1,4)",
+      "--workdir=gs://bucket/dro-t5l", "--config.mesh.shape=(-1,4)",
       "--config.train.num_steps=0"]
   assert task["maxRetryCount"] == 3
   assert task["lifecyclePolicies"] == [
@@ -69,6 +85,15 @@ def test_batch_job_runs_main_in_the_image_and_retries_only_preemptions(
      "lowercase letters"),
     (["--workdir=/tmp/run"], "error: --workdir=/tmp/run: must be a gs:// "
      "path"),
+    # What an unset variable leaves: gs://$BUCKET/dro, gs://b/$RUN/x.
+    (["--workdir=gs:///dro"], "error: --workdir=gs:///dro: the bucket name "
+     "is empty (an unset variable?); give gs://BUCKET/PATH."),
+    (["--workdir=gs://bucket//x"], "error: --workdir=gs://bucket//x: it has "
+     "an empty part ('//'; an unset variable?)"),
+    (["--workdir=gs://My_Bucket/x"], "error: --workdir=gs://My_Bucket/x: "
+     "'My_Bucket' is not a bucket name"),
+    ([f"--spec_out={REPO}/dro.json"], f"error: --spec_out={REPO}/dro.json: "
+     "inside the repository"),
     (["--config=configs/nope.py"], "error: --config=configs/nope.py: no such "
      "file in this repository"),
     (["--max_retry_count=11"], "error: --max_retry_count=11: Batch allows 0 "
@@ -78,30 +103,34 @@ def test_batch_job_runs_main_in_the_image_and_retries_only_preemptions(
 def test_batch_refuses_bad_commands_before_writing(tmp_path, monkeypatch,
                                                    capsys, args, message):
   monkeypatch.chdir(tmp_path)
+  monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
   with pytest.raises(SystemExit) as exit_:
     gcp_batch.main(GOOD + args)
   assert exit_.value.code == 2
   err = capsys.readouterr().err
   assert err.startswith(message) and err.count("\n") == 1, err
   assert not list(tmp_path.iterdir())
+  assert not (REPO / "dro.json").exists()
 
 
 def test_batch_submit_failures_are_one_line(tmp_path, monkeypatch, capsys):
   monkeypatch.chdir(tmp_path)
   monkeypatch.setenv("PATH", str(tmp_path))  # no gcloud
+  spec = tmp_path / "specs" / "dro.json"
   with pytest.raises(SystemExit) as exit_:
-    gcp_batch.main(GOOD + ["--submit"])
+    gcp_batch.main(GOOD + ["--submit", f"--spec_out={spec}"])
   assert exit_.value.code == 2
   assert capsys.readouterr().err == (
       "error: gcloud is not on PATH: install the Google Cloud CLI, or submit "
-      "dro-t5l.batch.json another way.\n")
+      f"{spec} another way.\n")
+  assert json.loads(spec.read_text())["taskGroups"]
   env = fake_cloud.install(tmp_path / "cloud", {"PATH": "/usr/bin:/bin"})
   monkeypatch.setenv("PATH", env["PATH"])
   monkeypatch.setenv("FAKE_CLOUD", env["FAKE_CLOUD"])
   monkeypatch.setenv("FAKE_BATCH_FAIL", "PERMISSION_DENIED: Permission "
                      "'batch.jobs.create' denied\non 'projects/p'")
   with pytest.raises(SystemExit) as exit_:
-    gcp_batch.main(GOOD + ["--submit"])
+    gcp_batch.main(GOOD + ["--submit", f"--spec_out={spec}"])
   assert exit_.value.code == 1
   assert capsys.readouterr().err == (
       "error: gcloud batch jobs submit failed: ERROR: (gcloud.batch.jobs."

@@ -229,7 +229,7 @@ def test_slurm_uses_every_gpu_of_a_node_and_requeues_at_the_time_limit(
   assert (f"Resumed from checkpoint at step {journey['tpu_stopped_at']}"
           in log)
   assert "The time limit is near: the run saves a checkpoint and stops." in log
-  assert f"Requeueing job {journey['job']}" in log
+  assert f"Requeued job {journey['job']}" in log
   assert journey["slurm_stopped_at"] > journey["tpu_stopped_at"]
   cloud = journey["cloud"]
   # The run's tasks got the SIGTERM, not srun (which would SIGKILL them).
@@ -296,7 +296,14 @@ def test_tpu_run_after_a_preemption_recreates_the_slice(journey):
 
 
 def test_launchers_refuse_bad_commands_in_one_line(tmp_path):
-  env = fake_cloud.install(tmp_path, quiet_env())
+  # Slurm nodes without GPUs, whose driver (if any) lists none.
+  env = fake_cloud.install(tmp_path, quiet_env(FAKE_SLURM_NODE_GPUS="0"))
+  for name in ("CUDA_VISIBLE_DEVICES", "SLURM_GPUS_ON_NODE"):
+    env.pop(name, None)
+  (tmp_path / "bin" / "nvidia-smi").write_text(
+      "#!/bin/sh\necho 'NVIDIA-SMI has failed because it could not "
+      "communicate with the NVIDIA driver.'\nexit 9\n")
+  (tmp_path / "bin" / "nvidia-smi").chmod(0o755)
   for command, message in [
       (["launch/tpu_vm_pod.sh", "launch", TPU, ZONE],
        "error: unknown action 'launch': create, run, status, logs, stop, "
@@ -308,7 +315,7 @@ def test_launchers_refuse_bad_commands_in_one_line(tmp_path):
         "gs://b/r"], "error: CONFIG configs/nope.py: no such file."),
       (["launch/local_processes.sh", "two", "configs/quickstart.py", "/tmp/r"],
        "error: NUM_PROCESSES must be a positive number, got 'two'."),
-      (["sbatch", "--wait", f"--output={tmp_path}/out", "--gpus-per-node=0",
+      (["sbatch", "--wait", f"--output={tmp_path}/out",
         "launch/slurm_gpu.sbatch", "configs/quickstart.py", "/tmp/r"], None),
   ]:
     done = _run(env, *command, check=False)
@@ -339,26 +346,112 @@ def _stand_in_python(directory):
   return path
 
 
-def test_slurm_without_requeue_ends_unfinished_and_says_so(tmp_path):
-  env = fake_cloud.install(tmp_path, quiet_env())
+def _slurm_to_the_time_limit(tmp_path, sbatch_options, script_args,
+                             **env_extra):
+  """Submits slurm_gpu.sbatch with a stand-in run and, once its tasks run,
+  signals the script as Slurm does two minutes before the time limit.
+  Returns (exit status, the job's output lines, job ID)."""
+  env = fake_cloud.install(tmp_path, quiet_env(**env_extra))
   _stand_in_python(tmp_path / "bin")
   sbatch = subprocess.Popen(  # pylint: disable=consider-using-with
-      ["sbatch", "--wait", f"--output={tmp_path}/out",
-       "launch/slurm_gpu.sbatch", "configs/quickstart.py", "/tmp/r"],
-      cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
+      ["sbatch", "--wait", f"--output={tmp_path}/out", *sbatch_options,
+       "launch/slurm_gpu.sbatch", *script_args, "configs/quickstart.py",
+       "/tmp/r"], cwd=REPO, env=env, stdout=subprocess.PIPE, text=True)
   tasks = tmp_path / f"job-{sbatch.stdout.readline().split()[-1]}.0.tasks"
   while not tasks.exists():
-    assert sbatch.poll() is None
+    assert sbatch.poll() is None, (tmp_path / "out").read_text()
     time.sleep(0.05)
   (job,) = fake_cloud.calls(tmp_path, "sbatch")
   os.kill(int((tmp_path / f"job-{job['job']}.pid").read_text()),
           signal.SIGUSR1)
-  assert sbatch.wait(timeout=GUARD_S) == 75
+  status = sbatch.wait(timeout=GUARD_S)
+  return status, (tmp_path / "out").read_text().splitlines(), job["job"]
+
+
+STOPPING = ["The time limit is near: the run saves a checkpoint and stops.",
+            "saved a checkpoint and stopped"]
+UNFINISHED = ("The run stopped unfinished: submit the same command again to "
+              "resume.")
+
+
+def _requeues(tmp_path):
+  return [c["argv"] for c in fake_cloud.calls(tmp_path, "scontrol")
+          if c["argv"][0] == "requeue"]
+
+
+def test_slurm_without_requeue_ends_unfinished_and_says_so(tmp_path):
+  # On a cluster whose jobs Slurm may requeue by default (JobRequeue=1):
+  # only --requeue asks the script to.
+  status, lines, _ = _slurm_to_the_time_limit(tmp_path, [], [])
+  assert status == 75
+  assert lines == STOPPING + [UNFINISHED]
+  assert not _requeues(tmp_path)
+
+
+@pytest.mark.parametrize("sbatch_options, script_args", [
+    (["--requeue", "--nodes=1"], []),  # Slurm's spelling
+    (["--no-requeue", "--requeue"], []),  # the last one counts, as in sbatch
+    ([], ["--requeue"]),  # the script's argument
+])
+def test_slurm_requeues_at_the_time_limit_with_either_spelling(
+    tmp_path, sbatch_options, script_args):
+  status, lines, job = _slurm_to_the_time_limit(tmp_path, sbatch_options,
+                                                script_args)
+  assert status == 0, lines
+  assert lines == STOPPING + [
+      f"Requeued job {job}: it resumes from the checkpoint when it runs "
+      "again."]
+  assert _requeues(tmp_path) == [["requeue", str(job)]]
+
+
+def test_slurm_says_when_the_requeue_is_refused(tmp_path):
+  """A job Slurm may not requeue (--no-requeue to sbatch; so too a cluster
+  with JobRequeue=0) ends as one stopped unfinished, and says why."""
+  status, lines, job = _slurm_to_the_time_limit(
+      tmp_path, ["--no-requeue"], ["--requeue"])
+  assert status == 75
+  assert lines == STOPPING + [
+      f"scontrol: error: Requeue of JobId={job} failed: Requested operation "
+      "is presently disabled",
+      f"Slurm refused to requeue job {job} (scontrol's message is above).",
+      UNFINISHED]
+  assert _requeues(tmp_path) == [["requeue", str(job)]]
+
+
+def test_slurm_uses_the_gpus_a_node_has(tmp_path):
+  """On nodes of 4 GPUs the job gets them all (and is not refused for
+  asking for 8): every GPU of the node is the run's."""
+  env = fake_cloud.install(tmp_path, quiet_env(FAKE_SLURM_NODE_GPUS="4"))
+  (tmp_path / "bin" / "python").write_text(
+      '#!/bin/sh\necho "devices $JAX_LOCAL_DEVICE_IDS"\n')
+  (tmp_path / "bin" / "python").chmod(0o755)
+  done = _run(env, "sbatch", "--wait", "--nodes=2",
+              f"--output={tmp_path}/out", "launch/slurm_gpu.sbatch",
+              "configs/quickstart.py", "/tmp/r")
+  assert done.stdout.startswith("Submitted batch job")
   assert (tmp_path / "out").read_text().splitlines() == [
-      "The time limit is near: the run saves a checkpoint and stops.",
-      "saved a checkpoint and stopped",
-      "The run stopped unfinished: submit the same command again to resume."]
-  assert not fake_cloud.calls(tmp_path, "scontrol")
+      "devices 0,1,2,3"] * 2
+
+
+def test_the_workers_venv_sees_the_packages_of_a_venvs_python(tmp_path):
+  """The suite run by a venv's Python (a fresh venv, as most users
+  install): the stand-in TPU workers' venv sees that venv's packages (jax
+  among them), not only its base interpreter's."""
+  outer = tmp_path / "outer"
+  subprocess.run([sys.executable, "-m", "venv", "--without-pip", str(outer)],
+                 check=True)
+  (next(outer.glob("lib/python3*/site-packages")) / "only_in_outer.py"
+   ).write_text("")
+  env = fake_cloud.install(tmp_path / "cloud", quiet_env())
+  version = f"{sys.version_info.major}.{sys.version_info.minor}"
+  worker = tmp_path / "worker"
+  subprocess.run([str(outer / "bin" / "python"), str(fake_cloud.HERE / "uv.py"),
+                  "uv", "venv", "--python", version, str(worker)],
+                 env=env, check=True)
+  done = subprocess.run([str(worker / "bin" / "python"), "-c",
+                         "import only_in_outer"], env=env,
+                        capture_output=True, text=True, check=False)
+  assert done.returncode == 0, done.stderr
 
 
 def test_local_processes_stop_the_rest_when_one_fails(tmp_path):

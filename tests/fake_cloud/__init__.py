@@ -12,9 +12,15 @@ the real tool would make happen remotely:
   with FAKE_BATCH_RUN=1, runs its container's command here as Batch would
   (retrying as its lifecycle policy says).
 - `uv` (on the workers' PATH) makes a venv of this Python.
-- `sbatch` runs the batch script here with the environment Slurm gives it;
-  `srun` starts the step's tasks as processes with Slurm's task variables;
-  `scancel --signal` signals them; `scontrol requeue` is only recorded.
+- `python` is this Python, the one running the tests: what a run's `python`
+  (in Batch's image, on a Slurm node, on this machine) would be. Without
+  it, `python` on PATH would be whatever is there: for a venv's tests run
+  without activating it, another Python, without the packages.
+- `sbatch` runs the batch script here with the environment Slurm gives it
+  (on nodes of FAKE_SLURM_NODE_GPUS GPUs, 8 by default); `srun` starts the
+  step's tasks as processes with Slurm's task variables; `scancel --signal`
+  signals them; `scontrol show job` prints the job's record; `scontrol
+  requeue` is recorded, and refused for a job Slurm may not requeue.
 """
 
 import json
@@ -42,6 +48,9 @@ def install(root, env):
   worker_bin.mkdir(exist_ok=True)
   for name, script in TOOLS.items():
     _wrapper(bin_dir / name, script, name)
+  python = bin_dir / "python"
+  python.write_text(f"#!/bin/sh\nexec {sys.executable} \"$@\"\n")
+  python.chmod(python.stat().st_mode | stat.S_IXUSR)
   _wrapper(worker_bin / "uv", "uv.py", "uv")
   env = dict(env)
   env["PATH"] = f"{bin_dir}{os.pathsep}{env['PATH']}"

@@ -3,13 +3,21 @@ fake_cloud/__init__.py): one "cluster" whose nodes are all this machine.
 
 sbatch runs the batch script here with the environment Slurm gives a batch
 step (its #SBATCH options, then the command line's, decide the nodes, tasks
-and GPUs); srun starts the step's tasks with the variables Slurm gives each
-task, and, as the real srun does, turns a SIGTERM or SIGINT it receives into
-a SIGKILL of its tasks; scancel --signal signals a step's tasks; scontrol
-requeue is only recorded.
+and GPUs: each node has FAKE_SLURM_NODE_GPUS, 8 by default; --exclusive
+gets them all, as Slurm allocates every GRES of a node to an exclusive
+job; --gpus-per-node=N gets N, and more than a node has is refused); srun
+starts the step's tasks with the variables Slurm gives each task, and, as
+the real srun does, turns a SIGTERM or SIGINT it receives into a SIGKILL of
+its tasks; scancel --signal signals a step's tasks; `scontrol show job`
+prints the fields of the job's record that Slurm's does (Requeue: 1 with
+sbatch --requeue, 0 with --no-requeue, else the cluster's default,
+FAKE_SLURM_JOB_REQUEUE, 1 as slurm.conf's JobRequeue; Command; SubmitLine);
+scontrol requeue is recorded, and refused as Slurm refuses it for a job
+whose Requeue is 0.
 """
 
 import contextlib
+import json
 import os
 import pathlib
 import random
@@ -41,6 +49,9 @@ def parse_options(args, tool):
   while rest and rest[0].startswith("--"):
     name, eq, value = rest.pop(0)[2:].partition("=")
     if name in SBATCH_FLAGS and not eq:
+      # Of --requeue and --no-requeue, the last one counts.
+      options.pop({"requeue": "no-requeue", "no-requeue": "requeue"}.get(
+          name, ""), None)
       options[name] = True
     elif name in SBATCH_VALUES and eq:
       options[name] = value
@@ -87,10 +98,17 @@ def sbatch(args):
     return fail("sbatch", "no batch script")
   script, script_args = rest[0], rest[1:]
   options = {**script_options(script), **options}
+  node_gpus = int(os.environ.get("FAKE_SLURM_NODE_GPUS", "8"))
+  if options.get("exclusive"):
+    gpus = node_gpus
+  else:
+    gpus = int(options.get("gpus-per-node", 0))
+  if int(options.get("gpus-per-node", 0)) > node_gpus:
+    return fail("sbatch", "Batch job submission failed: Requested node "
+                "configuration is not available")
   jid = job_id()
   nodes = int(options.get("nodes", 1))
   per_node = int(options.get("ntasks-per-node", 1))
-  gpus = int(options.get("gpus-per-node", 0))
   names = ",".join(node_names(nodes))
   env = dict(os.environ)
   env.update(
@@ -104,6 +122,14 @@ def sbatch(args):
     env.update(SLURM_GPUS_ON_NODE=str(gpus), SLURM_GPUS_PER_NODE=str(gpus),
                CUDA_VISIBLE_DEVICES=",".join(map(str, range(gpus))))
   fake_cloud.record("sbatch", args, job=jid, options=options)
+  if options.get("requeue") or options.get("no-requeue"):
+    requeue = 0 if options.get("no-requeue") else 1
+  else:
+    requeue = int(os.environ.get("FAKE_SLURM_JOB_REQUEUE", "1"))
+  (root() / f"job-{jid}.json").write_text(json.dumps({
+      "JobName": env["SLURM_JOB_NAME"], "Requeue": requeue, "Restarts": 0,
+      "Command": str(pathlib.Path(script).resolve()),
+      "WorkDir": os.getcwd(), "SubmitLine": " ".join(["sbatch", *args])}))
   output = options.get("output", "slurm-%j.out").replace("%j", str(jid))
   mode = "a" if options.get("open-mode") == "append" else "w"
   with open(output, mode) as out:
@@ -184,8 +210,28 @@ def scancel(args):
 
 def scontrol(args):
   fake_cloud.record("scontrol", args)
-  if len(args) != 2 or args[0] != "requeue":
-    return fail("scontrol", f"the fake knows only requeue JOBID, got {args}")
+  if len(args) == 3 and args[:2] == ["show", "job"]:
+    job, known = args[2], root() / f"job-{args[2]}.json"
+  elif len(args) == 2 and args[0] == "requeue":
+    job, known = args[1], root() / f"job-{args[1]}.json"
+  else:
+    return fail("scontrol", "the fake knows only show job JOBID and requeue "
+                f"JOBID, got {args}")
+  if not known.exists():
+    return fail("scontrol", "Invalid job id specified")
+  record = json.loads(known.read_text())
+  if args[0] == "requeue":
+    if not record["Requeue"]:
+      return fail("scontrol", f"Requeue of JobId={job} failed: Requested "
+                  "operation is presently disabled")
+    return 0
+  # The lines of Slurm's record that the script reads, as Slurm prints them.
+  print(f"JobId={job} JobName={record['JobName']}\n"
+        f"   Requeue={record['Requeue']} Restarts={record['Restarts']} "
+        "BatchFlag=1 Reboot=0 ExitCode=0:0\n"
+        f"   Command={record['Command']}\n"
+        f"   WorkDir={record['WorkDir']}\n"
+        f"   SubmitLine={record['SubmitLine']}\n")
   return 0
 
 
