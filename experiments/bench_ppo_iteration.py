@@ -69,7 +69,7 @@ def main():
                                   rules)
     o = c.online
     eos = trainer.vocabulary.eos_id
-    reward_lm = reward_sources.reward_lm(trainer)
+    reward_lm = trainer.online.rewards.lm
 
     # The two halves of `iteration.make_rollout`, jitted apart.
     @jax.jit

@@ -44,14 +44,14 @@ from jaxrlhf import algorithms  # noqa: E402
 from jaxrlhf import flops  # noqa: E402
 from jaxrlhf import plan as plan_lib  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
-from jaxrlhf.algorithms import online_step  # noqa: E402
+from jaxrlhf.algorithms.online import iteration  # noqa: E402
 from jaxrlhf.algorithms import state as state_lib  # noqa: E402
 from jaxrlhf.data import prompts as prompts_lib  # noqa: E402
 from jaxrlhf.data import synthetic  # noqa: E402
 from jaxrlhf.data import synthetic_feedback  # noqa: E402
+from jaxrlhf.models import sampling  # noqa: E402
 from jaxrlhf.models.layers import rotary  # noqa: E402
 from jaxrlhf.models.loading import from_pretrained  # noqa: E402
-from jaxrlhf.models import sampling  # noqa: E402
 from jaxrlhf.train import checkpointing  # noqa: E402
 from jaxrlhf.train import loop  # noqa: E402
 
@@ -268,17 +268,17 @@ def _overlap_run(config, devices=None):
       steps.append({k: float(metrics[k]) for k in keys if k in metrics})
       if after_first is None:
         after_first = jax.tree.map(jnp.copy, state.params)
-        second_key = online_step.split_step_key(state.rng)[1]
+        second_key = iteration.split_step_key(state.rng)[1]
     prompts = sharding.global_batch(
-        trainer.online.prompt_stream.batch_at(1), mesh, rules)[
+        trainer.online.prompt_source.stream.batch_at(1), mesh, rules)[
             prompts_lib.PROMPT_FEATURE]
 
     @jax.jit
     def stale(initial, after_first):
-      samples = online_step.sample(trainer, initial, state.frozen, prompts,
-                                   second_key)
-      old, new = (online_step.assemble(trainer, p, state.frozen, prompts,
-                                       samples) for p in (initial, after_first))
+      samples = iteration.sample(trainer, initial, state.frozen, prompts,
+                                 second_key)
+      old, new = (iteration.score(trainer, p, state.frozen, prompts, samples)
+                  for p in (initial, after_first))
       mean = lambda x: jnp.sum(x * old.mask) / jnp.sum(old.mask)
       return {"approx_kl_k1": mean(old.logprobs - new.logprobs),
               "weight_mean": mean(jnp.minimum(

@@ -200,7 +200,7 @@ def test_decoder_only_rollout_is_left_padding_invariant_and_values_are_shifted(
   responses[2, 1:] = [4, 5, 6, 7, 8, 9, 10]  # sampled on after its EOS
   with _mesh_context(config) as mesh:
     trainer = algorithms.build(config, mesh)
-    reward_lm = reward_sources.reward_lm(trainer)
+    reward_lm = trainer.online.rewards.lm
     assert not trainer.lm.is_encoder_decoder
     assert not reward_lm.is_encoder_decoder
     state = trainer.init_state()
@@ -280,7 +280,7 @@ def test_t5_reward_model_scores_a_decoder_only_policy(llama_workdirs,
   responses = jnp.asarray(_padded(RESPONSES, MAX_NEW))
   with _mesh_context(config) as mesh:
     trainer = algorithms.build(config, mesh)
-    reward_lm = reward_sources.reward_lm(trainer)
+    reward_lm = trainer.online.rewards.lm
     assert reward_lm.is_encoder_decoder
     state = trainer._init(jax.random.PRNGKey(0))  # pylint: disable=protected-access
     ro = jax.jit(lambda s: rollout_lib.assemble_rollout(
@@ -381,12 +381,16 @@ def _update_with_microbatches(algorithm, workdirs, micro, state=None,
                                                state.params["policy"])))
     ro = jax.jit(lambda s: rollout_lib.assemble_rollout(
         trainer.lm, s.params["policy"], s.frozen["reference"],
-        reward_sources.reward_lm(trainer), s.frozen["reward"], jnp.asarray(prompts),
+        trainer.online.rewards.lm, s.frozen["reward"], jnp.asarray(prompts),
         jnp.asarray(responses), temperature=config.online.temperature,
         eos_id=EOS))(state)
     rng = jax.random.PRNGKey(5)
-    params, _, _, metrics = jax.jit(
-        lambda s, r, k: iteration.update(trainer, s, r, k))(state, ro, rng)
+
+    def advantages_then_updates(s, r, k):
+      rows, carried, _ = iteration.advantages(trainer, s, r)
+      s, metrics = iteration.update(trainer, s, rows, carried, k, k)
+      return s.params, metrics
+    params, metrics = jax.jit(advantages_then_updates)(state, ro, rng)
   # The micro-batches of the first update hold different token counts (else
   # the weighting would not be tested).
   first = rollout_lib.minibatch_indices(rng, rows, trainer.online.num_epochs,

@@ -122,7 +122,7 @@ def test_ppo_with_one_epoch_and_minibatch_is_the_policy_gradient_step(sgd_ppo):
   the step must equal SGD on those, with A and R from a plain-Python GAE."""
   trainer, state, batch = sgd_ppo
   cfg = trainer.config
-  reward_lm = reward_sources.reward_lm(trainer)
+  reward_lm = trainer.online.rewards.lm
   with _mesh_context(cfg):
     rollout = jax.jit(lambda s, b: iteration.rollout_for_step(trainer, s,
                                                                 b))(
@@ -180,7 +180,7 @@ def test_rollout_truncates_after_eos_scores_at_eos_and_penalises_no_eos(
     sgd_ppo):
   trainer, state, batch = sgd_ppo
   cfg = trainer.config
-  reward_lm = reward_sources.reward_lm(trainer)
+  reward_lm = trainer.online.rewards.lm
   length = trainer.online.max_new_tokens
   prompts = np.asarray(batch["encoder_input_tokens"])[:3]
   eos = trainer.vocabulary.eos_id

@@ -106,16 +106,16 @@ def test_every_source_sums_with_its_weight_and_is_logged(workdirs):
                    optimizer__learning_rate=0.0)
   trainer, [((state, batch), metrics)] = _step(config)
   # The same samples: the step's rollout key.
-  _, rollout_rng, _ = iteration.step_rngs(state)
+  _, rollout_rng, _ = iteration.split_step_key(state.rng)
   with sharding.activate(config, jax.devices()[:1]):
     samples = iteration.sample(trainer, state.params, state.frozen,
-                                 batch["encoder_input_tokens"], rollout_rng)
+                               batch["encoder_input_tokens"], rollout_rng)
     rm = reward_sources.reward_scores(
         trainer, state.frozen["reward"],
         np.repeat(np.asarray(batch["encoder_input_tokens"]), 2, axis=0),
         jax.device_get(samples))
   vocabulary = trainer.vocabulary
-  prompts = trainer.online.prompts
+  prompts = trainer.online.prompt_source.prompts
   index = np.repeat(np.asarray(batch["prompt_index"]), 2)
   texts = [vocabulary.decode(evaluation.until_eos(t, vocabulary.eos_id))
            for t in np.asarray(samples.tokens)]
@@ -257,3 +257,41 @@ def test_a_failing_reward_function_stops_the_run_in_one_line(workdirs,
   assert len(lines) == 1, result.stderr
   assert lines[0].startswith("error: ") and "raises" in lines[0]
   assert "row 0" in lines[0] and "the grader is down" in lines[0]
+
+
+def test_a_reward_that_applies_to_no_row_logs_its_count_and_no_value():
+  """reward/<name> is the mean over the rows a reward applies to, with
+  reward/<name>/rows their count; a step where it applies to none logs the
+  count 0 and leaves the mean out of the logs (not 0.0)."""
+  sources = reward_sources.RewardSources(
+      weights={"gold_reward": 1.0, "never": 2.0}, reward_model=None, lm=None,
+      host=(), overlong=None, eos_trick=None)
+  components = jnp.asarray([[0.5, jnp.nan], [1.0, jnp.nan], [jnp.nan,
+                                                              jnp.nan]])
+  metrics = {k: float(v) for k, v in sources.metrics(components).items()}
+  assert metrics["reward/gold_reward"] == 0.75  # (0.5 + 1) / 2 rows
+  assert metrics["reward/gold_reward/rows"] == 2
+  assert metrics["reward/never/rows"] == 0
+  assert np.isnan(metrics["reward/never"])
+  np.testing.assert_allclose(float(sources.combine(components)[0]), 0.5)
+
+  written = []
+
+  class Logger:
+    def write(self, step, scalars):
+      written.append((step, scalars))
+
+  class Progress:
+    def timed(self, step):
+      return False
+
+    def line(self, step, loss, tokens):
+      return ""
+
+  pending = loop._PendingMetrics(None, Logger(), Progress(), None)  # pylint: disable=protected-access
+  pending.add(3, dict(metrics, loss=1.0, kl=float("nan")), 0)
+  pending.flush()
+  [(step, scalars)] = written
+  assert step == 3 and "reward/never" not in scalars
+  assert scalars["reward/never/rows"] == 0
+  assert np.isnan(scalars["kl"])  # a NaN that is no reward's stays visible

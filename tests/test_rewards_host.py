@@ -99,6 +99,8 @@ def test_a_bad_row_is_skipped_and_counted(fn, reason, what):
   assert len(result.messages) == 1
   assert result.messages[0].startswith(f"{reason}: reward function "
                                        "'my_reward', row 1 ")
+  # Already skipping: the message does not advise switching to it.
+  assert "skip_and_report" not in result.messages[0]
 
 
 def test_long_texts_are_cut_in_messages():

@@ -21,6 +21,7 @@ import jax
 
 from jaxrlhf import config_schema
 from jaxrlhf import sharding
+from jaxrlhf.algorithms import lora_state
 
 # The data an algorithm reads: "sft" (a seqio task's inputs/targets), one of
 # the alignment kinds of `jaxrlhf.data.alignment_kinds` ("pairs", "ranking",
@@ -61,6 +62,10 @@ class Networks:
       every factor 1.
     reference: the run holds (or can load) a frozen copy of the starting
       policy that evaluation compares the policy with.
+    fresh_backbone: (config) -> "" when every trained backbone starts from
+      the policy's checkpoint, else how to make it so (LoRA adapts the
+      policy's base, so a freshly initialised backbone has none to adapt:
+      DRO-V's value network with dro.value_from_policy=False).
   """
   trainable: Callable[[Any, Any], Dict[str, Params]]
   frozen: Callable[[Any, Any], Dict[str, Params]] = _no_networks
@@ -68,6 +73,7 @@ class Networks:
   optimizers: Optional[Callable[[Any], Mapping[str, Any]]] = None
   update_scales: Optional[Callable[[Any], Mapping[str, float]]] = None
   reference: bool = False
+  fresh_backbone: Callable[[Any], str] = lambda config: ""
 
 
 @dataclasses.dataclass(frozen=True)
@@ -242,5 +248,27 @@ class Algorithm:
 
   @property
   def all_checks(self) -> Tuple[config_schema.Check, ...]:
-    """Its own checks and those of what it carries."""
-    return tuple(self.checks) + tuple(self.carried.checks)
+    """Its own checks, those of what it carries, and what LoRA cannot
+    serve of it."""
+    return tuple(self.checks) + tuple(self.carried.checks) + (
+        functools.partial(lora_state.check_lora, algorithm=self),
+        functools.partial(check_reference_mode, algorithm=self))
+
+
+def check_reference_mode(c, algorithm: "Algorithm") -> None:
+  """'precomputed' only for losses that read the reference per example
+  (one of `Algorithm.all_checks`)."""
+  config_schema.require(
+      c.reference_logprobs.mode == "in_step" or precomputable(algorithm),
+      "reference_logprobs.mode",
+      f"'precomputed' does not apply to {c.algorithm!r}, whose reference "
+      "log-probs depend on more than each example's own completion (KTO's "
+      "KL baseline scores mismatched pairs that change with the batch; "
+      "online algorithms score fresh samples; TR-DPO moves its reference; "
+      "reference-free losses have none); use 'in_step'.")
+
+
+def precomputable(algorithm: "Algorithm") -> bool:
+  """The algorithm's loss reads the reference only per example, so its
+  log-probs may be precomputed once."""
+  return bool(getattr(algorithm.training, "precomputable_reference", False))

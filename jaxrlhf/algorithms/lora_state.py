@@ -53,12 +53,11 @@ BASE = "base"
 BASE_DTYPES = ("model", "float32")
 
 
-def check_lora(c) -> None:
-  """Combinations LoRA cannot serve, from the config alone."""
+def check_lora(c, algorithm) -> None:
+  """Combinations LoRA cannot serve of `algorithm` (a `base.Algorithm`),
+  from the config alone (one of `Algorithm.all_checks`)."""
   if not c.lora.rank:
     return
-  from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
-  algorithm = algorithms.get(c.algorithm)
   config_schema.require(
       not (algorithm.online and c.lora.dropout > 0), "lora.dropout",
       f"{c.lora.dropout}: online RL needs deterministic log-probs (PPO "
@@ -71,13 +70,11 @@ def check_lora(c) -> None:
       "while a LoRA run's reference is the frozen base with the adapters "
       "off; train it without LoRA (lora.rank=0).")
   # Every other backbone adapts the policy's base, which it must start from.
+  fresh = algorithm.networks.fresh_backbone(c)
   config_schema.require(
-      not (c.algorithm == "dro_v" and c.dro.value_source == "value_network"
-           and not c.dro.value_from_policy), "lora.rank",
-      "with dro.value_from_policy=False the value network's backbone starts "
-      "from a fresh initialisation, so there is no frozen network for its "
-      "adapters: set dro.value_from_policy=True (the paper's) or train "
-      "without LoRA.")
+      not fresh, "lora.rank",
+      f"{fresh}; a freshly initialised backbone has no frozen network for "
+      "its adapters, so train it without LoRA otherwise.")
   config_schema.require(
       not (c.optimizer.name == "adafactor"
            and c.optimizer.multiply_by_parameter_scale),
@@ -112,7 +109,7 @@ GROUP = config_schema.Group(
           "anyway, so only parameters read in float32, such as norm "
           "scales, round), or 'float32'. The policy and its reference "
           "read the same base either way.", choices=BASE_DTYPES),
-    ], checks=(check_lora,))
+    ])
 
 
 def _get(tree, path):
@@ -144,17 +141,13 @@ class LoraRun:
 
   # --- what is adapted --------------------------------------------------------
 
-  def _uses_reward_model(self) -> bool:
-    from jaxrlhf.algorithms import online_rewards  # pylint: disable=g-import-not-at-top
-    return online_rewards.uses_reward_model(self._trainer.config)
-
   def _module_and_base(self, name: str):
     """(module, base path in frozen) of the backbone of trained network
     `name`."""
-    if name in self._from_reward_model and self._uses_reward_model():
-      from jaxrlhf.algorithms import online_rewards  # pylint: disable=g-import-not-at-top
-      return (online_rewards.reward_lm(self._trainer).module,
-              ("reward", "backbone"))
+    online = self._trainer.online
+    reward_model = online.rewards.reward_model if online else None
+    if name in self._from_reward_model and reward_model is not None:
+      return reward_model.adapter.module, ("reward", "backbone")
     return self._trainer.model, (BASE,)
 
   def adapted(self, params) -> Dict[Tuple[str, ...], Tuple[Any, Tuple]]:

@@ -15,32 +15,9 @@ import jax
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms.offline import training
 from jaxrlhf.models import scoring
 
 MODES = ("in_step", "precomputed")
-
-
-def check_reference_mode(c) -> None:
-  """'precomputed' only for losses that read the reference per example."""
-  from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
-  algorithm = algorithms.get(c.algorithm)
-  config_schema.require(
-      c.reference_logprobs.mode == "in_step" or precomputable(algorithm),
-      "reference_logprobs.mode",
-      f"'precomputed' does not apply to {c.algorithm!r}, whose reference "
-      "log-probs depend on more than each example's own completion (KTO's "
-      "KL baseline scores mismatched pairs that change with the batch; "
-      "online algorithms score fresh samples; TR-DPO moves its reference; "
-      "reference-free losses have none); use 'in_step'.")
-
-
-def precomputable(algorithm: base.Algorithm) -> bool:
-  """The algorithm's loss reads the reference only per example, so its
-  log-probs may be precomputed once."""
-  training = algorithm.training
-  return isinstance(training, training.Offline) and (
-      training.precomputable_reference)
 
 
 REFERENCE_LOGPROBS = config_schema.Group(
@@ -68,7 +45,7 @@ REFERENCE_LOGPROBS = config_schema.Group(
             "Examples per forward pass of the precomputation; unset = the "
             "train step's micro-batch (train.batch_size / "
             "train.num_microbatches).", type=int, bounds=">0"),
-    ], checks=(check_reference_mode,))
+    ])
 
 
 # --- networks ------------------------------------------------------------------

@@ -17,18 +17,12 @@ from typing import Any, Dict, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
-import seqio
 
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms import state as state_lib
-from jaxrlhf.data import alignment_data
-from jaxrlhf.data import feature_converters
-from jaxrlhf.data import file_tasks
-from jaxrlhf.data import pipeline
-from jaxrlhf.data import tasks
-from jaxrlhf.data import vocab
+from jaxrlhf.data import alignment_kinds
 from jaxrlhf.models import pretrained
 from jaxrlhf.models import scoring
 from jaxrlhf.models.registry import build_model
@@ -77,6 +71,13 @@ class Trainer:
     # log-probs); None for a trainer that only scores or samples.
     self.workdir = workdir
     self.shapes_only = shapes_only
+    # The data stack (seqio, TensorFlow) loads here, where a run first reads
+    # its task, not with the config.
+    # pylint: disable=g-import-not-at-top
+    from jaxrlhf.data import file_tasks
+    from jaxrlhf.data import pipeline
+    from jaxrlhf.data import vocab
+    # pylint: enable=g-import-not-at-top
     pipeline.import_task_modules(config.data.task_modules)
     if shapes_only and config.data.files.vocabulary:
       # The file may be anywhere, gs:// included: a plan lays the model
@@ -140,7 +141,7 @@ class Trainer:
     data = self.config.data
     if self.algorithm.data in (base.SFT_DATA, base.PROMPTS):
       return {"inputs": self.prompt_length, "targets": data.targets_length}
-    kind = alignment_data.get_kind(self.algorithm.data)
+    kind = alignment_kinds.get_kind(self.algorithm.data)
     lengths = {"prompt": self.prompt_length}
     for field in kind.completion_fields:
       lengths[field] = data.targets_length
@@ -152,6 +153,11 @@ class Trainer:
             else {"eos_id": self.vocabulary.eos_id})
 
   def _default_feature_converter(self):
+    # pylint: disable=g-import-not-at-top
+    import seqio
+    from jaxrlhf.data import alignment_data
+    from jaxrlhf.data import feature_converters
+    # pylint: enable=g-import-not-at-top
     if self.algorithm.data == base.PROMPTS:
       return seqio.EncDecFeatureConverter(pack=False)
     if self.algorithm.data == base.SFT_DATA:
@@ -313,19 +319,19 @@ class Trainer:
     otherwise its shapes may still fit (vocabularies are padded to the same
     size) while every token id means another token. T5X checkpoints carry
     no run config and are not checked."""
+    # pylint: disable=g-import-not-at-top
+    from jaxrlhf.data import tasks
+    from jaxrlhf.data import vocab
+    # pylint: enable=g-import-not-at-top
     run = pretrained.run_config(path)
     trained = tasks.run_vocabulary(run) if run else None
-    if trained is None or vocab.fingerprint(trained) == vocab.fingerprint(
-        self.vocabulary):
-      return
-    raise ValueError(
-        f"The checkpoint {path!r} (loaded into {target}) was trained with "
-        f"vocabulary {vocab.describe(trained)}, but this run's data "
-        f"(config.data.task {self.config.data.task!r}) uses "
-        f"{vocab.describe(self.vocabulary)}, so its token ids would be read "
-        "as other tokens. Use data with the checkpoint's vocabulary "
-        "(config.data.files.vocabulary for files) or a checkpoint trained "
-        "on this one.")
+    if trained is not None:
+      vocab.require_same(
+          trained, self.vocabulary, f"The checkpoint {path!r} (loaded into "
+          f"{target})", f"this run's data (config.data.task "
+          f"{self.config.data.task!r})", "Use data with the checkpoint's "
+          "vocabulary (config.data.files.vocabulary for files) or a "
+          "checkpoint trained on this one.")
 
   # --- optimisation ------------------------------------------------------------
 
@@ -379,7 +385,7 @@ def files_kind(algorithm: base.Algorithm) -> str:
   demonstrations (prompt and reference completion) for SFT, or the prompts
   of online RL (the same rows; a completion is not needed)."""
   if algorithm.data == base.SFT_DATA:
-    return file_tasks.DEMONSTRATIONS
+    return alignment_kinds.DEMONSTRATIONS.name
   if algorithm.data == base.PROMPTS:
-    return file_tasks.PROMPTS
+    return alignment_kinds.PROMPTS.name
   return algorithm.data

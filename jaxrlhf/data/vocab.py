@@ -136,3 +136,18 @@ class SizeOnlyVocabulary:
   def __init__(self, vocab_size: int):
     self.vocab_size = vocab_size
     self.pad_id, self.eos_id, self.unk_id = PAD_ID, EOS_ID, UNK_ID
+
+
+def require_same(trained, expected, what: str, against: str,
+                 fix: str) -> None:
+  """The one check that a network reads the vocabulary it was trained with:
+  raises "<what> was trained with vocabulary <trained>, but <against> uses
+  <expected>, so its token ids would be read as other tokens. <fix>"
+  unless the two are the same by content (their shapes may fit either
+  way: vocabularies are padded to the same size)."""
+  if fingerprint(trained) == fingerprint(expected):
+    return
+  raise ValueError(
+      f"{what} was trained with vocabulary {describe(trained)}, but "
+      f"{against} uses {describe(expected)}, so its token ids would be read "
+      f"as other tokens. {fix}")

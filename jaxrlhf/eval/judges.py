@@ -39,17 +39,13 @@ from typing import Callable, Dict, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from jaxrlhf import sharding
-from jaxrlhf.models import pretrained
-from jaxrlhf.data import tasks as tasks_lib
-from jaxrlhf.data import vocab
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import heads
-from jaxrlhf.models import scoring
-from jaxrlhf.models.registry import build_model
+from jaxrlhf.models import pretrained
+from jaxrlhf.rewards import learned_reward
 from jaxrlhf.rl import rollout as rollout_lib
 
 JUDGES = ("gold_reward", "reward_model", "function")
@@ -181,6 +177,8 @@ def make_judge(trainer, task: str):
     return RewardModel(e.judge_checkpoint)
   if e.judge == "function":
     return Function(e.judge_function)
+  # The task registry (seqio) loads with the data, not with the config.
+  from jaxrlhf.data import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
   gold = tasks_lib.gold_reward_for(task)
   return GoldReward(gold) if gold is not None else None
 
@@ -198,15 +196,9 @@ def check(trainer) -> None:
       raise ValueError(
           f"config.eval.judge_checkpoint: {e.judge_checkpoint!r} has no "
           "config.json; point it at a jaxrlhf reward_model run's workdir.")
-    trained = tasks_lib.run_vocabulary(run)
-    if trained is not None and (vocab.fingerprint(trained)
-                                != vocab.fingerprint(trainer.vocabulary)):
-      raise ValueError(
-          f"config.eval.judge_checkpoint: the reward model "
-          f"{e.judge_checkpoint!r} was trained with vocabulary "
-          f"{vocab.describe(trained)}, but the policy uses "
-          f"{vocab.describe(trainer.vocabulary)}; its scores of the policy's "
-          "token ids would be meaningless.")
+    learned_reward.build(e.judge_checkpoint, "config.eval.judge_checkpoint",
+                         trainer.vocabulary, trainer.config.model,
+                         trainer.platform)
   elif e.judge == "function":
     if not e.judge_function:
       raise ValueError("config.eval.judge_function: eval.judge is "
@@ -223,14 +215,11 @@ def reward_model(trainer, path: str):
   per run, in its own run's architecture and size."""
 
   def load():
-    run = pretrained.run_config(path) or {}
-    model_config = ml_collections.ConfigDict(run.get("model", {}))
-    if "arch" not in model_config:
-      model_config = trainer.config.model
-    module, module_config = build_model(model_config,
-                                        trainer.vocabulary.vocab_size,
-                                        trainer.platform)
-    adapter = scoring.adapter_for(module)
+    network = learned_reward.build(path, "config.eval.judge_checkpoint",
+                                   trainer.vocabulary, trainer.config.model,
+                                   trainer.platform)
+    module, module_config = network.adapter.module, network.model_config
+    adapter = network.adapter
     abstract = jax.eval_shape(
         lambda rng: heads.init_from_backbone(
             rng, trainer.init_lm(rng, module=module), module_config.emb_dim),

@@ -237,11 +237,13 @@ class _Collector:
     first = rows[0]
     which = (f"row {first} (" if len(rows) == 1
              else f"rows {first}-{rows[-1]} (first: ")
+    advice = ("" if self.on_bad_row != "raise" else
+              " Fix the function, or score with "
+              "on_bad_row='skip_and_report' to leave such rows out and count "
+              "them.")
     return (f"reward function {self.name!r}, {which}prompt "
             f"{_preview(self.prompts[first])}, completion "
-            f"{_preview(self.completions[first])}): {what}. Fix the "
-            "function, or score with on_bad_row='skip_and_report' to leave "
-            "such rows out and count them.")
+            f"{_preview(self.completions[first])}): {what}.{advice}")
 
   def bad(self, rows: Sequence[int], reason: str, what: str) -> None:
     """Rows that cannot be scored: raise, or skip and count them."""

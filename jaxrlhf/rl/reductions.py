@@ -17,6 +17,7 @@ The choice changes how much each token of a ragged batch weighs:
                     log pi(y_t|...), as in REINFORCE/RLOO (book 11.1.3).
 """
 
+import jax
 import jax.numpy as jnp
 
 from jaxrlhf.losses import common
@@ -60,3 +61,14 @@ def reduce_token_losses(per_token_loss, mask, reduction="token_mean",
         f"reduce_token_losses: max_length={max_length} must be positive.")
   return common.masked_sum(per_token_loss, mask) / (
       per_token_loss.shape[0] * max_length)
+
+
+def response_token_count(minibatch) -> jax.Array:
+  """Response tokens of a (micro-)batch: what a token-mean loss averages
+  over (its share of an update with micro-batches)."""
+  return jnp.sum(minibatch["response_mask"].astype(jnp.float32))
+
+
+def response_count(minibatch) -> jax.Array:
+  """Responses of a (micro-)batch: what a per-response loss averages."""
+  return jnp.asarray(minibatch["response_mask"].shape[0], jnp.float32)

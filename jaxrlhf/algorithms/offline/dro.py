@@ -106,6 +106,16 @@ def checkpoints(trainer):
   return paths
 
 
+def fresh_backbone(config) -> str:
+  """How the value network would start from the policy's checkpoint, when
+  it starts fresh (`Networks.fresh_backbone`)."""
+  cfg = config.dro
+  if cfg.value_source == VALUE_NETWORK and not cfg.value_from_policy:
+    return ("with dro.value_from_policy=False the value network's backbone "
+            "starts fresh: set dro.value_from_policy=True (the paper's)")
+  return ""
+
+
 def optimizers(trainer):
   if trainer.config.dro.value_source == POLICY_LOGITS:
     return {"policy": trainer.config.optimizer}
@@ -210,7 +220,8 @@ ALGORITHM = base.Algorithm(
     data="trajectory",
     networks=base.Networks(trainable=networks, frozen=reference.reference,
                            checkpoints=checkpoints, optimizers=optimizers,
-                           update_scales=update_scales, reference=True),
+                           update_scales=update_scales, reference=True,
+                           fresh_backbone=fresh_backbone),
     training=training.Offline(
         loss=loss, precomputable_reference=True, packs=True,
         batch_statistics=lambda c: ("its value (one per batch: "

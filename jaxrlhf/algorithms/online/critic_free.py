@@ -19,9 +19,10 @@ from typing import Callable
 import jax.numpy as jnp
 
 from jaxrlhf.algorithms.online import kl_control
-from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import policy_gradient_losses as policy_gradient_lib
+from jaxrlhf.rl import reductions
+from jaxrlhf.rl import rollout as rollout_lib
 
 
 @dataclasses.dataclass(frozen=True)
@@ -81,8 +82,9 @@ def make_loss(clipping_fn: Callable):
 
   def loss(trainer, params, minibatch, algorithm_state):
     clipping = clipping_fn(trainer.config)
-    logprobs, entropy, mask = iteration.policy_logprobs(trainer, params,
-                                                     minibatch)
+    logprobs, entropy, mask = rollout_lib.logprobs_and_entropy(
+        trainer.lm, params["policy"], minibatch, None,
+        trainer.config.online.temperature, trainer.online.max_new_tokens)
     value, metrics = policy_gradient_lib.clipped_policy_gradient_loss(
         logprobs, minibatch["old_logprobs"], minibatch.get("ref_logprobs"),
         minibatch["advantages"], mask, clip_eps_low=clipping.eps_low,
@@ -103,9 +105,9 @@ def make_loss_count(clipping_fn: Callable):
   """A token mean counts tokens; the other reductions are means over
   responses (with a per-response or constant normaliser inside)."""
 
-  def count(trainer, minibatch):
-    if clipping_fn(trainer.config).reduction == "token_mean":
-      return iteration.token_count(trainer, minibatch)
-    return iteration.response_count(trainer, minibatch)
+  def count(config, minibatch):
+    if clipping_fn(config).reduction == "token_mean":
+      return reductions.response_token_count(minibatch)
+    return reductions.response_count(minibatch)
 
   return count

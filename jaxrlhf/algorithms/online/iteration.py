@@ -1,42 +1,134 @@
-"""The iteration of online RL, as functions of the trainer and arrays.
+"""The online RL step, top to bottom, and its named parts.
 
-  sample      samples_per_prompt responses per prompt from the policy (or
-              the reference), each prompt prefilled once for them
-  assemble    truncated after their EOS, scored by the rewards computed in
-              the step (the reward model at the EOS, the EOS trick, the
-              overlong penalty), with policy and reference log-probs at the
-              sampling temperature
-  (host)      the host's rewards added, when there are any
-              (`with_host_rewards`; `online_host.HostSplitStep`)
-  update      the algorithm's targets (`Online.targets`), then num_epochs
-              passes of num_minibatches gradient updates over their rows
-              (`run_updates`), all inside one jitted call
+`online_step` is the step: prompts -> sample -> score -> rewards ->
+advantages -> updates. Its parts (`StepParts`) are functions of arrays,
+built once from the trainer before the first step (`step_parts`). A driver
+decides where and when each part runs, never what it computes:
 
-`online.Online.step` is all of it in one compiled function; the host split
-runs the same functions in three (`online_host`).
+  fused       the whole step in one `jax.jit` (`fused_step`): every reward
+              is computed on the device
+  host split  sample and score compiled, the host's rewards (and DAPO's
+              dynamic sampling) between them and the update (`host_split`)
+  overlap     the rollout made on sampler devices of their own, one step
+              ahead of the update (`overlap`)
+
+The random keys are the same under every driver, so a run whose host
+rewards add 0 trains as the fused step does (tests/test_online_rewards.py),
+and sampler devices without off-policy steps train as the fused step does
+(tests/test_eight_devices.py).
 """
 
+import dataclasses
 import functools
+from typing import Any, Callable, Iterable, List, Tuple
 
 import jax
 import jax.numpy as jnp
 
-from jaxrlhf.algorithms.online import kl_control
-from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf import sharding
 from jaxrlhf.algorithms import update as update_lib
+from jaxrlhf.algorithms.online import kl_control
 from jaxrlhf.data import prompts as prompts_lib
+from jaxrlhf.rl import reductions
 from jaxrlhf.rl import rollout as rollout_lib
 
 
+@dataclasses.dataclass(frozen=True)
+class StepParts:
+  """The named parts of an online step (`online_step` calls them in order).
+
+  Attributes:
+    rounds: (batch, rollouts so far) -> the prompt batches to sample: the
+      step's own, then more only while dynamic sampling wants groups that
+      vary.
+    sample: (params, frozen, prompt_tokens [P, Lp], key) ->
+      `sampling.Samples` [P * k, L]: k responses per prompt, adjacent.
+    score: (params, frozen, prompt_tokens, samples) -> `rollout_lib.Rollout`:
+      truncated after the EOS, the policy's and reference's log-probs at
+      the sampling temperature, the rewards computed on the device.
+    host_rewards: (rollout, samples, batch) -> (rollout with the host's
+      rewards, {reward/<name>/skipped: count}).
+    keep: ([(rollout, metrics)] of the rounds) -> (the rollout to train on,
+      metrics).
+    correct: (state, rollout) -> (rollout, [rows, L] weights of each
+      token's advantage or None, metrics): what the update does about the
+      gap between the policy that sampled and the one it trains.
+    advantages: (state, rollout, token_weights) -> (the rows the updates
+      train on {name: [rows, ...]}, the algorithm state carried to the next
+      step, metrics): the algorithm's targets.
+    update: (state, rows, algorithm_state, update_key, next_key) -> (next
+      state, metrics): num_epochs x num_minibatches gradient updates.
+  """
+  rounds: Callable[[Any, List[Any]], Iterable[Any]]
+  sample: Callable[..., Any]
+  score: Callable[..., Any]
+  host_rewards: Callable[..., Tuple[Any, dict]]
+  keep: Callable[[List[Any]], Tuple[Any, dict]]
+  correct: Callable[..., Tuple[Any, Any, dict]]
+  advantages: Callable[..., Tuple[Any, Any, dict]]
+  update: Callable[..., Tuple[Any, dict]]
+
+
+def online_step(parts: StepParts, state, batch):
+  """One online RL step: (state, {prompt features: [P, ...]}) -> (next
+  state, metrics)."""
+  next_key, rollout_key, update_key = split_step_key(state.rng)
+  # Prompts -> sample -> score -> rewards, in rounds: one, unless dynamic
+  # sampling asks for more prompts to find groups whose rewards vary.
+  rounds = []
+  for round_, prompts in enumerate(parts.rounds(batch, rounds)):
+    key = rollout_key if not round_ else jax.random.fold_in(rollout_key,
+                                                             round_)
+    tokens = prompts[prompts_lib.PROMPT_FEATURE]
+    samples = parts.sample(state.params, state.frozen, tokens, key)
+    rollout = parts.score(state.params, state.frozen, tokens, samples)
+    rounds.append(parts.host_rewards(rollout, samples, prompts))
+  rollout, metrics = parts.keep(rounds)
+  # Off-policy: the gap between the policy that sampled and this one.
+  rollout, token_weights, gap_metrics = parts.correct(state, rollout)
+  # Advantages: the algorithm's targets (and what it carries on).
+  rows, algorithm_state, target_metrics = parts.advantages(
+      state, rollout, token_weights)
+  # Updates: num_epochs passes of num_minibatches gradient steps.
+  state, update_metrics = parts.update(state, rows, algorithm_state,
+                                       update_key, next_key)
+  return state, {**metrics, **gap_metrics, **target_metrics,
+                 **update_metrics}
+
+
 def split_step_key(key):
-  """(next state rng, rollout rng, update rng) of the step whose rng is
+  """(next state key, rollout key, update key) of the step whose key is
   `key`."""
   return tuple(jax.random.split(key, 3))
 
 
-def step_rngs(state):
-  """(next state rng, rollout rng, update rng) of a train step."""
-  return split_step_key(state.rng)
+# --- the parts, as functions of arrays ---------------------------------------------
+
+
+def step_parts(trainer) -> StepParts:
+  """The step's parts for `trainer`, computing every reward on the device
+  (the host split and the overlap replace what they run elsewhere)."""
+  return StepParts(
+      rounds=lambda batch, rounds: [batch],
+      sample=functools.partial(sample, trainer),
+      score=functools.partial(score, trainer),
+      host_rewards=lambda rollout, samples, batch: (rollout, {}),
+      keep=lambda rounds: rounds[0],
+      correct=lambda state, rollout: (rollout, None, {}),
+      advantages=functools.partial(advantages, trainer),
+      update=functools.partial(update, trainer))
+
+
+def fused_step(trainer):
+  """(state, batch) -> (state, metrics): `online_step` compiled whole, the
+  batch split over the data shards and the state donated."""
+  return jax.jit(
+      functools.partial(online_step, step_parts(trainer)),
+      in_shardings=(trainer.state_shardings,
+                    sharding.batch_sharding(trainer.mesh, trainer.rules, 1)),
+      out_shardings=(trainer.state_shardings,
+                     sharding.replicated(trainer.mesh)),
+      donate_argnums=0)
 
 
 def _by_parts(trainer, fn, prompt_tokens, responses=None, key=None):
@@ -76,7 +168,7 @@ def _by_parts(trainer, fn, prompt_tokens, responses=None, key=None):
   return jax.tree.map(merge, per_part)
 
 
-def sample(trainer, params, frozen, prompt_tokens, rng):
+def sample(trainer, params, frozen, prompt_tokens, key):
   """`samples_per_prompt` responses per prompt (adjacent rows), each prompt
   prefilled once for them: `sampling.Samples` [prompts * k, L]."""
   o, settings = trainer.config.online, trainer.online
@@ -85,25 +177,24 @@ def sample(trainer, params, frozen, prompt_tokens, rng):
   sample_params = (training.sample_params(trainer, params, frozen)
                    if training.sample_params else params["policy"])
 
-  def part(prompts, unused_responses, key):
+  def part(prompts, unused_responses, part_key):
     return rollout_lib.sample_responses(
-        trainer.lm, sample_params, prompts, key,
+        trainer.lm, sample_params, prompts, part_key,
         max_new_tokens=settings.max_new_tokens, temperature=o.temperature,
         eos_id=trainer.vocabulary.eos_id,
         num_samples=settings.samples_per_prompt,
         stop_when_done=o.stop_when_done, cache_segments=o.cache_segments)
-  return _by_parts(trainer, part, prompt_tokens, key=rng)
+  return _by_parts(trainer, part, prompt_tokens, key=key)
 
 
-def assemble(trainer, params, frozen, prompt_tokens, samples):
+def score(trainer, params, frozen, prompt_tokens, samples):
   """The rollout of sampled responses: truncated after their EOS, scored by
-  the rewards computed in the step (the host rewards' columns NaN until
-  `with_host_rewards` fills them), with policy and reference log-probs at
-  the sampling temperature (the reference's only when a KL term weighs
-  them: `kl_control.scores_reference`)."""
+  the rewards computed on the device (the host's NaN until
+  `RewardSources.with_host_rewards` fills them), with policy and reference
+  log-probs at the sampling temperature (the reference's only when a KL
+  term weighs them: `kl_control.scores_reference`)."""
   o, k = trainer.config.online, trainer.online.samples_per_prompt
-  uses_rm = reward_sources.uses_reward_model(trainer.config)
-  names = list(reward_sources.weights(trainer.config))
+  rewards = trainer.online.rewards
   params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
   reference = (frozen["reference"] if kl_control.scores_reference(trainer)
                else None)
@@ -111,111 +202,62 @@ def assemble(trainer, params, frozen, prompt_tokens, samples):
   def part(prompts, tokens, unused_key):
     rollout = rollout_lib.assemble_rollout(
         trainer.lm, params["policy"], reference,
-        reward_sources.reward_lm(trainer) if uses_rm else None,
+        rewards.lm if rewards.reward_model else None,
         frozen.get("reward"), jnp.repeat(prompts, k, axis=0), tokens,
         temperature=o.temperature, eos_id=trainer.vocabulary.eos_id,
-        missing_eos_penalty=o.missing_eos_penalty if o.eos_trick else None)
-    device = reward_sources.device_rewards(trainer, frozen, rollout)
-    missing = jnp.full(rollout.has_eos.shape, jnp.nan, jnp.float32)
-    rewards = jnp.stack([device.get(name, missing) for name in names],
-                        axis=1)
-    return rollout.replace(rewards=rewards)
+        missing_eos_penalty=rewards.eos_trick)
+    return rewards.with_device_rewards(rollout)
 
   rollout = _by_parts(trainer, part, prompt_tokens, samples.tokens)
   # (The rollout's own decode_steps are None: they are the samples'.)
-  return rollout.replace(
-      scores=reward_sources.combine(trainer, rollout.rewards),
-      decode_steps=samples.num_steps)
+  return rollout.replace(decode_steps=samples.num_steps)
 
 
-def with_host_rewards(trainer, rollout, host_values):
-  """The rollout with the host rewards [rows, num host rewards] in their
-  columns, and its scores summed again."""
-  names = list(reward_sources.weights(trainer.config))
-  columns = [names.index(r.name)
-             for r in reward_sources.host_rewards(trainer)]
-  rewards = rollout.rewards.at[:, jnp.asarray(columns)].set(host_values)
-  return rollout.replace(rewards=rewards,
-                         scores=reward_sources.combine(trainer, rewards))
-
-
-def make_rollout(trainer, params, frozen, prompt_tokens, rng):
-  """Samples `samples_per_prompt` responses per prompt (adjacent rows) and
-  scores them with the rewards computed in the step. prompt_tokens:
-  [num_prompts, Lp]."""
-  samples = sample(trainer, params, frozen, prompt_tokens, rng)
-  return assemble(trainer, params, frozen, prompt_tokens, samples)
-
-
-def rollout_for_step(trainer, state, batch):
-  """The rollout `train_step(state, batch)` trains on (its device rewards;
-  the host's are added by the step)."""
-  _, rollout_rng, _ = step_rngs(state)
-  return make_rollout(trainer, state.params, state.frozen,
-                      batch[prompts_lib.PROMPT_FEATURE], rollout_rng)
-
-
-def update(trainer, state, rollout, rng, token_weights=None):
-  """What a step does with its rollout: the algorithm's targets, then the
-  gradient updates on them.
+def advantages(trainer, state, rollout, token_weights=None):
+  """The algorithm's targets (`Online.targets`) of a scored rollout, with
+  the rollout's metrics.
 
   Args:
     token_weights: optional [rows, L] weights of each token's advantage
-      (the truncated importance weights of an off-policy step:
-      `online_overlap`).
+      (an off-policy correction: `overlap`).
 
   Returns:
-    (params, opt_state, algorithm state, metrics).
+    (rows {name: [rows, ...]}, algorithm state, metrics).
   """
-  training = trainer.algorithm.training
-  # LoRA: the targets read the base with the adapters, the updates train
-  # the adapters alone (`state.params`) through the same view.
-  data, algorithm_state, target_metrics = training.targets(
+  # LoRA: the targets read the base with the adapters.
+  rows, algorithm_state, target_metrics = trainer.algorithm.training.targets(
       trainer, trainer.view(state), rollout)
   if token_weights is not None:
-    advantages = data["advantages"]
-    if advantages.ndim == 1:
-      advantages = advantages[:, None]
-    data = dict(data, advantages=advantages * token_weights)
+    advantage = rows["advantages"]
+    if advantage.ndim == 1:
+      advantage = advantage[:, None]
+    rows = dict(rows, advantages=advantage * token_weights)
+  metrics = rollout_lib.rollout_metrics(
+      rollout, kl_control.coefficient(state),
+      trainer.config.online.kl_estimator,
+      reference_scored=kl_control.scores_reference(trainer))
+  if trainer.online.rewards.reward_model is None:
+    metrics.pop("raw_score")  # there is no reward model
+  metrics.update(trainer.online.rewards.metrics(rollout.rewards))
+  metrics.update(target_metrics)
+  return rows, algorithm_state, metrics
+
+
+def update(trainer, state, rows, algorithm_state, update_key, next_key):
+  """The gradient updates on the targets' rows: the next train state and
+  metrics."""
+  training = trainer.algorithm.training
+  # The updates train the adapters alone (`state.params`) through the view.
   params, opt_state, metrics = run_updates(
-      trainer, state, data,
+      trainer, state, rows,
       lambda params, minibatch: training.loss(
           trainer, trainer.view_parts(params, state.frozen)[0], minibatch,
           state.algorithm_state),
-      rng)
-  metrics.update(rollout_lib.rollout_metrics(
-      rollout, kl_control.coefficient(state),
-      trainer.config.online.kl_estimator,
-      reference_scored=kl_control.scores_reference(trainer)))
-  if not reward_sources.uses_reward_model(trainer.config):
-    metrics.pop("raw_score")  # there is no reward model
-  if rollout.rewards is not None:  # None: the reward model's score alone
-    metrics.update(reward_sources.reward_metrics(trainer, rollout.rewards))
-  metrics.update(target_metrics)
-  return params, opt_state, algorithm_state, metrics
-
-
-def finish_step(trainer, state, rollout, update_rng, next_rng,
-                token_weights=None):
-  """The updates on a scored rollout: the next train state and metrics."""
-  params, opt_state, algorithm_state, metrics = update(
-      trainer, state, rollout, update_rng, token_weights)
+      update_key)
   metrics["learning_rate"] = trainer.learning_rate(state.step)
   return state.replace(step=state.step + 1, params=params,
                        opt_state=opt_state, algorithm_state=algorithm_state,
-                       rng=next_rng), metrics
-
-
-def token_count(trainer, minibatch):
-  """Response tokens of a (micro-)batch: what a token-mean loss averages."""
-  del trainer
-  return jnp.sum(minibatch["response_mask"].astype(jnp.float32))
-
-
-def response_count(trainer, minibatch):
-  """Responses of a (micro-)batch: what a per-response loss averages."""
-  del trainer
-  return jnp.asarray(minibatch["response_mask"].shape[0], jnp.float32)
+                       rng=next_key), metrics
 
 
 def run_updates(trainer, state, data, loss_fn, rng):
@@ -236,7 +278,8 @@ def run_updates(trainer, state, data, loss_fn, rng):
   """
   settings = trainer.online
   training = trainer.algorithm.training
-  count = functools.partial(training.loss_count or token_count, trainer)
+  count = (functools.partial(training.loss_count, trainer.config)
+           if training.loss_count else reductions.response_token_count)
   rows = jax.tree.leaves(data)[0].shape[0]
   indices = rollout_lib.minibatch_indices(rng, rows, settings.num_epochs,
                                           settings.num_minibatches)
@@ -263,9 +306,16 @@ def run_updates(trainer, state, data, loss_fn, rng):
   return params, opt_state, metrics
 
 
-def policy_logprobs(trainer, params, minibatch):
-  """(log-probs, entropies, mask) [rows, L] of the minibatch's responses
-  under the policy being trained, at the sampling temperature."""
-  return rollout_lib.logprobs_and_entropy(
-      trainer.lm, params["policy"], minibatch, None,
-      trainer.config.online.temperature, trainer.online.max_new_tokens)
+def rollout_for_step(trainer, state, batch):
+  """The rollout `online_step(state, batch)` trains on, with the rewards
+  computed on the device (for tests and benchmarks that look inside)."""
+  _, rollout_key, _ = split_step_key(state.rng)
+  tokens = batch[prompts_lib.PROMPT_FEATURE]
+  samples = sample(trainer, state.params, state.frozen, tokens, rollout_key)
+  return score(trainer, state.params, state.frozen, tokens, samples)
+
+
+def make_rollout(trainer, params, frozen, prompt_tokens, key):
+  """`sample` then `score`: a rollout of `prompt_tokens` [P, Lp]."""
+  samples = sample(trainer, params, frozen, prompt_tokens, key)
+  return score(trainer, params, frozen, prompt_tokens, samples)

@@ -43,20 +43,23 @@ starts from: the on-policy results on a mesh split in two
 (tests/test_eight_devices.py).
 """
 
+import dataclasses
+
 import jax
 import jax.numpy as jnp
 
 from jaxrlhf import sharding
 from jaxrlhf.algorithms.online import host_split
 from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
 from jaxrlhf.losses import common
 from jaxrlhf.rl import rollout as rollout_lib
 
 
-def overlaps(trainer) -> bool:
+def overlaps(config) -> bool:
   """The run samples on devices of its own, or one step ahead."""
-  o = trainer.config.online
+  o = config.online
   return bool(o.off_policy_steps or o.sampler_devices)
 
 
@@ -74,16 +77,33 @@ def _rows_on(mesh, rules, tree):
                  else sharding.replicated(mesh)), tree)
 
 
+def decoupled_correction(lm, temperature: float, cap: float, params,
+                         rollout):
+  """AReaL's decoupled correction (module docstring): the rollout re-scored
+  with `params` (pi_start, which the ratios take as their old policy) and
+  each token's truncated importance weight min(pi_start / pi_sample, cap)
+  [rows, L], with its metrics."""
+  start, _, _ = rollout_lib.logprobs_and_entropy(
+      lm, params["policy"], rollout.features, None, temperature,
+      rollout.mask.shape[1])
+  ratio = jnp.exp(start - rollout.logprobs)
+  weights = jnp.minimum(ratio, cap) * rollout.mask
+  metrics = {
+      "off_policy/weight_mean": common.masked_mean(weights, rollout.mask),
+      "off_policy/capped_fraction": common.masked_mean(
+          (ratio > cap).astype(jnp.float32), rollout.mask)}
+  return rollout.replace(logprobs=start), weights, metrics
+
+
 class OverlappedStep:
-  """(state, batch) -> (state, metrics) with rollouts made on the sampler's
-  mesh, one step ahead with `online.off_policy_steps=1` (module
-  docstring)."""
+  """(state, batch) -> (state, metrics): `iteration.online_step` with its
+  rollout made on the sampler's mesh, one step ahead with
+  `online.off_policy_steps=1` (module docstring)."""
 
   def __init__(self, trainer):
-    t = self._trainer = trainer
+    t = trainer
     o = t.config.online
     self._ahead = bool(o.off_policy_steps)
-    self._decoupled = self._ahead and o.off_policy_correction == "decoupled"
     mesh = sharding.sampler_mesh(t.config)
     if mesh is None:
       mesh = t.mesh
@@ -93,78 +113,93 @@ class OverlappedStep:
           "the training mesh's; build the trainer on "
           "`sharding.training_mesh(config)`.")
     self.mesh = mesh
-    self._rollouts = host_split.HostSplitStep(t, mesh=mesh)
+    self._training_mesh, self._rules = t.mesh, t.rules
+    self._num_steps = t.config.train.num_steps
+    self._prompt_source = t.online.prompt_source
+    self._sampler = host_split.HostSplitStep(t, mesh=mesh)
     self._params_on_sampler = _on_mesh(t.state_shardings.params, mesh)
     self._frozen_on_sampler = _on_mesh(t.state_shardings.frozen, mesh)
     self._frozen = None  # the frozen networks on the sampler, moved once
     self._pending = None  # (rollout on the sampler, host metrics)
     self._step = None  # the step the next call runs
-    cap = o.importance_weight_cap
-
-    def finish(state, rollout, update_rng, next_rng):
-      weights, metrics = None, {}
-      if self._decoupled:
-        start, _, _ = rollout_lib.logprobs_and_entropy(
-            t.lm, state.params["policy"], rollout.features, None,
-            o.temperature, rollout.mask.shape[1])
-        ratio = jnp.exp(start - rollout.logprobs)
-        weights = jnp.minimum(ratio, cap) * rollout.mask
-        metrics = {
-            "off_policy/weight_mean": common.masked_mean(weights,
-                                                         rollout.mask),
-            "off_policy/capped_fraction": common.masked_mean(
-                (ratio > cap).astype(jnp.float32), rollout.mask)}
-        rollout = rollout.replace(logprobs=start)
-      state, out = iteration.finish_step(t, state, rollout, update_rng,
-                                           next_rng, weights)
-      out.update(metrics)
-      return state, out
-
-    self._finish = jax.jit(
-        finish, donate_argnums=0,
-        out_shardings=(t.state_shardings, sharding.replicated(t.mesh)))
-    self.fused = self._rollouts.fused
-
-  def _sample(self, params, state, batch, key):
-    """The rollout of a local batch of prompts with `params` on the sampler
-    (dispatched; with host rewards, scored by the host before it returns);
-    `state` is the live train state, whose frozen networks it reads."""
-    t = self._trainer
-    if self.mesh is t.mesh:  # the live state's own (a copy would be donated)
-      frozen = state.frozen
-    else:
-      if self._frozen is None:
-        self._frozen = jax.device_put(state.frozen, self._frozen_on_sampler)
-      frozen = self._frozen
-    with jax.set_mesh(self.mesh):
-      return self._rollouts.rollout(
-          jax.device_put(params, self._params_on_sampler), frozen,
-          sharding.global_batch(batch, self.mesh, t.rules),
-          jax.device_put(key, sharding.replicated(self.mesh)))
+    correct = self._sampler.parts.correct
+    if self._ahead and o.off_policy_correction == "decoupled":
+      scored = jax.jit(lambda params, rollout: decoupled_correction(
+          t.lm, o.temperature, o.importance_weight_cap, params, rollout))
+      correct = lambda state, rollout: scored(state.params, rollout)
+    self.parts = dataclasses.replace(
+        self._sampler.parts, rounds=self._rounds, sample=self._sample,
+        score=self._score, keep=self._keep, correct=correct)
+    self.fused = self._sampler.fused
 
   def __call__(self, state, batch):
-    t = self._trainer
     if self._step is None:  # the first call: where the run starts
       self._step = int(jax.device_get(state.step))
-    next_rng, rollout_rng, update_rng = iteration.step_rngs(state)
-    if self._pending is None:
-      local = {k: evaluation.local_rows(v) for k, v in batch.items()}
-      self._pending = self._sample(state.params, state, local, rollout_rng)
-    (rollout, host_metrics), self._pending = self._pending, None
-    rollout = jax.device_put(rollout, _rows_on(t.mesh, t.rules, rollout))
-    ahead = self._ahead and self._step + 1 < t.config.train.num_steps
+    ahead = self._ahead and self._step + 1 < self._num_steps
     if ahead:  # step t's parameters, copied before the update donates them
       params = jax.device_put(state.params, self._params_on_sampler,
                               may_alias=False)
-    state, metrics = self._finish(state, rollout, update_rng, next_rng)
+    state, metrics = iteration.online_step(self.parts, state, batch)
     if ahead:
       # While the training devices update, the sampler samples the next
       # step's prompts with the parameters this step started from.
-      stream = t.online.prompt_stream
-      _, next_rollout_rng, _ = iteration.split_step_key(next_rng)
-      self._pending = self._sample(params, state,
-                                   stream.batch_at(stream.position),
-                                   next_rollout_rng)
+      stream = self._prompt_source.stream
+      _, key, _ = iteration.split_step_key(state.rng)
+      self._pending = self._rollout(
+          params, state, self._on_sampler(stream.batch_at(stream.position)),
+          key)
     self._step += 1
-    metrics.update(host_split.summed_over_processes(host_metrics))
     return state, metrics
+
+  # --- the parts that run on the sampler ----------------------------------------
+
+  def _on_sampler(self, local_batch):
+    return sharding.global_batch(local_batch, self.mesh, self._rules)
+
+  def _rounds(self, batch, rounds):
+    """Nothing to sample when the rollout was made a step ahead; else the
+    step's batch, moved to the sampler."""
+    del rounds
+    if self._pending is None:
+      yield self._on_sampler({k: evaluation.local_rows(v)
+                              for k, v in batch.items()})
+
+  def _frozen_for(self, frozen):
+    """The frozen networks on the sampler (moved once); the live state's
+    own when the sampler is the training mesh (a copy would be donated)."""
+    if self.mesh is self._training_mesh:
+      return frozen
+    if self._frozen is None:
+      self._frozen = jax.device_put(frozen, self._frozen_on_sampler)
+    return self._frozen
+
+  def _sample(self, params, frozen, prompt_tokens, key):
+    with jax.set_mesh(self.mesh):
+      return self._sampler.parts.sample(
+          jax.device_put(params, self._params_on_sampler),
+          self._frozen_for(frozen), prompt_tokens,
+          jax.device_put(key, sharding.replicated(self.mesh)))
+
+  def _score(self, params, frozen, prompt_tokens, samples):
+    with jax.set_mesh(self.mesh):
+      return self._sampler.parts.score(
+          jax.device_put(params, self._params_on_sampler),
+          self._frozen_for(frozen), prompt_tokens, samples)
+
+  def _rollout(self, params, state, batch, key):
+    """A rollout of `batch` sampled ahead with `params` (already on the
+    sampler), as `online_step` makes one: (rollout, host metrics)."""
+    tokens = batch[prompts_lib.PROMPT_FEATURE]
+    samples = self._sample(params, state.frozen, tokens, key)
+    rollout = self._score(params, state.frozen, tokens, samples)
+    return self._sampler.parts.host_rewards(rollout, samples, batch)
+
+  def _keep(self, rounds):
+    """The rollout made ahead (or this step's), moved to the training mesh,
+    and the host's metrics."""
+    if self._pending is not None:
+      rounds, self._pending = [self._pending], None
+    rollout, skipped = rounds[0]
+    return (jax.device_put(rollout, _rows_on(self._training_mesh,
+                                             self._rules, rollout)),
+            host_split.summed_over_processes(skipped))

@@ -39,7 +39,6 @@ from jaxrlhf import config_schema
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms.online import kl_control
 from jaxrlhf.algorithms.online import recipe
-from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.algorithms.online import options
 from jaxrlhf.algorithms.online import reward_model_eval
 from jaxrlhf.algorithms.online import reward_sources
@@ -93,7 +92,7 @@ def values(trainer, value_params, features):
   decoder-only value network, the position before t;
   `rollout.response_values`). `features` are laid out for the value network,
   which has the reward model's architecture (detail 22)."""
-  return rollout_lib.response_values(reward_sources.reward_lm(trainer),
+  return rollout_lib.response_values(trainer.online.rewards.lm,
                                      value_params,
                                      features, trainer.online.max_new_tokens)
 
@@ -156,7 +155,9 @@ def minibatch_loss(trainer, params, minibatch, algorithm_state=None):
   """PPO's loss on one minibatch of rollout rows."""
   del algorithm_state
   cfg = trainer.config
-  logprobs, entropy, mask = iteration.policy_logprobs(trainer, params, minibatch)
+  logprobs, entropy, mask = rollout_lib.logprobs_and_entropy(
+      trainer.lm, params["policy"], minibatch, None, cfg.online.temperature,
+      trainer.online.max_new_tokens)
   value = values(trainer, params["value"], minibatch)
   return ppo_lib.ppo_loss(
       logprobs, minibatch["old_logprobs"], minibatch["advantages"], value,

@@ -1,20 +1,21 @@
-"""Online RL: one train step is one iteration of rollout -> targets -> updates.
+"""`Online`: the `Training` every online algorithm shares.
 
 `Online(...)` is the `Training` of ppo, rloo, grpo, reinforce, reinforce_pp
 and rejection_sampling: an algorithm supplies its targets and its minibatch
-loss, and the iteration is shared (`online_step`): sample `samples_per_prompt`
-responses per prompt, score them with the run's rewards (`online_rewards`:
-a reward model, the task's gold reward, programs of the text), take policy
-and reference log-probs at the sampling temperature, then the algorithm's
-targets and `num_epochs` x `num_minibatches` gradient updates, all inside
-one jitted step; with rewards computed on the host, the step is split
-around the host (`online_host`); with sampler devices, rollouts are made on
-devices of their own, one step ahead of the update with
-`online.off_policy_steps=1` (`online_overlap`). Both architectures work: the policy and
-the reward model may each be T5 or decoder-only; prompts are served
-encoder-style and `jaxrlhf.rl.rollout` left-pads them inside the step for
-decoder-only models. Rollout arrays are [rows, L] over response tokens
-either way, so the algorithms never branch on architecture.
+loss, and the step is shared (`iteration.online_step`): sample
+`samples_per_prompt` responses per prompt, score them with the run's
+rewards (`reward_sources`: a reward model, the task's gold reward,
+programs of the text), take policy and reference log-probs at the sampling
+temperature, then the algorithm's targets and `num_epochs` x
+`num_minibatches` gradient updates. Its driver runs it whole in one
+compiled function, around the host when rewards are computed there
+(`host_split`), or with rollouts made on devices of their own, one step
+ahead of the update with `online.off_policy_steps=1` (`overlap`). Both
+architectures work: the policy and the reward model may each be T5 or
+decoder-only; prompts are served encoder-style and `jaxrlhf.rl.rollout`
+left-pads them inside the step for decoder-only models. Rollout arrays are
+[rows, L] over response tokens either way, so the algorithms never branch
+on architecture.
 
 Micro-batching (`train.num_microbatches` = M): each minibatch update
 accumulates gradients over M micro-batches, each weighted by its share of
@@ -26,37 +27,63 @@ minibatch's; an unweighted mean of micro-batch token means would not be
 What an algorithm carries between steps (the KL coefficient,
 REINFORCE's running baseline: `Algorithm.carried`) is returned by its
 targets and checkpointed with the rest of the state. The config group and
-its checks are in `online_config`, the KL controller in `kl_control`.
+its checks are in `options`, the KL controller in `kl_control`.
 """
 
 import dataclasses
+import functools
 from typing import Any, Callable, Optional, Tuple
 
 import jax
 
+from jaxrlhf import console
 from jaxrlhf.algorithms import base
-from jaxrlhf.algorithms.online import kl_control
-from jaxrlhf.algorithms.online import options
-from jaxrlhf.algorithms.online import host_split
-from jaxrlhf.algorithms.online import overlap
-from jaxrlhf.algorithms.online import reward_sources
-from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms.online import host_split
+from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import overlap
+from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.data import prompts as prompts_lib
+
+
+class PromptSource:
+  """An online run's prompts: their tokens, texts and extra columns (which
+  host rewards read), read once when first asked for, and the stream of
+  prompt batches over them that `Online.batches` starts (the one the loop
+  iterates; dynamic sampling and the overlap read it ahead)."""
+
+  def __init__(self, config, prompt_length: int):
+    self._config, self._prompt_length = config, prompt_length
+    self.stream: Optional[prompts_lib.PromptBatches] = None
+
+  @functools.cached_property
+  def prompts(self) -> prompts_lib.Prompts:
+    c = self._config
+    return prompts_lib.load_prompts(
+        c.data.task, c.data.train_split, self._prompt_length,
+        on_long=c.online.long_prompts, suffix=c.online.prompt_suffix)
+
+  def batches(self, position: int) -> prompts_lib.PromptBatches:
+    """This process's share of the prompt batches from batch `position`."""
+    c = self._config
+    self.stream = prompts_lib.PromptBatches(
+        self.prompts.tokens, c.train.batch_size, c.seed, position)
+    return self.stream
 
 
 @dataclasses.dataclass
 class OnlineSettings:
-  """An online run's resolved settings (`trainer.online`), and its prompts
-  (with their texts and columns, which host rewards read) and the stream of
-  prompt batches, once `Online.batches` has made them."""
+  """An online run's resolved settings (`trainer.online`), built once when
+  the trainer is: its reward sources and its prompts."""
   samples_per_prompt: int
   num_epochs: int
   num_minibatches: int
   max_new_tokens: int
-  prompts: Optional[prompts_lib.Prompts] = None
-  prompt_stream: Optional[prompts_lib.PromptBatches] = None
+  rewards: reward_sources.RewardSources
+  prompt_source: PromptSource
 
   @property
   def updates_per_step(self) -> int:
@@ -79,7 +106,7 @@ class Online(base.Training):
     loss: (trainer, params, minibatch, algorithm_state) -> (loss, metrics)
       of one update; algorithm_state is the step's carried state before
       this step changes it (GRPO's in-loss KL coefficient).
-    loss_count: (trainer, minibatch) -> what the loss is a mean over, for
+    loss_count: (config, minibatch) -> what the loss is a mean over, for
       the micro-batches' shares (default: response tokens).
     update_rows: (config, prompts per step, responses per step) -> rows the
       updates use (default: every response); refuses an impossible
@@ -108,28 +135,28 @@ class Online(base.Training):
   online = True
 
   def setup(self, trainer) -> None:
-    o = trainer.config.online
+    config = trainer.config
+    o = config.online
+    max_new_tokens = options.resolve(o.max_new_tokens,
+                                     config.data.targets_length)
+    rewards = reward_sources.build(
+        config, trainer.vocabulary, trainer.lm, trainer.platform,
+        max_new_tokens, shapes_only=trainer.shapes_only)
+    if not trainer.shapes_only:
+      console.log(rewards.describe())
     trainer.online = OnlineSettings(
         samples_per_prompt=options.resolve(o.samples_per_prompt,
-                                                 self.samples_per_prompt),
+                                           self.samples_per_prompt),
         num_epochs=options.resolve(o.num_epochs, self.num_epochs),
-        num_minibatches=o.num_minibatches,
-        max_new_tokens=options.resolve(
-            o.max_new_tokens, trainer.config.data.targets_length))
+        num_minibatches=o.num_minibatches, max_new_tokens=max_new_tokens,
+        rewards=rewards,
+        prompt_source=PromptSource(config, trainer.prompt_length))
 
   def check_rows(self, algorithm, config, data_parallel: int) -> None:
     options.check_rows(algorithm, config, data_parallel)
 
   def batches(self, trainer, position: int):
-    config = trainer.config
-    o = config.online
-    prompts = prompts_lib.load_prompts(
-        config.data.task, config.data.train_split, trainer.prompt_length,
-        on_long=o.long_prompts, suffix=o.prompt_suffix)
-    stream = prompts_lib.PromptBatches(prompts.tokens, config.train.batch_size,
-                                       config.seed, position)
-    trainer.online.prompts, trainer.online.prompt_stream = prompts, stream
-    return stream
+    return trainer.online.prompt_source.batches(position)
 
   def batch_spec(self, trainer):
     return prompts_lib.prompt_batch_spec(trainer.config.train.batch_size,
@@ -163,27 +190,16 @@ class Online(base.Training):
         optimizers.per_update_config(config.optimizer, updates),
         config.train.num_steps * updates)(step * updates)
 
-  def step(self, trainer, state, batch):
-    """One RL iteration: rollout -> the algorithm's targets -> updates, all
-    compiled (the host's rewards, if any, count 0 here: see
-    `train_step_function`)."""
-    next_rng, rollout_rng, update_rng = iteration.step_rngs(state)
-    rollout = iteration.make_rollout(
-        trainer, state.params, state.frozen,
-        batch[prompts_lib.PROMPT_FEATURE], rollout_rng)
-    return iteration.finish_step(trainer, state, rollout, update_rng,
-                                   next_rng)
-
   def train_step_function(self, trainer):
-    """The compiled step, or, when the host must score the responses (or
-    pick which groups to train on), the step split around it
-    (`host_split.HostSplitStep`), or, with sampler devices or off-policy
-    steps, rollouts made on the sampler (`online_overlap`)."""
-    if overlap.overlaps(trainer):
+    """`iteration.online_step` as its driver runs it: compiled whole, or,
+    when the host must score the responses (or pick which groups to train
+    on), split around the host (`host_split`), or, with sampler devices or
+    off-policy steps, with rollouts made on the sampler (`overlap`)."""
+    if overlap.overlaps(trainer.config):
       return overlap.OverlappedStep(trainer)
     if host_split.needs_host(trainer):
       return host_split.HostSplitStep(trainer)
-    return super().train_step_function(trainer)
+    return iteration.fused_step(trainer)
 
 
 def keeps_reference(trainer) -> bool:

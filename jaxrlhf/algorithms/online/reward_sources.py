@@ -36,27 +36,23 @@ the reward model and the overlong penalty it stays one compiled function.
 
 import dataclasses
 import functools
-from typing import Any, Callable, Dict, List, Sequence, Tuple
+from typing import Any, Callable, Dict, List, Optional, Sequence, Tuple
 
 import jax
 import jax.numpy as jnp
-import ml_collections
 import numpy as np
 
 from jaxrlhf import answers
 from jaxrlhf import config_schema
 from jaxrlhf import console
 from jaxrlhf.algorithms import state as state_lib
-from jaxrlhf.data import file_sources
-from jaxrlhf.data import tasks as tasks_lib
-from jaxrlhf.data import vocab
+from jaxrlhf.data import names
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import heads
 from jaxrlhf.models import pretrained
-from jaxrlhf.models import scoring
-from jaxrlhf.models.registry import build_model
 from jaxrlhf.rewards import code_execution
 from jaxrlhf.rewards import host
+from jaxrlhf.rewards import learned_reward
 from jaxrlhf.rewards import math_answer
 from jaxrlhf.rewards import overlong
 from jaxrlhf.rewards import text_rewards
@@ -151,7 +147,7 @@ GROUP = G("rewards", "What online RL trains on: the weighted sum of these "
                 "naming the function, the row and why; 'skip_and_report' "
                 "leaves that row out of the reward, counted in the console "
                 "and metrics.jsonl (reward/<name>/skipped).",
-                choices=file_sources.ON_BAD_ROW),
+                choices=names.ON_BAD_ROW),
           ])
 
 
@@ -212,194 +208,7 @@ def check_rewards(c) -> None:
   _parse_functions(c.rewards.functions)
 
 
-# --- the reward model -------------------------------------------------------------
-
-
-def reward_run(trainer):
-  """The reward model run's resolved config (a dict), or None."""
-  return trainer.once("reward_run", lambda: pretrained.run_config(
-      trainer.config.online.reward_model_checkpoint))
-
-
-def _reward_model(trainer) -> Tuple[Any, Any]:
-  """(scoring adapter, model config) of the reward model, built once per
-  trainer from its run's config."""
-
-  def build():
-    run = reward_run(trainer)
-    path = trainer.config.online.reward_model_checkpoint
-    vocabulary = tasks_lib.run_vocabulary(run) if run else None
-    if vocabulary is not None and (vocab.fingerprint(vocabulary)
-                                   != vocab.fingerprint(trainer.vocabulary)):
-      raise ValueError(
-          f"config.online.reward_model_checkpoint: the reward model {path!r} "
-          f"was trained with vocabulary {vocab.describe(vocabulary)}, but "
-          f"the policy (config.data.task {trainer.config.data.task!r}) uses "
-          f"{vocab.describe(trainer.vocabulary)}. Its scores of the policy's "
-          "token ids would be meaningless: train a reward model on the "
-          "policy's vocabulary.")
-    model_config = trainer.config.model
-    if run and "model" in run:
-      # The reward model's own architecture and size: it may be T5 for a
-      # decoder-only policy or the reverse (`rollout.response_features` lays
-      # the responses out for each).
-      model_config = ml_collections.ConfigDict(run["model"])
-      if "arch" not in model_config:
-        with model_config.unlocked():
-          model_config.arch = "t5"  # runs from before decoder-only models
-    module, module_config = build_model(model_config,
-                                        trainer.vocabulary.vocab_size,
-                                        trainer.platform)
-    return scoring.adapter_for(module), module_config
-
-  return trainer.once("reward_model", build)
-
-
-def reward_lm(trainer):
-  """The reward model's scoring adapter (its run's architecture and size);
-  without a reward model, the policy's (a value network then has the
-  policy's shape)."""
-  if not uses_reward_model(trainer.config):
-    return trainer.lm
-  return _reward_model(trainer)[0]
-
-
-def init_reward_net(trainer, rng):
-  """Fresh (boxed) reward-model-shaped params {"backbone", "head"} (the
-  policy's shape without a reward model)."""
-  a, b = jax.random.split(rng)
-  if uses_reward_model(trainer.config):
-    adapter, reward_config = _reward_model(trainer)
-    emb_dim = reward_config.emb_dim
-  else:
-    adapter, emb_dim = trainer.lm, trainer.model_config.emb_dim
-  backbone = trainer.init_lm(a, module=adapter.module)
-  return heads.init_from_backbone(b, backbone, emb_dim)
-
-
-def frozen_networks(trainer, rng) -> Dict[str, Any]:
-  """{"reward": params} when a reward model is weighted, else {}."""
-  if not uses_reward_model(trainer.config):
-    return {}
-  return {"reward": init_reward_net(trainer, rng)}
-
-
-def loaded_networks(trainer, abstract_state,
-                    initialised_from_it=()) -> Dict[str, Any]:
-  """{target: loaded tree} of the frozen reward model and the trained
-  networks `initialised_from_it` (PPO's "value", detail 22), shaped and
-  sharded as in `abstract_state`; without a reward model, those networks'
-  backbones start from the policy's checkpoint (their heads fresh).
-
-  In a LoRA run (`lora_state`) those backbones are adapters on the frozen
-  network they start from: the policy's base (loaded once, as the
-  policy's) or the frozen reward model, whose head is copied as theirs."""
-  lora = getattr(trainer, "lora", None) is not None
-  if not uses_reward_model(trainer.config):
-    path = trainer.config.init.policy_checkpoint
-    if not path or lora:
-      return {}
-    return {f"params/{name}/backbone": pretrained.load_lm_params(
-        path, state_lib.subtree(abstract_state, f"params/{name}/backbone"),
-        **trainer.hf_options()) for name in initialised_from_it}
-  path = trainer.config.online.reward_model_checkpoint
-  options = {"module": reward_lm(trainer).module,
-             "token_swap": trainer.hf_options()["token_swap"]}
-  targets = ["frozen/reward"] + [f"params/{name}"
-                                 for name in initialised_from_it]
-  if lora:
-    reward = pretrained.load_network_params(
-        path, state_lib.subtree(abstract_state, "frozen/reward"), "reward",
-        **options)
-    return {"frozen/reward": reward,
-            **{f"params/{name}/head": jax.tree.map(jnp.copy, reward["head"])
-               for name in initialised_from_it}}
-  return {target: pretrained.load_network_params(
-              path, state_lib.subtree(abstract_state, target), "reward",
-              **options)
-          for target in targets}
-
-
-@functools.lru_cache(maxsize=None)
-def _reward_fn(adapter):
-  """Jitted reward-model scoring, shared by every run with the same reward
-  model (the stages of a pipeline compile it once)."""
-  return jax.jit(lambda params, batch: heads.sequence_rewards(adapter,
-                                                              params, batch))
-
-
-def reward_scores(trainer, reward_params, prompt_tokens,
-                  samples) -> np.ndarray:
-  """Reward-model scores of sampled completions (host arrays), with the EOS
-  trick as in training. [n]."""
-  reward_fn = _reward_fn(reward_lm(trainer))
-  # Laid out for the reward model's architecture, which may not be the
-  # policy's.
-  features = jax.tree.map(np.asarray, rollout_lib.response_features(
-      reward_lm(trainer), jnp.asarray(prompt_tokens),
-      jnp.asarray(samples.tokens), jnp.asarray(samples.mask),
-      trainer.vocabulary.eos_id))
-  n = len(prompt_tokens)
-  scores = np.concatenate([
-      evaluation.local_rows(reward_fn(reward_params, b))
-      for b in evaluation.global_batches(
-          features, trainer.config.eval.batch_size, trainer.mesh,
-          trainer.rules)])[:n]
-  o = trainer.config.online
-  if o.eos_trick:
-    scores = np.where(np.asarray(samples.has_eos), scores,
-                      o.missing_eos_penalty)
-  return scores
-
-
-# --- the device rewards -----------------------------------------------------------
-
-
-def device_rewards(trainer, frozen, rollout) -> Dict[str, jax.Array]:
-  """{name: [rows]} of the rewards computed in the step: the reward model's
-  score at the EOS (the EOS trick applied: `rollout.scores` as
-  `assemble_rollout` made it) and the overlong penalty of each response."""
-  del frozen
-  config = trainer.config
-  out = {}
-  if uses_reward_model(config):
-    out[REWARD_MODEL] = rollout.scores
-  if config.rewards.overlong.weight != 0:
-    cfg = config.rewards.overlong
-    out[OVERLONG] = overlong.soft_overlong_penalty(
-        jnp.sum(rollout.mask, axis=-1),
-        cfg.max_length or trainer.online.max_new_tokens, cfg.cache_length)
-  return out
-
-
-def combine(trainer, components: jax.Array) -> jax.Array:
-  """[rows] weighted sum of the rewards [rows, num rewards] (in the order of
-  `weights`), a NaN (the reward does not apply) counting 0."""
-  w = jnp.asarray(list(weights(trainer.config).values()), jnp.float32)
-  return jnp.sum(jnp.where(jnp.isnan(components), 0.0, components) * w,
-                 axis=-1)
-
-
-def reward_metrics(trainer, components: jax.Array) -> Dict[str, jax.Array]:
-  """reward/<name> (the mean over the rows it applies to) and
-  reward/<name>_share (its part of the sum of |weight x reward|)."""
-  names = list(weights(trainer.config))
-  w = jnp.asarray(list(weights(trainer.config).values()), jnp.float32)
-  applies = ~jnp.isnan(components)
-  values = jnp.where(applies, components, 0.0)
-  count = jnp.sum(applies, axis=0).astype(jnp.float32)
-  means = jnp.sum(values, axis=0) / jnp.maximum(count, 1.0)
-  size = jnp.sum(jnp.abs(values * w), axis=0)
-  shares = size / jnp.maximum(jnp.sum(size), 1e-12)
-  metrics = {}
-  for i, name in enumerate(names):
-    metrics[f"reward/{name}"] = means[i]
-    if len(names) > 1:
-      metrics[f"reward/{name}_share"] = shares[i]
-  return metrics
-
-
-# --- the host rewards --------------------------------------------------------------
+# --- the run's rewards, built once -----------------------------------------------
 
 
 @dataclasses.dataclass(frozen=True)
@@ -409,42 +218,191 @@ class HostReward:
   function: Callable
 
 
-def host_rewards(trainer) -> List[HostReward]:
-  """The run's host rewards, in the order of `weights` (built once)."""
+@dataclasses.dataclass(frozen=True)
+class RewardSources:
+  """What a run trains on, built once before its first step (`build`).
 
-  def build():
-    r = trainer.config.rewards
-    made = {}
-    if r.gold_reward.weight != 0:
-      made["gold_reward"] = _gold_reward_function(trainer)
-    if r.math_answer.weight != 0:
-      m = r.math_answer
-      made["math_answer"] = math_answer.make_math_answer_reward(
-          m.answer_column, m.style, m.pattern or None)
-    if r.format.weight != 0:
-      made["format"] = text_rewards.make_regex_reward(r.format.pattern,
-                                                      match=r.format.match)
-    if r.code.weight != 0:
-      c = r.code
-      made["code"] = code_execution.make_code_reward(
-          c.tests_column, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
-          scoring=c.scoring)
-    functions = iter(_parse_functions(r.functions))
-    out = []
-    for name in weights(trainer.config):
-      if name in DEVICE_REWARDS:
-        continue
-      if name not in made:
-        path, _ = next(functions)
-        made[name] = host.load_function(path, "config.rewards.functions")
-      out.append(HostReward(name, made[name]))
+  Attributes:
+    weights: {name: weight} of every source that is on (`weights`): the
+      columns of a rollout's `rewards` [rows, len(weights)], in this order.
+    reward_model: the frozen reward model's network, or None.
+    lm: the scoring adapter reward-model-shaped networks use: the reward
+      model's, or the policy's when there is none (a value network then
+      has the policy's shape).
+    host: the rewards computed on the host, in the order of `weights`
+      (empty in a trainer built from shapes alone, which scores nothing).
+    overlong: (L_max, L_cache) of DAPO's overlong penalty, or None.
+    eos_trick: the missing-EOS penalty that replaces the reward model's
+      score of a response without an EOS (detail 23), or None.
+  """
+  weights: Dict[str, float]
+  reward_model: Optional[learned_reward.RewardModel]
+  lm: Any
+  host: Tuple[HostReward, ...]
+  overlong: Optional[Tuple[int, int]]
+  eos_trick: Optional[float]
+
+  @property
+  def names(self) -> List[str]:
+    return list(self.weights)
+
+  @property
+  def host_names(self) -> List[str]:
+    return [n for n in self.weights if n not in DEVICE_REWARDS]
+
+  def device_rewards(self, rollout) -> Dict[str, jax.Array]:
+    """{name: [rows]} of the rewards computed in the step: the reward
+    model's score at the EOS (the EOS trick applied: `rollout.scores` as
+    `assemble_rollout` made it) and the overlong penalty of each response."""
+    out = {}
+    if self.reward_model is not None:
+      out[REWARD_MODEL] = rollout.scores
+    if self.overlong is not None:
+      out[OVERLONG] = overlong.soft_overlong_penalty(
+          jnp.sum(rollout.mask, axis=-1), *self.overlong)
     return out
 
-  return trainer.once("host_rewards", build)
+  def with_device_rewards(self, rollout):
+    """The rollout with its rewards [rows, num rewards] (the host's NaN
+    until `with_host_rewards` fills them) and their weighted sum."""
+    device = self.device_rewards(rollout)
+    missing = jnp.full(rollout.has_eos.shape, jnp.nan, jnp.float32)
+    rewards = jnp.stack([device.get(name, missing) for name in self.names],
+                        axis=1)
+    return rollout.replace(rewards=rewards, scores=self.combine(rewards))
+
+  def with_host_rewards(self, rollout, host_values):
+    """The rollout with the host rewards [rows, num host rewards] in their
+    columns, and its scores summed again."""
+    columns = jnp.asarray([self.names.index(n) for n in self.host_names])
+    rewards = rollout.rewards.at[:, columns].set(host_values)
+    return rollout.replace(rewards=rewards, scores=self.combine(rewards))
+
+  def combine(self, components: jax.Array) -> jax.Array:
+    """[rows] weighted sum of the rewards [rows, num rewards], a NaN (the
+    reward does not apply) counting 0."""
+    w = jnp.asarray(list(self.weights.values()), jnp.float32)
+    return jnp.sum(jnp.where(jnp.isnan(components), 0.0, components) * w,
+                   axis=-1)
+
+  def metrics(self, components: jax.Array) -> Dict[str, jax.Array]:
+    """reward/<name>: the mean over the rows it applies to (NaN, and so
+    left out of the logs, when it applies to none); reward/<name>/rows:
+    how many; reward/<name>_share: its part of the sum of
+    |weight x reward|."""
+    w = jnp.asarray(list(self.weights.values()), jnp.float32)
+    applies = ~jnp.isnan(components)
+    values = jnp.where(applies, components, 0.0)
+    count = jnp.sum(applies, axis=0).astype(jnp.float32)
+    means = jnp.where(count > 0, jnp.sum(values, axis=0)
+                      / jnp.maximum(count, 1.0), jnp.nan)
+    size = jnp.sum(jnp.abs(values * w), axis=0)
+    shares = size / jnp.maximum(jnp.sum(size), 1e-12)
+    metrics = {}
+    for i, name in enumerate(self.names):
+      metrics[f"reward/{name}"] = means[i]
+      metrics[f"reward/{name}/rows"] = count[i]
+      if len(self.names) > 1:
+        metrics[f"reward/{name}_share"] = shares[i]
+    return metrics
+
+  def score_on_host(self, config, prompt_texts: Sequence[str],
+                    completion_texts: Sequence[str], finished: Sequence[bool],
+                    columns: Dict[str, list]
+                    ) -> Tuple[np.ndarray, Dict[str, float]]:
+    """This process's rows scored by every host reward.
+
+    Returns:
+      ([rows, num host rewards] float32, NaN where a reward does not apply
+      or the row was skipped; {reward/<name>/skipped: count} of this
+      process, for every host reward when rows may be skipped, else {}).
+    """
+    r = config.rewards
+    columns = dict(columns, finished=list(finished))
+    values, skipped = [], {}
+    for reward in self.host:
+      scores = host.score(reward.function, reward.name, prompt_texts,
+                          completion_texts, columns, timeout_s=r.timeout_s,
+                          on_bad_row=r.on_bad_row)
+      values.append(scores.values)
+      if r.on_bad_row != "raise":
+        skipped[f"reward/{reward.name}/skipped"] = float(scores.num_skipped)
+      if scores.num_skipped:
+        reasons = ", ".join(f"{k} {v}"
+                            for k, v in sorted(scores.skipped.items()))
+        console.log(f"Reward {reward.name}: skipped {scores.num_skipped} "
+                    f"row(s) ({reasons}); the first: "
+                    f"{scores.messages[0] if scores.messages else ''}")
+    if not values:
+      return np.zeros((len(prompt_texts), 0), np.float32), skipped
+    return np.stack(values, axis=1).astype(np.float32), skipped
+
+  def describe(self) -> str:
+    """"Rewards: reward_model x 1, math_answer x 0.5 (host)", for the
+    console at start-up."""
+    return "Rewards: " + ", ".join(
+        f"{name} x {weight:g}" + (" (host)" if name not in DEVICE_REWARDS
+                                  else "")
+        for name, weight in self.weights.items())
 
 
-def _gold_reward_function(trainer) -> Callable:
-  task = trainer.config.data.task
+def build(config, vocabulary, policy_lm, platform: str, max_new_tokens: int,
+          shapes_only: bool = False) -> RewardSources:
+  """The run's `RewardSources`: the reward model's network (its vocabulary
+  checked against `vocabulary`) and the host rewards (a missing function or
+  a task without a gold reward refused here, before the run writes
+  anything)."""
+  o, r = config.online, config.rewards
+  reward_model = None
+  if uses_reward_model(config):
+    reward_model = learned_reward.build(
+        o.reward_model_checkpoint, "config.online.reward_model_checkpoint",
+        vocabulary, config.model, platform,
+        check_vocabulary=not shapes_only)
+  overlong_cfg = None
+  if r.overlong.weight != 0:
+    overlong_cfg = (r.overlong.max_length or max_new_tokens,
+                    r.overlong.cache_length)
+  return RewardSources(
+      weights=weights(config), reward_model=reward_model,
+      lm=reward_model.adapter if reward_model else policy_lm,
+      host=() if shapes_only else _host_rewards(config),
+      overlong=overlong_cfg,
+      eos_trick=o.missing_eos_penalty if o.eos_trick else None)
+
+
+def _host_rewards(config) -> Tuple[HostReward, ...]:
+  r = config.rewards
+  made = {}
+  if r.gold_reward.weight != 0:
+    made["gold_reward"] = _gold_reward_function(config.data.task)
+  if r.math_answer.weight != 0:
+    m = r.math_answer
+    made["math_answer"] = math_answer.make_math_answer_reward(
+        m.answer_column, m.style, m.pattern or None)
+  if r.format.weight != 0:
+    made["format"] = text_rewards.make_regex_reward(r.format.pattern,
+                                                    match=r.format.match)
+  if r.code.weight != 0:
+    c = r.code
+    made["code"] = code_execution.make_code_reward(
+        c.tests_column, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
+        scoring=c.scoring)
+  functions = iter(_parse_functions(r.functions))
+  out = []
+  for name in weights(config):
+    if name in DEVICE_REWARDS:
+      continue
+    if name not in made:
+      path, _ = next(functions)
+      made[name] = host.load_function(path, "config.rewards.functions")
+    out.append(HostReward(name, made[name]))
+  return tuple(out)
+
+
+def _gold_reward_function(task: str) -> Callable:
+  # The data stack loads here, where the data is read, not with the config.
+  from jaxrlhf.data import tasks as tasks_lib  # pylint: disable=g-import-not-at-top
   gold = tasks_lib.gold_reward_for(task)
   if gold is None:
     raise ValueError(
@@ -461,39 +419,88 @@ def _gold_reward_function(trainer) -> Callable:
   return gold_reward
 
 
-def check_host_rewards(trainer) -> None:
-  """Builds the host rewards at start-up, so that a missing function or a
-  task without a gold reward stops the run before it trains."""
-  host_rewards(trainer)
+# --- the reward model's parameters -------------------------------------------------
 
 
-def score_on_host(trainer, prompt_texts: Sequence[str],
-                  completion_texts: Sequence[str], finished: Sequence[bool],
-                  columns: Dict[str, list]
-                  ) -> Tuple[np.ndarray, Dict[str, float]]:
-  """This process's rows scored by every host reward.
+def init_reward_net(trainer, rng):
+  """Fresh (boxed) reward-model-shaped params {"backbone", "head"} (the
+  policy's shape without a reward model)."""
+  a, b = jax.random.split(rng)
+  sources = trainer.online.rewards
+  emb_dim = (sources.reward_model.model_config.emb_dim if sources.reward_model
+             else trainer.model_config.emb_dim)
+  backbone = trainer.init_lm(a, module=sources.lm.module)
+  return heads.init_from_backbone(b, backbone, emb_dim)
 
-  Returns:
-    ([rows, num host rewards] float32, NaN where a reward does not apply or
-    the row was skipped; {reward/<name>/skipped: count} of this process,
-    for every host reward when rows may be skipped, else {}).
-  """
-  r = trainer.config.rewards
-  columns = dict(columns, finished=list(finished))
-  values, skipped = [], {}
-  for reward in host_rewards(trainer):
-    scores = host.score(reward.function, reward.name, prompt_texts,
-                        completion_texts, columns, timeout_s=r.timeout_s,
-                        on_bad_row=r.on_bad_row)
-    values.append(scores.values)
-    if r.on_bad_row != "raise":
-      skipped[f"reward/{reward.name}/skipped"] = float(scores.num_skipped)
-    if scores.num_skipped:
-      reasons = ", ".join(f"{k} {v}"
-                          for k, v in sorted(scores.skipped.items()))
-      console.log(f"Reward {reward.name}: skipped {scores.num_skipped} "
-                  f"row(s) ({reasons}); the first: "
-                  f"{scores.messages[0] if scores.messages else ''}")
-  if not values:
-    return np.zeros((len(prompt_texts), 0), np.float32), skipped
-  return np.stack(values, axis=1).astype(np.float32), skipped
+
+def frozen_networks(trainer, rng) -> Dict[str, Any]:
+  """{"reward": params} when a reward model is weighted, else {}."""
+  if trainer.online.rewards.reward_model is None:
+    return {}
+  return {"reward": init_reward_net(trainer, rng)}
+
+
+def loaded_networks(trainer, abstract_state,
+                    initialised_from_it=()) -> Dict[str, Any]:
+  """{target: loaded tree} of the frozen reward model and the trained
+  networks `initialised_from_it` (PPO's "value", detail 22), shaped and
+  sharded as in `abstract_state`; without a reward model, those networks'
+  backbones start from the policy's checkpoint (their heads fresh).
+
+  In a LoRA run (`lora_state`) those backbones are adapters on the frozen
+  network they start from: the policy's base (loaded once, as the
+  policy's) or the frozen reward model, whose head is copied as theirs."""
+  lora = getattr(trainer, "lora", None) is not None
+  reward_model = trainer.online.rewards.reward_model
+  if reward_model is None:
+    path = trainer.config.init.policy_checkpoint
+    if not path or lora:
+      return {}
+    return {f"params/{name}/backbone": pretrained.load_lm_params(
+        path, state_lib.subtree(abstract_state, f"params/{name}/backbone"),
+        **trainer.hf_options()) for name in initialised_from_it}
+  options = {"module": reward_model.adapter.module,
+             "token_swap": trainer.hf_options()["token_swap"]}
+  targets = ["frozen/reward"] + [f"params/{name}"
+                                 for name in initialised_from_it]
+  if lora:
+    reward = pretrained.load_network_params(
+        reward_model.path, state_lib.subtree(abstract_state, "frozen/reward"),
+        "reward", **options)
+    return {"frozen/reward": reward,
+            **{f"params/{name}/head": jax.tree.map(jnp.copy, reward["head"])
+               for name in initialised_from_it}}
+  return {target: pretrained.load_network_params(
+              reward_model.path, state_lib.subtree(abstract_state, target),
+              "reward", **options)
+          for target in targets}
+
+
+@functools.lru_cache(maxsize=None)
+def _reward_fn(adapter):
+  """Jitted reward-model scoring, shared by every run with the same reward
+  model (the stages of a pipeline compile it once)."""
+  return jax.jit(lambda params, batch: heads.sequence_rewards(adapter,
+                                                              params, batch))
+
+
+def reward_scores(trainer, reward_params, prompt_tokens,
+                  samples) -> np.ndarray:
+  """Reward-model scores of sampled completions (host arrays), with the EOS
+  trick as in training. [n]."""
+  sources = trainer.online.rewards
+  reward_fn = _reward_fn(sources.lm)
+  # Laid out for the reward model's architecture, which may not be the
+  # policy's.
+  features = jax.tree.map(np.asarray, rollout_lib.response_features(
+      sources.lm, jnp.asarray(prompt_tokens), jnp.asarray(samples.tokens),
+      jnp.asarray(samples.mask), trainer.vocabulary.eos_id))
+  n = len(prompt_tokens)
+  scores = np.concatenate([
+      evaluation.local_rows(reward_fn(reward_params, b))
+      for b in evaluation.global_batches(
+          features, trainer.config.eval.batch_size, trainer.mesh,
+          trainer.rules)])[:n]
+  if sources.eos_trick is not None:
+    scores = np.where(np.asarray(samples.has_eos), scores, sources.eos_trick)
+  return scores
