@@ -9,6 +9,7 @@ declared. `docs/config.md` is rendered from the same declarations
 (`python -m jaxrlhf.docs`).
 """
 
+import importlib.util
 import os
 from typing import Optional
 
@@ -16,13 +17,13 @@ import ml_collections
 
 from jaxrlhf import algorithms
 from jaxrlhf import config_schema
+from jaxrlhf import models
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.data import file_sources
 from jaxrlhf.eval import judges
-from jaxrlhf.models import registry
-from jaxrlhf.models.layers import decoders
+from jaxrlhf.models import layers
 
 F = config_schema.Field
 G = config_schema.Group
@@ -43,12 +44,12 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 "Model family (jaxrlhf/models/; every algorithm runs on "
                 "each): " + "; ".join(
                     f"'{name}': {f.summary}"
-                    for name, f in registry.FAMILIES.items()),
-                choices=registry.ARCHITECTURES),
+                    for name, f in models.FAMILIES.items()),
+                choices=models.ARCHITECTURES),
               F("size", "tiny",
                 "Size preset of the family: " + "; ".join(
                     f"{name}: {', '.join(f.presets)}"
-                    for name, f in registry.FAMILIES.items()) + "."),
+                    for name, f in models.FAMILIES.items()) + "."),
               F("vocab_size", None,
                 "Output vocabulary size; unset = the task vocabulary's size "
                 "rounded up to a multiple of 128 (t5x pads 32100 to 32128 "
@@ -80,7 +81,7 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 "(jaxrlhf/models/<family>.py); '' = the preset's."),
               F("mlp", "gated-gelu",
                 "'gated-gelu' (T5 1.1) or 'relu' (T5 1.0); T5 and "
-                "t5x_decoder_only.", choices=registry.MLP_TYPES),
+                "t5x_decoder_only.", choices=models.MLP_TYPES),
               F("logits_via_embedding", False,
                 "Tie the output layer to the token embedding (T5 1.0 "
                 "style); T5 and t5x_decoder_only."),
@@ -92,14 +93,14 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
               F("remat_policy", "none",
                 "Per-layer rematerialisation in the backward pass: 'none', "
                 "'full', or a jax.checkpoint_policies name.",
-                choices=decoders.REMAT_POLICIES, resumable=True),
+                choices=layers.REMAT_POLICIES, resumable=True),
               F("scan_layers", False,
                 "Run each layer stack as one nn.scan (one compiled layer "
                 "body: faster compiles of deep models; the same numbers). "
                 "The parameters are then stacked under 'layers', so a "
                 "checkpoint the run starts from must have the same "
                 "layout."),
-              F("attention_impl", registry.AUTO_ATTENTION,
+              F("attention_impl", models.AUTO_ATTENTION,
                 "'auto': the fastest exact kernel the family has on the "
                 "devices the run uses (`models.attention_for`): 'splash' "
                 "for the decoder-only families on TPU; 'dot_product_cudnn' "
@@ -124,14 +125,18 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 "t5x_decoder_only has 'xla' only. The "
                 "kernels compute the same numbers, so a run may resume "
                 "with another.",
-                choices=registry.ATTENTION_CHOICES, resumable=True),
+                choices=models.ATTENTION_CHOICES, resumable=True),
           ])
 
 INIT = G("init", "Where the networks start.", [
     F("policy_checkpoint", "",
-      "Where the policy starts: '' = random initialisation; a T5X "
-      "checkpoint (checkpoint_N or its model directory), or a jaxrlhf "
-      "workdir whose latest checkpoint's policy is used (e.g. an SFT run's).",
+      "Where the policy starts: a T5X checkpoint (checkpoint_N or its "
+      "model directory), a Hugging Face model directory, or a jaxrlhf "
+      "workdir whose latest checkpoint's policy is used (e.g. an SFT "
+      "run's). '' = random initialisation, which only sft, reward_model "
+      "and reward_model_ranking accept: every other algorithm (the DPO "
+      "family, ORPO, SimPO, KTO, BCO, DRO-V and the online ones) starts "
+      "from a trained policy, its reference too, and refuses ''.",
       path=True),
 ])
 
@@ -287,6 +292,15 @@ DATA = G("data", "What the run reads.", [
     FILES,
 ], checks=(_check_packing,))
 
+def _check_wandb(c) -> None:
+  # Refused before anything is written, not at the first metrics row.
+  config_schema.require(
+      not c.train.wandb or importlib.util.find_spec("wandb") is not None,
+      "train.wandb",
+      "the wandb package is not installed: pip install -e .[wandb] (or "
+      "--config.train.wandb=False).")
+
+
 TRAIN = G("train", "The training run.", [
     F("num_steps", 600, "Train steps (a resumed run may extend them; with a "
       "decaying optimizer.schedule that changes the remaining learning "
@@ -303,13 +317,31 @@ TRAIN = G("train", "The training run.", [
       "softmax normaliser near 0 (SFT).", bounds=">=0"),
     F("log_every", 50, "Console and metrics.jsonl every N steps.",
       bounds=">0", resumable=True),
+    F("wandb", False,
+      "Also log every metrics.jsonl row to Weights & Biases, at the same "
+      "steps (plotted against the scalar 'step'), from the process that "
+      "writes metrics; needs pip install -e .[wandb]. The wandb run is named "
+      "after the workdir's last directory, records the config, keeps its "
+      "files under <workdir>/wandb/ unless WANDB_DIR is set, and a resumed "
+      "run is a new wandb run from the step it resumes at.",
+      resumable=True),
+    F("wandb_project", "jaxrlhf", "train.wandb: the wandb project.",
+      resumable=True),
+    F("wandb_entity", "",
+      "train.wandb: the wandb entity (user or team); '' = your default.",
+      resumable=True),
+    F("wandb_mode", "online",
+      "train.wandb: 'online' (uploads as it runs; needs wandb login or "
+      "WANDB_API_KEY), 'offline' (writes the run's files only; wandb sync "
+      "uploads them later) or 'disabled' (logs nothing).",
+      choices=("online", "offline", "disabled"), resumable=True),
     F("lost_process_timeout_s", 60,
       "Runs of several processes: one not heard from for this many seconds "
       "is lost (died, preempted), and the others stop with one line naming "
       "it rather than wait for it forever in a collective; "
       "jax.distributed's own heartbeat timeout is set to twice this.",
       bounds=">0", resumable=True),
-])
+], checks=(_check_wandb,))
 
 OPTIMIZER = G("optimizer", "The optimizer of the trained networks (of the "
               "policy, where a network has its own learning rate).", [

@@ -255,7 +255,8 @@ class _Run:
     # Rows logged after the checkpoint we resume from (a crash between
     # saves), or by a start that never saved, are dropped, so that
     # metrics.jsonl reads as one uninterrupted run.
-    self.logger = metrics_lib.MetricsLogger(self.workdir, resume_step=latest)
+    self.logger = metrics_lib.MetricsLogger(self.workdir, resume_step=latest,
+                                            config=config)
     if restored:
       _, state, position = restored
       state = trainer.with_base(state, lora.read_base_record(self.workdir))

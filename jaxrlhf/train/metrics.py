@@ -1,4 +1,5 @@
-"""Metrics out of a run: TensorBoard, metrics.jsonl, and console progress."""
+"""Metrics out of a run: TensorBoard, metrics.jsonl, wandb (optional), and
+console progress."""
 
 import datetime
 import json
@@ -11,6 +12,7 @@ import jax
 
 from jaxrlhf import console
 from jaxrlhf.train import files
+from jaxrlhf.train import wandb_writer
 
 METRICS = "metrics.jsonl"
 
@@ -39,29 +41,38 @@ def read_rows(path) -> List[Dict]:
 
 
 class MetricsLogger:
-  """Writes scalars to TensorBoard event files (clu) and, mirrored, to
+  """Writes scalars to TensorBoard event files (clu), to wandb with
+  config.train.wandb on (one more clu writer), and, mirrored, to
   `<workdir>/metrics.jsonl`, one JSON object per line with its "step".
 
-  Only process 0 writes files; every process may call it. A write that
-  fails for lack of space raises files.WriteError in one line, and leaves
-  metrics.jsonl ending at its last complete row.
+  Only process 0 writes files and logs to wandb; every process may call
+  it. A write that fails for lack of space raises files.WriteError in one
+  line, and leaves metrics.jsonl ending at its last complete row.
 
   Args:
     workdir: the run's directory (local or gs://).
     resume_step: the step of the checkpoint the run resumes from: the rows
       after it are dropped (they are trained and logged again), and None
       (a start from scratch) drops every row.
+    config: the run's config (None: no wandb).
   """
 
-  def __init__(self, workdir: str, resume_step: Optional[int] = None):
+  def __init__(self, workdir: str, resume_step: Optional[int] = None,
+               config=None):
     self._is_main = jax.process_index() == 0
     self._path = epath.Path(workdir) / METRICS
     self._rows = [r for r in read_rows(self._path)
                   if resume_step is not None and r["step"] <= resume_step]
     self._remote = files.is_remote(self._path)
     self._jsonl = None
+    # wandb first: its start is the one that may fail (no login, no
+    # network), and then nothing else is open yet.
+    wandb = (wandb_writer.create(config, workdir)
+             if self._is_main and config is not None else None)
     self._writer = metric_writers.create_default_writer(
         workdir, just_logging=not self._is_main, asynchronous=False)
+    if wandb is not None:
+      self._writer = metric_writers.MultiWriter([self._writer, wandb])
     if self._is_main:
       files.write_atomically(self._path, "".join(
           json.dumps(r) + "\n" for r in self._rows), str(self._path))
