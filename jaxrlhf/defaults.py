@@ -17,13 +17,13 @@ import ml_collections
 
 from jaxrlhf import algorithms
 from jaxrlhf import config_schema
-from jaxrlhf import models
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.data import file_sources
 from jaxrlhf.eval import judges
-from jaxrlhf.models import layers
+from jaxrlhf.models import registry
+from jaxrlhf.models.layers import decoders
 
 F = config_schema.Field
 G = config_schema.Group
@@ -44,12 +44,12 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 "Model family (jaxrlhf/models/; every algorithm runs on "
                 "each): " + "; ".join(
                     f"'{name}': {f.summary}"
-                    for name, f in models.FAMILIES.items()),
-                choices=models.ARCHITECTURES),
+                    for name, f in registry.FAMILIES.items()),
+                choices=registry.ARCHITECTURES),
               F("size", "tiny",
                 "Size preset of the family: " + "; ".join(
                     f"{name}: {', '.join(f.presets)}"
-                    for name, f in models.FAMILIES.items()) + "."),
+                    for name, f in registry.FAMILIES.items()) + "."),
               F("vocab_size", None,
                 "Output vocabulary size; unset = the task vocabulary's size "
                 "rounded up to a multiple of 128 (t5x pads 32100 to 32128 "
@@ -81,7 +81,7 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 "(jaxrlhf/models/<family>.py); '' = the preset's."),
               F("mlp", "gated-gelu",
                 "'gated-gelu' (T5 1.1) or 'relu' (T5 1.0); T5 and "
-                "t5x_decoder_only.", choices=models.MLP_TYPES),
+                "t5x_decoder_only.", choices=registry.MLP_TYPES),
               F("logits_via_embedding", False,
                 "Tie the output layer to the token embedding (T5 1.0 "
                 "style); T5 and t5x_decoder_only."),
@@ -93,14 +93,14 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
               F("remat_policy", "none",
                 "Per-layer rematerialisation in the backward pass: 'none', "
                 "'full', or a jax.checkpoint_policies name.",
-                choices=layers.REMAT_POLICIES, resumable=True),
+                choices=decoders.REMAT_POLICIES, resumable=True),
               F("scan_layers", False,
                 "Run each layer stack as one nn.scan (one compiled layer "
                 "body: faster compiles of deep models; the same numbers). "
                 "The parameters are then stacked under 'layers', so a "
                 "checkpoint the run starts from must have the same "
                 "layout."),
-              F("attention_impl", models.AUTO_ATTENTION,
+              F("attention_impl", registry.AUTO_ATTENTION,
                 "'auto': the fastest exact kernel the family has on the "
                 "devices the run uses (`models.attention_for`): 'splash' "
                 "for the decoder-only families on TPU; 'dot_product_cudnn' "
@@ -125,7 +125,7 @@ MODEL = G("model", "The policy's model (and the reward model's, unless it "
                 "t5x_decoder_only has 'xla' only. The "
                 "kernels compute the same numbers, so a run may resume "
                 "with another.",
-                choices=models.ATTENTION_CHOICES, resumable=True),
+                choices=registry.ATTENTION_CHOICES, resumable=True),
           ])
 
 INIT = G("init", "Where the networks start.", [
