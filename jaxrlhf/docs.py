@@ -16,7 +16,7 @@ import sys
 from jaxrlhf import algorithms
 from jaxrlhf import config_schema
 from jaxrlhf import defaults
-from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import reference
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -26,7 +26,7 @@ def _algorithms_table() -> str:
            "| --- | --- | --- | --- |"]
   for algorithm in algorithms.REGISTRY.values():
     kind = "online" if algorithm.online else "offline"
-    if base.precomputable(algorithm):
+    if reference.precomputable(algorithm):
       kind += " (reference log-probs may be precomputed)"
     lines.append(f"| `{algorithm.name}` | {algorithm.data} | {kind} | "
                  f"{algorithm.summary} |")
