@@ -20,7 +20,8 @@ from jaxrlhf import config_schema
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms import optimizers
-from jaxrlhf.data import file_sources
+from jaxrlhf.data import file_layouts
+from jaxrlhf.data import names
 from jaxrlhf.eval import judges
 from jaxrlhf.models import registry
 from jaxrlhf.models.layers import decoders
@@ -225,7 +226,7 @@ FILES = G("files", "Alignment data from files on disk: when "
                 "'chosen': [reply], 'rejected': [reply]} or two whole "
                 "conversations {'chosen', 'rejected'} for pairs; prompts "
                 "end with the template's generation prompt).",
-                choices=file_sources.LAYOUTS),
+                choices=file_layouts.LAYOUTS),
               F("column_mapping", "",
                 "Layouts 'columns' and 'messages': kind field (or 'messages', "
                 "the conversation column) -> file column, as "
@@ -256,7 +257,7 @@ FILES = G("files", "Alignment data from files on disk: when "
               F("on_bad_row", "raise",
                 "'raise': a malformed row stops the run naming file and row; "
                 "'skip_and_report': it is counted, reported, and skipped.",
-                choices=file_sources.ON_BAD_ROW),
+                choices=names.ON_BAD_ROW),
               F("max_completion_tokens", None,
                 "Longest completion (EOS included) a row may have; longer "
                 "ones are bad rows. Unset = data.targets_length.", type=int,
