@@ -16,7 +16,7 @@ import sys
 from jaxrlhf import algorithms
 from jaxrlhf import config_schema
 from jaxrlhf import defaults
-from jaxrlhf.algorithms import reference
+from jaxrlhf.algorithms import base
 
 PATH = pathlib.Path(__file__).resolve().parents[1] / "docs" / "config.md"
 
@@ -26,7 +26,7 @@ def _algorithms_table() -> str:
            "| --- | --- | --- | --- |"]
   for algorithm in algorithms.REGISTRY.values():
     kind = "online" if algorithm.online else "offline"
-    if reference.precomputable(algorithm):
+    if base.precomputable(algorithm):
       kind += " (reference log-probs may be precomputed)"
     lines.append(f"| `{algorithm.name}` | {algorithm.data} | {kind} | "
                  f"{algorithm.summary} |")
