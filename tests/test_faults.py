@@ -257,6 +257,9 @@ RESUMABLE_CHANGES = {
     "model.remat_policy": "full", "model.attention_impl": "dot_product",
     "train.log_every": 2,
     "train.lost_process_timeout_s": 90, "optimizer.learning_rate": 5e-3,
+    # (wandb's package is in the test extra; 'disabled' logs nothing.)
+    "train.wandb": True, "train.wandb_mode": "disabled",
+    "train.wandb_project": "other", "train.wandb_entity": "someone",
     "optimizer.grad_clip_norm": 0.0, "checkpoint.every_steps": 1,
     "checkpoint.keep": 2, "eval.every_steps": 1, "eval.batch_size": 8,
     "mesh.shape": (1, -1), "mesh.axis_names": ("data", "tensor"),
