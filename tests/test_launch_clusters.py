@@ -404,6 +404,19 @@ def test_slurm_requeues_at_the_time_limit_with_either_spelling(
   assert _requeues(tmp_path) == [["requeue", str(job)]]
 
 
+def test_slurm_says_when_it_cannot_tell_sbatchs_requeue(tmp_path):
+  """A Slurm whose job record has no SubmitLine: sbatch's own --requeue
+  cannot be read, and the job's output says which spelling works."""
+  status, lines, _ = _slurm_to_the_time_limit(
+      tmp_path, ["--requeue"], [], FAKE_SLURM_NO_SUBMIT_LINE="1")
+  assert status == 75
+  assert lines == STOPPING + [
+      "(Slurm's record of this job does not show whether sbatch was given "
+      "--requeue; to requeue at the time limit on this cluster, give "
+      "--requeue after the script's name.)", UNFINISHED]
+  assert not _requeues(tmp_path)
+
+
 def test_slurm_says_when_the_requeue_is_refused(tmp_path):
   """A job Slurm may not requeue (--no-requeue to sbatch; so too a cluster
   with JobRequeue=0) ends as one stopped unfinished, and says why."""

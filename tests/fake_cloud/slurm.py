@@ -11,7 +11,9 @@ the real srun does, turns a SIGTERM or SIGINT it receives into a SIGKILL of
 its tasks; scancel --signal signals a step's tasks; `scontrol show job`
 prints the fields of the job's record that Slurm's does (Requeue: 1 with
 sbatch --requeue, 0 with --no-requeue, else the cluster's default,
-FAKE_SLURM_JOB_REQUEUE, 1 as slurm.conf's JobRequeue; Command; SubmitLine);
+FAKE_SLURM_JOB_REQUEUE, 1 as slurm.conf's JobRequeue; Command;
+SubmitLine, which FAKE_SLURM_NO_SUBMIT_LINE=1 leaves out, as older Slurm
+releases do);
 scontrol requeue is recorded, and refused as Slurm refuses it for a job
 whose Requeue is 0.
 """
@@ -230,8 +232,10 @@ def scontrol(args):
         f"   Requeue={record['Requeue']} Restarts={record['Restarts']} "
         "BatchFlag=1 Reboot=0 ExitCode=0:0\n"
         f"   Command={record['Command']}\n"
-        f"   WorkDir={record['WorkDir']}\n"
-        f"   SubmitLine={record['SubmitLine']}\n")
+        f"   WorkDir={record['WorkDir']}")
+  if not os.environ.get("FAKE_SLURM_NO_SUBMIT_LINE"):
+    print(f"   SubmitLine={record['SubmitLine']}")
+  print()
   return 0
 
 
