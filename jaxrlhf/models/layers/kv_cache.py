@@ -12,8 +12,10 @@ then one call per new token, each with `mutable=["cache"]`. A cache made in
 mask covers. A window (`attentions.window_mask`) only narrows the mask: the
 cache keeps every position.
 
-The interface the attention layers use, and all that a replacement of this
-cache must give them:
+The interface the layers (`attentions.Attention`, `t5_attention.T5Attention`'s
+self-attention, `decoders.DecoderOnly`) and the sampler use, all that a
+replacement of this cache must give them (T5's cross-attention cache,
+written once per sample, is `T5Attention`'s own):
   update_kv_cache(module, name, new, cache_index, cache_length, head_axis)
     -> the cache's first cache_length positions, a tuple of chunks [batch,
        heads, length, head_dim];
