@@ -93,7 +93,7 @@ class Offline(base.Training):
     return batches
 
   def batch_spec(self, trainer) -> Dict[str, jax.ShapeDtypeStruct]:
-    # The data stack loads here, where the data is read, not with the config.
+    # The feature converters (seqio) load with a trainer, not with the config.
     from jaxrlhf.data import feature_converters  # pylint: disable=g-import-not-at-top
     batch = trainer.config.train.batch_size
     kind = (None if trainer.algorithm.data == base.SFT_DATA
