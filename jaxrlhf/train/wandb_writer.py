@@ -25,8 +25,9 @@ STEP = "step"
 
 
 class WandbWriter(metric_writers.MetricWriter):
-  """Writes scalars to a wandb run; the other kinds are not logged by
-  jaxrlhf and are refused rather than dropped."""
+  """Writes scalars to a wandb run (the run's config is recorded by
+  `create`); the other kinds jaxrlhf does not log, and they are refused
+  rather than dropped."""
 
   def __init__(self, run):
     self._run = run
@@ -35,15 +36,13 @@ class WandbWriter(metric_writers.MetricWriter):
     self._run.log({STEP: int(step), **{k: float(v)
                                        for k, v in scalars.items()}})
 
-  def write_hparams(self, hparams: Mapping[str, Any]):
-    self._run.config.update(dict(hparams), allow_val_change=True)
-
   def _unsupported(self, *args, **kwargs):
     del args, kwargs
-    raise NotImplementedError("WandbWriter writes scalars and hparams only.")
+    raise NotImplementedError("WandbWriter writes scalars only.")
 
   write_summaries = write_images = write_videos = _unsupported
   write_audios = write_texts = write_histograms = _unsupported
+  write_hparams = _unsupported
 
   def flush(self):
     pass  # wandb's service process writes (and uploads) as rows arrive
