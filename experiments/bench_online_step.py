@@ -22,22 +22,24 @@ of the policy's shape scores the responses too (weight 1, inside
 `assemble`).
 
 (a) The step split around the host (default). The step is
-`online_host.HostSplitStep`, the one a run with host rewards trains with,
-and its parts are its own compiled calls, each timed alone:
+`host_split.HostSplitStep`, the one a run with host rewards trains with,
+and its parts (`iteration.StepParts`) are its own compiled calls, each
+timed alone:
 
-  sampling      `online_step.sample`: k responses per prompt, each prompt
+  sampling      `iteration.sample`: k responses per prompt, each prompt
                 prefilled once, decoding until every row has ended
                 (stop_when_done on) or for all `--new` steps (off);
   host rewards  this process's responses copied to the host, decoded and
-                scored by the host reward (`online_rewards.score_on_host`);
-  assemble      `online_step.assemble`: the responses cut after their
+                scored by the host reward (`RewardSources.score_on_host`),
+                and added to the rollout;
+  assemble      `iteration.score`: the responses cut after their
                 EOS, policy and reference log-probs (a forward pass each),
                 the reward model's score when weighted; with a KL
                 coefficient (`--kl_coef`, GRPO's 0.04 by default) also
                 timed with 0 ("assemble, no KL"), which skips the
                 reference's pass, as configs/grpo_gsm8k.py runs;
-  updates       the host rewards added, then `online_step.finish_step`:
-                GRPO's group advantages and num_epochs x num_minibatches
+  updates       `iteration.advantages` and `iteration.update`: GRPO's
+                group advantages and num_epochs x num_minibatches
                 optimizer updates (forward and backward).
 
 Then the whole step, and `fused`: the same device work as one compiled
@@ -59,7 +61,7 @@ keys, so both draw the same responses (checked): the decode steps run
 against the budget, and the step's speed-up.
 
 (b) `--overlap`: generation overlapped with training
-(`online_overlap.OverlappedStep`). The devices (8 simulated CPU devices:
+(`overlap.OverlappedStep`). The devices (8 simulated CPU devices:
 the script sets XLA_FLAGS=--xla_force_host_platform_device_count=8 before
 importing JAX when XLA_FLAGS does not name a count) split in two halves:
 `online.sampler_devices` sample, assemble and (with the host) score the
@@ -145,9 +147,9 @@ from jaxrlhf import answers  # noqa: E402
 from jaxrlhf import console  # noqa: E402
 from jaxrlhf import defaults  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
-from jaxrlhf.algorithms import online_host  # noqa: E402
-from jaxrlhf.algorithms import online_overlap  # noqa: E402
-from jaxrlhf.algorithms import online_step  # noqa: E402
+from jaxrlhf.algorithms.online import host_split  # noqa: E402
+from jaxrlhf.algorithms.online import iteration  # noqa: E402
+from jaxrlhf.algorithms.online import overlap  # noqa: E402
 from jaxrlhf.data import prompts as prompts_lib  # noqa: E402
 from jaxrlhf.eval import evaluation  # noqa: E402
 from jaxrlhf.models import scoring  # noqa: E402
@@ -286,42 +288,45 @@ def split_parts(args, stop_when_done: bool):
   config = make_config(args, stop_when_done)
   with sharding.activate(config) as mesh:
     trainer, state = build(config, args, mesh)
-    step = online_host.HostSplitStep(trainer)
+    step = host_split.HostSplitStep(trainer)
+    parts = step.parts
     batch = sharding.global_batch(next(trainer.train_batches(0)), mesh,
                                   trainer.rules)
     prompts = batch[prompts_lib.PROMPT_FEATURE]
-    next_rng, rollout_rng, update_rng = online_step.step_rngs(state)
+    next_rng, rollout_rng, update_rng = iteration.split_step_key(state.rng)
     r = args.repeats
     start = time.perf_counter()
-    # The step's own compiled calls (its members), so that each part is
-    # what the step runs and compiles once.
-    # pylint: disable=protected-access
+    # The step's own compiled parts, so that each part is what the step
+    # runs and compiles once.
     t = {}
-    t["sampling"] = fastest(step._sample, state.params, state.frozen, prompts,
-                            rollout_rng, repeats=r)
+    t["sampling"] = fastest(parts.sample, state.params, state.frozen,
+                            prompts, rollout_rng, repeats=r)
     samples = t["sampling"][2]
-    t["host rewards"] = fastest(
-        lambda s, b: step._score_on_host(s, b)[0], samples, batch, repeats=r)
-    values = t["host rewards"][2]
-    t["assemble"] = fastest(step._assemble, state.params, state.frozen,
+    t["assemble"] = fastest(parts.score, state.params, state.frozen,
                             prompts, samples, repeats=r)
     rollout = t["assemble"][2]
+    t["host rewards"] = fastest(
+        lambda ro, s, b: parts.host_rewards(ro, s, b)[0], rollout, samples,
+        batch, repeats=r)
+    rollout = t["host rewards"][2]
+    sources = trainer.online.rewards
+    values = rollout.rewards[:, np.asarray(
+        [sources.names.index(n) for n in sources.host_names], np.int32)]
     if config.grpo.kl_coef:
       # The same assemble with grpo.kl_coef = 0: the reference's forward
       # pass skipped (`kl_control.scores_reference`).
       # Its trainer reads this state: no state of its own is made.
-      no_kl = online_host.HostSplitStep(build_trainer(
+      no_kl = host_split.HostSplitStep(build_trainer(
           make_config(args, stop_when_done, **{"grpo.kl_coef": 0.0}), args,
           mesh))
-      t["assemble, no KL"] = fastest(no_kl._assemble, state.params,
+      t["assemble, no KL"] = fastest(no_kl.parts.score, state.params,
                                      state.frozen, prompts, samples,
                                      repeats=r)
 
-    def finish(state, rollout, values):
-      return step._finish(state, step._add_host(rollout, values), update_rng,
-                          next_rng)
-    # pylint: enable=protected-access
-    t["updates"] = fastest_chained(finish, state, rollout, values, repeats=r)
+    def finish(state, rollout):
+      rows, carried, _ = parts.advantages(state, rollout, None)
+      return parts.update(state, rows, carried, update_rng, next_rng)
+    t["updates"] = fastest_chained(finish, state, rollout, repeats=r)
     state = t["updates"][2]
     t["step"] = fastest_chained(step, state, batch, repeats=r)
     state = t["step"][2]
@@ -416,7 +421,7 @@ def overlap_run(args, off_policy_steps: int, sampler_devices: int):
       "online.off_policy_steps": off_policy_steps})
   with sharding.activate(config) as mesh:
     trainer, state = build(config, args, mesh)
-    step = online_overlap.OverlappedStep(trainer)
+    step = overlap.OverlappedStep(trainer)
     batches = trainer.train_batches(0)
 
     def run(state, n):
@@ -444,16 +449,21 @@ def overlap_run(args, off_policy_steps: int, sampler_devices: int):
       # trainer's devices (the step's own compiled calls).
       # pylint: disable=protected-access
       local = next(batches)  # this process's rows
-      next_rng, rollout_rng, update_rng = online_step.step_rngs(state)
-      wall, cpu, (rollout, _) = fastest(step._sample, state.params, state,
-                                        local, rollout_rng,
+      next_rng, rollout_rng, update_rng = iteration.split_step_key(state.rng)
+      on_sampler = jax.device_put(state.params, step._params_on_sampler)
+      wall, cpu, (rollout, _) = fastest(step._rollout, on_sampler, state,
+                                        step._on_sampler(local), rollout_rng,
                                         repeats=args.repeats)
       parts["sampling"] = (wall, cpu)
-      rollout = jax.device_put(rollout, online_overlap._rows_on(
+      rollout = jax.device_put(rollout, overlap._rows_on(
           trainer.mesh, trainer.rules, rollout))
-      wall, cpu, state = fastest_chained(
-          step._finish, state, rollout, update_rng, next_rng,
-          repeats=args.repeats)
+
+      def finish(state, rollout):
+        rollout, weights, _ = step.parts.correct(state, rollout)
+        rows, carried, _ = step.parts.advantages(state, rollout, weights)
+        return step.parts.update(state, rows, carried, update_rng, next_rng)
+      wall, cpu, state = fastest_chained(finish, state, rollout,
+                                         repeats=args.repeats)
       parts["updates"] = (wall, cpu)
       # pylint: enable=protected-access
     line = describe(args, trainer, f"{jax.device_count()} devices: "

@@ -155,7 +155,8 @@ def test_policy_logits_value_is_the_first_step_logit(trajectories, arch):
     params = state.params["policy"]
     batch = sharding.global_batch(next(trainer.train_batches(0)), mesh, rules)
     logps, values = jax.jit(
-        lambda p, b: dro.logprobs_and_logit_values(trainer, p, b))(params,
+        lambda p, b: dro.logprobs_and_logit_values(
+            trainer.lm, trainer.config.dro.value_token_id, p, b))(params,
                                                                    batch)
     scored = scoring.sequence_logprobs(trainer.lm, params, batch,
                                        ("completion",))["completion"]

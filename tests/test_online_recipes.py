@@ -438,7 +438,8 @@ def test_rejection_sampling_keeps_the_best_rows(workdirs, selection, top_k):
   with _mesh_context(config) as mesh:
     trainer = algorithms.build(config, mesh)
     rows = np.asarray(rejection_sampling.selected_rows(
-        trainer, jnp.asarray(scores.reshape(-1))))
+        trainer.config, jnp.asarray(scores.reshape(-1)),
+        trainer.online.samples_per_prompt))
   flat = scores.reshape(-1)
   if selection == "top_per_prompt":
     expected = [3 * i + int(np.argmax(scores[i])) for i in range(8)]
@@ -534,8 +535,8 @@ def test_the_reference_is_scored_and_kept_only_where_a_step_reads_it(
   defaults.apply_overrides(config, {"algorithm": algorithm, **overrides})
   trainer = type("T", (), {"algorithm": algorithms.get(algorithm),
                            "config": config})
-  assert kl_control.scores_reference(trainer) is scored
-  assert recipe.keeps_reference(trainer) is kept
+  assert kl_control.scores_reference(trainer.algorithm, trainer.config) is scored
+  assert recipe.keeps_reference(trainer.algorithm, trainer.config) is kept
 
 
 @pytest.mark.parametrize("algorithm,field", [
@@ -570,7 +571,7 @@ def test_grpo_without_kl_holds_no_reference_and_trains_the_same(
   for scored in (True, False):
     if scored:
       monkeypatch.setattr(kl_control, "scores_reference",
-                          lambda trainer: True)
+                          lambda algorithm, config: True)
     else:
       monkeypatch.undo()
     with _mesh_context(config) as mesh:

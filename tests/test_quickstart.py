@@ -38,7 +38,8 @@ def pipeline(tmp_path_factory):
 # reward-normalisation summaries, the closing lines and the results table.
 OWN_LINES = re.compile(
     r"(=== stage |Before training \(|After training \(|step \d+/\d+ \| |"
-    r"Gold reward of |data: |Data: |Reward normalisation: |best-of-\d+: |"
+    r"Gold reward of |data: |Data: |Reward normalisation: |Rewards: |"
+    r"best-of-\d+: |"
     r"method +win rate|-{20}|(sft|dpo|kto|dro_v|ppo|rloo|grpo|best_of_n\*) +"
     r"\d|\* best-of-N|reward model: held-out|Gold reward, KL and length: |$)")
 

@@ -44,7 +44,7 @@ def test_plackett_luce_reward_model_learns_gold_rankings(tmp_path):
       state, metrics = trainer.train_step(state, batch)
       first = first or jax.device_get(metrics)
     last = jax.device_get(metrics)
-    rewards = np.asarray(reward_model.ranked_rewards(trainer, state.params["reward"], batch))
+    rewards = np.asarray(reward_model.ranked_rewards(trainer.lm, state.params["reward"], batch))
   assert last["loss"] < first["loss"]
   assert last["pairwise_accuracy"] > 0.8 > first["pairwise_accuracy"]
   # Rewards follow the labelled order on most rows of the last batch.
@@ -72,7 +72,7 @@ def test_all_pairs_ranking_loss_option_is_instructgpt_loss(tmp_path):
     # One compilation for both: the algorithm's loss and the rewards it saw.
     (loss, metrics), rewards = jax.jit(lambda params, frozen, b: (
         reward_model.rankings_loss(trainer, params, frozen, b, None),
-        reward_model.ranked_rewards(trainer, params["reward"], b)))(
+        reward_model.ranked_rewards(trainer.lm, params["reward"], b)))(
             state.params, state.frozen, batch)
     rewards = np.asarray(rewards, np.float64)
   # Plain Python: -log sigmoid over the 3 ordered pairs of each ranking,

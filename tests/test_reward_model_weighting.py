@@ -23,7 +23,7 @@ from jaxrlhf import sharding
 from jaxrlhf.data import alignment_data
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import synthetic
-from jaxrlhf.losses import reward_model_losses as rm_losses
+from jaxrlhf.losses import reward_model_losses
 from jaxrlhf.models import heads
 from jaxrlhf.models import pretrained
 from jaxrlhf.algorithms.offline import reward_model
@@ -114,10 +114,11 @@ def test_weighted_loss_is_the_mean_over_prompts_of_per_prompt_means():
   rejected = rng.normal(size=len(prompts)).astype(np.float32)
   expected = _per_prompt_mean_loss(prompts, chosen, rejected)
   weights = file_sources.equal_prompt_weights(prompts).astype(np.float32)
-  loss, _ = rm_losses.bradley_terry_loss(chosen, rejected, weights=weights)
+  loss, _ = reward_model_losses.bradley_terry_loss(chosen, rejected,
+                                                   weights=weights)
   np.testing.assert_allclose(loss, expected, rtol=1e-5)
   # The unweighted mean differs here (prompt "a" would count 3 times).
-  plain, _ = rm_losses.bradley_terry_loss(chosen, rejected)
+  plain, _ = reward_model_losses.bradley_terry_loss(chosen, rejected)
   assert abs(float(plain) - expected) > 1e-3
 
 
@@ -183,7 +184,7 @@ def _loss_and_pair_rewards(trainer):
   """One compilation for both: the algorithm's loss and the rewards it saw."""
   return jax.jit(lambda params, frozen, b: (
       reward_model.pairs_loss(trainer, params, frozen, b, None),
-      reward_model.pair_rewards(trainer, params["reward"], b)))
+      reward_model.pair_rewards(trainer.lm, params["reward"], b)))
 
 
 @functools.lru_cache(maxsize=None)

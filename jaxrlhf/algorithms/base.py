@@ -1,9 +1,10 @@
 """What an algorithm is: data and functions, composed, not subclassed.
 
 An `Algorithm` says which data it reads, which networks it trains and
-freezes (`Networks`), how it learns (its `Training`: `offline.Offline`, a
-pure loss over a batch, or `online.Online`, rollout -> targets -> updates),
-what it carries from step to step (`Carried`), how it is judged
+freezes (`Networks`), how it learns (its `Training`:
+`offline.training.Offline`, a pure loss over a batch, or
+`online.recipe.Online`, rollout -> targets -> updates), what it carries
+from step to step (`Carried`), how it is judged
 (`Evaluation`), and which config groups it owns. It is registered once, in
 `jaxrlhf/algorithms/__init__.py`; the config's allowed values, the
 pipeline's stages and the reference docs all derive from that registry.
@@ -54,9 +55,9 @@ class Networks:
       ("reference", "reward").
     checkpoints: (trainer) -> {"params/<net>[/sub]" or "frozen/<net>":
       checkpoint path} loaded over a new run's initialisation.
-    optimizers: (trainer) -> {network: optimizer ConfigDict}, one optimizer
+    optimizers: (config) -> {network: optimizer ConfigDict}, one optimizer
       per network; None = `config.optimizer` for everything.
-    update_scales: (trainer) -> {network: factor} multiplying that
+    update_scales: (config) -> {network: factor} multiplying that
       network's updates after its optimizer (DRO-V's policy learning-rate
       rescaling); an offline algorithm needs `optimizers` for it. None =
       every factor 1.
@@ -87,7 +88,7 @@ class Carried:
   frozen networks (`changes_frozen`: TR-DPO mixes the policy into its
   reference). Both are checkpointed with the rest of the state, so a
   resumed run carries on exactly; how a step updates them is its
-  `Training`'s business (`offline.Offline.carry`, an online algorithm's
+  `Training`'s business (`training.Offline.carry`, an online algorithm's
   targets).
 
   Attributes:
@@ -110,9 +111,9 @@ NOTHING_CARRIED = Carried()
 class Training:
   """How an algorithm learns: what each train step reads and does.
 
-  `jaxrlhf.algorithms.offline.training.Offline` (one gradient update per batch of a
-  dataset) and `jaxrlhf.algorithms.online.recipe.Online` (rollout -> targets ->
-  updates on the policy's own samples) implement it; the trainer calls
+  `offline.training.Offline` (one gradient update per batch of a dataset)
+  and `online.recipe.Online` (rollout -> targets -> updates on the
+  policy's own samples) implement it; the trainer calls
   these and never asks which one it has. Every method takes the
   `Trainer` first.
   """
@@ -190,7 +191,7 @@ class Evaluation:
   Attributes:
     evaluate: (trainer, state) -> {"eval/...": value}, or {} when there is
       nothing to judge with.
-    describe: (trainer) -> what the numbers are measured on, for the
+    describe: (config) -> what the numbers are measured on, for the
       console ("256 held-out prompts x 2 samples at temperature 1").
     check: (trainer) -> None, run when the trainer is built: refuses an
       evaluation that cannot work, before anything is written.
@@ -209,7 +210,7 @@ class Algorithm:
     summary: one line for the docs.
     data: what it reads (SFT_DATA, an alignment kind, or PROMPTS).
     networks: its `Networks`.
-    training: its `Training` (`offline.Offline` or `online.Online`).
+    training: its `Training` (`training.Offline` or `recipe.Online`).
     carried: what it carries between steps (`Carried`).
     evaluation: its `Evaluation`.
     config_groups: the config groups it reads besides the shared ones
@@ -248,11 +249,12 @@ class Algorithm:
 
   @property
   def all_checks(self) -> Tuple[config_schema.Check, ...]:
-    """Its own checks, those of what it carries, and what LoRA cannot
-    serve of it."""
-    return tuple(self.checks) + tuple(self.carried.checks) + (
-        functools.partial(lora_state.check_lora, algorithm=self),
-        functools.partial(check_reference_mode, algorithm=self))
+    """What LoRA and precomputed reference log-probs cannot serve of it
+    (the shared groups' checks, first), its own checks and those of what
+    it carries."""
+    return (functools.partial(lora_state.check_lora, algorithm=self),
+            functools.partial(check_reference_mode, algorithm=self),
+            *self.checks, *self.carried.checks)
 
 
 def check_reference_mode(c, algorithm: "Algorithm") -> None:

@@ -48,7 +48,7 @@ def eval_prompts(trainer, split: str = ""):
     import seqio  # pylint: disable=g-import-not-at-top
     from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
     task = cfg.eval.task or cfg.data.task
-    judge = judges.make_judge(trainer, task)
+    judge = judges.make_judge(trainer.config, task)
     if judge is None:
       return None
     if "inputs" in pipeline.get_task(task).output_features:
@@ -122,13 +122,13 @@ def against_reference(trainer, state, split: str = "") -> Dict[str, float]:
   return metrics
 
 
-def describe_against_reference(trainer) -> str:
-  e = trainer.config.eval
+def describe_against_reference(config) -> str:
+  e = config.eval
   text = (f"{e.num_examples} held-out prompts x {e.num_samples} samples at "
           f"temperature {e.temperature:g}, against the reference's")
   if e.judge != "gold_reward":
-    task = e.task or trainer.config.data.task
-    text += f", {judges.make_judge(trainer, task).describe()}"
+    task = e.task or config.data.task
+    text += f", {judges.make_judge(config, task).describe()}"
   if e.num_folds > 1:
     text += f", in {e.num_folds} folds"
   return text

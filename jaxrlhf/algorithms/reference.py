@@ -51,14 +51,16 @@ REFERENCE_LOGPROBS = config_schema.Group(
 # --- networks ------------------------------------------------------------------
 
 
-def starting_checkpoint(trainer) -> str:
+def starting_checkpoint(config) -> str:
   """config.init.policy_checkpoint, which a policy algorithm needs."""
-  path = trainer.config.init.policy_checkpoint
+  path = config.init.policy_checkpoint
   if not path:
     raise ValueError(
-        f"config.init.policy_checkpoint: {trainer.config.algorithm} starts "
+        f"config.init.policy_checkpoint: {config.algorithm} starts "
         "from a trained policy (usually the SFT run's workdir) and uses it "
-        "as the reference; set the path.")
+        "as the reference; set the path. (Random weights, '', are for the "
+        "algorithms that train from scratch: the field's entry in "
+        "docs/config.md names them.)")
   return path
 
 
@@ -73,14 +75,14 @@ def reference(trainer, rng):
 
 
 def policy_and_reference_checkpoints(trainer) -> Dict[str, str]:
-  path = starting_checkpoint(trainer)
+  path = starting_checkpoint(trainer.config)
   if trainer.precomputed_reference:
     return {"params/policy": path}
   return {"params/policy": path, "frozen/reference": path}
 
 
 def policy_checkpoint(trainer) -> Dict[str, str]:
-  return {"params/policy": starting_checkpoint(trainer)}
+  return {"params/policy": starting_checkpoint(trainer.config)}
 
 
 # The policy and its frozen reference (DPO's family, KTO, DRO-V).

@@ -337,8 +337,10 @@ class Trainer:
 
   def _make_optimizer(self):
     networks = self.algorithm.networks
-    per_network = networks.optimizers(self) if networks.optimizers else None
-    scales = networks.update_scales(self) if networks.update_scales else None
+    per_network = (networks.optimizers(self.config) if networks.optimizers
+                   else None)
+    scales = (networks.update_scales(self.config) if networks.update_scales
+              else None)
     self._policy_update_scale = (scales or {}).get("policy", 1.0)
     return self.algorithm.training.optimizer(self, per_network, scales)
 
@@ -370,7 +372,7 @@ class Trainer:
     """What `evaluate` measures on, for the console lines."""
     if not self._evaluates:
       return "no evaluation"
-    return self.algorithm.evaluation.describe(self)
+    return self.algorithm.evaluation.describe(self.config)
 
   def once(self, key: str, make):
     """`make()` the first time this run asks for `key`, the same value

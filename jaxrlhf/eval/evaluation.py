@@ -80,11 +80,11 @@ def _sampler(lm, max_new_tokens, greedy, temperature, eos_id):
       temperature=temperature, greedy=greedy, eos_id=eos_id))
 
 
-def _prompt_features(trainer, prompt_tokens):
-  if trainer.lm.is_encoder_decoder:
+def _prompt_features(lm, eos_id: int, prompt_tokens):
+  if lm.is_encoder_decoder:
     return {"tokens": prompt_tokens}
   tokens, mask = jax.tree.map(np.asarray, rollout.left_pad_prompts(
-      prompt_tokens, trainer.vocabulary.eos_id))
+      prompt_tokens, eos_id))
   return {"tokens": tokens, "mask": mask}
 
 
@@ -101,7 +101,8 @@ def sample(trainer, params, prompt_tokens: np.ndarray, *, greedy: bool,
   n = len(prompt_tokens)
   parts = []
   for i, batch in enumerate(global_batches(
-      _prompt_features(trainer, prompt_tokens), cfg.eval.batch_size,
+      _prompt_features(trainer.lm, trainer.vocabulary.eos_id, prompt_tokens),
+      cfg.eval.batch_size,
       trainer.mesh, trainer.rules)):
     out = fn(params, batch, jax.random.PRNGKey(seed * 100003 + i))
     # The per-row arrays; the decode steps a batch ran are its own.

@@ -169,10 +169,10 @@ def import_judge(path: str) -> Callable:
   return fn
 
 
-def make_judge(trainer, task: str):
+def make_judge(config, task: str):
   """The judge config.eval.judge names, for prompts of `task`; None when the
   gold reward judges and `task` has none."""
-  e = trainer.config.eval
+  e = config.eval
   if e.judge == "reward_model":
     return RewardModel(e.judge_checkpoint)
   if e.judge == "function":

@@ -197,7 +197,7 @@ def _run(config, workdir, trainer) -> Dict[str, float]:
 def _wait_for_device_work() -> None:
   """Waits for the computations a failing run left running, so that none
   outlives the failure. The step split around the host dispatches the
-  rollout's scoring and scores on the host meanwhile (`online_host`): a
+  rollout's scoring and scores on the host meanwhile (`host_split`): a
   reward function failing there left it running, and a process that exits
   while XLA computes can crash in the interpreter's shutdown (seen once
   under load: the error line, then SIGSEGV instead of exit status 1)."""
@@ -409,11 +409,19 @@ class _PendingMetrics:
         raise NonFiniteError(_nonfinite_message(
             self._config, s, m, self._checkpointer.latest_step(),
             self._attention_impl))
-      self._logger.write(s, {k: v for k, v in m.items() if k != "nonfinite"})
+      self._logger.write(s, {k: v for k, v in m.items()
+                             if k != "nonfinite" and not _no_value(k, v)})
     if host:
       s, m = host[-1]
       console.log(self._progress.line(s, m["loss"], tokens))
     self._rows.clear()
+
+
+def _no_value(name: str, value) -> bool:
+  """A reward's mean over the rows it applies to, in a step where it
+  applied to none (its `reward/<name>/rows` is 0): NaN by design, and left
+  out of the logs rather than written as a number."""
+  return name.startswith("reward/") and bool(np.isnan(value))
 
 
 def _record_base(workdir: str, record) -> None:

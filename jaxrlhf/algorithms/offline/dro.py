@@ -116,40 +116,40 @@ def fresh_backbone(config) -> str:
   return ""
 
 
-def optimizers(trainer):
-  if trainer.config.dro.value_source == POLICY_LOGITS:
-    return {"policy": trainer.config.optimizer}
-  value = copy.deepcopy(trainer.config.optimizer)
-  value.learning_rate = trainer.config.dro.value_learning_rate
-  return {"policy": trainer.config.optimizer, "value": value}
+def optimizers(config):
+  if config.dro.value_source == POLICY_LOGITS:
+    return {"policy": config.optimizer}
+  value = copy.deepcopy(config.optimizer)
+  value.learning_rate = config.dro.value_learning_rate
+  return {"policy": config.optimizer, "value": value}
 
 
-def update_scales(trainer):
+def update_scales(config):
   # Section 3.3, "Policy learning rate rescaling": "we rescale the policy
   # gradient Equation (8) by multiplying the update by a factor of 1/tau".
   # After the optimizer, because Adafactor and Adam are invariant to the
   # gradient's scale: a loss times 1/tau would move them no further. The
   # value's update is not rescaled; in the single-network variants the
   # shared weights are the policy's and their whole update is.
-  return {"policy": 1.0 / trainer.config.dro.tau}
+  return {"policy": 1.0 / config.dro.tau}
 
 
-def completion_view(trainer, batch):
+def completion_view(lm, batch):
   """The batch's `completion_*` features under the unprefixed names of SFT
   batches (with the prompt features, and a packed batch's segment ids and
   example mask), for `sft.next_token_targets`."""
-  completion_segments, prompt_segments = trainer.lm.segment_keys(None)
-  keys = list(trainer.lm.completion_keys(None))
+  completion_segments, prompt_segments = lm.segment_keys(None)
+  keys = list(lm.completion_keys(None))
   if f"completion_{completion_segments[0]}" in batch:
     keys += completion_segments
   view = {key: batch[f"completion_{key}"] for key in keys}
-  view.update({key: batch[key] for key in tuple(trainer.lm.prompt_keys)
+  view.update({key: batch[key] for key in tuple(lm.prompt_keys)
                + tuple(prompt_segments) + (scoring.EXAMPLE_MASK,)
                if key in batch})
   return view
 
 
-def logprobs_and_logit_values(trainer, params, batch):
+def logprobs_and_logit_values(lm, value_token_id: int, params, batch):
   """([batch] log pi(y|x), [batch] V(x)) from one forward pass of the policy
   ([rows * k] each for a packed batch, one per slot).
 
@@ -157,10 +157,10 @@ def logprobs_and_logit_values(trainer, params, batch):
   completion's first token, a step that has read only the prompt (the
   decoder's first step for T5, the last prompt token for decoder-only).
   """
-  view = completion_view(trainer, batch)
-  logits, targets, weights = sft.next_token_targets(trainer.lm, params, view)
+  view = completion_view(lm, batch)
+  logits, targets, weights = sft.next_token_targets(lm, params, view)
   weights = weights.astype(jnp.float32)
-  token = trainer.config.dro.value_token_id
+  token = value_token_id
   token_logprobs = scoring.token_logprobs(logits, targets) * weights
   k = scoring.examples_per_row(batch)
   if k is None:
@@ -168,7 +168,7 @@ def logprobs_and_logit_values(trainer, params, batch):
     first_logits = jnp.take_along_axis(logits, first[:, None, None], axis=1)
     return (jnp.sum(token_logprobs, axis=-1),
             first_logits[:, 0, token].astype(jnp.float32))
-  ids = sft.target_segment_ids(trainer.lm, view)
+  ids = sft.target_segment_ids(lm, view)
   logprobs = scoring.per_example_sums(token_logprobs, ids, k)
   # Each slot's first weighted target: [rows, k] indices along length.
   in_slot = ((weights > 0)[:, :, None]
@@ -178,18 +178,18 @@ def logprobs_and_logit_values(trainer, params, batch):
   return logprobs, jnp.take_along_axis(token_logits, first, axis=1).reshape(-1)
 
 
-def values(trainer, params, batch):
+def values(lm, value_source: str, params, batch):
   """[batch] V(x) of each example's prompt, from a value head (the value
   network's, or one on the policy's prompt states); [rows * k] packed."""
   value_params = params["value"]
-  if trainer.config.dro.value_source == POLICY_HEAD:
+  if value_source == POLICY_HEAD:
     value_params = {"backbone": params["policy"],
                     "head": value_params["head"]}
   if not scoring.is_packed(batch):
-    return heads.prompt_values(trainer.lm, value_params, batch)
+    return heads.prompt_values(lm, value_params, batch)
   return heads.apply_scalar_head(
       value_params["head"],
-      scoring.prompt_states(trainer.lm, value_params["backbone"], batch,
+      scoring.prompt_states(lm, value_params["backbone"], batch,
                             "completion"))
 
 
@@ -197,12 +197,12 @@ def loss(trainer, params, state, batch, rng):
   del rng
   cfg = trainer.config.dro
   if cfg.value_source == POLICY_LOGITS:
-    policy_logps, value = logprobs_and_logit_values(trainer, params["policy"],
-                                                    batch)
+    policy_logps, value = logprobs_and_logit_values(
+        trainer.lm, cfg.value_token_id, params["policy"], batch)
   else:
     policy_logps = scoring.sequence_logprobs(
         trainer.lm, params["policy"], batch, ("completion",))["completion"]
-    value = values(trainer, params, batch)
+    value = values(trainer.lm, cfg.value_source, params, batch)
   ref = reference.reference_logprobs(trainer, state, batch, ("completion",))
   policy_loss, value_loss, metrics = dro_losses.dro_v_losses(
       policy_logps, ref["completion"], value,

@@ -1,6 +1,7 @@
 """Reward modelling: Bradley-Terry on preference pairs (optional margin,
 reward centring, and every prompt weighted once) and, on K-wise rankings,
-Plackett-Luce or Bradley-Terry over all pairs (jaxrlhf.losses.reward_model_losses).
+Plackett-Luce or Bradley-Terry over all pairs
+(jaxrlhf.losses.reward_model_losses).
 
 The reward model is a copy of the policy backbone (`init.policy_checkpoint`)
 with a scalar head read at the completion's EOS (jaxrlhf.models.heads).
@@ -28,7 +29,7 @@ from jaxrlhf.algorithms.offline import training
 from jaxrlhf.data import file_layouts
 from jaxrlhf.eval import evaluation
 from jaxrlhf.eval import pair_metrics
-from jaxrlhf.losses import reward_model_losses as rm_losses
+from jaxrlhf.losses import reward_model_losses
 from jaxrlhf.models import heads
 from jaxrlhf.models import scoring
 
@@ -103,31 +104,30 @@ NETWORKS = base.Networks(trainable=reward_network, checkpoints=checkpoints)
 # --- pairs ---------------------------------------------------------------------------
 
 
-def pair_rewards(trainer, reward_params, batch):
+def pair_rewards(lm, reward_params, batch):
   """(chosen rewards [batch], rejected rewards [batch]), one forward pass."""
-  joined = scoring.concatenate_completions(trainer.lm, batch,
-                                           ("chosen", "rejected"))
-  rewards = heads.sequence_rewards(trainer.lm, reward_params, joined, "joined")
+  joined = scoring.concatenate_completions(lm, batch, ("chosen", "rejected"))
+  rewards = heads.sequence_rewards(lm, reward_params, joined, "joined")
   return jnp.split(rewards, 2)
 
 
 def pairs_loss(trainer, params, state, batch, rng):
   del state, rng
   cfg = trainer.config.reward_model
-  chosen, rejected = pair_rewards(trainer, params["reward"], batch)
+  chosen, rejected = pair_rewards(trainer.lm, params["reward"], batch)
   margin = batch["margin"] if cfg.use_margin and "margin" in batch else None
   # The file sources' per-pair prompt weights average 1 over the data, so
   # the weighted batch mean estimates the mean over prompts of each
   # prompt's mean pair loss (InstructGPT; RLHF book eq. 6).
   weights = (batch.get("prompt_weight") if cfg.weight_prompts_equally
              else None)
-  return rm_losses.bradley_terry_loss(chosen, rejected, margin=margin,
+  return reward_model_losses.bradley_terry_loss(chosen, rejected, margin=margin,
                                       weights=weights,
                                       centering_coef=cfg.centering_coef)
 
 
 def eval_rewards(trainer, state, reward_fn):
-  """reward_fn(trainer, reward params, batch) over the eval split's first
+  """reward_fn(lm, reward params, batch) over the eval split's first
   `eval.num_examples` examples: (this process's rewards as numpy arrays
   [n, ...], their features), or None when the task has no such split."""
   cfg = trainer.config
@@ -141,7 +141,7 @@ def eval_rewards(trainer, state, reward_fn):
           trainer.feature_converter, cfg.eval.num_examples)
     except (ValueError, KeyError, StopIteration):
       features = None
-    return features, jax.jit(lambda p, b: reward_fn(trainer, p, b))
+    return features, jax.jit(lambda p, b: reward_fn(trainer.lm, p, b))
 
   features, jitted = trainer.once("reward_eval", prepare)
   if features is None:
@@ -164,8 +164,8 @@ def evaluate_pairs(trainer, state) -> Dict[str, float]:
     return {}
   (chosen_np, rejected_np), features = evaluated
   chosen, rejected = jnp.asarray(chosen_np), jnp.asarray(rejected_np)
-  _, m = rm_losses.bradley_terry_loss(chosen, rejected)
-  table = rm_losses.calibration_table(chosen, rejected, num_bins=5)
+  _, m = reward_model_losses.bradley_terry_loss(chosen, rejected)
+  table = reward_model_losses.calibration_table(chosen, rejected, num_bins=5)
   metrics = {"eval/accuracy": float(m["accuracy"]),
              "eval/loss": float(m["bt_loss"]),
              "eval/margin": float(m["margin"]),
@@ -177,9 +177,9 @@ def evaluate_pairs(trainer, state) -> Dict[str, float]:
   return metrics
 
 
-def describe(trainer) -> str:
-  return (f"the first {trainer.config.eval.num_examples} examples of split "
-          f"{trainer.config.data.eval_split!r}")
+def describe(config) -> str:
+  return (f"the first {config.eval.num_examples} examples of split "
+          f"{config.data.eval_split!r}")
 
 
 # --- reward normalisation (PPO details, detail 15) -----------------------------------
@@ -397,10 +397,9 @@ def ranking_feature_converter(trainer):
       **trainer.converter_options())
 
 
-def ranked_rewards(trainer, reward_params, batch):
+def ranked_rewards(lm, reward_params, batch):
   """[batch, K] rewards of each example's K completions (one pass over the
   batch's K * batch (prompt, completion) rows)."""
-  lm = trainer.lm
   b, k = batch["completions_mask"].shape
   flat = {key: jnp.repeat(batch[key], k, axis=0)
           for key in lm.prompt_keys if key in batch}
@@ -410,16 +409,16 @@ def ranked_rewards(trainer, reward_params, batch):
   return rewards.reshape(b, k)
 
 
-def ranking_loss(trainer, rewards, mask):
-  if trainer.config.reward_model.ranking_loss == "all_pairs":
-    return rm_losses.all_pairs_ranking_loss(rewards, mask)
-  return rm_losses.plackett_luce_loss(rewards, mask)
+def ranking_loss(config, rewards, mask):
+  if config.reward_model.ranking_loss == "all_pairs":
+    return reward_model_losses.all_pairs_ranking_loss(rewards, mask)
+  return reward_model_losses.plackett_luce_loss(rewards, mask)
 
 
 def rankings_loss(trainer, params, state, batch, rng):
   del state, rng
-  rewards = ranked_rewards(trainer, params["reward"], batch)
-  return ranking_loss(trainer, rewards, batch["completions_mask"])
+  rewards = ranked_rewards(trainer.lm, params["reward"], batch)
+  return ranking_loss(trainer.config, rewards, batch["completions_mask"])
 
 
 def evaluate_rankings(trainer, state) -> Dict[str, float]:
@@ -428,7 +427,7 @@ def evaluate_rankings(trainer, state) -> Dict[str, float]:
   if evaluated is None:
     return {}
   rewards, features = evaluated
-  _, m = ranking_loss(trainer, jnp.asarray(rewards),
+  _, m = ranking_loss(trainer.config, jnp.asarray(rewards),
                       jnp.asarray(features["completions_mask"]))
   return {f"eval/{name}": float(m[name])
           for name in ("loss", "top1_accuracy", "pairwise_accuracy")}

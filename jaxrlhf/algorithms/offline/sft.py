@@ -158,11 +158,11 @@ def evaluate(trainer, state) -> Dict[str, float]:
   return metrics
 
 
-def describe(trainer) -> str:
+def describe(config) -> str:
   # The data stack loads here, where the data is read, not with the config.
   from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
-  examples = f"{trainer.config.eval.num_examples} held-out examples"
-  if tasks.gold_reward_for(trainer.config.data.task) is None:
+  examples = f"{config.eval.num_examples} held-out examples"
+  if tasks.gold_reward_for(config.data.task) is None:
     return examples
   return examples + ", gold reward of greedy decodes"
 

@@ -20,7 +20,7 @@ import jax.numpy as jnp
 
 from jaxrlhf.algorithms.online import kl_control
 from jaxrlhf.rl import kl as kl_lib
-from jaxrlhf.rl import policy_gradient_losses as policy_gradient_lib
+from jaxrlhf.rl import policy_gradient_losses
 from jaxrlhf.rl import reductions
 from jaxrlhf.rl import rollout as rollout_lib
 
@@ -46,11 +46,11 @@ def symmetric_clipping(config) -> Clipping:
   return Clipping(o.clip_eps, o.clip_eps, o.pg_reduction, loss_kl=False)
 
 
-def penalized_rewards(trainer, rollout, kl_coef):
-  """[rows] score - beta * KL(response) with the configured estimator."""
+def penalized_rewards(rollout, kl_coef, kl_estimator: str):
+  """[rows] score - beta * KL(response) with `kl_estimator`."""
   return kl_lib.kl_penalized_sequence_rewards(
       rollout.scores, rollout.logprobs, rollout.ref_logprobs, rollout.mask,
-      kl_coef, trainer.config.online.kl_estimator)
+      kl_coef, kl_estimator)
 
 
 def make_targets(advantages_fn: Callable):
@@ -63,7 +63,7 @@ def make_targets(advantages_fn: Callable):
                                                          rollout)
     data = dict(rollout.features, old_logprobs=rollout.logprobs,
                 advantages=advantages, response_mask=rollout.mask)
-    if kl_control.scores_reference(trainer):
+    if kl_control.scores_reference(trainer.algorithm, trainer.config):
       data["ref_logprobs"] = rollout.ref_logprobs
     metrics = dict(metrics, advantage_abs_mean=jnp.mean(jnp.abs(advantages)))
     kl_coef = kl_control.coefficient(state)
@@ -71,7 +71,7 @@ def make_targets(advantages_fn: Callable):
       metrics[kl_control.KL_COEF] = kl_coef
       algorithm_state = dict(
           algorithm_state, **{kl_control.KL_COEF: kl_control.next_coefficient(
-              trainer, kl_coef, rollout)})
+              trainer.config, kl_coef, rollout)})
     return data, algorithm_state, metrics
 
   return targets
@@ -85,7 +85,7 @@ def make_loss(clipping_fn: Callable):
     logprobs, entropy, mask = rollout_lib.logprobs_and_entropy(
         trainer.lm, params["policy"], minibatch, None,
         trainer.config.online.temperature, trainer.online.max_new_tokens)
-    value, metrics = policy_gradient_lib.clipped_policy_gradient_loss(
+    value, metrics = policy_gradient_losses.clipped_policy_gradient_loss(
         logprobs, minibatch["old_logprobs"], minibatch.get("ref_logprobs"),
         minibatch["advantages"], mask, clip_eps_low=clipping.eps_low,
         clip_eps_high=clipping.eps_high,

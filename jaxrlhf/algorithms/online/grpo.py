@@ -11,7 +11,7 @@ variants (`jaxrlhf.rl.policy_gradient_losses`):
   DAPO      grpo.clip_eps_high=0.28 (clip-higher), grpo.reduction=token_mean,
             grpo.kl_coef=0, grpo.dynamic_sampling=True (groups whose
             rewards all agree are dropped and more prompts sampled:
-            `online_host`), rewards.overlong.weight=1 (soft overlong
+            `host_split`), rewards.overlong.weight=1 (soft overlong
             penalty)
   GSPO      grpo.ratio_level=sequence (one importance ratio per response,
             clipped per response), online.clip_eps and grpo.clip_eps_high
@@ -30,7 +30,7 @@ from jaxrlhf.algorithms.online import reward_model_eval
 from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
-from jaxrlhf.rl import policy_gradient_losses as policy_gradient_lib
+from jaxrlhf.rl import policy_gradient_losses
 from jaxrlhf.rl import reductions
 
 F = config_schema.Field
@@ -59,12 +59,12 @@ GROUP = config_schema.Group(
           "The importance ratio: per 'token' (PPO, GRPO) or per "
           "'sequence' (GSPO: the geometric mean of the response's token "
           "ratios, clipped per response).",
-          choices=policy_gradient_lib.RATIO_LEVELS),
+          choices=policy_gradient_losses.RATIO_LEVELS),
         F("objective", "clipped",
           "'clipped' (the PPO-clip surrogate) or 'cispo' (CISPO: "
           "-sg(min(ratio, grpo.clip_eps_high)) * A * log pi per token, the "
           "weight clipped and stopped instead of the update).",
-          choices=policy_gradient_lib.OBJECTIVES),
+          choices=policy_gradient_losses.OBJECTIVES),
         F("dynamic_sampling", False,
           "DAPO's dynamic sampling: drop the groups whose rewards all agree "
           "(zero advantage) and sample more prompts until train.batch_size "

@@ -96,7 +96,7 @@ class HostSplitStep:
   def __call__(self, state, batch):
     return iteration.online_step(self.parts, state, batch)
 
-  # --- the host's parts ---------------------------------------------------------
+  # --- the host's parts -----------------------------------------------------
 
   def _rounds(self, batch, rounds):
     """The step's batch, then, with dynamic sampling, the prompt stream's

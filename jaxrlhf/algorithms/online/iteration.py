@@ -102,7 +102,7 @@ def split_step_key(key):
   return tuple(jax.random.split(key, 3))
 
 
-# --- the parts, as functions of arrays ---------------------------------------------
+# --- the parts, as functions of arrays ----------------------------------------
 
 
 def step_parts(trainer) -> StepParts:
@@ -131,7 +131,8 @@ def fused_step(trainer):
       donate_argnums=0)
 
 
-def _by_parts(trainer, fn, prompt_tokens, responses=None, key=None):
+def _by_parts(parts: int, k: int, fn, prompt_tokens, responses=None,
+              key=None):
   """`fn(prompts, responses, key)` over `online.rollout_microbatches` = P
   parts of the prompts, one after another (`jax.lax.map`), with the rows
   put back in prompt order.
@@ -140,11 +141,10 @@ def _by_parts(trainer, fn, prompt_tokens, responses=None, key=None):
   shard's prompts feed every part and none move, with their k response rows
   of `responses` ([prompts * k, ...], adjacent per prompt) and the p-th of
   P keys split from `key`. `fn` returns response rows ([rows, ...] leaves)
-  and scalars, which are added over the parts (the decode steps run)."""
-  parts = trainer.config.online.rollout_microbatches
+  and scalars, which are added over the parts (the decode steps run); k
+  is the responses per prompt."""
   if parts == 1:
     return fn(prompt_tokens, responses, key)
-  k = trainer.online.samples_per_prompt
 
   def split_responses(x):
     # [prompts * k, ...] -> [P, prompts / P * k, ...], prompt-wise.
@@ -174,7 +174,7 @@ def sample(trainer, params, frozen, prompt_tokens, key):
   o, settings = trainer.config.online, trainer.online
   training = trainer.algorithm.training
   params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
-  sample_params = (training.sample_params(trainer, params, frozen)
+  sample_params = (training.sample_params(trainer.config, params, frozen)
                    if training.sample_params else params["policy"])
 
   def part(prompts, unused_responses, part_key):
@@ -184,7 +184,8 @@ def sample(trainer, params, frozen, prompt_tokens, key):
         eos_id=trainer.vocabulary.eos_id,
         num_samples=settings.samples_per_prompt,
         stop_when_done=o.stop_when_done, cache_segments=o.cache_segments)
-  return _by_parts(trainer, part, prompt_tokens, key=key)
+  return _by_parts(o.rollout_microbatches, settings.samples_per_prompt, part,
+                   prompt_tokens, key=key)
 
 
 def score(trainer, params, frozen, prompt_tokens, samples):
@@ -196,8 +197,9 @@ def score(trainer, params, frozen, prompt_tokens, samples):
   o, k = trainer.config.online, trainer.online.samples_per_prompt
   rewards = trainer.online.rewards
   params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
-  reference = (frozen["reference"] if kl_control.scores_reference(trainer)
-               else None)
+  scores_reference = kl_control.scores_reference(trainer.algorithm,
+                                                 trainer.config)
+  reference = frozen["reference"] if scores_reference else None
 
   def part(prompts, tokens, unused_key):
     rollout = rollout_lib.assemble_rollout(
@@ -208,7 +210,8 @@ def score(trainer, params, frozen, prompt_tokens, samples):
         missing_eos_penalty=rewards.eos_trick)
     return rewards.with_device_rewards(rollout)
 
-  rollout = _by_parts(trainer, part, prompt_tokens, samples.tokens)
+  rollout = _by_parts(o.rollout_microbatches, k, part, prompt_tokens,
+                      samples.tokens)
   # (The rollout's own decode_steps are None: they are the samples'.)
   return rollout.replace(decode_steps=samples.num_steps)
 
@@ -235,10 +238,12 @@ def advantages(trainer, state, rollout, token_weights=None):
   metrics = rollout_lib.rollout_metrics(
       rollout, kl_control.coefficient(state),
       trainer.config.online.kl_estimator,
-      reference_scored=kl_control.scores_reference(trainer))
+      reference_scored=kl_control.scores_reference(trainer.algorithm,
+                                                   trainer.config))
   if trainer.online.rewards.reward_model is None:
     metrics.pop("raw_score")  # there is no reward model
-  metrics.update(trainer.online.rewards.metrics(rollout.rewards))
+  if rollout.rewards is not None:  # None: the reward model's score alone
+    metrics.update(trainer.online.rewards.metrics(rollout.rewards))
   metrics.update(target_metrics)
   return rows, algorithm_state, metrics
 

@@ -44,12 +44,12 @@ def carried(coefficient_field: str) -> base.Carried:
       checks=(check_adaptive_start,))
 
 
-def scores_reference(trainer) -> bool:
+def scores_reference(algorithm, config) -> bool:
   """Whether a step needs the reference's log-probs of its samples: the
   algorithm carries a KL coefficient and the config sets it to something
   other than 0. When not, `Rollout.ref_logprobs` holds the sampling
   policy's log-probs (every KL reads 0) and the "kl" metric is left out."""
-  initial = trainer.algorithm.carried.init(trainer.config).get(KL_COEF)
+  initial = algorithm.carried.init(config).get(KL_COEF)
   return initial is not None and float(initial) != 0.0
 
 
@@ -58,10 +58,10 @@ def coefficient(state):
   return state.algorithm_state.get(KL_COEF)
 
 
-def next_coefficient(trainer, kl_coef, rollout):
+def next_coefficient(config, kl_coef, rollout):
   """The coefficient of the next step: unchanged, or Ziegler et al.'s
   adaptive update from the rollout's mean per-response KL."""
-  o = trainer.config.online
+  o = config.online
   if not o.adaptive_kl:
     return kl_coef
   observed = jnp.mean(kl_lib.sequence_kl(rollout.logprobs,

@@ -4,8 +4,8 @@ Every online algorithm (`online.Online`) reads the `online` group: how
 responses are sampled (temperature, length, group size, rollout parts), the
 reward model and the EOS trick, the KL penalty and its controller, and how
 the updates use each rollout (epochs, minibatches, clipping); and the
-`rewards` group (`online_rewards`). `check_rows` refuses, from the config alone, batch splits a run
-could not make.
+`rewards` group (`reward_sources`). `check_rows` refuses, from the config
+alone, batch splits a run could not make.
 """
 
 from jaxrlhf import config_schema
@@ -132,7 +132,7 @@ ONLINE = config_schema.Group(
           choices=prompts_lib.LONG_PROMPT_POLICIES),
         F("off_policy_steps", 0,
           "Generation overlapped with training (jaxrlhf/algorithms/"
-          "online_overlap.py): 1 samples step t+1's responses with step t's "
+          "online/overlap.py): 1 samples step t+1's responses with step t's "
           "parameters while step t's update runs (one-step off-policy, "
           "corrected by off_policy_correction); 0 samples each step's "
           "responses with the parameters it updates (on-policy).",

@@ -151,7 +151,7 @@ class OverlappedStep:
     self._step += 1
     return state, metrics
 
-  # --- the parts that run on the sampler ----------------------------------------
+  # --- the parts that run on the sampler ------------------------------------
 
   def _on_sampler(self, local_batch):
     return sharding.global_batch(local_batch, self.mesh, self._rules)

@@ -44,7 +44,7 @@ from jaxrlhf.algorithms.online import reward_model_eval
 from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.losses import common
 from jaxrlhf.rl import kl as kl_lib
-from jaxrlhf.rl import ppo_losses as ppo_lib
+from jaxrlhf.rl import ppo_losses
 from jaxrlhf.rl import rollout as rollout_lib
 
 F = config_schema.Field
@@ -78,23 +78,22 @@ def networks(trainer, rng):
           "value": reward_sources.init_reward_net(trainer, b)}
 
 
-def optimizers(trainer):
-  cfg = trainer.config
+def optimizers(config):
+  cfg = config
   value = copy.deepcopy(cfg.optimizer)
   if cfg.ppo.value_learning_rate is not None:
     value.learning_rate = cfg.ppo.value_learning_rate
   return {"policy": cfg.optimizer, "value": value}
 
 
-def values(trainer, value_params, features):
+def values(value_lm, value_params, features, response_length: int):
   """V(s_t) [rows, L] at every response token t: the value head at the state
   that produced t, which has read the prompt and response tokens < t (for a
   decoder-only value network, the position before t;
   `rollout.response_values`). `features` are laid out for the value network,
   which has the reward model's architecture (detail 22)."""
-  return rollout_lib.response_values(trainer.online.rewards.lm,
-                                     value_params,
-                                     features, trainer.online.max_new_tokens)
+  return rollout_lib.response_values(value_lm, value_params, features,
+                                     response_length)
 
 
 def rollout_targets(trainer, value_params, rollout, kl_coef):
@@ -102,8 +101,9 @@ def rollout_targets(trainer, value_params, rollout, kl_coef):
   rollout; every entry [rows, L]."""
   cfg = trainer.config
   old_values = jax.lax.stop_gradient(
-      values(trainer, value_params, rollout.reward_features))
-  targets = ppo_lib.ppo_rollout_targets(
+      values(trainer.online.rewards.lm, value_params, rollout.reward_features,
+             trainer.online.max_new_tokens))
+  targets = ppo_losses.ppo_rollout_targets(
       rollout.scores, rollout.logprobs, rollout.ref_logprobs, old_values,
       rollout.mask, kl_coef, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam,
       kl_estimator=cfg.online.kl_estimator,
@@ -146,7 +146,7 @@ def targets(trainer, state, rollout):
       "reward_per_token_mean": jnp.sum(target["rewards"] * mask) / count,
   }
   algorithm_state = dict(state.algorithm_state, **{
-      kl_control.KL_COEF: kl_control.next_coefficient(trainer, kl_coef,
+      kl_control.KL_COEF: kl_control.next_coefficient(trainer.config, kl_coef,
                                                       rollout)})
   return update_data(rollout, target), algorithm_state, metrics
 
@@ -158,8 +158,9 @@ def minibatch_loss(trainer, params, minibatch, algorithm_state=None):
   logprobs, entropy, mask = rollout_lib.logprobs_and_entropy(
       trainer.lm, params["policy"], minibatch, None, cfg.online.temperature,
       trainer.online.max_new_tokens)
-  value = values(trainer, params["value"], minibatch)
-  return ppo_lib.ppo_loss(
+  value = values(trainer.online.rewards.lm, params["value"], minibatch,
+                 trainer.online.max_new_tokens)
+  return ppo_losses.ppo_loss(
       logprobs, minibatch["old_logprobs"], minibatch["advantages"], value,
       minibatch["old_values"], minibatch["returns"], mask,
       clip_eps=cfg.online.clip_eps,

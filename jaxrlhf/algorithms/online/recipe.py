@@ -111,7 +111,7 @@ class Online(base.Training):
     update_rows: (config, prompts per step, responses per step) -> rows the
       updates use (default: every response); refuses an impossible
       selection naming its own field.
-    sample_params: (trainer, params, frozen) -> the parameters responses are
+    sample_params: (config, params, frozen) -> the parameters responses are
       sampled from (default: the policy).
     samples_reference: (config) -> whether `sample_params` reads
       frozen["reference"], which the run then keeps (`keeps_reference`).
@@ -119,7 +119,7 @@ class Online(base.Training):
       model (PPO's value network, detail 22), or from the policy when the
       run has no reward model.
     dynamic_sampling: optional (config) -> the cap of sampling rounds of
-      DAPO's dynamic sampling, or None when it is off (`online_host`).
+      DAPO's dynamic sampling, or None when it is off (`host_split`).
   """
   samples_per_prompt: int
   num_epochs: int
@@ -202,7 +202,7 @@ class Online(base.Training):
     return iteration.fused_step(trainer)
 
 
-def keeps_reference(trainer) -> bool:
+def keeps_reference(algorithm, config) -> bool:
   """Whether the run holds the frozen reference in its state: only when a
   step reads it, to score the samples for a KL term that weighs something
   (`kl_control.scores_reference`) or to sample from it
@@ -210,24 +210,24 @@ def keeps_reference(trainer) -> bool:
   'reference'). Otherwise (GRPO with kl_coef 0, DAPO, Dr. GRPO) the copy
   would only take memory: evaluation loads the starting policy afresh to
   compare with (`Trainer.reference_params`)."""
-  training = trainer.algorithm.training
-  return kl_control.scores_reference(trainer) or bool(
-      training.samples_reference
-      and training.samples_reference(trainer.config))
+  training = algorithm.training
+  return kl_control.scores_reference(algorithm, config) or bool(
+      training.samples_reference and training.samples_reference(config))
 
 
 def frozen_reference_and_reward(trainer, rng):
   """The frozen reference when the run keeps one (`keeps_reference`), and
   the reward model when one is weighted."""
   a, b = jax.random.split(rng)
-  kept = {"reference": trainer.init_lm(a)} if keeps_reference(trainer) else {}
+  kept = ({"reference": trainer.init_lm(a)}
+          if keeps_reference(trainer.algorithm, trainer.config) else {})
   return {**kept, **reward_sources.frozen_networks(trainer, b)}
 
 
 def policy_and_reference_checkpoints(trainer):
   """Where the policy (and the reference, when kept) start from."""
   paths = reference.policy_and_reference_checkpoints(trainer)
-  if not keeps_reference(trainer):
+  if not keeps_reference(trainer.algorithm, trainer.config):
     paths.pop("frozen/reference", None)
   return paths
 

@@ -37,7 +37,8 @@ GROUP = config_schema.Group(
 def advantages(trainer, state, rollout):
   cfg = trainer.config.reinforce
   rewards = critic_free.penalized_rewards(
-      trainer, rollout, kl_control.coefficient(state))
+      rollout, kl_control.coefficient(state),
+      trainer.config.online.kl_estimator)
   algorithm_state = dict(state.algorithm_state)
   if cfg.baseline == "running_mean":
     # The baseline from before this batch, so it does not depend on the

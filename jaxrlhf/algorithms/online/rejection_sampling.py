@@ -71,20 +71,20 @@ def samples_reference(config) -> bool:
   return config.rejection_sampling.sample_from == "reference"
 
 
-def sample_params(trainer, params, frozen):
-  if samples_reference(trainer.config):
+def sample_params(config, params, frozen):
+  if samples_reference(config):
     return frozen["reference"]
   return params["policy"]
 
 
-def selected_rows(trainer, scores):
+def selected_rows(config, scores, samples_per_prompt: int):
   """Rows of the rollout to fine-tune on. scores: [prompts * N]."""
-  n = trainer.online.samples_per_prompt
+  n = samples_per_prompt
   grouped = scores.reshape(-1, n)
-  if trainer.config.rejection_sampling.selection == "top_per_prompt":
+  if config.rejection_sampling.selection == "top_per_prompt":
     best = best_of_n_lib.top_per_prompt(grouped)
     return jnp.arange(grouped.shape[0], dtype=jnp.int32) * n + best
-  k = update_rows(trainer.config, grouped.shape[0], scores.shape[0])
+  k = update_rows(config, grouped.shape[0], scores.shape[0])
   prompt, completion, _ = best_of_n_lib.top_k_overall(grouped, k)
   return prompt * n + completion
 
@@ -92,7 +92,8 @@ def selected_rows(trainer, scores):
 def targets(trainer, state, rollout):
   """The selected samples, the unchanged carried state, and what was
   selected."""
-  rows = selected_rows(trainer, rollout.scores)
+  rows = selected_rows(trainer.config, rollout.scores,
+                       trainer.online.samples_per_prompt)
   selected = jax.tree.map(lambda x: jnp.take(x, rows, axis=0),
                           dict(rollout.features, response_mask=rollout.mask))
   metrics = {
@@ -159,8 +160,8 @@ def best_of_n_evaluation(trainer, state, n: int) -> Dict[str, float]:
         trainer, policy, tokens, greedy=False,
         temperature=cfg.eval.temperature,
         seed=cfg.seed + 7919 * (k + 1) + j) for j in range(n)]
-    scores = np.stack([reward_sources.reward_scores(trainer, state.frozen["reward"],
-                                            tokens, s)
+    scores = np.stack([reward_sources.reward_scores(
+        trainer, state.frozen["reward"], tokens, s)
                        for s in candidates], axis=1)  # [prompts, n]
     best = np.asarray(best_of_n_lib.top_per_prompt(jnp.asarray(scores)))
     chosen = jax.tree.map(

@@ -73,8 +73,8 @@ def _weight(doc: str, default: float = 0.0) -> F:
 
 
 GROUP = G("rewards", "What online RL trains on: the weighted sum of these "
-          "sources (jaxrlhf/algorithms/online/reward_sources.py); each is logged as "
-          "reward/<name>.", [
+          "sources (jaxrlhf/algorithms/online/reward_sources.py); each is "
+          "logged as reward/<name>.", [
               G(REWARD_MODEL, "A trained jaxrlhf reward model "
                 "(online.reward_model_checkpoint), at each response's EOS.",
                 [_weight("Its weight; the default trains on it alone, as "

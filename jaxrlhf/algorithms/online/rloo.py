@@ -18,7 +18,8 @@ from jaxrlhf.rl import advantages as advantages_lib
 
 def advantages(trainer, state, rollout):
   rewards = critic_free.penalized_rewards(
-      trainer, rollout, kl_control.coefficient(state))
+      rollout, kl_control.coefficient(state),
+      trainer.config.online.kl_estimator)
   return (advantages_lib.rloo_advantages(rewards,
                                          trainer.online.samples_per_prompt),
           state.algorithm_state, {})
