@@ -23,6 +23,10 @@ from jaxrlhf import algorithms
 from jaxrlhf import flops
 from jaxrlhf import plan as plan_lib
 from jaxrlhf import sharding
+from jaxrlhf.data import alignment_kinds
+from jaxrlhf.data import feature_converters
+from jaxrlhf.data import names
+from jaxrlhf.data import shapes
 from jaxrlhf.data import synthetic
 
 LLAMA = dict(model__arch="llama", model__size="tiny",
@@ -146,6 +150,66 @@ def test_batch_spec_is_the_layout_of_a_real_batch(case, tmp_path):
   same = jax.tree.map(lambda a, b: (a.shape, a.dtype) == (b.shape, b.dtype),
                       real.abstract_state, planned.abstract_state)
   assert all(jax.tree.leaves(same))
+
+
+# (kind or None for SFT, converter options) for `shapes.example_spec`
+# against the seqio converters: every data kind on both architectures, and
+# the decoder-only prompt with a BOS and with its EOS kept.
+LAYOUTS = [(kind, arch, {}) for kind in (None, "pairs", "ranking",
+                                         "trajectory", "thumbs")
+           for arch in shapes.ARCHITECTURES] + [
+               (None, "decoder_only", {"prompt_bos_id": 7}),
+               ("pairs", "decoder_only", {"strip_prompt_eos": False,
+                                          "eos_id": 5})]
+
+
+@pytest.mark.parametrize("kind, arch, options", LAYOUTS)
+@pytest.mark.parametrize("pack", [0, 3])
+def test_the_planned_layout_is_the_converters(kind, arch, options, pack):
+  """What a plan lays out without seqio (`data.shapes`) is what the seqio
+  converter and the packer make of an example, feature by feature, so the
+  two cannot drift; a ranking (K rows per example) is not packed by
+  either."""
+  ranked = kind == "ranking"
+  lengths = ({"inputs": 7, "targets": 5} if kind is None else
+             {"prompt": 7, **{f: 5 for f in alignment_kinds.get_kind(
+                 kind).completion_fields}})
+  k = 3 if ranked else None
+  planned = shapes.example_spec(kind, arch, lengths, num_completions=k,
+                                **options)
+  if kind is None:
+    converter = feature_converters.sft_feature_converter(arch, **options)
+  else:
+    converter = feature_converters.feature_converter_for(
+        kind, arch, num_completions=k, **options)
+  real = feature_converters.output_spec(converter, kind, lengths)
+  if pack and ranked:
+    with pytest.raises(ValueError, match="cannot be packed"):
+      shapes.packed_spec(planned, pack)
+    with pytest.raises(ValueError, match="cannot be packed"):
+      feature_converters.Packer(real, pack)
+    return
+  if pack:
+    planned = shapes.packed_spec(planned, pack)
+    real = feature_converters.Packer(real, pack).output_spec()
+  assert planned == {name: (tuple(s.shape), np.dtype(s.dtype.as_numpy_dtype))
+                     for name, s in real.items()}
+
+
+def test_builtin_vocabulary_sizes_are_the_registered_tasks():
+  """A plan counts a built-in task's vocabulary from its word list: the
+  size seqio's vocabulary of the registered task has; the files' default
+  is the synthetic task's; any other task is left to its registration."""
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
+  for task in (names.SYNTHETIC_SUMMARIZE, names.SYNTHETIC_SUMMARIZE_GRADED,
+               names.SYNTHETIC_ARITHMETIC):
+    features = pipeline.get_task(task).output_features
+    for feature in features.values():
+      assert shapes.builtin_vocab_size(task) == feature.vocabulary.vocab_size
+  assert shapes.files_vocab_size() == (
+      tasks.synthetic_vocabulary().vocab_size)
+  assert shapes.builtin_vocab_size("plan_not_builtin") is None
 
 
 def test_a_plan_without_the_vocabulary_file_takes_the_presets_size(tmp_path):

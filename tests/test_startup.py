@@ -4,9 +4,13 @@ A config is loaded and validated, `--help` printed and a config error
 reported without TensorFlow or seqio (most of the start-up time: a typo in
 a config field took 5.8 CPU seconds with them, 1.5 without); they load where
 a run first reads data (`jaxrlhf.algorithms.trainer.Trainer`, `train.loop`).
+An ahead-of-time plan (`python -m jaxrlhf.plan`) reads no data and loads
+neither: its trainer takes the vocabulary's size and the batch layout from
+the config (`jaxrlhf.data.shapes`).
 
-Each check runs in a fresh interpreter (this one has loaded everything), one
-for the in-process checks together and one for the command line's exit.
+Each check runs in a fresh interpreter (this one has loaded everything): one
+for the in-process checks together, one for the command line's exit, and
+two for plans (the command, and plans of the other layouts in-process).
 """
 
 import json
@@ -16,7 +20,7 @@ import subprocess
 import sys
 import textwrap
 
-from conftest import REPO
+from conftest import REPO, TINY_OVERRIDES, cli_args
 
 HEAVY = ("tensorflow", "seqio", "tensorflow_datasets")
 CONFIGS = sorted(str(p.relative_to(REPO)) for p in (REPO / "configs").glob("*.py"))
@@ -94,3 +98,71 @@ def test_config_typo_is_one_line_without_the_data_stack(tmp_path):
   assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
   assert "train.num_stepz" in lines[0] and "num_steps" in lines[0]
   assert json.loads(pathlib.Path(probe).read_text()) == []
+
+
+def test_a_plan_loads_no_data_stack(tmp_path):
+  """`python -m jaxrlhf.plan --config=configs/quickstart.py --topology=cpu:2`
+  (test_plan's command, the same figures): exit status 0, its plan printed
+  and written, and neither TensorFlow nor seqio loaded by its exit."""
+  probe, out = tmp_path / "loaded.json", tmp_path / "plan.json"
+  result = run_python(f"""
+      import atexit, json, runpy, sys
+      atexit.register(lambda: open({str(probe)!r}, "w").write(json.dumps(
+          [m for m in {HEAVY!r} if m in sys.modules])))
+      sys.argv = ["jaxrlhf.plan"] + sys.argv[1:]
+      runpy.run_module("jaxrlhf.plan", run_name="__main__")
+      """, "--config=configs/quickstart.py", "--topology=cpu:2",
+      f"--out={out}", *cli_args(mesh__shape="(2,1)"))
+  assert result.returncode == 0, result.stderr[-3000:]
+  assert result.stdout.startswith("Plan: sft on t5 tiny")
+  plan = json.loads(out.read_text())
+  # 16 rows of data.targets_length target tokens, laid out without seqio.
+  assert plan["tokens_per_step"] == 16 * 16
+  assert json.loads(pathlib.Path(probe).read_text()) == []
+
+
+# Plans of the other layouts a shapes-only trainer derives: decoder-only
+# preference pairs from a file (never read) packed 2 per row, K-wise
+# rankings, and an online step on a built-in task (its vocabulary's size
+# counted from the task's word list).
+PLANNED = {
+    "dpo-llama-packed": {"algorithm": "dpo", "model.arch": "llama",
+                         "model.size": "tiny", "data.pack": 2,
+                         "model.num_encoder_layers": None,
+                         "data.task": "startup_pairs",
+                         "data.files.train": "/nonexistent/pairs_*.jsonl"},
+    "ranking-t5": {"algorithm": "reward_model_ranking",
+                   "data.task": "startup_ranking",
+                   "data.files.train": "/nonexistent/ranking_*.jsonl"},
+    "grpo-t5": {"algorithm": "grpo", "rewards.reward_model.weight": 0.0,
+                "rewards.gold_reward.weight": 1.0,
+                "online.samples_per_prompt": 2, "online.max_new_tokens": 4,
+                "data.task": "synthetic_arithmetic"},
+}
+
+
+def test_plans_of_every_layout_load_no_data_stack():
+  """In one interpreter on one CPU device: `plan.make_plan` of the layouts
+  in PLANNED (each tiny), each with its batch laid out and its step
+  compiled; neither TensorFlow nor seqio loaded."""
+  result = run_python(f"""
+      import json, sys
+      from jaxrlhf import plan as plan_lib
+      plan_lib.prepare_platform("cpu:1")
+      from jaxrlhf import defaults
+      out = {{}}
+      for name, overrides in {PLANNED!r}.items():
+        config = defaults.load_config_file("configs/quickstart.py")
+        defaults.apply_overrides(config, dict({TINY_OVERRIDES!r},
+                                              **overrides))
+        plan = plan_lib.make_plan(config, plan_lib.topology_devices("cpu:1"),
+                                  topology="cpu:1")
+        out[name] = (plan["algorithm"], plan["tokens_per_step"])
+      out["loaded"] = [m for m in {HEAVY!r} if m in sys.modules]
+      print(json.dumps(out))
+      """)
+  assert result.returncode == 0, result.stderr[-3000:]
+  out = json.loads(result.stdout.splitlines()[-1])
+  assert out.pop("loaded") == []
+  assert {name: algorithm for name, (algorithm, _) in out.items()} == {
+      name: overrides["algorithm"] for name, overrides in PLANNED.items()}

@@ -23,6 +23,8 @@ from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import alignment_kinds
+from jaxrlhf.data import shapes
+from jaxrlhf.data import vocab
 from jaxrlhf.models import pretrained
 from jaxrlhf.models import scoring
 from jaxrlhf.models.registry import build_model
@@ -40,7 +42,9 @@ class Trainer:
     model, model_config, lm: the policy's Flax module, its dataclass config
       and its scoring adapter; `architecture` is "encoder_decoder" or
       "decoder_only".
-    feature_lengths, feature_converter: how batches are laid out.
+    feature_lengths, feature_converter: how batches are laid out (a
+      shapes-only trainer has no converter: `data.shapes` lays its batches
+      out).
     tx: the optax optimizer of all trained networks.
     online: `online.OnlineSettings` of an online algorithm, else None.
     precomputed_reference: the offline run's `PrecomputedReference` when
@@ -53,7 +57,9 @@ class Trainer:
       compiled once (its `Training.train_step_function`).
     shapes_only: built from the config alone, to lay out and compile the
       step (`jaxrlhf.plan`): no data file, vocabulary file or checkpoint is
-      read, and the trainer cannot train or evaluate.
+      read, the data stack (TensorFlow, seqio) is not loaded unless the
+      vocabulary's size is only known to a task's seqio registration
+      (`planned_vocabulary`), and the trainer cannot train or evaluate.
     evaluate: False builds a trainer that never judges its policy (what its
       evaluation would read is not checked; `evaluate` returns {}).
   """
@@ -71,22 +77,18 @@ class Trainer:
     # log-probs); None for a trainer that only scores or samples.
     self.workdir = workdir
     self.shapes_only = shapes_only
-    # The data stack (seqio, TensorFlow) loads here, where a run first reads
-    # its task, not with the config.
-    # pylint: disable=g-import-not-at-top
-    from jaxrlhf.data import file_tasks
-    from jaxrlhf.data import pipeline
-    from jaxrlhf.data import vocab
-    # pylint: enable=g-import-not-at-top
-    pipeline.import_task_modules(config.data.task_modules)
-    if shapes_only and config.data.files.vocabulary:
-      # The file may be anywhere, gs:// included: a plan lays the model
-      # out at the size the config or its preset gives.
-      self.vocabulary = vocab.SizeOnlyVocabulary(
-          planned_vocab_size(config.model))
-    elif shapes_only and config.data.files.train:
-      self.vocabulary = file_tasks.files_vocabulary(config)  # built in
-    else:
+    if config.data.task_modules:
+      from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+      pipeline.import_task_modules(config.data.task_modules)
+    self.vocabulary = planned_vocabulary(config) if shapes_only else None
+    if self.vocabulary is None:
+      # The data stack (seqio, TensorFlow) loads here, where a run first
+      # reads its task, not with the config; a plan only where the task's
+      # registration alone knows its vocabulary.
+      # pylint: disable=g-import-not-at-top
+      from jaxrlhf.data import file_tasks
+      from jaxrlhf.data import pipeline
+      # pylint: enable=g-import-not-at-top
       if config.data.files.train:
         file_tasks.register_task_from_files(config, files_kind(algorithm))
       features = pipeline.get_task(config.data.task).output_features
@@ -108,7 +110,10 @@ class Trainer:
     self.feature_lengths = (algorithm.feature_lengths(self)
                             if algorithm.feature_lengths
                             else self._default_feature_lengths())
-    self.feature_converter = (algorithm.feature_converter(self)
+    # A plan lays batches out from the feature lengths (`batch_spec`), with
+    # no converter (seqio).
+    self.feature_converter = (None if shapes_only
+                              else algorithm.feature_converter(self)
                               if algorithm.feature_converter
                               else self._default_feature_converter())
     # Set by the algorithm's Training where it applies.
@@ -319,10 +324,7 @@ class Trainer:
     otherwise its shapes may still fit (vocabularies are padded to the same
     size) while every token id means another token. T5X checkpoints carry
     no run config and are not checked."""
-    # pylint: disable=g-import-not-at-top
-    from jaxrlhf.data import tasks
-    from jaxrlhf.data import vocab
-    # pylint: enable=g-import-not-at-top
+    from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
     run = pretrained.run_config(path)
     trained = tasks.run_vocabulary(run) if run else None
     if trained is not None:
@@ -380,6 +382,25 @@ class Trainer:
     if key not in self._once:
       self._once[key] = make()
     return self._once[key]
+
+
+def planned_vocabulary(config) -> Optional[vocab.SizeOnlyVocabulary]:
+  """The vocabulary a shapes-only trainer lays its model out with, from the
+  config alone: a vocabulary file's at config.model.vocab_size or its
+  preset's (the file may be anywhere, gs:// included, and is not read), a
+  file task's default (the synthetic task's) or a built-in task's at its
+  word model's size (`data.shapes`); None where only the task's seqio
+  registration knows it (another registered task, or one of
+  config.data.task_modules)."""
+  files = config.data.files
+  if files.vocabulary:
+    return vocab.SizeOnlyVocabulary(planned_vocab_size(config.model))
+  if files.train:
+    return vocab.SizeOnlyVocabulary(shapes.files_vocab_size())
+  if config.data.task_modules:
+    return None
+  size = shapes.builtin_vocab_size(config.data.task)
+  return None if size is None else vocab.SizeOnlyVocabulary(size)
 
 
 def files_kind(algorithm: base.Algorithm) -> str:

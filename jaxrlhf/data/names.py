@@ -1,6 +1,6 @@
 """Names of the data floor that the config and the algorithms use without
-reading data: the choices of data config fields and the feature names of a
-batch.
+reading data: the choices of data config fields, the feature names of a
+batch and the built-in tasks' names.
 
 The config (`jaxrlhf.defaults`, each algorithm's config groups) loads this
 module, so it imports no data stack (TensorFlow, seqio): a config error or
@@ -17,3 +17,11 @@ ON_BAD_ROW = ("raise", "skip_and_report")
 ENCDEC_SUFFIXES = ("decoder_target_tokens", "decoder_input_tokens",
                    "decoder_loss_weights")
 DECODER_SUFFIXES = ("tokens", "loss_weights", "positions", "attention_mask")
+
+# The built-in tasks (`tasks` registers them): the synthetic summarisation
+# task, the same with prompts of three difficulty levels (synthetic.py's
+# graded variant; same vocabulary and gold reward), and sums with an exact
+# answer (synthetic_arithmetic.py).
+SYNTHETIC_SUMMARIZE = "synthetic_summarize"
+SYNTHETIC_SUMMARIZE_GRADED = "synthetic_summarize_graded"
+SYNTHETIC_ARITHMETIC = "synthetic_arithmetic"

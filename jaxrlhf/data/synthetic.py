@@ -31,6 +31,8 @@ import numpy as np
 PROMPT_PREFIX = "summarize:"
 WORDS = ("red blue green gold cat dog fox owl sun moon star rain oak elm fig "
          "lime salt iron silk wool").split()
+# The words of the task's vocabulary (`tasks.synthetic_vocabulary`).
+VOCABULARY_WORDS = (PROMPT_PREFIX, *WORDS)
 
 
 @dataclasses.dataclass(frozen=True)

@@ -38,14 +38,16 @@ in T5.
 
 import hashlib
 import re
-from typing import Dict, List, Optional
+from typing import Dict, List, Optional, TYPE_CHECKING
 
 import numpy as np
-import seqio
 from sentencepiece import sentencepiece_model_pb2
 
 from jaxrlhf.data import vocab
 from jaxrlhf import answers
+
+if TYPE_CHECKING:
+  import seqio  # pylint: disable=g-bad-import-order
 
 PROMPT_PREFIX = "add:"
 WORKING_PREFIX = "units first:"
@@ -87,10 +89,18 @@ def model_proto() -> bytes:
   return model.SerializeToString()
 
 
-def vocabulary() -> seqio.SentencePieceVocabulary:
+def vocabulary() -> "seqio.SentencePieceVocabulary":
   """The task's vocabulary, cached on disk by content hash
   (`vocab.cached_vocabulary`)."""
   return vocab.cached_vocabulary("arithmetic", model_proto())
+
+
+def vocab_size() -> int:
+  """The ids of `vocabulary()`, counted from its model without building it
+  (what a plan lays the model out with)."""
+  model = sentencepiece_model_pb2.ModelProto()
+  model.ParseFromString(model_proto())
+  return len(model.pieces)
 
 
 # --- texts ---------------------------------------------------------------------

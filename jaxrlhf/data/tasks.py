@@ -13,6 +13,7 @@ import seqio
 import tensorflow as tf
 
 from jaxrlhf.data import alignment_kinds
+from jaxrlhf.data import names
 from jaxrlhf.data import synthetic
 from jaxrlhf.data import synthetic_arithmetic
 from jaxrlhf.data import vocab
@@ -21,10 +22,10 @@ from jaxrlhf.data import vocab
 GoldReward = Callable[[str, str, bool], float]
 _GOLD_REWARDS: Dict[str, GoldReward] = {}
 
-SYNTHETIC_SUMMARIZE = "synthetic_summarize"
-# The same task with prompts of three difficulty levels (synthetic.py's
-# graded variant): same vocabulary and gold reward.
-SYNTHETIC_SUMMARIZE_GRADED = "synthetic_summarize_graded"
+# The built-in tasks' names (`names`, which a plan reads without this
+# module's seqio).
+SYNTHETIC_SUMMARIZE = names.SYNTHETIC_SUMMARIZE
+SYNTHETIC_SUMMARIZE_GRADED = names.SYNTHETIC_SUMMARIZE_GRADED
 _SYNTHETIC_GRADED = {SYNTHETIC_SUMMARIZE: False,
                      SYNTHETIC_SUMMARIZE_GRADED: True}
 # "test" holds prompts no run trains or selects on, for experiments that
@@ -32,7 +33,7 @@ _SYNTHETIC_GRADED = {SYNTHETIC_SUMMARIZE: False,
 SYNTHETIC_SPLIT_SIZES = {"train": 20000, "validation": 512, "test": 2000}
 # Sums with an exact answer (synthetic_arithmetic.py): a verifiable task whose
 # prompts carry their `answer` column to the reward functions.
-SYNTHETIC_ARITHMETIC = "synthetic_arithmetic"
+SYNTHETIC_ARITHMETIC = names.SYNTHETIC_ARITHMETIC
 
 
 def register_gold_reward(task_name: str, fn: GoldReward) -> None:
@@ -62,7 +63,7 @@ def run_vocabulary(run: dict) -> Optional[seqio.Vocabulary]:
 
 
 def synthetic_vocabulary() -> seqio.SentencePieceVocabulary:
-  return vocab.word_vocabulary([synthetic.PROMPT_PREFIX] + synthetic.WORDS)
+  return vocab.word_vocabulary(synthetic.VOCABULARY_WORDS)
 
 
 @functools.lru_cache(maxsize=None)

@@ -7,6 +7,9 @@ another vocabulary is refused by it). A built-in task's vocabulary is a
 SentencePiece word model made from the task's own word list: no training
 run and no download, so the same ids come out on every machine. The model file is cached (content-addressed) under
 $JAXRLHF_CACHE_DIR, default ~/.cache/jaxrlhf, and written atomically.
+
+seqio (and TensorFlow with it) loads where a vocabulary is built, not with
+this module: a plan (`shapes`) counts a word model's ids without it.
 """
 
 import base64
@@ -15,10 +18,12 @@ import os
 import pathlib
 import tempfile
 import zlib
-from typing import Sequence
+from typing import Sequence, TYPE_CHECKING
 
-import seqio
 from sentencepiece import sentencepiece_model_pb2
+
+if TYPE_CHECKING:
+  import seqio  # pylint: disable=g-bad-import-order
 
 PAD_ID, EOS_ID, UNK_ID = 0, 1, 2  # T5's ids
 
@@ -73,15 +78,22 @@ def word_model_proto(words: Sequence[str]) -> bytes:
   return model.SerializeToString()
 
 
-def word_vocabulary(words: Sequence[str]) -> seqio.SentencePieceVocabulary:
+def word_vocab_size(words: Sequence[str]) -> int:
+  """The ids of `word_model_proto(words)`'s vocabulary: the three special
+  ones, then one per word."""
+  return len(words) + 3
+
+
+def word_vocabulary(words: Sequence[str]) -> "seqio.SentencePieceVocabulary":
   """A seqio vocabulary over `words`, cached on disk by content hash."""
   return cached_vocabulary("words", word_model_proto(words))
 
 
 def cached_vocabulary(name: str, proto: bytes
-                      ) -> seqio.SentencePieceVocabulary:
+                      ) -> "seqio.SentencePieceVocabulary":
   """A seqio vocabulary of the serialised SentencePiece model `proto`, from
   a file in `cache_dir()` named by `name` and the model's content hash."""
+  import seqio  # pylint: disable=g-import-not-at-top,redefined-outer-name
   path = cache_dir() / f"{name}-{hashlib.sha256(proto).hexdigest()[:16]}.model"
   if not path.exists():
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -93,17 +105,18 @@ def cached_vocabulary(name: str, proto: bytes
   return seqio.SentencePieceVocabulary(str(path))
 
 
-def from_file(path: str) -> seqio.Vocabulary:
+def from_file(path: str) -> "seqio.Vocabulary":
   """The vocabulary in a file: a Hugging Face `tokenizer.json` (any name
   ending in .json; a `tokenizer_config.json` beside it is read, and id 0 is
   made the padding, see `hf_tokenizer`) or a SentencePiece model."""
   if str(path).endswith(".json"):
     from jaxrlhf.data import hf_tokenizer  # pylint: disable=g-import-not-at-top
     return hf_tokenizer.HFTokenizerVocabulary(path)
+  import seqio  # pylint: disable=g-import-not-at-top,redefined-outer-name
   return seqio.SentencePieceVocabulary(str(path))
 
 
-def fingerprint(vocabulary: seqio.Vocabulary) -> str:
+def fingerprint(vocabulary: "seqio.Vocabulary") -> str:
   """Identifies a vocabulary by content: its SentencePiece model, its
   tokenizer (`HFTokenizerVocabulary.fingerprint`), or else the text of
   every id."""
@@ -119,7 +132,7 @@ def fingerprint(vocabulary: seqio.Vocabulary) -> str:
   return digest.hexdigest()
 
 
-def describe(vocabulary: seqio.Vocabulary) -> str:
+def describe(vocabulary: "seqio.Vocabulary") -> str:
   """"SentencePieceVocabulary ('path', N ids)", for error messages."""
   path = getattr(vocabulary, "sentencepiece_model_file", None)
   tokenizer = getattr(vocabulary, "tokenizer_file", None)
@@ -136,6 +149,18 @@ class SizeOnlyVocabulary:
   def __init__(self, vocab_size: int):
     self.vocab_size = vocab_size
     self.pad_id, self.eos_id, self.unk_id = PAD_ID, EOS_ID, UNK_ID
+
+  def encode(self, text):
+    del text
+    raise ValueError("SizeOnlyVocabulary: a plan's vocabulary knows its size "
+                     "only and cannot encode; build the trainer without "
+                     "shapes_only to read text.")
+
+  def decode(self, ids):
+    del ids
+    raise ValueError("SizeOnlyVocabulary: a plan's vocabulary knows its size "
+                     "only and cannot decode; build the trainer without "
+                     "shapes_only to read text.")
 
 
 def require_same(trained, expected, what: str, against: str,

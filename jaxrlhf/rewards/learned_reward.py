@@ -59,11 +59,14 @@ def build(path: str, field: str, policy_vocabulary, fallback_model_config,
     platform: of the devices it runs on (`build_model`).
     check_vocabulary: False where no vocabulary file may be read (a plan).
   """
-  # The data stack loads here, where the data is read, not with the config.
-  from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
   from jaxrlhf.data import vocab  # pylint: disable=g-import-not-at-top
   run = pretrained.run_config(path)
-  trained = tasks.run_vocabulary(run) if run and check_vocabulary else None
+  trained = None
+  if run and check_vocabulary:
+    # The data stack loads here, where a vocabulary is read: not with the
+    # config, nor in a plan.
+    from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
+    trained = tasks.run_vocabulary(run)
   if trained is not None:
     vocab.require_same(
         trained, policy_vocabulary, f"{field}: the reward model {path!r}",

@@ -18,6 +18,8 @@ from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.algorithms.offline import precomputed_reference
 from jaxrlhf.algorithms import update
+from jaxrlhf.data import alignment_kinds
+from jaxrlhf.data import shapes
 from jaxrlhf.models import scoring
 
 
@@ -93,19 +95,34 @@ class Offline(base.Training):
     return batches
 
   def batch_spec(self, trainer) -> Dict[str, jax.ShapeDtypeStruct]:
-    # The feature converters (seqio) load with a trainer, not with the config.
-    from jaxrlhf.data import feature_converters  # pylint: disable=g-import-not-at-top
-    batch = trainer.config.train.batch_size
+    config = trainer.config
+    batch = config.train.batch_size
     kind = (None if trainer.algorithm.data == base.SFT_DATA
             else trainer.algorithm.data)
-    example = feature_converters.output_spec(
-        trainer.feature_converter, kind, trainer.feature_lengths)
-    if trainer.config.data.pack:
-      example = feature_converters.Packer(
-          example, trainer.config.data.pack).output_spec()
-    spec = {name: jax.ShapeDtypeStruct((batch,) + tuple(s.shape),
-                                       s.dtype.as_numpy_dtype)
-            for name, s in example.items()}
+    if trainer.feature_converter is None:
+      # A shapes-only trainer (a plan): the layout of the kind's converter,
+      # from the feature lengths alone (no TensorFlow or seqio).
+      ranked = kind is not None and alignment_kinds.get_kind(kind).ranked
+      example = shapes.example_spec(
+          kind, trainer.architecture, trainer.feature_lengths,
+          num_completions=(config.reward_model.num_completions if ranked
+                           else None),
+          **trainer.converter_options())
+      if config.data.pack:
+        example = shapes.packed_spec(example, config.data.pack)
+    else:
+      # The converter's own layout: its feature converters (seqio) load
+      # with a trainer that reads data, not with the config.
+      from jaxrlhf.data import feature_converters  # pylint: disable=g-import-not-at-top
+      converted = feature_converters.output_spec(
+          trainer.feature_converter, kind, trainer.feature_lengths)
+      if config.data.pack:
+        converted = feature_converters.Packer(converted,
+                                              config.data.pack).output_spec()
+      example = {name: (tuple(s.shape), s.dtype.as_numpy_dtype)
+                 for name, s in converted.items()}
+    spec = {name: jax.ShapeDtypeStruct((batch,) + shape, dtype)
+            for name, (shape, dtype) in example.items()}
     if trainer.precomputed_reference:
       spec.update(trainer.precomputed_reference.spec(batch))
     return spec
