@@ -21,13 +21,13 @@ def main():
   sys.path.insert(0, os.path.join(REPO, "tests"))
   import agent_tools  # pylint: disable=g-import-not-at-top
   import transformers  # pylint: disable=g-import-not-at-top
-  from transformers.utils import get_json_schema  # pylint: disable=g-import-not-at-top
+  from transformers import utils as hf_utils
 
   fixture = {
       "source": ("transformers.utils.get_json_schema on tests/agent_tools.py"
                  "'s FIXTURE_TOOLS (experiments/make_tool_fixtures.py)"),
       "transformers_version": transformers.__version__,
-      "schemas": {fn.__name__: get_json_schema(fn)
+      "schemas": {fn.__name__: hf_utils.get_json_schema(fn)
                   for fn in agent_tools.FIXTURE_TOOLS},
   }
   with open(OUT, "w") as f:

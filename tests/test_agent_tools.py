@@ -326,9 +326,10 @@ def test_arguments_that_fit_the_schema(name, arguments):
 
 def test_run_tool_call_returns_str_of_the_result_or_the_error():
   turn = parse(QWEN_TWO_CALLS, "qwen")
+  fahrenheit = 21.5 * 9 / 5 + 32
   assert [tool_calls.run_tool_call(c, agent_tools.FIXTURE_TOOLS)
           for c in turn.calls] == [str(123 * 456),
-                                   f"{21.5 * 9 / 5 + 32:.1f} degrees fahrenheit"]
+                                   f"{fahrenheit:.1f} degrees fahrenheit"]
   count = call_of("count_words", {"words": ["The", "the", "a"]})
   assert tool_calls.run_tool_call(count, agent_tools.FIXTURE_TOOLS) == str(
       {"the": 2, "a": 1})

@@ -6,12 +6,14 @@ special tokens) into what it says (`content`) and the tools it calls. The
 styles are the formats the families' own chat templates write an assistant
 tool call in (the templates are under `tests/fixtures/chat_templates/`):
 
-| style     | families                 | a turn with calls                          |
-| --------- | ------------------------ | ------------------------------------------ |
-| `qwen`    | Qwen 2.5, Qwen 3         | text, then `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`, one block per call |
-| `llama3`  | Llama 3.1, 3.2           | the whole message is `{"name": "f", "parameters": {...}}`, possibly after `<|python_tag|>` |
-| `mistral` | Mistral 7B Instruct v0.3 | text, then `[TOOL_CALLS] [{"name": "f", "arguments": {...}, "id": "..."}, ...]` |
-| `regex`   | any                      | each match of a pattern with the named groups `name` and `arguments` |
+- `qwen` (Qwen 2.5, Qwen 3): text, then one block per call,
+  `<tool_call>\\n{"name": "f", "arguments": {...}}\\n</tool_call>`.
+- `llama3` (Llama 3.1, 3.2): the whole message is
+  `{"name": "f", "parameters": {...}}`, possibly after `<|python_tag|>`.
+- `mistral` (Mistral 7B Instruct v0.3): text, then
+  `[TOOL_CALLS] [{"name": "f", "arguments": {...}, "id": "..."}, ...]`.
+- `regex` (any): each match of a pattern with the named groups `name` and
+  `arguments`.
 
 For example (Qwen 2.5):
 
@@ -35,21 +37,25 @@ without arguments).
 A malformed call is never an exception: it is a `ToolCall` whose `error` is
 the message the model reads as the tool's reply, starting "error: ".
 
-| what is wrong                        | `error`                                         |
-| ------------------------------------ | ----------------------------------------------- |
-| the JSON does not parse              | error: the tool call is not valid JSON (...)    |
-| not an object / no "name"            | error: a tool call is a JSON object with a "name" ... |
-| "arguments" not an object            | error: the arguments of f must be a JSON object, not a list |
-| an unknown tool                      | error: unknown tool 'mul'; the tools are: multiply |
-| a missing required / unknown argument | error: multiply is missing the required argument 'b' / error: multiply has no argument 'c'; ... |
-| a value of the wrong JSON type       | error: argument 'a' of multiply must be an integer, not a string ("3") |
-| the function raised (`run_tool_call`) | error: divide raised ZeroDivisionError: float division by zero |
+- the JSON does not parse: "error: the tool call is not valid JSON (...)";
+- not an object, or no "name": "error: a tool call is a JSON object with a
+  "name" ...";
+- "arguments" not an object: "error: the arguments of f must be a JSON
+  object, not a list.";
+- an unknown tool: "error: unknown tool 'mul'; the tools are: multiply";
+- a missing required or an unknown argument: "error: multiply is missing
+  the required argument 'b'." / "error: multiply has no argument 'c'; ...";
+- a value of the wrong JSON type: "error: argument 'a' of multiply must be
+  an integer, not a string ("3").";
+- the function raised (`run_tool_call`): "error: divide raised
+  ZeroDivisionError: float division by zero".
 
-The last four come from checking the call against the tools' schemas
-(`validate_arguments`, or `parse_tool_calls(..., schemas=...)`): required
-arguments present, no unknown ones, each value of its JSON type ("integer"
-is a JSON number without a fraction: 3, not 3.0; "nullable" admits null;
-"enum", "anyOf", array items and object values are checked too).
+The unknown tool, argument and type errors come from checking the call
+against the tools' schemas (`validate_arguments`, or `parse_tool_calls(...,
+schemas=...)`): required arguments present, no unknown ones, each value of
+its JSON type ("integer" is a JSON number without a fraction: 3, not 3.0;
+"nullable" admits null; "enum", "anyOf", array items and object values are
+checked too).
 `run_tool_call(call, tools)` checks, calls the function and returns its
 result as `str(result)`, or the error.
 """

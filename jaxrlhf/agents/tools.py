@@ -20,33 +20,31 @@ tools=[...])`), so the model sees the tools as its family's template shows
 them:
 
     {"type": "function",
-     "function": {"name": "multiply",
-                  "description": "Multiplies two integers.",
-                  "parameters": {"type": "object",
-                                 "properties": {
-                                     "a": {"type": "integer",
-                                           "description": "the first factor."},
-                                     "b": {"type": "integer",
-                                           "description": "the second factor."}},
-                                 "required": ["a", "b"]},
-                  "return": {"type": "integer"}}}
+     "function": {
+         "name": "multiply", "description": "Multiplies two integers.",
+         "parameters": {
+             "type": "object",
+             "properties": {
+                 "a": {"type": "integer", "description": "the first factor."},
+                 "b": {"type": "integer", "description": "the second factor."}},
+             "required": ["a", "b"]},
+         "return": {"type": "integer"}}}
 
 The types, as transformers maps them (`tests/fixtures/tool_schemas.json`
 holds transformers' own output for the test tools, and the test compares
 ours to it key by key and in key order, since the order reaches the prompt
 through the template's `tojson`):
 
-| Python                     | JSON schema                                      |
-| -------------------------- | ------------------------------------------------ |
-| int, float, str, bool      | {"type": "integer" / "number" / "string" / "boolean"} |
-| None                       | {"type": "null"}                                 |
-| Any                        | {} (anything)                                    |
-| list, list[X]              | {"type": "array"}, with "items": schema of X     |
-| tuple[X, Y, ...]           | {"type": "array", "prefixItems": [X, Y, ...]}    |
-| dict, dict[str, X]         | {"type": "object"}, with "additionalProperties": X |
-| Optional[X]                | schema of X, then "nullable": true               |
-| Union[X, Y]                | {"type": [sorted types]} when X, Y are plain types, else {"anyOf": [X, Y]} |
-| Literal[...], an Enum class | {"type": the values' types, "enum": the values} |
+- int, float, str, bool, None: {"type": "integer" / "number" / "string" /
+  "boolean" / "null"}; Any: {} (anything);
+- list, list[X]: {"type": "array"}, with "items": the schema of X;
+- tuple[X, Y, ...]: {"type": "array", "prefixItems": [X's, Y's, ...]};
+- dict, dict[str, X]: {"type": "object"}, with "additionalProperties": X's;
+- Optional[X]: X's schema, then "nullable": true;
+- Union[X, Y]: {"type": [the sorted types]} when X and Y are plain types,
+  else {"anyOf": [X's, Y's]};
+- Literal[...] and Enum classes: {"type": the values' types, "enum": the
+  values}.
 
 An argument with a default is not required. An argument whose docstring line
 ends with `(choices: [...])` (a JSON list) gets that list as its "enum", and
