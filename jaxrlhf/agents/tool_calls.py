@@ -25,10 +25,10 @@ For example (Qwen 2.5):
 
 Per style: `qwen` also reads a `<tool_call>` block that the turn ended in
 before closing it (a failed call). `llama3` reads a turn as calls when it
-has `<|python_tag|>` or starts with `{`: then the JSON objects (several may
-be separated by `;`, as Llama 3.2 writes them) are calls, "arguments" is
-read where "parameters" is missing, and text after the last object is
-content. `mistral` takes a single object where a list is expected; the
+has `<|python_tag|>` or starts with `{`: then the JSON objects are calls
+(one, as the template writes it, or several separated by `;`),
+"arguments" is read where "parameters" is missing, and text after the last
+object is content. `mistral` takes a single object where a list is expected; the
 later format of Mistral's v7+ tokenizers (`[TOOL_CALLS]name[ARGS]{...}`) is
 not read. For all styles `content` is the text outside the calls, each
 piece stripped, joined by newlines; a missing "arguments" is `{}` (a tool
