@@ -9,7 +9,10 @@ Builds the config's real train step (every algorithm; an online step's
 rollout and updates included) over abstract state and batch: no parameter
 is materialised and no data, vocabulary or checkpoint is read (shapes come
 from the config; a model whose vocabulary is in a file gets
-config.model.vocab_size or its size preset's). The step is compiled by XLA
+config.model.vocab_size or its size preset's, a built-in task its word
+list's size, and batches the layout of their data kind's feature converter:
+`jaxrlhf.data.shapes`), so TensorFlow and seqio are not loaded (except for
+a task only its seqio registration describes). The step is compiled by XLA
 for the topology's chips, as it would be on them, and the plan says:
 
   - memory per chip, XLA's figures: arguments (the train state and the

@@ -38,7 +38,8 @@ class Trainer:
   Attributes:
     algorithm: the `base.Algorithm`.
     config, mesh, rules, workdir: the run's.
-    vocabulary: the task's seqio vocabulary.
+    vocabulary: the task's seqio vocabulary (a shapes-only trainer's is
+      usually a `vocab.SizeOnlyVocabulary`: `planned_vocabulary`).
     model, model_config, lm: the policy's Flax module, its dataclass config
       and its scoring adapter; `architecture` is "encoder_decoder" or
       "decoder_only".
