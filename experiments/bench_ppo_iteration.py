@@ -5,8 +5,8 @@ r"""Where one PPO iteration's time goes: rollout, scoring and update.
   python experiments/bench_ppo_iteration.py --arch=llama --size=tinyllama-1.1b \
       --dtype=bfloat16 --vocab_size=32000
 
-One PPO iteration of `jaxrlhf.algorithms.online.ppo` is timed whole (the jitted train
-step) and in its three parts, each jitted alone:
+One PPO iteration of `jaxrlhf.algorithms.online.ppo` is timed whole (the
+jitted train step) and in its three parts, each jitted alone:
 
   rollout  sampling `targets_length` tokens per prompt at temperature 0.7
            (the KV-cache sampler of `jaxrlhf.models.sampling`);
@@ -86,7 +86,9 @@ def main():
           trainer.lm, params["policy"], frozen["reference"], reward_lm,
           frozen["reward"], prompt_tokens, tokens, temperature=o.temperature,
           eos_id=eos, missing_eos_penalty=o.missing_eos_penalty)
-      return ro, ppo.rollout_targets(trainer, params["value"], ro, kl_coef)
+      return ro, ppo.rollout_targets(
+          trainer.config, trainer.online.rewards.lm, params["value"], ro,
+          kl_coef)
 
     @jax.jit
     def update(state, ro, targets, key):

@@ -217,7 +217,8 @@ def test_decoder_only_rollout_is_left_padding_invariant_and_values_are_shifted(
             tokens=np.asarray(ro.features["tokens"])[:, -MAX_NEW:],
             logprobs=np.asarray(ro.logprobs), mask=np.asarray(ro.mask),
             has_eos=np.asarray(ro.has_eos)))
-    targets = jax.jit(lambda v, r, k: ppo.rollout_targets(trainer, v, r, k))(
+    targets = jax.jit(lambda v, r, k: ppo.rollout_targets(
+        trainer.config, trainer.online.rewards.lm, v, r, k))(
         state.params["value"], ro, jnp.float32(0.05))
     policy, value = state.params["policy"], state.params["value"]
     reward = state.frozen["reward"]

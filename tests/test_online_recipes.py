@@ -535,7 +535,8 @@ def test_the_reference_is_scored_and_kept_only_where_a_step_reads_it(
   defaults.apply_overrides(config, {"algorithm": algorithm, **overrides})
   trainer = type("T", (), {"algorithm": algorithms.get(algorithm),
                            "config": config})
-  assert kl_control.scores_reference(trainer.algorithm, trainer.config) is scored
+  assert kl_control.scores_reference(trainer.algorithm,
+                                     trainer.config) is scored
   assert recipe.keeps_reference(trainer.algorithm, trainer.config) is kept
 
 

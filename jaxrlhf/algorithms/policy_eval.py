@@ -23,6 +23,7 @@ import jax
 import numpy as np
 
 from jaxrlhf import console
+from jaxrlhf import run_cache
 from jaxrlhf.algorithms import base
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
@@ -40,30 +41,29 @@ def eval_prompts(trainer, split: str = ""):
   has none). A task with `inputs` (SFT-style) gives its first
   eval.num_examples examples' inputs; a task of an alignment kind its first
   eval.num_examples distinct prompts."""
+  return _read_eval_prompts(trainer, split or trainer.config.eval.split)
+
+
+@run_cache.per_run
+def _read_eval_prompts(trainer, split: str):
+  # The data stack loads here, where the data is read, not with the config.
+  import seqio  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
   cfg = trainer.config
-  split = split or cfg.eval.split
-
-  def read():
-    # The data stack loads here, where the data is read, not with the config.
-    import seqio  # pylint: disable=g-import-not-at-top
-    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
-    task = cfg.eval.task or cfg.data.task
-    judge = judges.make_judge(trainer.config, task)
-    if judge is None:
-      return None
-    if "inputs" in pipeline.get_task(task).output_features:
-      features, texts = pipeline.eval_examples(
-          task, split, {"inputs": trainer.prompt_length,
-                        "targets": cfg.data.targets_length},
-          seqio.EncDecFeatureConverter(pack=False), cfg.eval.num_examples)
-      return (features["encoder_input_tokens"], [t["inputs"] for t in texts],
-              judge)
-    tokens, texts = prompts_lib.held_out_prompts(
-        task, split, trainer.prompt_length, cfg.eval.num_examples)
-    return tokens, texts, judge
-
-  key = "eval_prompts" if split == cfg.eval.split else f"eval_prompts:{split}"
-  return trainer.once(key, read)
+  task = cfg.eval.task or cfg.data.task
+  judge = judges.make_judge(trainer.config, task)
+  if judge is None:
+    return None
+  if "inputs" in pipeline.get_task(task).output_features:
+    features, texts = pipeline.eval_examples(
+        task, split, {"inputs": trainer.prompt_length,
+                      "targets": cfg.data.targets_length},
+        seqio.EncDecFeatureConverter(pack=False), cfg.eval.num_examples)
+    return (features["encoder_input_tokens"], [t["inputs"] for t in texts],
+            judge)
+  tokens, texts = prompts_lib.held_out_prompts(
+      task, split, trainer.prompt_length, cfg.eval.num_examples)
+  return tokens, texts, judge
 
 
 def check_eval_task(trainer) -> None:
@@ -142,38 +142,46 @@ AGAINST_REFERENCE = base.Evaluation(evaluate=against_reference,
 # --- held-out pairs: the implicit reward (PPO details, detail 19) -------------------
 
 
+@run_cache.per_run
 def held_out_pairs(trainer):
   """This process's features of the first eval.num_examples pairs of
   config.data.task's config.data.eval_split (data.files.validation), read
   once; None when the task has no such split."""
+  # The data stack loads here, where the data is read, not with the config.
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
   cfg = trainer.config
+  try:
+    features, _ = pipeline.eval_examples(
+        cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
+        trainer.feature_converter, cfg.eval.num_examples)
+  except (ValueError, KeyError, StopIteration):
+    return None
+  return features
 
-  def read():
-    # The data stack loads here, where the data is read, not with the config.
-    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
-    try:
-      features, _ = pipeline.eval_examples(
-          cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
-          trainer.feature_converter, cfg.eval.num_examples)
-    except (ValueError, KeyError, StopIteration):
-      return None
-    return features
 
-  return trainer.once("held_out_pairs", read)
+@run_cache.per_run
+def _pair_scorer(trainer):
+  """The compiled scorer of held-out pairs' log-probs."""
+  return jax.jit(lambda p, b: scoring.sequence_logprobs(
+      trainer.lm, p, b, ("chosen", "rejected")))
 
 
 def _pair_logprobs(trainer, params, features) -> Dict[str, np.ndarray]:
   """{"chosen", "rejected": [n] log pi(completion | prompt)} of this
   process's held-out pairs."""
-  score = trainer.once("held_out_pair_scorer", lambda: jax.jit(
-      lambda p, b: scoring.sequence_logprobs(trainer.lm, p, b,
-                                             ("chosen", "rejected"))))
+  score = _pair_scorer(trainer)
   n = len(next(iter(features.values())))
   parts = [jax.tree.map(evaluation.local_rows, score(params, b))
            for b in evaluation.global_batches(
                features, trainer.config.eval.batch_size, trainer.mesh,
                trainer.rules)]
   return jax.tree.map(lambda *xs: np.concatenate(xs)[:n], *parts)
+
+
+@run_cache.per_run
+def _reference_pair_logprobs(trainer, *, reference_params, features):
+  """The reference's `_pair_logprobs`, computed once: it never changes."""
+  return _pair_logprobs(trainer, reference_params, features)
 
 
 def implicit_reward_metrics(trainer, policy, reference_params
@@ -189,9 +197,8 @@ def implicit_reward_metrics(trainer, policy, reference_params
   features = held_out_pairs(trainer)
   if features is None:
     return {}
-  # The reference never changes: its log-probs are computed once.
-  ref = trainer.once("held_out_pair_reference", lambda: _pair_logprobs(
-      trainer, reference_params, features))
+  ref = _reference_pair_logprobs(trainer, reference_params=reference_params,
+                                 features=features)
   pi = _pair_logprobs(trainer, policy, features)
   return pair_metrics.pair_metrics(
       pi["chosen"] - ref["chosen"], pi["rejected"] - ref["rejected"],

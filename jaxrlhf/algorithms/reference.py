@@ -98,11 +98,12 @@ POLICY_ONLY = base.Networks(trainable=policy,
 # --- log-probs -------------------------------------------------------------------
 
 
-def reference_logprobs(trainer, state, batch, names: Sequence[str]):
+def reference_logprobs(lm, precomputed, state, batch, names: Sequence[str]):
   """{name: [batch] log pi_ref(completion | prompt)}: from the frozen
-  reference in `state`, or, when precomputed, from the batch's
-  `reference_logp_*` features."""
-  if trainer.precomputed_reference:
-    return trainer.precomputed_reference.logprobs(batch, names)
+  reference in `state`, or, when `precomputed` (the run's
+  `PrecomputedReference`, or None), from the batch's `reference_logp_*`
+  features."""
+  if precomputed:
+    return precomputed.logprobs(batch, names)
   return jax.lax.stop_gradient(scoring.sequence_logprobs(
-      trainer.lm, state.frozen["reference"], batch, names))
+      lm, state.frozen["reference"], batch, names))

@@ -120,7 +120,6 @@ class Trainer:
     # Set by the algorithm's Training where it applies.
     self.online = None
     self.precomputed_reference = None
-    self._once = {}
     algorithm.training.setup(self)
     self.lora = lora_state.setup(self)
     # evaluate=False: a trainer that never judges its policy (`evaluate`
@@ -376,13 +375,6 @@ class Trainer:
     if not self._evaluates:
       return "no evaluation"
     return self.algorithm.evaluation.describe(self.config)
-
-  def once(self, key: str, make):
-    """`make()` the first time this run asks for `key`, the same value
-    after: held-out examples read once, evaluation functions jitted once."""
-    if key not in self._once:
-      self._once[key] = make()
-    return self._once[key]
 
 
 def planned_vocabulary(config) -> Optional[vocab.SizeOnlyVocabulary]:

@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import run_cache
 from jaxrlhf import sharding
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import heads
@@ -210,34 +211,31 @@ def check(trainer) -> None:
 # --- the reward model judge -------------------------------------------------------
 
 
+@run_cache.per_run
 def reward_model(trainer, path: str):
   """(scoring adapter, params) of the reward model at `path`, loaded once
   per run, in its own run's architecture and size."""
-
-  def load():
-    network = learned_reward.build(path, "config.eval.judge_checkpoint",
-                                   trainer.vocabulary, trainer.config.model,
-                                   trainer.platform)
-    module, module_config = network.adapter.module, network.model_config
-    adapter = network.adapter
-    abstract = jax.eval_shape(
-        lambda rng: heads.init_from_backbone(
-            rng, trainer.init_lm(rng, module=module), module_config.emb_dim),
-        jax.random.PRNGKey(0))
-    shardings = sharding.tree_shardings(abstract, trainer.mesh, trainer.rules)
-    is_boxed = lambda x: isinstance(x, nn.LogicallyPartitioned)
-    shapes = jax.tree.map(lambda x: x.value if is_boxed(x) else x, abstract,
-                          is_leaf=is_boxed)
-    target = jax.tree.map(
-        lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
-        shapes, shardings)
-    try:
-      params = pretrained.load_network_params(path, target, "reward")
-    except ValueError as e:
-      raise ValueError(f"config.eval.judge_checkpoint: {e}") from None
-    return adapter, params
-
-  return trainer.once(f"judge_reward_model:{path}", load)
+  network = learned_reward.build(path, "config.eval.judge_checkpoint",
+                                 trainer.vocabulary, trainer.config.model,
+                                 trainer.platform)
+  module, module_config = network.adapter.module, network.model_config
+  adapter = network.adapter
+  abstract = jax.eval_shape(
+      lambda rng: heads.init_from_backbone(
+          rng, trainer.init_lm(rng, module=module), module_config.emb_dim),
+      jax.random.PRNGKey(0))
+  shardings = sharding.tree_shardings(abstract, trainer.mesh, trainer.rules)
+  is_boxed = lambda x: isinstance(x, nn.LogicallyPartitioned)
+  shapes = jax.tree.map(lambda x: x.value if is_boxed(x) else x, abstract,
+                        is_leaf=is_boxed)
+  target = jax.tree.map(
+      lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
+      shapes, shardings)
+  try:
+    params = pretrained.load_network_params(path, target, "reward")
+  except ValueError as e:
+    raise ValueError(f"config.eval.judge_checkpoint: {e}") from None
+  return adapter, params
 
 
 @functools.lru_cache(maxsize=None)

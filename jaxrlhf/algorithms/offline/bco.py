@@ -33,7 +33,8 @@ def loss(trainer, params, state, batch, rng):
   del rng
   pi = scoring.sequence_logprobs(trainer.lm, params["policy"], batch,
                                  COMPLETION)
-  ref = reference.reference_logprobs(trainer, state, batch, COMPLETION)
+  ref = reference.reference_logprobs(
+      trainer.lm, trainer.precomputed_reference, state, batch, COMPLETION)
   return bco_losses.bco_loss(
       pi["completion"], ref["completion"], batch["label"] > 0.5,
       beta=trainer.config.bco.beta,

@@ -43,7 +43,8 @@ def loss(trainer, params, state, batch, rng):
   del rng
   cfg = trainer.config.dpo
   pi = scoring.sequence_logprobs(trainer.lm, params["policy"], batch, PAIR)
-  ref = reference.reference_logprobs(trainer, state, batch, PAIR)
+  ref = reference.reference_logprobs(
+      trainer.lm, trainer.precomputed_reference, state, batch, PAIR)
   lengths = scoring.completion_lengths(trainer.lm, batch, PAIR)
   return preference.direct_preference_loss(
       pi["chosen"], pi["rejected"], ref["chosen"], ref["rejected"],

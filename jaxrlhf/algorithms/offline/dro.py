@@ -1,7 +1,8 @@
 """DRO-V (Richemond et al. 2024, section 3.3 and Algorithm 1).
 
-Single trajectories (x, y, r). The losses are jaxrlhf.losses.dro_losses.dro_v_losses:
-the policy receives equation 8 and the value equation 7. The policy's update
+Single trajectories (x, y, r). The losses are
+jaxrlhf.losses.dro_losses.dro_v_losses: the policy receives equation 8 and
+the value equation 7. The policy's update
 is multiplied by 1/tau after its optimizer (`update_scales`), the paper's
 "policy learning rate rescaling" (end of section 3.3). The reference
 log-probs log pi_ref(y|x) of equation 4 may be precomputed once over the
@@ -203,7 +204,8 @@ def loss(trainer, params, state, batch, rng):
     policy_logps = scoring.sequence_logprobs(
         trainer.lm, params["policy"], batch, ("completion",))["completion"]
     value = values(trainer.lm, cfg.value_source, params, batch)
-  ref = reference.reference_logprobs(trainer, state, batch, ("completion",))
+  ref = reference.reference_logprobs(
+      trainer.lm, trainer.precomputed_reference, state, batch, ("completion",))
   policy_loss, value_loss, metrics = dro_losses.dro_v_losses(
       policy_logps, ref["completion"], value,
       scoring.example_values(batch, "reward"), tau=cfg.tau,

@@ -123,7 +123,8 @@ def loss(trainer, params, state, batch, rng):
   cfg = trainer.config.kto
   batch = with_mismatched_completions(batch)
   pi = scoring.sequence_logprobs(trainer.lm, params["policy"], batch, NAMES)
-  ref = reference.reference_logprobs(trainer, state, batch, NAMES)
+  ref = reference.reference_logprobs(
+      trainer.lm, trainer.precomputed_reference, state, batch, NAMES)
   if "label" in batch:
     desirable = batch["label"] > 0.5
   else:

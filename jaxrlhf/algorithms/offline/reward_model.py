@@ -23,6 +23,7 @@ import numpy as np
 
 from jaxrlhf import config_schema
 from jaxrlhf import console
+from jaxrlhf import run_cache
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms.offline import training
@@ -126,24 +127,35 @@ def pairs_loss(trainer, params, state, batch, rng):
                                       centering_coef=cfg.centering_coef)
 
 
+@run_cache.per_run
+def _eval_features(trainer):
+  """This process's features of the eval split's first eval.num_examples
+  examples, read once; None when the task has no such split."""
+  # The data stack loads here, where the data is read, not with the config.
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+  cfg = trainer.config
+  try:
+    features, _ = pipeline.eval_examples(
+        cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
+        trainer.feature_converter, cfg.eval.num_examples)
+  except (ValueError, KeyError, StopIteration):
+    return None
+  return features
+
+
+@run_cache.per_run
+def _reward_scorer(trainer, reward_fn):
+  """`reward_fn` (lm, reward params, batch) compiled once."""
+  return jax.jit(lambda p, b: reward_fn(trainer.lm, p, b))
+
+
 def eval_rewards(trainer, state, reward_fn):
   """reward_fn(lm, reward params, batch) over the eval split's first
   `eval.num_examples` examples: (this process's rewards as numpy arrays
   [n, ...], their features), or None when the task has no such split."""
   cfg = trainer.config
-
-  def prepare():
-    # The data stack loads here, where the data is read, not with the config.
-    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
-    try:
-      features, _ = pipeline.eval_examples(
-          cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
-          trainer.feature_converter, cfg.eval.num_examples)
-    except (ValueError, KeyError, StopIteration):
-      features = None
-    return features, jax.jit(lambda p, b: reward_fn(trainer.lm, p, b))
-
-  features, jitted = trainer.once("reward_eval", prepare)
+  features, jitted = _eval_features(trainer), _reward_scorer(trainer,
+                                                             reward_fn)
   if features is None:
     return None
   n = len(next(iter(features.values())))
@@ -244,59 +256,62 @@ def check_normalize_task(trainer) -> None:
                      "Use a task with the reward model's vocabulary.")
 
 
+@run_cache.per_run
 def reference_features(trainer) -> Dict[str, np.ndarray]:
   """This process's share of the normalisation task's (prompt, reference
   completion) pairs, as features of one completion named "completion"
   ([n, ...] numpy arrays, the task's order); read once."""
+  # The data stack loads here, where the data is read, not with the config.
+  import seqio  # pylint: disable=g-import-not-at-top
+  import tensorflow as tf  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import alignment_data  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+  cfg = trainer.config
+  rm = cfg.reward_model
+  task = seqio.get_mixture_or_task(rm.normalize_on_task)
+  shard = seqio.ShardInfo(index=jax.process_index(),
+                          num_shards=jax.process_count())
+  try:
+    ds = task.get_dataset({"inputs": trainer.prompt_length,
+                           "targets": cfg.data.targets_length},
+                          split=rm.normalize_split, shuffle=False,
+                          shard_info=shard, num_epochs=1)
+  except (ValueError, KeyError) as e:
+    raise ValueError(
+        f"config.reward_model.normalize_split: cannot read split "
+        f"{rm.normalize_split!r} of task {rm.normalize_on_task!r} ({e}).")
+  # A reference completion is a trajectory's completion; its converter
+  # lays it out like the pairs' completions for either architecture.
+  ds = ds.map(lambda ex: {"prompt": ex["inputs"],
+                          "completion": ex["targets"],
+                          "reward": tf.constant(0.0, tf.float32)})
+  converter = alignment_data.feature_converter_for(
+      "trajectory", trainer.architecture, **trainer.converter_options())
+  ds = converter(ds, {"prompt": trainer.prompt_length,
+                      "completion": cfg.data.targets_length})
+  if rm.normalize_num_examples:
+    ds = ds.take(pipeline.local_batch_size(rm.normalize_num_examples))
+  rows = list(ds.as_numpy_iterator())
+  if not rows:
+    raise ValueError(
+        f"config.reward_model.normalize_on_task: split "
+        f"{rm.normalize_split!r} of task {rm.normalize_on_task!r} gave no "
+        "example to normalise the rewards with.")
+  keys = [k for k in rows[0] if k != "reward"]
+  return {k: np.stack([r[k] for r in rows]) for k in keys}
 
-  def read():
-    # The data stack loads here, where the data is read, not with the config.
-    import seqio  # pylint: disable=g-import-not-at-top
-    import tensorflow as tf  # pylint: disable=g-import-not-at-top
-    from jaxrlhf.data import alignment_data  # pylint: disable=g-import-not-at-top
-    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
-    cfg = trainer.config
-    rm = cfg.reward_model
-    task = seqio.get_mixture_or_task(rm.normalize_on_task)
-    shard = seqio.ShardInfo(index=jax.process_index(),
-                            num_shards=jax.process_count())
-    try:
-      ds = task.get_dataset({"inputs": trainer.prompt_length,
-                             "targets": cfg.data.targets_length},
-                            split=rm.normalize_split, shuffle=False,
-                            shard_info=shard, num_epochs=1)
-    except (ValueError, KeyError) as e:
-      raise ValueError(
-          f"config.reward_model.normalize_split: cannot read split "
-          f"{rm.normalize_split!r} of task {rm.normalize_on_task!r} ({e}).")
-    # A reference completion is a trajectory's completion; its converter
-    # lays it out like the pairs' completions for either architecture.
-    ds = ds.map(lambda ex: {"prompt": ex["inputs"],
-                            "completion": ex["targets"],
-                            "reward": tf.constant(0.0, tf.float32)})
-    converter = alignment_data.feature_converter_for(
-        "trajectory", trainer.architecture, **trainer.converter_options())
-    ds = converter(ds, {"prompt": trainer.prompt_length,
-                        "completion": cfg.data.targets_length})
-    if rm.normalize_num_examples:
-      ds = ds.take(pipeline.local_batch_size(rm.normalize_num_examples))
-    rows = list(ds.as_numpy_iterator())
-    if not rows:
-      raise ValueError(
-          f"config.reward_model.normalize_on_task: split "
-          f"{rm.normalize_split!r} of task {rm.normalize_on_task!r} gave no "
-          "example to normalise the rewards with.")
-    keys = [k for k in rows[0] if k != "reward"]
-    return {k: np.stack([r[k] for r in rows]) for k in keys}
 
-  return trainer.once("normalisation_features", read)
+@run_cache.per_run
+def _completion_scorer(trainer):
+  """The compiled reward of each example's "completion"."""
+  return jax.jit(
+      lambda p, b: heads.sequence_rewards(trainer.lm, p, b, "completion"))
 
 
 def reference_rewards(trainer, reward_params) -> np.ndarray:
   """[n] rewards of this process's reference completions."""
   features = reference_features(trainer)
-  score = trainer.once("normalisation_score", lambda: jax.jit(
-      lambda p, b: heads.sequence_rewards(trainer.lm, p, b, "completion")))
+  score = _completion_scorer(trainer)
   n = len(next(iter(features.values())))
   rewards = [evaluation.local_rows(score(reward_params, b))
              for b in evaluation.global_batches(
@@ -322,6 +337,18 @@ def mean_reference_reward(trainer, reward_params) -> Tuple[float, int]:
   return total / count, int(count)
 
 
+@run_cache.per_run
+def _bias_shifter(trainer):
+  """(state, shift) -> the state with its reward head's bias moved by
+  shift, compiled once (the state donated)."""
+  return jax.jit(
+      lambda s, shift: s.replace(params=dict(
+          s.params, reward=heads.shift_bias(s.params["reward"], shift))),
+      in_shardings=(trainer.state_shardings,
+                    sharding.replicated(trainer.mesh)),
+      out_shardings=trainer.state_shardings, donate_argnums=0)
+
+
 def normalize_reward_bias(trainer, state):
   """(state whose reward head's bias makes the reference completions score
   mean 0, {"reward_normalization/...": before/after means, shift, count}).
@@ -333,13 +360,7 @@ def normalize_reward_bias(trainer, state):
   # (A LoRA run's reward model is its base with adapters: `Trainer.view`.)
   before, count = mean_reference_reward(
       trainer, trainer.view(state).params["reward"])
-  shift_bias = trainer.once("shift_bias", lambda: jax.jit(
-      lambda s, shift: s.replace(params=dict(
-          s.params, reward=heads.shift_bias(s.params["reward"], shift))),
-      in_shardings=(trainer.state_shardings,
-                    sharding.replicated(trainer.mesh)),
-      out_shardings=trainer.state_shardings, donate_argnums=0))
-  state = shift_bias(state, np.float32(-before))
+  state = _bias_shifter(trainer)(state, np.float32(-before))
   after, _ = mean_reference_reward(trainer,
                                    trainer.view(state).params["reward"])
   console.log(

@@ -15,10 +15,11 @@ from typing import Dict
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf import run_cache
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms.offline import training
 from jaxrlhf.eval import evaluation
-from jaxrlhf.losses import sft_losses as sft_losses
+from jaxrlhf.losses import sft_losses
 
 
 def next_token_targets(lm, params, batch, rng=None):
@@ -111,6 +112,23 @@ def checkpoints(trainer):
 # --- evaluation ----------------------------------------------------------------
 
 
+@run_cache.per_run
+def _eval_examples(trainer):
+  """(features, texts, compiled per-token loss) of the eval split's first
+  eval.num_examples examples, read once; None without such a split."""
+  # The data stack loads here, where the data is read, not with the config.
+  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
+  cfg = trainer.config
+  splits = getattr(pipeline.get_task(cfg.data.task), "splits", None)
+  if splits is not None and cfg.data.eval_split not in splits:
+    return None
+  features, texts = pipeline.eval_examples(
+      cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
+      trainer.feature_converter, cfg.eval.num_examples)
+  loss_fn = jax.jit(lambda p, b: token_cross_entropy(trainer.lm, p, b)[1])
+  return features, texts, loss_fn
+
+
 def evaluate(trainer, state) -> Dict[str, float]:
   """Held-out loss, token accuracy and (if the task has one) the gold reward
   of greedy decodes; {} when the task has no data.eval_split (files without
@@ -118,20 +136,7 @@ def evaluate(trainer, state) -> Dict[str, float]:
   # The data stack loads here, where the data is read, not with the config.
   from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
   cfg = trainer.config
-
-  def prepare():
-    # The data stack loads here, where the data is read, not with the config.
-    from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
-    splits = getattr(pipeline.get_task(cfg.data.task), "splits", None)
-    if splits is not None and cfg.data.eval_split not in splits:
-      return None
-    features, texts = pipeline.eval_examples(
-        cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
-        trainer.feature_converter, cfg.eval.num_examples)
-    loss_fn = jax.jit(lambda p, b: token_cross_entropy(trainer.lm, p, b)[1])
-    return features, texts, loss_fn
-
-  prepared = trainer.once("sft_eval", prepare)
+  prepared = _eval_examples(trainer)
   if prepared is None:
     return {}
   features, texts, loss_fn = prepared

@@ -96,13 +96,14 @@ def values(value_lm, value_params, features, response_length: int):
                                      response_length)
 
 
-def rollout_targets(trainer, value_params, rollout, kl_coef):
-  """Old values and the PPO targets (rewards, advantages, returns) of a
-  rollout; every entry [rows, L]."""
-  cfg = trainer.config
+def rollout_targets(config, value_lm, value_params, rollout, kl_coef):
+  """Old values (of the value network `value_lm` [rows, L]) and the PPO
+  targets (rewards, advantages, returns) of a rollout; every entry
+  [rows, L]."""
+  cfg = config
   old_values = jax.lax.stop_gradient(
-      values(trainer.online.rewards.lm, value_params, rollout.reward_features,
-             trainer.online.max_new_tokens))
+      values(value_lm, value_params, rollout.reward_features,
+             rollout.mask.shape[1]))
   targets = ppo_losses.ppo_rollout_targets(
       rollout.scores, rollout.logprobs, rollout.ref_logprobs, old_values,
       rollout.mask, kl_coef, gamma=cfg.ppo.gamma, lam=cfg.ppo.lam,
@@ -126,7 +127,8 @@ def targets(trainer, state, rollout):
   """The update rows, the next KL coefficient, and the targets' metrics."""
   kl_coef = kl_control.coefficient(state)
   estimator = trainer.config.online.kl_estimator
-  target = rollout_targets(trainer, state.params["value"], rollout, kl_coef)
+  target = rollout_targets(trainer.config, trainer.online.rewards.lm,
+                           state.params["value"], rollout, kl_coef)
   mask = rollout.mask
   count = jnp.maximum(jnp.sum(mask), 1.0)
   # Mean m and std s of the per-token rewards before any whitening: a
