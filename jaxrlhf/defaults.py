@@ -293,6 +293,7 @@ DATA = G("data", "What the run reads.", [
     FILES,
 ], checks=(_check_packing,))
 
+
 def _check_wandb(c) -> None:
   # Refused before anything is written, not at the first metrics row.
   config_schema.require(

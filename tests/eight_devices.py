@@ -252,7 +252,7 @@ def _overlap_run(config, devices=None):
   log pi_after_step_1 (what approx_kl_k1 measures when step 2 trains on
   them with the initial policy as the old one) and of min(pi_after /
   pi_initial, 2) (the decoupled correction's weights)."""
-  keys = ("loss", "score", "kl", "approx_kl_k1", "off_policy/weight_mean")
+  keys = ("loss", "score", "kl", "approx_kl_k1", "correction/weight_mean")
   mesh = sharding.training_mesh(config, devices)
   rules = sharding.as_rules(config.sharding.logical_axis_rules)
   grpo = from_scratch(algorithms.get("grpo"))

@@ -187,7 +187,7 @@ def test_rollouts_on_sampler_devices_overlapped_with_the_update(result):
   # pi_start / pi_sample of those responses.
   decoupled = r["decoupled"]["steps"]
   assert abs(decoupled[1]["approx_kl_k1"]) < 1e-6
-  np.testing.assert_allclose(decoupled[0]["off_policy/weight_mean"], 1.0,
+  np.testing.assert_allclose(decoupled[0]["correction/weight_mean"], 1.0,
                              rtol=1e-6)
-  np.testing.assert_allclose(decoupled[1]["off_policy/weight_mean"],
+  np.testing.assert_allclose(decoupled[1]["correction/weight_mean"],
                              truth["weight_mean"], rtol=1e-5)

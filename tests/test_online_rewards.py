@@ -295,3 +295,42 @@ def test_a_reward_that_applies_to_no_row_logs_its_count_and_no_value():
   assert step == 3 and "reward/never" not in scalars
   assert scalars["reward/never/rows"] == 0
   assert np.isnan(scalars["kl"])  # a NaN that is no reward's stays visible
+
+
+def test_the_gap_to_the_sampler_is_logged_and_a_correction_applies(workdirs):
+  """Every step logs the gap between the sampler's own log-probs and the
+  trainer's scoring of the same tokens (gap/k1: the mean over responses of
+  sum_t log pi_sample - log pi_train, recomputed here from the step's
+  rollout). On rows whose tokens avoid the padding id the two agree to
+  float32 rounding; a random policy that samples id 0 mid-response is
+  scored as padding there, which the gap shows. A correction whose band
+  keeps no ratio near 1 (token_mask with [2, 3]) drops every token: the
+  loss is 0 and the log says so; without one the step trains on every
+  token."""
+  config = _config(workdirs, rewards__reward_model__weight=0.0,
+                   rewards__gold_reward__weight=1.0)
+  trainer, [((state, batch), plain)] = _step(config)
+  with sharding.activate(config, jax.devices()[:1]):
+    rollout = jax.jit(lambda s, b: iteration.rollout_for_step(
+        trainer, s, b))(state, batch)
+  mask = np.asarray(rollout.mask, np.float64)
+  gap = (np.asarray(rollout.sample_logprobs, np.float64)
+         - np.asarray(rollout.logprobs, np.float64)) * mask
+  np.testing.assert_allclose(plain["gap/k1"], gap.sum(-1).mean(), rtol=1e-4,
+                             atol=1e-5)
+  tokens = np.asarray(rollout.features["decoder_target_tokens"])
+  clean = ~np.any((tokens == 0) & (mask > 0), axis=-1)
+  assert clean.any()
+  assert np.abs(gap[clean]).max() < 1e-4
+  assert "correction/dropped_fraction" not in plain  # none: the step as is
+  assert plain["loss"] != 0.0
+  config = _config(workdirs, rewards__reward_model__weight=0.0,
+                   rewards__gold_reward__weight=1.0,
+                   online__importance_correction="token_mask",
+                   online__importance_ratio_low=2.0,
+                   online__importance_ratio_high=3.0)
+  _, [(_, masked)] = _step(config)
+  assert masked["correction/dropped_fraction"] == 1.0
+  assert abs(masked["loss"]) < 1e-6  # nothing left to train on
+  # The rollout is the same: the correction acts on the update only.
+  assert masked["score"] == plain["score"]

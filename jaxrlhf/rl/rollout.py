@@ -76,6 +76,11 @@ class Rollout:
   # int32 [] decode steps the sampler ran (fewer than the response length
   # when it stopped once every response had ended); None = not recorded.
   decode_steps: jax.Array = None
+  # [batch, L] the sampler's own log-probs of the tokens it drew (at the
+  # sampling temperature, 0 where `mask` is 0), beside `logprobs`, the
+  # trainer's scoring of the same tokens: their gap is what importance
+  # sampling corrects (`jaxrlhf.rl.importance_sampling`). None = not kept.
+  sample_logprobs: jax.Array = None
 
 
 def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):

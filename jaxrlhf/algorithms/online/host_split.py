@@ -87,7 +87,7 @@ class HostSplitStep:
         sample=jax.jit(parts.sample, out_shardings=samples),
         score=jax.jit(parts.score),
         host_rewards=self._host_rewards, keep=self._keep,
-        advantages=jax.jit(parts.advantages),
+        correct=jax.jit(parts.correct), advantages=jax.jit(parts.advantages),
         update=jax.jit(parts.update, donate_argnums=0,
                        out_shardings=(t.state_shardings,
                                       sharding.replicated(t.mesh))))

@@ -28,7 +28,9 @@ import jax.numpy as jnp
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import options
 from jaxrlhf.data import prompts as prompts_lib
+from jaxrlhf.rl import importance_sampling
 from jaxrlhf.rl import reductions
 from jaxrlhf.rl import rollout as rollout_lib
 
@@ -114,7 +116,7 @@ def step_parts(trainer) -> StepParts:
       score=functools.partial(score, trainer),
       host_rewards=lambda rollout, samples, batch: (rollout, {}),
       keep=lambda rounds: rounds[0],
-      correct=lambda state, rollout: (rollout, None, {}),
+      correct=functools.partial(correct, trainer),
       advantages=functools.partial(advantages, trainer),
       update=functools.partial(update, trainer))
 
@@ -213,7 +215,39 @@ def score(trainer, params, frozen, prompt_tokens, samples):
   rollout = _by_parts(o.rollout_microbatches, k, part, prompt_tokens,
                       samples.tokens)
   # (The rollout's own decode_steps are None: they are the samples'.)
-  return rollout.replace(decode_steps=samples.num_steps)
+  return rollout.replace(decode_steps=samples.num_steps,
+                         sample_logprobs=samples.logprobs * rollout.mask)
+
+
+def correct(trainer, state, rollout):
+  """(rollout, token weights or None, metrics): the gap between the
+  sampler's log-probs of the rollout's tokens and the trainer's scoring of
+  them, logged every step, and `online.importance_correction` of it (none
+  by default: the on-policy step as it is)."""
+  del state
+  return importance_correction(trainer.config, rollout.logprobs,
+                               rollout.sample_logprobs, rollout)
+
+
+def importance_correction(config, trainer_logprobs, sampler_logprobs,
+                          rollout):
+  """`online.importance_correction` of the gap between `sampler_logprobs`
+  (the policy that sampled) and `trainer_logprobs` (the one the update
+  starts from), both [rows, L]: (the rollout with the tokens the
+  correction drops out of its mask, [rows, L] advantage weights or None
+  for none, metrics with the gap's)."""
+  o = config.online
+  name = options.importance_correction(config)
+  metrics = importance_sampling.gap_metrics(trainer_logprobs,
+                                            sampler_logprobs, rollout.mask)
+  if name == "none":
+    return rollout, None, metrics
+  weights, mask, correction_metrics = importance_sampling.correct(
+      name, trainer_logprobs, sampler_logprobs, rollout.mask,
+      cap=o.importance_weight_cap, low=o.importance_ratio_low,
+      high=o.importance_ratio_high)
+  metrics.update(correction_metrics)
+  return rollout.replace(mask=mask), weights, metrics
 
 
 def advantages(trainer, state, rollout, token_weights=None):

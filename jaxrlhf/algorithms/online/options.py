@@ -12,6 +12,7 @@ from jaxrlhf import config_schema
 from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.data import prompts as prompts_lib
+from jaxrlhf.rl import importance_sampling
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import reductions
 
@@ -153,9 +154,30 @@ ONLINE = config_schema.Group(
           "min(pi_start / pi_sample, importance_weight_cap): the decoupled "
           "objective of AReaL, verl's truncated importance sampling).",
           choices=("sampling", "decoupled")),
+        F("importance_correction", None,
+          "What the update does about the gap between the policy that "
+          "sampled a token and the one it starts from (the sampler's own "
+          "log-probs against the trainer's scoring; with "
+          "off_policy_correction=decoupled, the re-scored start policy "
+          "against the sampling one): 'none'; 'token_tis' / 'sequence_tis' "
+          "(each token's or sequence's advantage weighted by its truncated "
+          "ratio, min(ratio, importance_weight_cap)); 'token_mask' / "
+          "'sequence_mask' (tokens or sequences whose ratio leaves "
+          "[importance_ratio_low, importance_ratio_high] dropped from the "
+          "loss); 'icepop' (IcePop's two-sided token masking); "
+          "'geometric_mean' (the geometric mean of a sequence's token "
+          "ratios as its weight, truncated at the cap). Unset = token_tis "
+          "under the decoupled correction, else none. The gap itself is "
+          "logged every step (gap/k1, gap/k3, gap/ratio_*).",
+          type=str, choices=importance_sampling.CORRECTIONS),
         F("importance_weight_cap", 2.0,
-          "off_policy_correction=decoupled: the cap of the truncated "
-          "importance weight.", bounds=">0"),
+          "The cap of a truncated importance weight (importance_correction "
+          "token_tis, sequence_tis, geometric_mean).", bounds=">0"),
+        F("importance_ratio_low", 0.5,
+          "The lower end of the band of ratios kept by importance_correction "
+          "token_mask, sequence_mask and icepop.", bounds=">0"),
+        F("importance_ratio_high", 2.0,
+          "The upper end of that band.", bounds=">0"),
         F("prompt_suffix", "",
           "A prompt ending that cutting keeps (e.g. '\\n\\nTL;DR:'; a long "
           "prompt that does not end with it is an error naming it); '' = "
@@ -173,6 +195,13 @@ def check_online(c) -> None:
       "update); set it to 0.")
   reward_sources.check_rewards(c)
   check_off_policy(c)
+  o = c.online
+  config_schema.require(
+      o.importance_ratio_low < o.importance_ratio_high,
+      "online.importance_ratio_low",
+      f"{o.importance_ratio_low} is not below online.importance_ratio_high "
+      f"({o.importance_ratio_high}): the band of kept ratios would be "
+      "empty.")
 
 
 def check_off_policy(c) -> None:
@@ -193,6 +222,16 @@ def check_groups_of_two(c) -> None:
       "online.samples_per_prompt",
       f"{c.algorithm} compares the responses to one prompt; it needs at "
       "least 2.")
+
+
+def importance_correction(config) -> str:
+  """`online.importance_correction`, or its default when unset: token_tis
+  for a decoupled off-policy step, else none."""
+  o = config.online
+  if o.importance_correction is not None:
+    return o.importance_correction
+  decoupled = o.off_policy_steps and o.off_policy_correction == "decoupled"
+  return "token_tis" if decoupled else "none"
 
 
 def resolve(value, default):
@@ -225,13 +264,16 @@ def check_rows(algorithm, config, data_parallel: int) -> None:
         f"(train.batch_size {batch} x {samples} per prompt"
         f"{'' if rows == total else ', selected'}) do not split into "
         f"{minibatches} equal minibatches.")
-  if (rows != total and config.online.off_policy_steps
-      and config.online.off_policy_correction == "decoupled"):
+  if rows != total and importance_correction(config) != "none":
+    field = ("off_policy_correction"
+             if config.online.importance_correction is None
+             else "importance_correction")
     raise ValueError(
-        f"config.online.off_policy_correction: {config.algorithm} trains on "
-        "the responses it selects, with no advantages to weight; use "
-        "'sampling' (an off-policy step then trains on the selected samples "
-        "as they are).")
+        f"config.online.{field}: {config.algorithm} trains on the responses "
+        "it selects, with no advantages to weight; use "
+        f"{'sampling' if field == 'off_policy_correction' else 'none'} (an "
+        "off-policy step then trains on the selected samples as they "
+        "are).")
   per_minibatch = rows // minibatches
   parts = config.online.rollout_microbatches
   if batch % parts or (batch // parts) % data_parallel:

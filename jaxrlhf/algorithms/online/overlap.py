@@ -46,14 +46,12 @@ starts from: the on-policy results on a mesh split in two
 import dataclasses
 
 import jax
-import jax.numpy as jnp
 
 from jaxrlhf import sharding
 from jaxrlhf.algorithms.online import host_split
 from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
-from jaxrlhf.losses import common
 from jaxrlhf.rl import rollout as rollout_lib
 
 
@@ -77,22 +75,17 @@ def _rows_on(mesh, rules, tree):
                  else sharding.replicated(mesh)), tree)
 
 
-def decoupled_correction(lm, temperature: float, cap: float, params,
-                         rollout):
+def decoupled_correction(config, lm, params, rollout):
   """AReaL's decoupled correction (module docstring): the rollout re-scored
-  with `params` (pi_start, which the ratios take as their old policy) and
-  each token's truncated importance weight min(pi_start / pi_sample, cap)
-  [rows, L], with its metrics."""
+  with `params` (pi_start, which the ratios take as their old policy), and
+  `online.importance_correction` (token_tis unless set: each token's
+  truncated importance weight min(pi_start / pi_sample, cap) [rows, L]) of
+  its gap to the sampling policy's scoring."""
   start, _, _ = rollout_lib.logprobs_and_entropy(
-      lm, params["policy"], rollout.features, None, temperature,
-      rollout.mask.shape[1])
-  ratio = jnp.exp(start - rollout.logprobs)
-  weights = jnp.minimum(ratio, cap) * rollout.mask
-  metrics = {
-      "off_policy/weight_mean": common.masked_mean(weights, rollout.mask),
-      "off_policy/capped_fraction": common.masked_mean(
-          (ratio > cap).astype(jnp.float32), rollout.mask)}
-  return rollout.replace(logprobs=start), weights, metrics
+      lm, params["policy"], rollout.features, None,
+      config.online.temperature, rollout.mask.shape[1])
+  return iteration.importance_correction(
+      config, start, rollout.logprobs, rollout.replace(logprobs=start))
 
 
 class OverlappedStep:
@@ -125,11 +118,12 @@ class OverlappedStep:
     correct = self._sampler.parts.correct
     if self._ahead and o.off_policy_correction == "decoupled":
       scored = jax.jit(lambda params, rollout: decoupled_correction(
-          t.lm, o.temperature, o.importance_weight_cap, params, rollout))
+          t.config, t.lm, params, rollout))
       correct = lambda state, rollout: scored(state.params, rollout)
     self.parts = dataclasses.replace(
         self._sampler.parts, rounds=self._rounds, sample=self._sample,
-        score=self._score, keep=self._keep, correct=correct)
+        score=self._score, host_rewards=self._host_rewards, keep=self._keep,
+        correct=correct)
     self.fused = self._sampler.fused
 
   def __call__(self, state, batch):
@@ -186,13 +180,17 @@ class OverlappedStep:
           jax.device_put(params, self._params_on_sampler),
           self._frozen_for(frozen), prompt_tokens, samples)
 
+  def _host_rewards(self, rollout, samples, batch):
+    with jax.set_mesh(self.mesh):
+      return self._sampler.parts.host_rewards(rollout, samples, batch)
+
   def _rollout(self, params, state, batch, key):
     """A rollout of `batch` sampled ahead with `params` (already on the
     sampler), as `online_step` makes one: (rollout, host metrics)."""
     tokens = batch[prompts_lib.PROMPT_FEATURE]
     samples = self._sample(params, state.frozen, tokens, key)
     rollout = self._score(params, state.frozen, tokens, samples)
-    return self._sampler.parts.host_rewards(rollout, samples, batch)
+    return self._host_rewards(rollout, samples, batch)
 
   def _keep(self, rounds):
     """The rollout made ahead (or this step's), moved to the training mesh,
