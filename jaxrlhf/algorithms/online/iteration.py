@@ -116,7 +116,7 @@ def step_parts(trainer) -> StepParts:
       score=functools.partial(score, trainer),
       host_rewards=lambda rollout, samples, batch: (rollout, {}),
       keep=lambda rounds: rounds[0],
-      correct=functools.partial(correct, trainer),
+      correct=functools.partial(correct, trainer.config),
       advantages=functools.partial(advantages, trainer),
       update=functools.partial(update, trainer))
 
@@ -219,13 +219,13 @@ def score(trainer, params, frozen, prompt_tokens, samples):
                          sample_logprobs=samples.logprobs * rollout.mask)
 
 
-def correct(trainer, state, rollout):
+def correct(config, state, rollout):
   """(rollout, token weights or None, metrics): the gap between the
   sampler's log-probs of the rollout's tokens and the trainer's scoring of
   them, logged every step, and `online.importance_correction` of it (none
   by default: the on-policy step as it is)."""
   del state
-  return importance_correction(trainer.config, rollout.logprobs,
+  return importance_correction(config, rollout.logprobs,
                                rollout.sample_logprobs, rollout)
 
 
