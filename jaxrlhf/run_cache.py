@@ -3,7 +3,7 @@ held-out examples read for evaluation, functions compiled for it, a judge's
 network loaded, the frozen reference's scores of fixed data.
 
 `per_run` marks such a function, so that what depends on what stays a plain
-function call (`held_out_pairs(trainer)`), with no string keys: the first
+function call (`eval_split_features(trainer)`), with no string keys: the first
 call for a run computes the value, and it is kept on the run object (for as
 long as the run lives; a pipeline's next stage is another run).
 

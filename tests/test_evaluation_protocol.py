@@ -264,7 +264,7 @@ def test_implicit_reward_accuracy_on_held_out_pairs(tmp_path):
     ref = nn.unbox(trainer.init_lm(jax.random.PRNGKey(2)))
     same = policy_eval.implicit_reward_metrics(trainer, ref, ref)
     got = policy_eval.implicit_reward_metrics(trainer, policy, ref)
-    features = policy_eval.held_out_pairs(trainer)
+    features = policy_eval.eval_split_features(trainer)
 
     def logprob(params, name):
       logits = trainer.model.apply(

@@ -103,7 +103,7 @@ def against_reference(trainer, state, split: str = "") -> Dict[str, float]:
   (`implicit_reward_metrics`)."""
   prompts = eval_prompts(trainer, split)
   pairs = (trainer.algorithm.data == "pairs"
-           and not split and held_out_pairs(trainer) is not None)
+           and not split and eval_split_features(trainer) is not None)
   if prompts is None and not pairs:
     return {}
   state = trainer.view(state)  # a LoRA run's policy: base and adapters
@@ -143,10 +143,11 @@ AGAINST_REFERENCE = base.Evaluation(evaluate=against_reference,
 
 
 @run_cache.per_run
-def held_out_pairs(trainer):
-  """This process's features of the first eval.num_examples pairs of
-  config.data.task's config.data.eval_split (data.files.validation), read
-  once; None when the task has no such split."""
+def eval_split_features(trainer):
+  """This process's features of the first eval.num_examples examples of
+  config.data.task's config.data.eval_split (data.files.validation), laid
+  out as the run's training batches (held-out pairs, rankings), read once;
+  None when the task has no such split."""
   # The data stack loads here, where the data is read, not with the config.
   from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
   cfg = trainer.config
@@ -194,7 +195,7 @@ def implicit_reward_metrics(trainer, policy, reference_params
   is its reference), eval/implicit_reward_margin the mean difference, and
   the accuracy by annotation batch and confidence
   (`jaxrlhf.eval.pair_metrics`)."""
-  features = held_out_pairs(trainer)
+  features = eval_split_features(trainer)
   if features is None:
     return {}
   ref = _reference_pair_logprobs(trainer, reference_params=reference_params,

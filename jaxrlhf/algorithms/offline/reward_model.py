@@ -26,6 +26,7 @@ from jaxrlhf import console
 from jaxrlhf import run_cache
 from jaxrlhf import sharding
 from jaxrlhf.algorithms import base
+from jaxrlhf.algorithms import policy_eval
 from jaxrlhf.algorithms.offline import training
 from jaxrlhf.data import file_layouts
 from jaxrlhf.eval import evaluation
@@ -122,25 +123,9 @@ def pairs_loss(trainer, params, state, batch, rng):
   # prompt's mean pair loss (InstructGPT; RLHF book eq. 6).
   weights = (batch.get("prompt_weight") if cfg.weight_prompts_equally
              else None)
-  return reward_model_losses.bradley_terry_loss(chosen, rejected, margin=margin,
-                                      weights=weights,
-                                      centering_coef=cfg.centering_coef)
-
-
-@run_cache.per_run
-def _eval_features(trainer):
-  """This process's features of the eval split's first eval.num_examples
-  examples, read once; None when the task has no such split."""
-  # The data stack loads here, where the data is read, not with the config.
-  from jaxrlhf.data import pipeline  # pylint: disable=g-import-not-at-top
-  cfg = trainer.config
-  try:
-    features, _ = pipeline.eval_examples(
-        cfg.data.task, cfg.data.eval_split, trainer.feature_lengths,
-        trainer.feature_converter, cfg.eval.num_examples)
-  except (ValueError, KeyError, StopIteration):
-    return None
-  return features
+  return reward_model_losses.bradley_terry_loss(
+      chosen, rejected, margin=margin, weights=weights,
+      centering_coef=cfg.centering_coef)
 
 
 @run_cache.per_run
@@ -154,8 +139,8 @@ def eval_rewards(trainer, state, reward_fn):
   `eval.num_examples` examples: (this process's rewards as numpy arrays
   [n, ...], their features), or None when the task has no such split."""
   cfg = trainer.config
-  features, jitted = _eval_features(trainer), _reward_scorer(trainer,
-                                                             reward_fn)
+  features = policy_eval.eval_split_features(trainer)
+  jitted = _reward_scorer(trainer, reward_fn)
   if features is None:
     return None
   n = len(next(iter(features.values())))
