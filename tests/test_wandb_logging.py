@@ -55,8 +55,10 @@ def test_wandb_logs_every_row_of_metrics_jsonl_at_its_step(
     tmp_path, monkeypatch, capfd):
   pytest.importorskip("wandb")
   monkeypatch.setenv("WANDB_MODE", "offline")  # (no network, whatever else)
-  monkeypatch.setenv("WANDB_DIR", str(tmp_path / "wandb_dir"))
-  (tmp_path / "wandb_dir").mkdir()
+  # The run's files go under its workdir (the writer's default): a
+  # WANDB_DIR read once by an earlier wandb start in this process would
+  # not be this test's.
+  monkeypatch.delenv("WANDB_DIR", raising=False)
   workdir = tmp_path / "run"
   # Evaluations at steps 1 and 2 are written before the train rows of
   # steps 1-3 (buffered to the log at step 3): wandb gets rows whose steps
@@ -74,7 +76,7 @@ def test_wandb_logs_every_row_of_metrics_jsonl_at_its_step(
   rows = metrics.read_rows(workdir / metrics.METRICS)
   steps = [r["step"] for r in rows]
   assert 3 in steps and steps != sorted(steps)  # the case described above
-  run_files = list((tmp_path / "wandb_dir").glob("wandb/offline-run-*/*.wandb"))
+  run_files = list(workdir.glob("wandb/offline-run-*/*.wandb"))
   assert len(run_files) == 1, run_files
   records = list(_records(run_files[0]))
   history = []
