@@ -53,10 +53,22 @@ more). DeepSeekMath's original GRPO instead:
 --config.grpo.kl_coef=0.04 --config.grpo.dynamic_sampling=False
 --config.rewards.overlong.weight=0.
 
-Held-out accuracy: the file task has no gold reward for the run's own
-evaluation to judge with (reward/math_answer is the training accuracy);
-score a checkpoint's samples on GSM8K's test file with
-jaxrlhf.rewards.math_answer, or plug in --config.eval.judge=function.
+Held-out accuracy: give the run GSM8K's test questions as its "test"
+split, --config.data.files.test=/data/gsm8k/test-00000-of-00001.parquet
+--config.eval.split=test, and the policy is scored before and after
+training (and every eval.every_steps steps) on the first eval.num_examples
+of them (128; all 1,319: --config.eval.num_examples=1319) by the run's own
+rewards (eval.with_rewards; jaxrlhf/eval/pass_at_k.py): eval/pass@1, the
+share whose greedy response passes (math_answer + 0.1 x format >=
+eval.pass_threshold, 1: a right answer), eval/mean@4 and eval/pass@4 from 4
+responses per question sampled at eval.temperature 1
+(eval.samples_per_prompt, eval.pass_k: e.g. 16 and "4,16" for the unbiased
+pass@4 of Chen et al. 2021), and eval/reward/math_answer, the greedy
+responses' accuracy (reward/math_answer is the training one). A saved
+checkpoint, without training: the same command with
+--config.eval.only=True (the workdir's newest checkpoint), or with a fresh
+--workdir and --config.init.policy_checkpoint=<a run's workdir or a Hugging
+Face folder>.
 
 How the step is laid out on the chips (fully sharded parameters, scanned
 layers, micro-batches, rollout parts) changes no number. It is meant for a

@@ -23,6 +23,7 @@ from jaxrlhf.algorithms import optimizers
 from jaxrlhf.data import file_layouts
 from jaxrlhf.data import names
 from jaxrlhf.eval import judges
+from jaxrlhf.eval import pass_at_k
 from jaxrlhf.models import registry
 from jaxrlhf.models.layers import decoders
 
@@ -421,6 +422,16 @@ def _check_folds(c) -> None:
       "evenly; use a divisor of it.")
 
 
+def _check_held_out_rewards(c) -> None:
+  # The one reader of the k values (it refuses a bad one naming the field).
+  pass_at_k.parse_ks(c.eval.pass_k, c.eval.samples_per_prompt)
+  config_schema.require(
+      not (c.eval.only and c.pipeline.stages), "eval.only",
+      "evaluates one run's policy, and config.pipeline.stages runs a "
+      "pipeline of runs; add --config.pipeline.stages= (empty) and name the "
+      "stage's algorithm (--config.algorithm=...).")
+
+
 EVAL = G("eval", "Evaluation before, during and after training.", [
     F("every_steps", 0,
       "Evaluate every N steps (and before and after training); 0 = only "
@@ -463,7 +474,39 @@ EVAL = G("eval", "Evaluation before, during and after training.", [
       "Policy algorithms: after training, judge the chosen policy (the best "
       "checkpoint by checkpoint.best_metric, else the final one) once more "
       "on this split of eval.task, logged as test/... metrics; '' = none."),
-], checks=(_check_folds,))
+    F("with_rewards", "auto",
+      "Online algorithms: also score the policy's completions of the first "
+      "eval.num_examples prompts of eval.task's eval.split with the run's "
+      "own host rewards (config.rewards: math_answer, format, code, "
+      "functions, gold_reward; jaxrlhf/eval/pass_at_k.py): eval/pass@1 "
+      "(greedy), eval/mean@n and eval/pass@k, and each reward's mean "
+      "(eval/reward/<name>). 'auto' = when the run has host rewards, "
+      "nothing else judges the policy (eval.judge 'gold_reward' on a task "
+      "without one, such as a file task) and the split exists; 'on' = "
+      "always (the split must exist); 'off' = never.",
+      choices=("auto", "on", "off"), resumable=True),
+    F("samples_per_prompt", 4,
+      "eval.with_rewards: n, the completions per prompt sampled at "
+      "eval.temperature for eval/mean@n and eval/pass@k; 0 = the greedy "
+      "completion's eval/pass@1 alone.", bounds=">=0", resumable=True),
+    F("pass_k", "",
+      "eval.with_rewards: the k values of eval/pass@k, comma-separated, "
+      "each in [2, eval.samples_per_prompt] (Chen et al. 2021's unbiased "
+      "estimator from the n samples; k = n: any of them passes); '' = "
+      "samples_per_prompt alone.", resumable=True),
+    F("pass_threshold", 1.0,
+      "eval.with_rewards: a completion passes when the weighted sum of the "
+      "run's host rewards (a reward that does not apply counting 0) is at "
+      "least this: with math_answer (0/1) at weight 1, when its answer is "
+      "right (a format reward at weight 0.1 beside it cannot pass a wrong "
+      "one).", bounds=config_schema.ANY_NUMBER, resumable=True),
+    F("only", False,
+      "Evaluate and stop, training nothing: the workdir's newest "
+      "checkpoint, else (a fresh workdir) the policy the run starts from "
+      "(init.policy_checkpoint: a Hugging Face folder or another run's "
+      "workdir), logged at its step in metrics.jsonl; no checkpoint or "
+      "config.json is written.", resumable=True),
+], checks=(_check_folds, _check_held_out_rewards))
 
 MESH = G("mesh", "The device mesh.", [
     F("shape", (-1, 1), "Mesh axis sizes; one of them may be -1 for 'all "

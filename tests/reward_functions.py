@@ -43,3 +43,12 @@ def first_prompt_word_is_even(prompts, completions, **unused):
     else:
       out.append(float(len(completion.split()) % 2))
   return out
+
+
+def same_word_count_parity(prompts, completions, **unused):
+  """1 when the completion has as many words as its prompt modulo 2, else
+  0: a 0/1 reward that tells apart even a policy whose completions do not
+  depend on the prompt."""
+  del unused
+  return [float(len(c.split()) % 2 == len(p.split()) % 2)
+          for p, c in zip(prompts, completions)]

@@ -11,7 +11,7 @@ the judge measures (e.g. mean gold rewards).
 """
 
 import functools
-from typing import Callable, Dict, Iterator, List, Sequence
+from typing import Callable, Dict, Iterator, List, Optional, Sequence
 
 import jax
 import jax.numpy as jnp
@@ -89,15 +89,17 @@ def _prompt_features(lm, eos_id: int, prompt_tokens):
 
 
 def sample(trainer, params, prompt_tokens: np.ndarray, *, greedy: bool,
-           temperature: float = 1.0, seed: int = 0) -> sampling.Samples:
+           temperature: float = 1.0, seed: int = 0,
+           max_new_tokens: Optional[int] = None) -> sampling.Samples:
   """Completions for this process's prompts [n, Lp] (encoder-style: right-
-  padded, ending in EOS; re-padded for decoder-only models), as numpy.
+  padded, ending in EOS; re-padded for decoder-only models), as numpy, of
+  at most `max_new_tokens` tokens (default config.data.targets_length).
 
   `trainer` is any object with the run's `config`, `lm`, `vocabulary`,
   `mesh` and `rules` (a `jaxrlhf.algorithms.trainer.Trainer`)."""
   cfg = trainer.config
-  fn = _sampler(trainer.lm, cfg.data.targets_length, greedy, temperature,
-                trainer.vocabulary.eos_id)
+  fn = _sampler(trainer.lm, max_new_tokens or cfg.data.targets_length,
+                greedy, temperature, trainer.vocabulary.eos_id)
   n = len(prompt_tokens)
   parts = []
   for i, batch in enumerate(global_batches(

@@ -231,6 +231,8 @@ class _Run:
     self.best.close()
 
   def go(self, stop: _StopFlag) -> Dict[str, float]:
+    if self.config.eval.only:
+      return self.evaluate_only()
     started = self.start(stop)
     if started is None:
       return self.summary
@@ -239,6 +241,28 @@ class _Run:
     if step is None:  # stopped by a signal, its checkpoint saved
       return self.summary
     return self.finish(stop, state, step)
+
+  def evaluate_only(self) -> Dict[str, float]:
+    """config.eval.only: the newest checkpoint (a fresh workdir: the initial
+    policy) evaluated and logged at its step; nothing trained or saved."""
+    trainer = self.trainer
+    restored = self.checkpointer.restore_latest(trainer.checkpoint_target())
+    if restored:
+      step, state, _ = restored
+      state = trainer.with_base(state, lora.read_base_record(self.workdir))
+    else:
+      step, state = 0, trainer.init_state()
+    self.logger = metrics_lib.MetricsLogger(
+        self.workdir, resume_step=step if restored else None,
+        config=self.config)
+    metrics = trainer.evaluate(state)
+    if metrics:
+      self.logger.write(step, metrics)
+    console.log(f"Evaluation only (step {step}; "
+                f"{trainer.evaluation_description()}): "
+                + (_format(metrics) or "nothing judges this policy"))
+    self.summary.update(metrics)
+    return self.summary
 
   def start(self, stop: _StopFlag):
     """(state, step, batches, first batch) to train from, or None when
