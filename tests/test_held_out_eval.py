@@ -75,6 +75,10 @@ def test_the_k_values_are_read_and_refused_in_one_line():
                                   eval__samples_per_prompt=4))
   with pytest.raises(ValueError, match="not a comma-separated list"):
     pass_at_k.parse_ks("two", 4)
+  # eval.only evaluates one run, not a pipeline of them.
+  with pytest.raises(ValueError, match=r"^config.eval.only: evaluates one "
+                     r"run's policy"):
+    defaults.validate(tiny_config(eval__only=True, pipeline__stages="sft"))
 
 
 def test_metrics_of_hand_made_rewards():
