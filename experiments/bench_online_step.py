@@ -300,7 +300,7 @@ def split_parts(args, stop_when_done: bool):
     # runs and compiles once.
     t = {}
     t["sampling"] = fastest(parts.sample, state.params, state.frozen,
-                            prompts, rollout_rng, repeats=r)
+                            batch, rollout_rng, repeats=r)
     samples = t["sampling"][2]
     t["assemble"] = fastest(parts.score, state.params, state.frozen,
                             prompts, samples, repeats=r)

@@ -62,9 +62,12 @@ def generalized_advantage_estimation(rewards, values, mask, gamma=1.0,
 
   The episode ends at the last masked token: the value after it is 0 (the
   response is finished, nothing more is earned) and rewards, values,
-  advantages and returns outside the mask are 0. The mask is expected to be
-  one contiguous run per row (it may start after a prompt); a gap in it is
-  treated as the end of an episode.
+  advantages and returns outside the mask are 0. A gap in the mask is not
+  a step of the agent: a multi-turn episode's environment tokens lie
+  between its turns (`jaxrlhf.agents.episodes`), and the last token of a
+  turn bootstraps from the value of the next turn's first token, t + 1
+  counting the masked tokens' steps only. A mask of one contiguous run
+  (a response after its prompt) is the usual single-turn GAE.
 
   Args:
     rewards: [batch, length] per-token rewards.
@@ -83,19 +86,23 @@ def generalized_advantage_estimation(rewards, values, mask, gamma=1.0,
   mask = mask.astype(values.dtype)
   rewards = rewards * mask
   values = values * mask
-  # V_{t+1} is zero past the last token: the bootstrap of a finished episode.
-  next_values = jnp.concatenate(
-      [values[:, 1:], jnp.zeros_like(values[:, :1])], axis=1)
-  deltas = rewards + gamma * next_values - values
 
-  def backward_step(next_advantage, delta_and_mask):
-    delta, step_mask = delta_and_mask
+  def backward_step(carry, step):
+    # carry: V and A of the next masked token (0 past the last one: the
+    # bootstrap of a finished episode); a masked-out step passes it on.
+    next_value, next_advantage = carry
+    reward, value, step_mask = step
+    delta = reward + gamma * next_value - value
     advantage = (delta + gamma * lam * next_advantage) * step_mask
-    return advantage, advantage
+    on = step_mask > 0
+    carry = (jnp.where(on, value, next_value),
+             jnp.where(on, advantage, next_advantage))
+    return carry, advantage
 
   # scan runs over the leading axis, so time goes first.
+  zeros = jnp.zeros_like(values[:, 0])
   _, advantages = jax.lax.scan(
-      backward_step, jnp.zeros_like(values[:, 0]), (deltas.T, mask.T),
+      backward_step, (zeros, zeros), (rewards.T, values.T, mask.T),
       reverse=True)
   advantages = advantages.T
   returns = (advantages + values) * mask

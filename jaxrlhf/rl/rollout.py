@@ -158,7 +158,8 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
 
 
 def response_features(lm, prompt_tokens, response_tokens, response_mask,
-                      eos_id: int = 1):
+                      eos_id: int = 1, *, response_attention=None,
+                      prompt_mask=None):
   """Teacher-forcing features of responses to prompts (scoring API names).
 
   Args:
@@ -167,6 +168,13 @@ def response_features(lm, prompt_tokens, response_tokens, response_mask,
     response_tokens: [batch, L] int, truncated after the EOS.
     response_mask: [batch, L], 1 on real response tokens.
     eos_id: the EOS a prompt may end with (dropped for decoder-only).
+    response_attention: decoder-only: [batch, L], 1 on every response
+      token the model reads, of which `response_mask` marks those that
+      carry loss (a multi-turn episode's: its environment's tokens are
+      read, not trained); None = `response_mask`.
+    prompt_mask: decoder-only: given, `prompt_tokens` are already
+      left-padded (an episode's opening, which may end in any id) with this
+      [batch, Lp] mask, and are taken as they are.
 
   Returns:
     encoder-decoder: encoder_input_tokens [batch, Lp], decoder_target_tokens,
@@ -177,14 +185,24 @@ def response_features(lm, prompt_tokens, response_tokens, response_mask,
   targets = response_tokens.astype(jnp.int32)
   weights = response_mask.astype(jnp.int32)
   if lm.is_encoder_decoder:
+    if response_attention is not None or prompt_mask is not None:
+      raise ValueError("response_features: multi-turn features are "
+                       "decoder-only; an encoder-decoder reads its prompt "
+                       "in the encoder.")
     # Decoder input t is target t - 1 (position 0 reads BOS = 0).
     inputs = jnp.pad(targets[:, :-1], ((0, 0), (1, 0)))
     return {"encoder_input_tokens": prompt_tokens.astype(jnp.int32),
             "decoder_target_tokens": targets,
             "decoder_input_tokens": inputs,
             "decoder_loss_weights": weights}
-  prompt, prompt_mask = left_pad_prompts(prompt_tokens, eos_id)
-  attention_mask = jnp.concatenate([prompt_mask, weights], axis=1)
+  if prompt_mask is None:
+    prompt, prompt_mask = left_pad_prompts(prompt_tokens, eos_id)
+  else:
+    prompt = prompt_tokens.astype(jnp.int32)
+    prompt_mask = prompt_mask.astype(jnp.int32)
+  read = weights if response_attention is None else (
+      response_attention.astype(jnp.int32))
+  attention_mask = jnp.concatenate([prompt_mask, read], axis=1)
   return {"tokens": jnp.concatenate([prompt, targets], axis=1),
           # From the mask: the first real token is position 0 however much
           # left padding precedes it (the RM and SFT saw right-padded rows
@@ -268,7 +286,8 @@ def response_values(lm, value_params, features, response_length: int):
 def assemble_rollout(lm, policy_params, reference_params, reward_lm,
                      reward_params, prompt_tokens, response_tokens, *,
                      temperature: float, eos_id: int = 1, pad_id: int = 0,
-                     missing_eos_penalty: Optional[float] = -1.0) -> Rollout:
+                     missing_eos_penalty: Optional[float] = -1.0,
+                     episodes=None) -> Rollout:
   """Scores sampled responses: truncation, reward at EOS, EOS trick, log-probs.
 
   Args:
@@ -286,18 +305,35 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
     temperature: the sampling temperature; both log-probs use it.
     missing_eos_penalty: the score of a response without EOS (detail 23:
       -1); None keeps the reward model's score at the last token.
+    episodes: multi-turn episodes instead of responses, (opening mask
+      [batch, Lp], read [batch, L], model [batch, L], ended [batch]):
+      `prompt_tokens` are their left-padded openings and
+      `response_tokens` their conversations, taken as they are (no cut
+      after an EOS: a turn ends at its end-of-turn id); the log-probs and
+      the mask cover the model's tokens, the environment's are read
+      (`jaxrlhf.agents.episodes.Assembled`).
 
   Returns:
     A `Rollout` whose per-token arrays are [batch, L]; every array is a
     constant (no gradient flows into it).
   """
-  tokens, mask, has_eos = rollout_rewards.truncate_after_eos(
-      response_tokens, eos_id, pad_id)
+  layout = {}
+  if episodes is None:
+    tokens, mask, has_eos = rollout_rewards.truncate_after_eos(
+        response_tokens, eos_id, pad_id)
+  else:
+    opening_mask, read, mask, has_eos = episodes
+    tokens = response_tokens
+    layout = dict(response_attention=read, prompt_mask=opening_mask)
   length = tokens.shape[1]
-  features = response_features(lm, prompt_tokens, tokens, mask, eos_id)
+  features = response_features(lm, prompt_tokens, tokens, mask, eos_id,
+                               **layout)
   if reward_lm is None or (
       reward_lm.is_encoder_decoder == lm.is_encoder_decoder):
     reward_features = features
+  elif episodes is not None:
+    raise ValueError("assemble_rollout: a reward model of another "
+                     "architecture cannot score multi-turn episodes.")
   else:
     reward_features = response_features(reward_lm, prompt_tokens, tokens, mask,
                                         eos_id)

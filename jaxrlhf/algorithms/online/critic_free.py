@@ -84,7 +84,7 @@ def make_loss(clipping_fn: Callable):
     clipping = clipping_fn(trainer.config)
     logprobs, entropy, mask = rollout_lib.logprobs_and_entropy(
         trainer.lm, params["policy"], minibatch, None,
-        trainer.config.online.temperature, trainer.online.max_new_tokens)
+        trainer.config.online.temperature, trainer.online.response_length)
     value, metrics = policy_gradient_losses.clipped_policy_gradient_loss(
         logprobs, minibatch["old_logprobs"], minibatch.get("ref_logprobs"),
         minibatch["advantages"], mask, clip_eps_low=clipping.eps_low,
@@ -92,7 +92,7 @@ def make_loss(clipping_fn: Callable):
         kl_coef=(algorithm_state[kl_control.KL_COEF] if clipping.loss_kl
                  else 0.0),
         reduction=clipping.reduction,
-        max_length=trainer.online.max_new_tokens,
+        max_length=trainer.online.response_length,
         ratio_level=clipping.ratio_level, objective=clipping.objective)
     metrics["entropy"] = jnp.sum(entropy * mask) / jnp.maximum(
         jnp.sum(mask), 1.0)

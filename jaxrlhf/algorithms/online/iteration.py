@@ -43,8 +43,10 @@ class StepParts:
     rounds: (batch, rollouts so far) -> the prompt batches to sample: the
       step's own, then more only while dynamic sampling wants groups that
       vary.
-    sample: (params, frozen, prompt_tokens [P, Lp], key) ->
-      `sampling.Samples` [P * k, L]: k responses per prompt, adjacent.
+    sample: (params, frozen, prompts {features: [P, ...]}, key) ->
+      `sampling.Samples` [P * k, L]: k responses per prompt, adjacent, of
+      the prompts' tokens (multi-turn episodes: `episode_step`, which
+      reads the prompts' rows).
     score: (params, frozen, prompt_tokens, samples) -> `rollout_lib.Rollout`:
       truncated after the EOS, the policy's and reference's log-probs at
       the sampling temperature, the rewards computed on the device.
@@ -81,9 +83,9 @@ def online_step(parts: StepParts, state, batch):
   for round_, prompts in enumerate(parts.rounds(batch, rounds)):
     key = rollout_key if not round_ else jax.random.fold_in(rollout_key,
                                                              round_)
-    tokens = prompts[prompts_lib.PROMPT_FEATURE]
-    samples = parts.sample(state.params, state.frozen, tokens, key)
-    rollout = parts.score(state.params, state.frozen, tokens, samples)
+    samples = parts.sample(state.params, state.frozen, prompts, key)
+    rollout = parts.score(state.params, state.frozen,
+                          prompts[prompts_lib.PROMPT_FEATURE], samples)
     rounds.append(parts.host_rewards(rollout, samples, prompts))
   rollout, metrics = parts.keep(rounds)
   # Off-policy: the gap between the policy that sampled and this one.
@@ -112,7 +114,8 @@ def step_parts(trainer) -> StepParts:
   (the host split and the overlap replace what they run elsewhere)."""
   return StepParts(
       rounds=lambda batch, rounds: [batch],
-      sample=functools.partial(sample, trainer),
+      sample=lambda params, frozen, prompts, key: sample(
+          trainer, params, frozen, prompts[prompts_lib.PROMPT_FEATURE], key),
       score=functools.partial(score, trainer),
       host_rewards=lambda rollout, samples, batch: (rollout, {}),
       keep=lambda rounds: rounds[0],

@@ -9,6 +9,8 @@ alone, batch splits a run could not make.
 """
 
 from jaxrlhf import config_schema
+from jaxrlhf.agents import environments
+from jaxrlhf.agents import tool_calls
 from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.data import prompts as prompts_lib
@@ -182,6 +184,59 @@ ONLINE = config_schema.Group(
           "A prompt ending that cutting keeps (e.g. '\\n\\nTL;DR:'; a long "
           "prompt that does not end with it is an error naming it); '' = "
           "none (cut at the last newline)."),
+        # Agents: multi-turn episodes (jaxrlhf/agents/,
+        # jaxrlhf/algorithms/online/episode_step.py).
+        F("environment", "",
+          "'pkg.module:make_env': every response becomes an episode against "
+          "make_env(row), an object with reset() -> opening messages and "
+          "step(assistant message) -> (messages, reward, done), and an "
+          "optional tools attribute (jaxrlhf/agents/environments.py). '' = "
+          "single-turn responses. Decoder-only policies with a chat "
+          "template."),
+        F("tools", "",
+          "'pkg.module:fn,pkg.module:fn2': tools offered to the model "
+          "without an environment: the prompt opens the episode, each call "
+          "runs and its result comes back as a tool message, and the "
+          "episode ends when the model answers without a call; "
+          "config.rewards scores that answer. Plain functions with type "
+          "hints and a docstring (jaxrlhf/agents/tools.py)."),
+        F("tool_call_style", "qwen",
+          "How tool calls are read from the model's turns: the format of "
+          "its family's chat template (jaxrlhf/agents/tool_calls.py).",
+          choices=tool_calls.STYLES),
+        F("tool_call_pattern", "",
+          "tool_call_style 'regex': a regular expression with the named "
+          "groups 'name' and 'arguments' (a JSON object)."),
+        F("max_turns", 8,
+          "An episode's most model turns.", bounds=">0"),
+        F("max_episode_tokens", None,
+          "An episode's most tokens after its opening, the model's and its "
+          "environment's together (the rollout's response length); an "
+          "episode that would pass it ends, overflowed. Unset = max_turns "
+          "x max_new_tokens (max_new_tokens bounds each turn).",
+          type=int, bounds=">0"),
+        F("overflow_reward", 0.0,
+          "Added to the return of an episode that overflowed: a turn that "
+          "reached max_new_tokens without its end, or a conversation past "
+          "max_episode_tokens.", bounds=config_schema.ANY_NUMBER),
+        F("failed_call_reward", 0.0,
+          "Added to an episode's return per failed tool call (bad JSON, an "
+          "unknown tool, arguments that do not fit its schema); the model "
+          "reads the error as the tool's reply either way.",
+          bounds=config_schema.ANY_NUMBER),
+        F("env_timeout_s", 60.0,
+          "Seconds an environment's reset() or step() may take (all "
+          "episodes' at once, in threads); a call that takes longer is a "
+          "failed episode (rewards.on_bad_row). 0 = no limit.",
+          bounds=">=0"),
+        F("turn_discount", 1.0,
+          "The weight of step i's environment reward in an episode's "
+          "return is turn_discount ** i.", bounds=">0"),
+        F("extend_kv_cache", True,
+          "Between turns, extend the KV cache with the environment's "
+          "tokens (the earlier turns are not recomputed); False prefills "
+          "the whole conversation again every turn (the same episodes; "
+          "experiments/bench_agents.py measures both)."),
     ])
 
 
@@ -202,6 +257,29 @@ def check_online(c) -> None:
       f"{o.importance_ratio_low} is not below online.importance_ratio_high "
       f"({o.importance_ratio_high}): the band of kept ratios would be "
       "empty.")
+  check_episodes(c)
+
+
+def check_episodes(c) -> None:
+  """Episodes: one way to make them, a pattern for the regex style, and
+  the step that plays them on the training devices."""
+  o = c.online
+  config_schema.require(
+      not (o.environment and o.tools), "online.tools",
+      "set with online.environment: an environment offers its own tools "
+      "(its tools attribute); set one of them.")
+  config_schema.require(
+      o.tool_call_style != "regex" or bool(o.tool_call_pattern),
+      "online.tool_call_pattern",
+      "tool_call_style 'regex' reads calls with a pattern; give one with "
+      "the named groups 'name' and 'arguments'.")
+  if environments.episodic(o):
+    config_schema.require(
+        not o.sampler_devices and not o.off_policy_steps,
+        "online.environment",
+        "multi-turn episodes are played on the training devices, one step "
+        "at a time; set online.sampler_devices=0 and "
+        "online.off_policy_steps=0.")
 
 
 def check_off_policy(c) -> None:

@@ -167,11 +167,11 @@ class OverlappedStep:
       self._frozen = jax.device_put(frozen, self._frozen_on_sampler)
     return self._frozen
 
-  def _sample(self, params, frozen, prompt_tokens, key):
+  def _sample(self, params, frozen, prompts, key):
     with jax.set_mesh(self.mesh):
       return self._sampler.parts.sample(
           jax.device_put(params, self._params_on_sampler),
-          self._frozen_for(frozen), prompt_tokens,
+          self._frozen_for(frozen), prompts,
           jax.device_put(key, sharding.replicated(self.mesh)))
 
   def _score(self, params, frozen, prompt_tokens, samples):
@@ -187,9 +187,9 @@ class OverlappedStep:
   def _rollout(self, params, state, batch, key):
     """A rollout of `batch` sampled ahead with `params` (already on the
     sampler), as `online_step` makes one: (rollout, host metrics)."""
-    tokens = batch[prompts_lib.PROMPT_FEATURE]
-    samples = self._sample(params, state.frozen, tokens, key)
-    rollout = self._score(params, state.frozen, tokens, samples)
+    samples = self._sample(params, state.frozen, batch, key)
+    rollout = self._score(params, state.frozen,
+                          batch[prompts_lib.PROMPT_FEATURE], samples)
     return self._host_rewards(rollout, samples, batch)
 
   def _keep(self, rounds):

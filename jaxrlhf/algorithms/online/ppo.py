@@ -159,9 +159,9 @@ def minibatch_loss(trainer, params, minibatch, algorithm_state=None):
   cfg = trainer.config
   logprobs, entropy, mask = rollout_lib.logprobs_and_entropy(
       trainer.lm, params["policy"], minibatch, None, cfg.online.temperature,
-      trainer.online.max_new_tokens)
+      trainer.online.response_length)
   value = values(trainer.online.rewards.lm, params["value"], minibatch,
-                 trainer.online.max_new_tokens)
+                 trainer.online.response_length)
   return ppo_losses.ppo_loss(
       logprobs, minibatch["old_logprobs"], minibatch["advantages"], value,
       minibatch["old_values"], minibatch["returns"], mask,

@@ -40,6 +40,8 @@ from jaxrlhf import console
 from jaxrlhf.algorithms import base
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.algorithms import reference
+from jaxrlhf.agents import environments
+from jaxrlhf.algorithms.online import episode_step
 from jaxrlhf.algorithms.online import host_split
 from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.algorithms.online import kl_control
@@ -82,6 +84,9 @@ class OnlineSettings:
   num_epochs: int
   num_minibatches: int
   max_new_tokens: int
+  # The columns of a rollout's per-token arrays: max_new_tokens, or an
+  # episode's max_episode_tokens (`episode_step.episode_tokens`).
+  response_length: int
   rewards: reward_sources.RewardSources
   prompt_source: PromptSource
 
@@ -149,6 +154,8 @@ class Online(base.Training):
                                            self.samples_per_prompt),
         num_epochs=options.resolve(o.num_epochs, self.num_epochs),
         num_minibatches=o.num_minibatches, max_new_tokens=max_new_tokens,
+        response_length=(episode_step.episode_tokens(config, max_new_tokens)
+                         if environments.episodic(o) else max_new_tokens),
         rewards=rewards,
         prompt_source=PromptSource(config, trainer.prompt_length))
 
@@ -164,11 +171,11 @@ class Online(base.Training):
 
   def tokens_in(self, trainer, local_batch) -> int:
     """Sampled tokens, over all processes: a fixed number per response
-    (detail 23)."""
+    (detail 23; an episode's budget)."""
     settings = trainer.online
     rows = (len(local_batch[prompts_lib.PROMPT_FEATURE])
             * settings.samples_per_prompt)
-    return rows * settings.max_new_tokens * jax.process_count()
+    return rows * settings.response_length * jax.process_count()
 
   def loaded_networks(self, trainer, abstract_state):
     return reward_sources.loaded_networks(trainer, abstract_state,
@@ -195,6 +202,8 @@ class Online(base.Training):
     when the host must score the responses (or pick which groups to train
     on), split around the host (`host_split`), or, with sampler devices or
     off-policy steps, with rollouts made on the sampler (`overlap`)."""
+    if environments.episodic(trainer.config.online):
+      return episode_step.EpisodeStep(trainer)
     if overlap.overlaps(trainer.config):
       return overlap.OverlappedStep(trainer)
     if host_split.needs_host(trainer):

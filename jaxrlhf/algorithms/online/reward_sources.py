@@ -23,6 +23,9 @@ its share of the sum's absolute size):
   functions     your own functions, "package.module:function=weight, ...",
                 called on the host as fn(prompts, completions, **columns)
                 (TRL's convention; `jaxrlhf.rewards`).
+  episode       with online.environment or online.tools, each episode's
+                own return (weight 1; `episode_step`): the other sources
+                score its final answer.
 
 A host reward returns None for a row it does not apply to; the sum leaves
 it out (as TRL's nansum does). A function that fails (raises, returns the
@@ -45,6 +48,7 @@ import numpy as np
 from jaxrlhf import answers
 from jaxrlhf import config_schema
 from jaxrlhf import console
+from jaxrlhf.agents import environments
 from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import names
 from jaxrlhf.eval import evaluation
@@ -63,6 +67,9 @@ G = config_schema.Group
 
 REWARD_MODEL = "reward_model"
 OVERLONG = "overlong"
+# A multi-turn episode's own return (online.environment or online.tools:
+# `episode_step`), weight 1, filled in on the host.
+EPISODE = "episode"
 # The rewards computed inside the compiled step; the others run on the host.
 DEVICE_REWARDS = (REWARD_MODEL, OVERLONG)
 
@@ -177,6 +184,8 @@ def weights(config) -> Dict[str, float]:
          for name in DEVICE_REWARDS + ("gold_reward", "math_answer", "format",
                                        "code")
          if r[name].weight != 0}
+  if environments.episodic(config.online):
+    out[EPISODE] = 1.0
   for path, weight in _parse_functions(r.functions):
     name = path.rpartition(":")[2].rpartition(".")[2] or path
     while name in out:
@@ -391,7 +400,7 @@ def _host_rewards(config) -> Tuple[HostReward, ...]:
   functions = iter(_parse_functions(r.functions))
   out = []
   for name in weights(config):
-    if name in DEVICE_REWARDS:
+    if name in DEVICE_REWARDS or name == EPISODE:  # the episode's own return
       continue
     if name not in made:
       path, _ = next(functions)
