@@ -46,6 +46,7 @@ REPO = pathlib.Path(__file__).resolve().parents[1]
 TOKENIZER = REPO / "tests" / "fixtures" / "tokenizers" / "chat_qwen"
 TEMPERATURE = 0.7
 MAX_NEW = 6
+EPISODE_TOKENS = 60
 
 
 def _overrides(algorithm="grpo", **extra):
@@ -55,16 +56,24 @@ def _overrides(algorithm="grpo", **extra):
       data__inputs_length=64, data__targets_length=MAX_NEW,
       rewards__reward_model__weight=0.0, online__temperature=TEMPERATURE,
       online__environment="agent_envs:make_guess", online__max_turns=3,
+      online__max_episode_tokens=EPISODE_TOKENS,
       online__max_new_tokens=MAX_NEW, online__samples_per_prompt=2,
       train__batch_size=2, train__num_steps=2, optimizer__warmup_steps=0,
       **extra)
+
+
+HELD_OUT = [{"prompt": f"Guess again {i}", "answer": 9 - i}
+            for i in range(4)]
 
 
 def _files(root):
   rows = [{"prompt": f"Guess {i}", "answer": i % 9 + 1} for i in range(4)]
   path = root / "train.jsonl"
   path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+  (root / "test.jsonl").write_text(
+      "".join(json.dumps(r) + "\n" for r in HELD_OUT))
   return {"data.files.train": str(path),
+          "data.files.test": str(root / "test.jsonl"),
           "data.files.vocabulary": str(TOKENIZER / "tokenizer.json"),
           "data.files.column_mapping": "prompt=prompt,answer=answer"}
 
@@ -109,15 +118,17 @@ def policy_run(tmp_path_factory):
           "params": policy, "vocabulary": vocabulary}
 
 
-def _play(run, extend_cache, rows, seed=0, max_turns=3):
+def _play(run, extend_cache, rows, seed=0, max_turns=3,
+          temperature=TEMPERATURE):
   vocabulary = run["vocabulary"]
   renderer = episodes.Renderer(chat_templates.for_vocabulary(vocabulary),
                                vocabulary)
-  limits = episodes.Limits(max_turns=max_turns, max_episode_tokens=60,
+  limits = episodes.Limits(max_turns=max_turns,
+                           max_episode_tokens=EPISODE_TOKENS,
                            max_turn_tokens=MAX_NEW, max_opening_tokens=64)
   policy = policies.TurnPolicy(
       run["module"], run["params"], end_id=vocabulary.eos_id,
-      temperature=TEMPERATURE, width=256, turn_tokens=MAX_NEW,
+      temperature=temperature, width=256, turn_tokens=MAX_NEW,
       extend_cache=extend_cache)
   played, _ = episodes.run_episodes(
       agent_envs.make_guess, rows, policy, renderer,
@@ -255,7 +266,9 @@ def test_an_episode_trains_as_its_turns_would_as_single_turn_responses(
     # tiny tokenizer.)
     ("grpo", {"online.tools": "agent_envs:multiply",
               "online.environment": "", "data.inputs_length": 640}),
-    ("ppo", {}),
+    # Held-out episodes scored too (the test split, greedy and sampled).
+    ("ppo", {"eval.split": "test", "eval.num_examples": 4,
+             "eval.samples_per_prompt": 2}),
 ])
 def test_grpo_with_tools_and_ppo_in_an_environment_train_from_main(
     policy_run, algorithm, how):
@@ -286,3 +299,19 @@ def test_grpo_with_tools_and_ppo_in_an_environment_train_from_main(
     # The trainer scores the model's tokens as the sampler drew them.
     assert abs(r["gap/k1"]) < 1e-4
   assert (workdir / "checkpoints").exists()
+  evaluated = [r for r in rows if "eval/pass@1" in r]
+  if algorithm == "grpo":  # no held-out split
+    assert not evaluated
+    return
+  # Before training (step 0) and at the end; step 0's greedy episodes
+  # are the starting policy's, played again here.
+  assert [r["step"] for r in evaluated] == [0, 2]
+  greedy, limits, _ = _play(policy_run, True, HELD_OUT, temperature=0.0)
+  first = evaluated[0]
+  assert first["eval/episode/turns"] == pytest.approx(
+      np.mean([e.turns for e in greedy]))
+  assert first["eval/pass@1"] == pytest.approx(
+      np.mean([e.episode_return(limits) >= 1.0 for e in greedy]))
+  assert first["eval/reward/episode"] == pytest.approx(
+      np.mean([e.episode_return(limits) for e in greedy]))
+  assert 0 <= first["eval/pass@2"] <= 1

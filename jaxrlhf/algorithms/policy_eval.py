@@ -29,6 +29,8 @@ import numpy as np
 from jaxrlhf import console
 from jaxrlhf import run_cache
 from jaxrlhf.algorithms import base
+from jaxrlhf.agents import environments
+from jaxrlhf.algorithms.online import episode_step
 from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
@@ -242,13 +244,20 @@ def _reward_eval_prompts(trainer, split: str):
 def held_out_reward_metrics(trainer, policy, split: str = ""
                             ) -> Dict[str, float]:
   """eval/pass@1, eval/mean@n, eval/pass@k and each host reward's mean
-  (`pass_at_k.reward_metrics`) of the policy's completions of the held-out
+  (`pass_at_k.reward_metrics`; a run of episodes: of its episodes,
+  `episode_step.held_out_metrics`) of the policy's completions of the held-out
   prompts of `split` (default eval.split): a greedy completion and
   eval.samples_per_prompt sampled at eval.temperature per prompt, of at
   most online.max_new_tokens tokens as in training, scored by the run's
   host rewards (`RewardSources.score_on_host`) with their weights."""
   cfg, e = trainer.config, trainer.config.eval
   tokens, texts, columns = _reward_eval_prompts(trainer, split or e.split)
+  if environments.episodic(cfg.online):  # episodes, not responses
+    return episode_step.held_out_metrics(
+        trainer, policy, texts, columns, n=e.samples_per_prompt,
+        temperature=e.temperature, seed=cfg.seed,
+        threshold=e.pass_threshold,
+        ks=pass_at_k.parse_ks(e.pass_k, e.samples_per_prompt))
   sources = trainer.online.rewards
   # The columns score_on_host gives: the rewards computed from text.
   names = [reward.name for reward in sources.host]

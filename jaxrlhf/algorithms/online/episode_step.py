@@ -31,12 +31,13 @@ episode/env_seconds (the step's wall time waiting on environments).
 """
 
 import dataclasses
-from typing import Dict
+from typing import Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf import run_cache
 from jaxrlhf import sharding
 from jaxrlhf.agents import environments
 from jaxrlhf.agents import episodes as episodes_lib
@@ -47,6 +48,7 @@ from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.data import chat_templates
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
+from jaxrlhf.eval import pass_at_k
 from jaxrlhf.rl import rollout as rollout_lib
 
 # Per-episode means of these sums (`episodes.metrics`).
@@ -92,29 +94,124 @@ def limits(config, prompt_length: int, max_new_tokens: int
       on_bad_row=config.rewards.on_bad_row)
 
 
+@dataclasses.dataclass(frozen=True)
+class Agent:
+  """What a run plays its episodes with (`agent`)."""
+  make_env: Callable
+  renderer: episodes_lib.Renderer
+  parser: episodes_lib.Parser
+  limits: episodes_lib.Limits
+  name: str  # what messages call the environment
+
+
+@run_cache.per_run
+def agent(trainer) -> Agent:
+  """The run's environments, chat template, tool-call format and limits,
+  built once (an environment or a tool that cannot be imported, or a
+  template missing, is refused here, before the first step)."""
+  t, o = trainer, trainer.config.online
+  if t.lm.is_encoder_decoder:
+    raise ValueError(
+        "config.online.environment / online.tools: multi-turn episodes "
+        "need a decoder-only policy (model.arch llama, qwen2, ...); an "
+        "encoder-decoder (T5) has no chat turns to continue.")
+  files = t.config.data.files
+  template = chat_templates.for_vocabulary(
+      t.vocabulary, files.chat_template,
+      chat_templates.parse_variables(files.chat_template_kwargs))
+  return Agent(
+      make_env=environments.environment_factory(o.environment, o.tools),
+      renderer=episodes_lib.Renderer(template, t.vocabulary),
+      parser=episodes_lib.Parser(o.tool_call_style,
+                                 o.tool_call_pattern or None),
+      limits=limits(t.config, t.prompt_length, t.online.max_new_tokens),
+      name=(f"online.environment {o.environment!r}" if o.environment
+            else "online.tools"))
+
+
+def play(trainer, policy_params, rows, key, temperature: float,
+         row_names=None):
+  """The episodes of `rows` ({"prompt", **columns}) with the policy's
+  parameters (its view: LoRA merged) at `temperature` (0: greedy):
+  (episodes, {"env_seconds", "decode_steps"})."""
+  a = agent(trainer)
+  lim = a.limits
+  policy = policies.TurnPolicy(
+      trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
+      temperature=temperature,
+      width=(lim.max_opening_tokens + lim.max_episode_tokens
+             + lim.max_turn_tokens),
+      turn_tokens=lim.max_turn_tokens,
+      extend_cache=trainer.config.online.extend_kv_cache)
+  return episodes_lib.run_episodes(a.make_env, rows, policy, a.renderer,
+                                   a.parser, lim, key, name=a.name,
+                                   row_names=row_names)
+
+
+def episode_rewards(trainer, played, rows) -> Tuple[np.ndarray, dict]:
+  """[episodes, len(host_names)] float32 host rewards of played episodes,
+  in `RewardSources.host_names` order: `config.rewards` on each final
+  answer (NaN where one does not apply) and the episode's return; and
+  {reward/<name>/skipped: count}."""
+  sources = trainer.online.rewards
+  lim = agent(trainer).limits
+  finished = [not e.overflow and not e.failure and e.turns > 0
+              for e in played]
+  values, skipped = sources.score_on_host(
+      trainer.config, [r["prompt"] for r in rows],
+      [e.final_text for e in played], finished,
+      {c: [r[c] for r in rows] for c in (rows[0] if rows else {})
+       if c != "prompt"})
+  by_name = dict(zip([n for n in sources.host_names
+                      if n != reward_sources.EPISODE], values.T))
+  by_name[reward_sources.EPISODE] = [e.episode_return(lim) for e in played]
+  return np.stack([np.asarray(by_name[n], np.float32)
+                   for n in sources.host_names], axis=1), skipped
+
+
+def held_out_metrics(trainer, policy_params, texts, columns, *, n: int,
+                     temperature: float, seed: int, threshold: float,
+                     ks) -> Dict[str, float]:
+  """`policy_eval.held_out_reward_metrics` for a run of episodes: a greedy
+  episode and n at `temperature` per held-out row, scored by the run's
+  host rewards and the episode's return (`pass_at_k.reward_metrics`),
+  with eval/episode/turns and eval/episode/tool_calls of the greedy
+  ones."""
+  sources = trainer.online.rewards
+  rows = [{"prompt": text, **{c: v[i] for c, v in columns.items()}}
+          for i, text in enumerate(texts)]
+  names = [f"held-out row {i}" for i in range(len(rows))]
+  key = jax.random.PRNGKey(seed)
+  greedy_played, _ = play(trainer, policy_params, rows, key, 0.0, names)
+  greedy, _ = episode_rewards(trainer, greedy_played, rows)
+  sampled = np.zeros((len(rows), 0, greedy.shape[1]), np.float32)
+  if n:
+    repeated = [r for r in rows for _ in range(n)]
+    played, _ = play(trainer, policy_params, repeated, key, temperature,
+                     [name for name in names for _ in range(n)])
+    sampled = episode_rewards(trainer, played, repeated)[0].reshape(
+        len(rows), n, -1)
+  names = sources.host_names
+  metrics = pass_at_k.reward_metrics(
+      greedy, sampled, names, [sources.weights[name] for name in names],
+      threshold, ks)
+  count = max(len(greedy_played), 1)
+  metrics["eval/episode/turns"] = sum(e.turns for e in greedy_played) / count
+  metrics["eval/episode/tool_calls"] = sum(
+      e.tool_calls for e in greedy_played) / count
+  return metrics
+
+
 class EpisodeStep(host_split.HostSplitStep):
   """(state, batch) -> (state, metrics) on multi-turn episodes (module
   docstring)."""
 
   def __init__(self, trainer):
-    t, o = trainer, trainer.config.online
-    if t.lm.is_encoder_decoder:
-      raise ValueError(
-          "config.online.environment / online.tools: multi-turn episodes "
-          "need a decoder-only policy (model.arch llama, qwen2, ...); an "
-          "encoder-decoder (T5) has no chat turns to continue.")
-    super().__init__(t)
-    self._trainer = t
-    self._limits = limits(t.config, t.prompt_length, t.online.max_new_tokens)
-    self._make_env = environments.environment_factory(o.environment, o.tools)
-    files = t.config.data.files
-    template = chat_templates.for_vocabulary(
-        t.vocabulary, files.chat_template,
-        chat_templates.parse_variables(files.chat_template_kwargs))
-    self._renderer = episodes_lib.Renderer(template, t.vocabulary)
-    self._parser = episodes_lib.Parser(o.tool_call_style,
-                                       o.tool_call_pattern or None)
-    self._view = jax.jit(lambda params, frozen: t.view_parts(
+    agent(trainer)  # refuses what cannot be played before anything else
+    super().__init__(trainer)
+    self._trainer = trainer
+    self._limits = agent(trainer).limits
+    self._view = jax.jit(lambda params, frozen: trainer.view_parts(
         params, frozen)[0]["policy"])
     self._score_episodes = jax.jit(self._score_fn)
     self.parts = dataclasses.replace(
@@ -124,34 +221,19 @@ class EpisodeStep(host_split.HostSplitStep):
   # --- sample: the episodes, on the host ------------------------------------
 
   def _sample(self, params, frozen, prompts, key):
-    t, k = self._trainer, self._k
     indices = np.repeat(evaluation.local_rows(
-        prompts[prompts_lib.PROMPT_INDEX]), k)
+        prompts[prompts_lib.PROMPT_INDEX]), self._k)
     source = self._prompt_source.prompts
     rows = [{"prompt": source.texts[i],
              **{c: v[i] for c, v in source.columns.items()}}
             for i in indices]
-    names = [f"prompt row {i}" for i in indices]
-    policy = policies.TurnPolicy(
-        t.lm.module, self._view(params, frozen), end_id=self._eos_id,
-        temperature=self._config.online.temperature,
-        width=(self._limits.max_opening_tokens
-               + self._limits.max_episode_tokens
-               + self._limits.max_turn_tokens),
-        turn_tokens=self._limits.max_turn_tokens,
-        extend_cache=self._config.online.extend_kv_cache)
-    played, timing = episodes_lib.run_episodes(
-        self._make_env, rows, policy, self._renderer, self._parser,
-        self._limits,
-        key, name=self._env_name(), row_names=names)
+    played, timing = play(self._trainer, self._view(params, frozen), rows,
+                          key, self._config.online.temperature,
+                          [f"prompt row {i}" for i in indices])
     arrays = episodes_lib.assemble(played, self._limits)
     place = lambda x: jax.make_array_from_process_local_data(
         sharding.batch_sharding(self.mesh, self._rules, x.ndim), x)
-    texts = [e.final_text for e in played]
-    host = {"prompt_texts": [r["prompt"] for r in rows],
-            "final_texts": texts, "finished": arrays.ended.tolist(),
-            "columns": {c: [r[c] for r in rows] for c in source.columns},
-            "returns": arrays.returns,
+    host = {"played": played, "rows": rows,
             "metrics": {**episodes_lib.metrics(played),
                         "episode/env_seconds": timing["env_seconds"]}}
     return EpisodeSamples(
@@ -160,11 +242,6 @@ class EpisodeStep(host_split.HostSplitStep):
         model=place(arrays.model), logprobs=place(arrays.logprobs),
         ended=place(arrays.ended),
         decode_steps=jnp.int32(timing["decode_steps"]), host=host)
-
-  def _env_name(self) -> str:
-    o = self._config.online
-    return (f"online.environment {o.environment!r}" if o.environment
-            else "online.tools")
 
   # --- score: log-probs over the model's tokens -----------------------------
 
@@ -196,16 +273,10 @@ class EpisodeStep(host_split.HostSplitStep):
   def _episode_rewards(self, rollout, samples, batch):
     del batch
     host = samples.host
-    values, skipped = self._rewards.score_on_host(
-        self._config, host["prompt_texts"], host["final_texts"],
-        host["finished"], host["columns"])
-    by_name = dict(zip([n for n in self._rewards.host_names
-                        if n != reward_sources.EPISODE], values.T))
-    by_name[reward_sources.EPISODE] = host["returns"]
-    stacked = np.stack([np.asarray(by_name[n], np.float32)
-                        for n in self._rewards.host_names], axis=1)
+    values, skipped = episode_rewards(self._trainer, host["played"],
+                                      host["rows"])
     values = jax.make_array_from_process_local_data(
-        sharding.batch_sharding(self.mesh, self._rules, 2), stacked)
+        sharding.batch_sharding(self.mesh, self._rules, 2), values)
     return self._add_host(rollout, values), {**skipped, **host["metrics"]}
 
   def _keep(self, rounds):
