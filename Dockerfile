@@ -14,6 +14,10 @@ FROM python:${PYTHON_VERSION}-slim
 ARG JAX_EXTRA=cuda13
 ENV PYTHONUNBUFFERED=1 PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1
 WORKDIR /opt/jaxrlhf
+# bubblewrap: the stronger isolation of model-written code (the code reward,
+# the Python tool of agents) where the container may create namespaces.
+RUN apt-get update && apt-get install -y --no-install-recommends bubblewrap \
+    && rm -rf /var/lib/apt/lists/*
 # The package's metadata first: the dependencies' layer is rebuilt only when
 # they change.
 COPY setup.cfg pyproject.toml README.md ./

@@ -256,3 +256,25 @@ def test_an_opening_too_long_says_which_field(vocabulary, renderer):
                      match="config.data.inputs_length"):
     play(vocabulary, renderer, agent_envs.make_echo, [{"prompt": "a" * 50}],
          [["hi"]], max_opening_tokens=20)
+
+
+def test_the_python_tool_runs_code_apart_and_answers_with_its_output():
+  from jaxrlhf.agents import python_tool  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.rewards import code_execution  # pylint: disable=g-import-not-at-top
+  assert tools_lib.tool_schema(python_tool.python)["function"][
+      "parameters"]["required"] == ["code"]
+  message = {"role": "assistant", "content": "", "tool_calls": [
+      {"name": "python", "arguments": {"code": "print(6 * 7)"},
+       "error": None},
+      {"name": "python", "arguments": {"code": "1 / 0"}, "error": None},
+      {"name": "python", "arguments": {
+          "code": "import socket\nsocket.create_connection(('127.0.0.1', 9))"},
+       "error": None}]}
+  replies = environments.run_tool_calls(message, [python_tool.python])
+  assert replies[0] == {"role": "tool", "name": "python", "content": "42"}
+  assert replies[1]["content"] == ("error: ZeroDivisionError: division by "
+                                   "zero")
+  # No network, whichever protection this machine gives.
+  assert replies[2]["content"].startswith("error: ")
+  assert code_execution.network_protection() in ("bubblewrap", "namespace",
+                                                  "audit_hook")

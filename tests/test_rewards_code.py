@@ -18,8 +18,9 @@ SQUARE = "def square(x):\n  return x * x\n"
 SQUARE_TESTS = ["assert square(3) == 9", "assert square(2) == 4",
                 "assert square(0) == 1"]  # The last one is wrong on purpose.
 
-PROTECTIONS = ["audit_hook"] + (["namespace"] if ce.namespace_available()
-                                else [])
+PROTECTIONS = (["audit_hook"]
+               + (["namespace"] if ce.namespace_available() else [])
+               + (["bubblewrap"] if ce.bubblewrap_available() else []))
 
 
 def test_extract_code_takes_the_last_python_block():
@@ -98,7 +99,7 @@ def test_sockets_cannot_reach_a_server_on_this_machine(network):
     assert run.tests_passed == [False]
     with pytest.raises(socket.timeout):
       server.accept()  # Nothing connected.
-    if network == "namespace":
+    if network in ("namespace", "bubblewrap"):
       # A program the code starts (without our audit hook) is cut off too.
       child = (f"import socket; socket.create_connection(('127.0.0.1', "
                f"{port}), timeout=2)")
@@ -161,7 +162,10 @@ def test_a_child_that_outlives_the_code_is_killed(tmp_path):
           f"  open({str(marker)!r}, 'w').write('still alive')\n"
           "  os._exit(0)\n"
           "print(json.dumps(pid), flush=True)\n")
-  run = ce.run_tests(code, ["assert True"], timeout_s=20)
+  # (Without bubblewrap, whose process-id namespace would hide the child's
+  # pid from us: test_bubblewrap_keeps_the_code_in_its_scratch_directory.)
+  network = "namespace" if ce.namespace_available() else "audit_hook"
+  run = ce.run_tests(code, ["assert True"], timeout_s=20, network=network)
   assert run.tests_passed == [True] and not run.timed_out
   child = json.loads(run.output)
   # SIGKILL went to the whole group when the run ended; the child is gone
@@ -189,3 +193,24 @@ def test_arguments_are_checked():
   with pytest.raises(ValueError, match=r"row 0: column 'tests' holds int"):
     reward(["p"], ["x"], tests=[3])
   assert sys.platform != "win32"
+
+
+@pytest.mark.skipif(not ce.bubblewrap_available(),
+                    reason="bubblewrap (bwrap) does not run here")
+def test_bubblewrap_keeps_the_code_in_its_scratch_directory(tmp_path):
+  """Under bubblewrap the code writes only in its scratch directory, sees
+  none of our processes, and 'auto' takes it."""
+  outside = tmp_path / "outside.txt"
+  code = (f"open({str(outside)!r}, 'w').write('x')\n")
+  run = ce.run_tests(code, ["assert True"], network="bubblewrap",
+                     timeout_s=20)
+  assert run.code_error.startswith("OSError") or run.code_error.startswith(
+      "FileNotFoundError") or "Read-only" in run.code_error
+  assert not outside.exists()
+  ours = str(os.getpid())
+  run = ce.run_tests("import os\npids = [p for p in os.listdir('/proc') "
+                     "if p.isdigit()]\n", [f"assert {ours!r} not in pids",
+                                             "assert len(pids) < 5"],
+                     network="bubblewrap", timeout_s=20)
+  assert run.tests_passed == [True, True], run.output
+  assert ce.network_protection("auto") == "bubblewrap"

@@ -43,13 +43,23 @@ printing "passed" or exiting early passes nothing.
   proxy variables point at a closed port. "auto" (the default) takes the
   namespace when `unshare -rn` works here, and says which it took
   (`CodeRun.network`, `network_protection()`). The audit hook for sockets
-  is installed in both cases.
+  is installed in every case.
+* Stronger, where the machine offers it: "bubblewrap" (taken first by
+  "auto" when the `bwrap` program runs here: Debian's and Ubuntu's package
+  `bubblewrap`) runs the child in bubblewrap's namespaces: every one of
+  them unshared (network, process ids, IPC, host name, user), the whole
+  filesystem read-only except its scratch directory and an empty /tmp,
+  and the child killed with its parent. The code then cannot write
+  outside its scratch directory, see or signal the trainer's processes, or
+  outlive the run by `setsid` (its process-id namespace dies with it).
 * Environment: only PATH, HOME, TMPDIR, LANG and the proxy variables; no
   variable of ours (tokens, keys) reaches the code. Standard input is
   /dev/null. The output (stdout and stderr together) is kept up to
   `max_output_bytes`.
 
-What it protects against and what it does not. It stops the accidents of
+What it protects against and what it does not (without bubblewrap; with
+it, the filesystem, process and session escapes below are closed, the rest
+stands). It stops the accidents of
 model-written code: infinite loops, runaway memory, stray files in the
 working directory, left-over child processes, network calls, and a policy
 learning to fake a pass by printing or exiting. It is not a security
@@ -85,7 +95,7 @@ from typing import Callable, List, Optional, Sequence
 from jaxrlhf import checks
 
 LANGUAGES = ("python",)
-NETWORK_MODES = ("auto", "namespace", "audit_hook")
+NETWORK_MODES = ("auto", "bubblewrap", "namespace", "audit_hook")
 SCORING = ("fraction", "all")
 # No file the code writes may be larger (RLIMIT_FSIZE).
 MAX_FILE_BYTES = 16 * 2**20
@@ -156,12 +166,46 @@ def namespace_available() -> bool:
   return done.returncode == 0
 
 
+@functools.lru_cache(maxsize=None)
+def bubblewrap_available() -> bool:
+  """Whether `bwrap` runs a program in the sandbox `run_tests` asks of it
+  here (the program installed, and namespaces allowed)."""
+  bwrap = shutil.which("bwrap")
+  if bwrap is None:
+    return False
+  scratch = tempfile.mkdtemp(prefix="jaxrlhf_bwrap_")
+  try:
+    done = subprocess.run(_bubblewrap(bwrap, scratch) + ["true"],
+                          stdin=subprocess.DEVNULL,
+                          stdout=subprocess.DEVNULL,
+                          stderr=subprocess.DEVNULL, timeout=30, check=False)
+  except (OSError, subprocess.SubprocessError):
+    return False
+  finally:
+    _remove_tree(scratch)
+  return done.returncode == 0
+
+
+def _bubblewrap(bwrap: str, scratch: str) -> List[str]:
+  """bubblewrap's command line before the program (module docstring)."""
+  return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
+          "--tmpfs", "/tmp", "--bind", scratch, scratch, "--chdir", scratch,
+          "--unshare-all", "--die-with-parent"]
+
+
 def network_protection(network: str = "auto") -> str:
-  """The network protection `network` gives here: "namespace" or
+  """The protection `network` gives here: "bubblewrap", "namespace" or
   "audit_hook" (module docstring)."""
   checks.check_choice("code reward", "network", network, NETWORK_MODES)
   if network == "audit_hook":
     return "audit_hook"
+  if network in ("auto", "bubblewrap") and bubblewrap_available():
+    return "bubblewrap"
+  if network == "bubblewrap":
+    raise ValueError("code reward: network='bubblewrap' needs the bwrap "
+                     "program (apt-get install bubblewrap) and namespaces "
+                     "allowed by the kernel, which do not work here; use "
+                     "network='auto' to fall back.")
   if namespace_available():
     return "namespace"
   if network == "namespace":
@@ -275,6 +319,8 @@ def run_tests(code: str, tests: Sequence[str], *, timeout_s: float = 5.0,
   command = [sys.executable, "-I", "-c", _HARNESS]
   if protection == "namespace":
     command = [shutil.which("unshare"), "-rn"] + command
+  elif protection == "bubblewrap":
+    command = _bubblewrap(shutil.which("bwrap"), scratch) + command
   env = {"PATH": "/usr/bin:/bin", "HOME": scratch, "TMPDIR": scratch,
          "LANG": "C.UTF-8"}
   for name in ("http_proxy", "https_proxy", "all_proxy", "ftp_proxy"):

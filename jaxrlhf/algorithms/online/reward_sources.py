@@ -139,6 +139,13 @@ GROUP = G("rewards", "What online RL trains on: the weighted sum of these "
                     F("scoring", "fraction", "'fraction' of the tests passed, "
                       "or 'all' (1 only when every test passes).",
                       choices=code_execution.SCORING),
+                    F("network", "auto", "How the code is kept apart: "
+                      "'bubblewrap' (bwrap's namespaces: no network, a "
+                      "read-only filesystem but for its scratch directory, "
+                      "no view of our processes), 'namespace' (a network "
+                      "namespace), 'audit_hook' (Python refuses sockets "
+                      "and programs); 'auto' takes the first of them that "
+                      "works here.", choices=code_execution.NETWORK_MODES),
                 ]),
               F("functions", "",
                 "Your reward functions, 'package.module:function=weight, "
@@ -396,7 +403,7 @@ def _host_rewards(config) -> Tuple[HostReward, ...]:
     c = r.code
     made["code"] = code_execution.make_code_reward(
         c.tests_column, timeout_s=c.timeout_s, memory_mb=c.memory_mb,
-        scoring=c.scoring)
+        scoring=c.scoring, network=c.network)
   functions = iter(_parse_functions(r.functions))
   out = []
   for name in weights(config):
