@@ -278,3 +278,38 @@ def test_the_python_tool_runs_code_apart_and_answers_with_its_output():
   assert replies[2]["content"].startswith("error: ")
   assert code_execution.network_protection() in ("bubblewrap", "namespace",
                                                   "audit_hook")
+
+
+def test_qwen3_thinking_stays_in_the_trained_tokens(vocabulary):
+  """Qwen 3's template drops an earlier turn's <think> block when it
+  renders a conversation after a later user message; the episode keeps
+  the model's thinking as it wrote it (what it read in its next turn), and
+  the environment's block is the template's own text."""
+  import json  # pylint: disable=g-import-not-at-top
+  family = json.loads(
+      (FIXTURES / "chat_templates" / "qwen3.json").read_text())
+  template = chat_templates.ChatTemplate(
+      family["template"], special_tokens=family["special_tokens"],
+      eos_text="<|im_end|>")
+  renderer = episodes.Renderer(template, vocabulary)
+  thought = "<think>\nlow first\n</think>\n\n3"
+  played, _, _ = play(vocabulary, renderer, agent_envs.make_guess,
+                      [{"prompt": "", "answer": 5}], [[thought, "5"]])
+  e, = played
+  assert e.turns == 2 and e.step_rewards == [0.0, 1.0]
+  # The environment read the answer; the thinking came apart.
+  assert e.messages[1] == {"role": "assistant", "content": "3",
+                           "reasoning_content": "low first"}
+  model_ids = [t for t, m in zip(e.tokens, e.is_model) if m]
+  eos = vocabulary.eos_id
+  assert model_ids == (char_ids(vocabulary, thought) + [eos]
+                       + char_ids(vocabulary, "5") + [eos])
+  env_ids = [t for t, m in zip(e.tokens, e.is_model) if not m]
+  assert vocabulary.tokenizer.decode(env_ids, skip_special_tokens=False) == (
+      "\n<|im_start|>user\nhigher<|im_end|>\n<|im_start|>assistant\n")
+  # The template's rendering of the finished conversation has lost the
+  # thinking the model read: the trained tokens are not it.
+  rendered = template.render(e.messages[:3], add_generation_prompt=True)
+  assert "low first" not in rendered
+  assert "low first" in vocabulary.tokenizer.decode(
+      e.opening + e.tokens, skip_special_tokens=False)

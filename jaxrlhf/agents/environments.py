@@ -11,7 +11,8 @@ functions see them) and returns one environment object per episode with
       text without the calls, "tool_calls": [{"name", "arguments",
       "error"}, ...] when it made any; "error" is None for a call that
       parsed and fits the tools' schemas, else the message a tool would
-      answer with), the messages to append (role "tool" or "user"), the
+      answer with; "reasoning_content": the turn's opening <think> block,
+      when it has one), the messages to append (role "tool" or "user"), the
       reward of this step (a number) and whether the episode is over;
   tools (optional attribute): a list of Python functions offered to the
       model (`tools.tool_schema`); `run_tool_calls(message, env.tools)`

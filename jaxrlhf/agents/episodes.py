@@ -53,6 +53,8 @@ Message = Dict[str, Any]
 # The content of the stand-in assistant turn `Renderer.block` renders the
 # environment's messages after.
 _STAND_IN = "<<the model's turn>>"
+# The markers of a turn's thinking (`Parser.message`).
+_THINK = ("<think>", "</think>")
 
 
 @dataclasses.dataclass(frozen=True)
@@ -139,26 +141,30 @@ class Renderer:
             tools=None) -> List[int]:
     """The ids of the environment's messages `new` after a model turn that
     ended at its end-of-turn id, up to the next generation prompt: the
-    template's text between a conversation ending in an assistant turn
-    and the same conversation with `new` and the generation prompt.
+    template's text after an assistant turn's end-of-turn text, in the
+    conversation with `new` and the generation prompt.
 
     The assistant turn rendered is a stand-in (the model's own tokens are
-    kept as sampled), so a template that rewrites earlier turns changes
-    nothing here."""
+    kept as sampled), and only what follows it is read, so a template that
+    renders earlier turns differently once more follows (Qwen 3 drops
+    their thinking) changes nothing here."""
+    if not self._eot:
+      raise ValueError(
+          f"{self.template.origin}: the end-of-turn text is unknown (the "
+          "vocabulary's EOS has no text), so the environment's messages "
+          "cannot be cut from the template's rendering; use a Hugging Face "
+          "tokenizer (config.data.files.vocabulary).")
     base = list(opening) + [{"role": "assistant", "content": _STAND_IN}]
-    before = self.template.render(base, tools=tools)
     after = self.template.render(base + list(new), tools=tools,
                                  add_generation_prompt=True)
-    if not after.startswith(before):
-      raise chat_templates.NotAPrefixError(
-          f"{self.template.origin}: the chat template renders the "
-          "conversation before the environment's messages differently once "
-          "they are added, so they cannot be appended to what the model "
-          "read; use a template whose history does not depend on what "
-          "follows.")
-    end = before.rfind(self._eot, before.rfind(_STAND_IN)) if self._eot else -1
-    tail = before[end + len(self._eot):] if end >= 0 else ""
-    return self._ids(tail + after[len(before):])
+    stand_in = after.rfind(_STAND_IN)
+    end = after.find(self._eot, stand_in) if stand_in >= 0 else -1
+    if end < 0:
+      raise chat_templates.ChatTemplateError(
+          f"{self.template.origin}: the chat template does not end an "
+          f"assistant turn with {self._eot!r} (the vocabulary's EOS), so "
+          "the environment's messages cannot be cut from its rendering.")
+    return self._ids(after[end + len(self._eot):])
 
   def turn_text(self, ids: Sequence[int]) -> str:
     """A turn's text with its special tokens kept (tool-call markers may
@@ -185,10 +191,20 @@ class Parser:
 
   def message(self, text: str, schemas=None) -> Message:
     """The assistant's message of a turn's text; calls are checked against
-    `schemas` (the tools offered) when given."""
+    `schemas` (the tools offered) when given. A turn that opens with a
+    `<think>` block (Qwen 3, DeepSeek-R1) has it as the message's
+    "reasoning_content", as transformers' templates take it; "content" is
+    what follows."""
+    reasoning = None
+    opened = text.lstrip()
+    if opened.startswith(_THINK[0]) and _THINK[1] in opened:
+      reasoning, text = opened[len(_THINK[0]):].split(_THINK[1], 1)
+      reasoning = reasoning.strip()
     turn = tool_calls_lib.parse_tool_calls(
         text, self.style, schemas=schemas, pattern=self.pattern or None)
     message = {"role": "assistant", "content": turn.content}
+    if reasoning is not None:
+      message["reasoning_content"] = reasoning
     if turn.calls:
       message["tool_calls"] = [{"name": c.name, "arguments": c.arguments,
                                 "error": c.error} for c in turn.calls]
