@@ -313,3 +313,30 @@ def test_qwen3_thinking_stays_in_the_trained_tokens(vocabulary):
   assert "low first" not in rendered
   assert "low first" in vocabulary.tokenizer.decode(
       e.opening + e.tokens, skip_special_tokens=False)
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"online__environment": "agent_envs:make_guess",
+      "online__tools": "agent_envs:multiply"},
+     r"^config.online.tools: set with online.environment"),
+    ({"online__tools": "agent_envs:multiply", "online__sampler_devices": 1},
+     r"^config.online.environment: multi-turn episodes are played on the "
+     r"training devices"),
+    ({"online__tool_call_style": "regex"},
+     r"^config.online.tool_call_pattern: tool_call_style 'regex'"),
+])
+def test_episode_settings_are_refused_in_one_line(overrides, message):
+  from conftest import tiny_config  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
+  config = tiny_config(algorithm="grpo", rewards__reward_model__weight=0.0,
+                       rewards__gold_reward__weight=1.0, **overrides)
+  with pytest.raises(ValueError, match=message):
+    defaults.validate(config)
+
+
+def test_environments_and_tools_that_cannot_load_name_their_field():
+  with pytest.raises(ValueError, match=r"^online.environment: cannot import "
+                     r"module 'no_such_envs'"):
+    environments.environment_factory("no_such_envs:make", "")
+  with pytest.raises(ValueError, match=r"^online.tools: "):
+    environments.environment_factory("", "agent_envs:no_such_tool")
