@@ -453,6 +453,47 @@ def _batch(name, lengths, converter, size):
       shuffle=False, num_epochs=1))
 
 
+def test_a_tools_column_is_rendered_as_the_templates_tools(tmp_path):
+  """A tool-using conversation with TRL's "tools" column: each example's
+  prompt is the template's own rendering with `tools=` (the schemas in
+  Qwen 2.5's system message), its completion what follows it there; a
+  column that is no list of schemas is a bad row."""
+  vocabulary = vocabulary_of("chat_qwen")
+  template = chat_templates.for_vocabulary(vocabulary)
+  tools = [{"type": "function", "function": {
+      "name": "multiply", "description": "Multiplies two integers.",
+      "parameters": {"type": "object", "properties": {
+          "a": {"type": "integer"}, "b": {"type": "integer"}},
+                     "required": ["a", "b"]}}}]
+  call = msg("assistant", "", tool_calls=[{"type": "function", "function": {
+      "name": "multiply", "arguments": {"a": 12, "b": 34}}}])
+  conversation = [msg("user", "What is 12 times 34?"), call,
+                  msg("tool", "408"), msg("assistant", "408")]
+  rows = [{"messages": conversation, "tools": tools},
+          {"messages": conversation, "tools": json.dumps(tools)},
+          {"messages": conversation, "tools": "not json"}]
+  source = file_sources.AlignmentFileSource(
+      write_rows(tmp_path / "t.jsonl", rows), kind=DEMONSTRATIONS,
+      layout="messages", vocabulary=vocabulary,
+      on_bad_row="skip_and_report")
+  examples = source.examples()
+  assert len(examples) == 4
+  for example, end in zip(examples, [1, 3, 1, 3]):
+    prompt = template.render(conversation[:end], add_generation_prompt=True,
+                             tools=tools)
+    full = template.render(conversation[:end + 1], tools=tools)
+    assert example["prompt"] == prompt
+    assert full.startswith(prompt + example["completion"])
+    assert not full[len(prompt + example["completion"]):].replace(
+        template.eos_text, "").strip()
+  assert '"name": "multiply"' in examples[0]["prompt"]
+  assert "<tool_call>" in examples[0]["completion"]
+  assert examples[1]["completion"] == "408"
+  assert [str(b) for b in source.bad_rows()] == [
+      f"{tmp_path / 't.jsonl'}: row 3: wrong_type: column 'tools' must be a "
+      "list of tool JSON schemas (objects), or that list as a JSON string."]
+
+
 def test_config_gives_online_prompts_and_pairs_batches(tmp_path):
   vocabulary = vocabulary_of("chat_qwen")
   eos = vocabulary.eos_id

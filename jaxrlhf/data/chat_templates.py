@@ -305,17 +305,20 @@ def _first_difference(a: str, b: str) -> int:
 
 
 def split_reply(template: ChatTemplate, context: Sequence[Mapping[str, Any]],
-                reply: Mapping[str, Any]) -> Tuple[str, str]:
+                reply: Mapping[str, Any], *,
+                tools: Optional[Sequence[Mapping[str, Any]]] = None
+                ) -> Tuple[str, str]:
   """(prompt text, completion text) of one assistant `reply` after the
-  messages of `context` (module docstring).
+  messages of `context` (module docstring), rendered with the template's
+  `tools` (JSON schemas; None: none).
 
   Raises:
     NotAPrefixError: the template renders the context differently once the
       reply follows.
     ChatTemplateError: the template refused the conversation.
   """
-  prompt = template.render(context, add_generation_prompt=True)
-  full = template.render(list(context) + [reply])
+  prompt = template.render(context, add_generation_prompt=True, tools=tools)
+  full = template.render(list(context) + [reply], tools=tools)
   if not full.startswith(prompt):
     at = _first_difference(prompt, full)
     raise NotAPrefixError(

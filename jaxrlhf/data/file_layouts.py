@@ -93,7 +93,11 @@ completion, which rows of "columns" and "messages" then need not have.
   last one), each with the conversation before it as the prompt, so SFT's
   loss is on every assistant turn and nowhere else; {"prompt": [...],
   "completion": [assistant message]} (TRL's prompt-completion layout)
-  gives one. Prompts (online RL): the conversation before each assistant
+  gives one. A demonstration row's "tools" column (TRL's: a list of the
+  tools' JSON schemas, or that list as a JSON string) is the template's
+  `tools=`, so the model learns from the prompt with the tools shown as the
+  episodes of online RL show them (`online.tools`). Prompts (online RL): the
+  conversation before each assistant
   message and, when it does not end with one, the whole conversation, each
   rendered with the generation prompt; TRL's prompt-only {"prompt": [...]}
   gives one. Pairs: {"prompt": [...], "chosen": [assistant message],
@@ -116,6 +120,7 @@ completion, which rows of "columns" and "messages" then need not have.
 
 import dataclasses
 import functools
+import json
 import math
 from typing import (Any, Callable, Dict, Iterator, Mapping, Optional, Tuple,
                     Union)
@@ -525,11 +530,13 @@ def _single_reply(value, column: str) -> Union[Mapping[str, Any], BadRow]:
   return messages[0]
 
 
-def _split(ctx: RowContext, context, reply, where: str
+def _split(ctx: RowContext, context, reply, where: str, tools=None
            ) -> Union[Tuple[str, str], BadRow]:
-  """(prompt, completion) texts of a reply after its context."""
+  """(prompt, completion) texts of a reply after its context (`tools`: the
+  template's tool schemas, or None)."""
   try:
-    return chat_templates.split_reply(ctx.chat_template, context, reply)
+    return chat_templates.split_reply(ctx.chat_template, context, reply,
+                                      tools=tools)
   except chat_templates.NotAPrefixError as e:
     return BadRow("template_not_prefix", f"{where}: {e}")
   except chat_templates.ChatTemplateError as e:
@@ -543,10 +550,32 @@ def _template_refused(ctx: RowContext, where: str, error) -> BadRow:
                 f"{error}")
 
 
+def _tools(record, ctx: RowContext):
+  """A row's tool schemas (column "tools"; None where absent), or why the
+  column is not a list of them."""
+  column = _column(ctx, "tools")
+  tools = _get_path(record, column)
+  if isinstance(tools, str):
+    try:
+      tools = json.loads(tools)
+    except ValueError:
+      tools = ""
+  if tools is not None and not (
+      isinstance(tools, (list, tuple))
+      and all(isinstance(t, Mapping) for t in tools)):
+    return BadRow("wrong_type", f"column {column!r} must be a list of tool "
+                  "JSON schemas (objects), or that list as a JSON string.")
+  return tools or None
+
+
 def _messages_demonstrations(record, ctx: RowContext) -> RowResult:
   extras = _extra_values(record, ctx)
   if isinstance(extras, BadRow):
     yield extras
+    return
+  tools = _tools(record, ctx)
+  if isinstance(tools, BadRow):
+    yield tools
     return
   column = _column(ctx, "messages")
   conversation = _get_path(record, column)
@@ -582,7 +611,7 @@ def _messages_demonstrations(record, ctx: RowContext) -> RowResult:
         return
     pairs = [(context, reply, completion_column)]
   for context, reply, where in pairs:
-    split = _split(ctx, context, reply, where)
+    split = _split(ctx, context, reply, where, tools)
     if isinstance(split, BadRow):
       yield split  # The conversation's other replies are still learnt.
       continue
@@ -733,7 +762,7 @@ LAYOUTS: Dict[str, Layout] = {
                extra_columns=("answer", "level", "type")),
         Layout("messages", _messages_layout,
                _DEMONSTRATIONS + (kinds_lib.PAIRS.name,),
-               {"turns": "all"}, maps_columns=True, own_columns=("messages",),
+               {"turns": "all"}, maps_columns=True, own_columns=("messages", "tools"),
                uses_chat_template=True),
     )}
 
