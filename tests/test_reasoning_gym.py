@@ -9,7 +9,14 @@ import pytest
 # In the test extras (setup.cfg): installed wherever the suite runs.
 import reasoning_gym
 
+from jaxrlhf.agents import episodes
+from jaxrlhf.data import alignment_kinds
+from jaxrlhf.data import chat_templates
+from jaxrlhf.data import file_sources
+from jaxrlhf.data import hf_tokenizer
 from jaxrlhf.rewards import reasoning_gym_tasks as rgt
+
+from test_agent_episodes import FIXTURES, limits, play
 
 DATASET = "leg_counting"
 
@@ -130,3 +137,41 @@ def test_module_does_not_import_reasoning_gym():
   code = ("import sys; import jaxrlhf.rewards.reasoning_gym_tasks; "
           "assert 'reasoning_gym' not in sys.modules")
   subprocess.run([sys.executable, "-c", code], check=True)
+
+
+def test_episode_loop_plays_the_environment():
+  """The real episode loop (tests/test_agent_episodes.py's scripted policy
+  and tiny Qwen template): wrong, then right; the return is the right
+  answer's score, discounted once."""
+  vocabulary = hf_tokenizer.HFTokenizerVocabulary(
+      str(FIXTURES / "tokenizers" / "chat_qwen" / "tokenizer.json"))
+  renderer = episodes.Renderer(chat_templates.for_vocabulary(vocabulary),
+                               vocabulary)
+  row = rgt.rows(DATASET, 1, seed=0)[0]
+  truth = row["answer"]
+  played, _, _ = play(vocabulary, renderer, rgt.make_env, [row],
+                      [[f"<answer>{_wrong(truth)}</answer>",
+                        f"<answer>{truth}</answer>"]],
+                      max_episode_tokens=2000)
+  e, = played
+  assert e.failure is None and e.done and e.turns == 2
+  assert e.step_rewards == [0.0, 1.0]
+  assert e.episode_return(limits(turn_discount=0.5)) == pytest.approx(0.5)
+
+
+def test_the_file_reads_as_prompts_with_the_entry_column(tmp_path):
+  """The written file through the "columns" layout of online runs'
+  prompts: each prompt carries its entry, and the reward scores it."""
+  out = tmp_path / "rg.jsonl"
+  rgt.main([f"--dataset={DATASET}", "--size=3", "--seed=0", f"--out={out}"])
+  source = file_sources.AlignmentFileSource(
+      [str(out)], kind=alignment_kinds.PROMPTS,
+      column_mapping={"prompt": "prompt", "answer": "answer",
+                      rgt.ENTRY_COLUMN: rgt.ENTRY_COLUMN})
+  examples = source.examples()
+  reference = _reference(size=3)
+  assert [e["answer"] for e in examples] == [e["answer"] for e in reference]
+  completions = [f"<answer>{e['answer']}</answer>" for e in reference]
+  assert rgt.score([e["prompt"] for e in examples], completions,
+                   **{rgt.ENTRY_COLUMN: [e[rgt.ENTRY_COLUMN]
+                                         for e in examples]}) == [1.0] * 3
