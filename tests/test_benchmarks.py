@@ -285,3 +285,21 @@ def test_gpu_benchmarks_only_runs_the_named_ones(tmp_path):
   summary = (out / "summary.txt").read_text()
   assert summary.startswith("gpu_benchmarks.sh --smoke --only rollout on ")
   assert re.findall(r"^(\w+): ok, \d+ s$", summary, re.M) == ["rollout"]
+
+
+def test_agents_benchmark_smallest(tmp_path):
+  path = tmp_path / "agents.json"
+  out = _run("bench_agents.py", "--episodes=2", "--turns=2",
+             "--turn_tokens=8", "--repeats=1", f"--json={path}")
+  import json  # pylint: disable=g-import-not-at-top
+  got = json.loads(path.read_text())
+  assert "same tokens: True" in out and got["same_tokens"], out
+  # One long turn draws the whole budget for every episode.
+  assert got["single_turn"]["tokens"] == 2 * got["budget_tokens"]
+  for name in ("single_turn", "extend_cache", "re_prefill"):
+    run = got[name]
+    assert _close(run["tokens_per_s"], run["tokens"] / run["seconds"],
+                  1e-9, 0), name
+  assert got["extend_cache"]["tokens"] == got["re_prefill"]["tokens"]
+  assert got["extend_cache"]["prefills"] <= got["re_prefill"]["prefills"]
+  assert 0 < got["env_wait"]["env_share"] <= 1
