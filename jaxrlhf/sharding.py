@@ -29,6 +29,7 @@ STANDARD_RULES = (
     ("length", None),
     ("layers", None),
     ("relpos_buckets", None),
+    ("expert", None),
 )
 
 
