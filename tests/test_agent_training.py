@@ -315,3 +315,19 @@ def test_grpo_with_tools_and_ppo_in_an_environment_train_from_main(
   assert first["eval/reward/episode"] == pytest.approx(
       np.mean([e.episode_return(limits) for e in greedy]))
   assert 0 <= first["eval/pass@2"] <= 1
+
+
+def test_rejection_sampling_keeps_the_best_episodes(policy_run):
+  """Rejection sampling's targets (the selected samples) on episodes: the
+  run trains, and its episodes are scored by their returns."""
+  root = policy_run["root"]
+  config = _config(root, algorithm="rejection_sampling")
+  config.init.policy_checkpoint = policy_run["workdir"]
+  workdir = root / "rejection_sampling"
+  loop.train(config, str(workdir), devices=jax.devices()[:1])
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  steps = [r for r in rows if "episode/turns" in r]
+  assert [r["step"] for r in steps] == [1, 2]
+  for r in steps:
+    assert np.isfinite(r["loss"]) and r["loss"] > 0
+    assert r["reward/episode/rows"] == 4
