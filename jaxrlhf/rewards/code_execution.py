@@ -48,8 +48,8 @@ printing "passed" or exiting early passes nothing.
   "auto" when the `bwrap` program runs here: Debian's and Ubuntu's package
   `bubblewrap`) runs the child in bubblewrap's namespaces: every one of
   them unshared (network, process ids, IPC, host name, user), the whole
-  filesystem read-only except its scratch directory and an empty /tmp,
-  and the child killed with its parent. The code then cannot write
+  filesystem read-only except its scratch directory, and the child killed
+  with its parent. The code then cannot write
   outside its scratch directory, see or signal the trainer's processes, or
   outlive the run by `setsid` (its process-id namespace dies with it).
 * Environment: only PATH, HOME, TMPDIR, LANG and the proxy variables; no
@@ -188,8 +188,10 @@ def bubblewrap_available() -> bool:
 
 def _bubblewrap(bwrap: str, scratch: str) -> List[str]:
   """bubblewrap's command line before the program (module docstring)."""
+  # (No empty /tmp over the host's: the Python that runs the code may live
+  # there, a virtual environment's; the host's is read-only like the rest.)
   return [bwrap, "--ro-bind", "/", "/", "--dev", "/dev", "--proc", "/proc",
-          "--tmpfs", "/tmp", "--bind", scratch, scratch, "--chdir", scratch,
+          "--bind", scratch, scratch, "--chdir", scratch,
           "--unshare-all", "--die-with-parent"]
 
 
