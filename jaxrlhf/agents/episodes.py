@@ -40,7 +40,7 @@ by `turn_discount` ** i, plus `failed_call_reward` per failed tool call and
 
 import dataclasses
 import time
-from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
+from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence, Tuple
 
 import numpy as np
 
@@ -232,7 +232,7 @@ def run_episodes(make_env: Callable, rows: Sequence[Mapping[str, Any]],
                  policy, renderer: Renderer, parser: Parser, limits: Limits,
                  key, *, name: str = "online.environment",
                  row_names: Optional[Sequence[str]] = None
-                 ) -> (List[Episode], Dict[str, float]):
+                 ) -> Tuple[List[Episode], Dict[str, float]]:
   """One episode per row (module docstring).
 
   Args:
