@@ -93,6 +93,12 @@ class Episode:
   failure: Optional[str] = None
   final_text: str = ""
 
+  @property
+  def finished(self) -> bool:
+    """Its last turn ended at its end-of-turn id (no overflow, not
+    dropped): what reward functions get as `finished`."""
+    return not self.overflow and not self.failure and self.turns > 0
+
   def episode_return(self, limits: Limits) -> float:
     if self.failure:
       return 0.0
@@ -406,7 +412,7 @@ def assemble(episodes: Sequence[Episode], limits: Limits,
     if not e.failure:
       out.model[r, :m] = e.is_model
       out.logprobs[r, :m] = np.asarray(e.logprobs) * np.asarray(e.is_model)
-    out.ended[r] = not e.overflow and not e.failure and e.turns > 0
+    out.ended[r] = e.finished
     out.returns[r] = e.episode_return(limits)
   return out
 

@@ -155,11 +155,9 @@ def episode_rewards(trainer, played, rows) -> Tuple[np.ndarray, dict]:
   {reward/<name>/skipped: count}."""
   sources = trainer.online.rewards
   lim = agent(trainer).limits
-  finished = [not e.overflow and not e.failure and e.turns > 0
-              for e in played]
   values, skipped = sources.score_on_host(
       trainer.config, [r["prompt"] for r in rows],
-      [e.final_text for e in played], finished,
+      [e.final_text for e in played], [e.finished for e in played],
       {c: [r[c] for r in rows] for c in (rows[0] if rows else {})
        if c != "prompt"})
   by_name = dict(zip([n for n in sources.host_names
