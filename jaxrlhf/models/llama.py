@@ -107,13 +107,23 @@ class LlamaBlock(nn.Module):
   `config` is any `family.GroupedQueryConfig`: each layer attends as its
   `layer_attention()` says (its rotary and window; `layer` is the layer's
   index when they differ). A family that is Llama but for its attention
-  subclasses the block and overrides `attention_options`."""
+  subclasses the block and overrides `attention_options`; one that is Llama
+  but for its MLP, `feed_forward`."""
   config: Any
 
   def attention_options(self) -> Dict[str, Any]:
     """Further `attentions.Attention` fields of the family (biases, q/k
     norms)."""
     return {}
+
+  def feed_forward(self, h: Array, layer) -> Array:
+    """The layer's MLP (scope 'mlp') of its normalised input h [batch,
+    length, embed]; `layer` is the layer's index (None when the layers are
+    not indexed). SwiGLU here; `moe_decoder.MoeBlock` routes to experts."""
+    del layer  # every layer's MLP is alike
+    cfg = self.config
+    return linears.Mlp(cfg.mlp_dim, ("silu", "linear"), use_bias=False,
+                       dtype=jnp.dtype(cfg.dtype), name="mlp")(h)
 
   @nn.compact
   def __call__(self, x: Array, positions: Array, mask: Array,
@@ -131,9 +141,7 @@ class LlamaBlock(nn.Module):
     x = x + h
     h = normalizations.RMSNorm(cfg.norm_epsilon, dtype,
                                name="pre_mlp_layer_norm")(x)
-    h = linears.Mlp(cfg.mlp_dim, ("silu", "linear"), use_bias=False,
-                    dtype=dtype, name="mlp")(h)
-    x = x + h
+    x = x + self.feed_forward(h, layer)
     return nn.with_logical_constraint(x, ("batch", "length", "embed")), None
 
 
@@ -254,10 +262,11 @@ NORMS = {"pre_self_attention_layer_norm": "input_layernorm",
 
 
 def hf_layer_shapes(cfg, prefix: str, norms, *, qkv_bias: bool = False,
-                    qk_norm: bool = False) -> family.Shapes:
+                    qk_norm: bool = False, mlp: bool = True) -> family.Shapes:
   """{HF name: shape} of one layer under `prefix` ("model.layers.3."):
-  attention (with q/k/v biases, with q/k norms), MLP and the norms named in
-  `norms` ({ours: HF's})."""
+  attention (with q/k/v biases, with q/k norms), MLP (unless `mlp` is
+  False: a family that maps its own) and the norms named in `norms` ({ours:
+  HF's})."""
   d, h = cfg.emb_dim, cfg.head_dim
   heads = {"query": cfg.num_heads, "key": cfg.num_kv_heads,
            "value": cfg.num_kv_heads}
@@ -270,14 +279,15 @@ def hf_layer_shapes(cfg, prefix: str, norms, *, qkv_bias: bool = False,
     shapes.update({prefix + f"self_attn.{hf}.weight": (h,)
                    for hf in _QK_NORMS.values()})
   shapes[prefix + "self_attn.o_proj.weight"] = (d, cfg.num_heads * h)
-  shapes.update({prefix + f"mlp.{hf}.weight": (
-      (d, cfg.mlp_dim) if ours == "wo" else (cfg.mlp_dim, d))
-                 for ours, hf in _MLP.items()})
+  if mlp:
+    shapes.update({prefix + f"mlp.{hf}.weight": (
+        (d, cfg.mlp_dim) if ours == "wo" else (cfg.mlp_dim, d))
+                   for ours, hf in _MLP.items()})
   return shapes
 
 
 def hf_layer_from(cfg, t, prefix: str, norms, *, qkv_bias: bool = False,
-                  qk_norm: bool = False):
+                  qk_norm: bool = False, mlp: bool = True):
   """Our parameters of one layer from HF tensors `t` under `prefix`."""
   d, h, linear = cfg.emb_dim, cfg.head_dim, family.torch_linear
   heads = {"query": cfg.num_heads, "key": cfg.num_kv_heads,
@@ -297,13 +307,14 @@ def hf_layer_from(cfg, t, prefix: str, norms, *, qkv_bias: bool = False,
   attn["out"] = {"kernel": linear(
       t[prefix + "self_attn.o_proj.weight"]).reshape(cfg.num_heads, h, d)}
   layer["self_attention"] = attn
-  layer["mlp"] = {ours: {"kernel": linear(t[prefix + f"mlp.{hf}.weight"])}
-                  for ours, hf in _MLP.items()}
+  if mlp:
+    layer["mlp"] = {ours: {"kernel": linear(t[prefix + f"mlp.{hf}.weight"])}
+                    for ours, hf in _MLP.items()}
   return layer
 
 
 def hf_layer_to(cfg, layer, prefix: str, norms, *, qkv_bias: bool = False,
-                qk_norm: bool = False):
+                qk_norm: bool = False, mlp: bool = True):
   """HF tensors of one layer of ours under `prefix` (`hf_layer_from`'s
   inverse)."""
   d, linear = cfg.emb_dim, family.torch_linear
@@ -320,8 +331,9 @@ def hf_layer_to(cfg, layer, prefix: str, norms, *, qkv_bias: bool = False,
               for ours, hf in _QK_NORMS.items()})
   t[prefix + "self_attn.o_proj.weight"] = linear(
       attn["out"]["kernel"].reshape(-1, d))
-  t.update({prefix + f"mlp.{hf}.weight": linear(layer["mlp"][ours]["kernel"])
-            for ours, hf in _MLP.items()})
+  if mlp:
+    t.update({prefix + f"mlp.{hf}.weight": linear(
+        layer["mlp"][ours]["kernel"]) for ours, hf in _MLP.items()})
   return t
 
 

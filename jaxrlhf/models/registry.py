@@ -36,6 +36,8 @@ MODULES = (
     "qwen2",
     "qwen3",
     "mistral",
+    "qwen3_moe",
+    "mixtral",
 )
 
 FAMILIES: Dict[str, family.Family] = {

@@ -76,8 +76,10 @@ def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
                      prevent_cse=not scan_layers)
   named = {} if name is None else {"name": name}
   if scan_layers:
+    # "intermediates": what a layer sows (MoE router logits) stacked per
+    # layer, as the parameters; without it scan would drop them.
     scanned = nn.scan(
-        block, variable_axes={"params": 0, "cache": 0},
+        block, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast,) * num_args + ((0,) if layer_index else ()),
         length=num_layers,

@@ -1,0 +1,349 @@
+"""What the mixture-of-experts decoder families share: their config
+(`MoeConfig`), their block (`MoeBlock`: Llama's layer whose MLP is
+`layers.moe.MoeMlp` on the layers that have experts), their model
+(`MoeCausalLM`), the router logits a forward pass records
+(`router_logits`, `load_balancing_loss`) and the Hugging Face mapping of
+their experts (`ExpertNames`, `tensor_shapes`, `from_hf`, `to_hf`).
+
+A family (`qwen3_moe.py`, `mixtral.py`) subclasses the config with its
+defaults, the block with its attention (`attention_options`), and names its
+HF tensors; a third MoE family with Llama's layer needs no new block.
+
+The router logits. Each layer with experts records its router's float32
+logits [batch, length, experts] with Flax's `sow` in the collection
+"intermediates" under the name "router_logits". A loss reads them by
+applying the model with that collection mutable:
+
+  logits, state = model.apply({"params": params}, tokens, positions,
+                              attention_mask, mutable=["intermediates"])
+  aux = moe_decoder.load_balancing_loss(config, state["intermediates"],
+                                        attention_mask)
+  loss = loss + config.router_aux_loss_coef * aux
+
+(`router_logits(state["intermediates"])` stacks them [moe layers, batch,
+length, experts], unrolled or scanned alike.) Applied without the
+collection mutable (sampling, scoring) nothing is recorded.
+"""
+
+import dataclasses
+import functools
+import types
+from typing import Any, Dict, Optional, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.models import family
+from jaxrlhf.models import llama
+from jaxrlhf.models.layers import moe
+
+Array = jax.Array
+
+# The collection and name each MoE layer's router logits are sown under.
+INTERMEDIATES = "intermediates"
+ROUTER_LOGITS = "router_logits"
+
+
+@dataclasses.dataclass(frozen=True)
+class MoeConfig(family.LayerTypesConfig):
+  """A `family.LayerTypesConfig` whose layers' MLPs are mixtures of
+  experts (all, or those `decoder_sparse_step` and `mlp_only_layers`
+  leave; the others keep a dense SwiGLU MLP of `mlp_dim`).
+
+  Attributes (besides the shared ones):
+    num_experts: experts per MoE layer.
+    num_experts_per_tok: the k of each token's top-k experts.
+    moe_mlp_dim: each expert's hidden width; None: mlp_dim (Mixtral's
+      experts are `intermediate_size` wide).
+    norm_topk_prob: the k routing weights renormalised to sum to 1 (else
+      the softmax's probabilities over all experts).
+    decoder_sparse_step: layer i has experts when (i + 1) is a multiple of
+      it (and i is not in mlp_only_layers): Hugging Face's rule.
+    mlp_only_layers: indices of layers with a dense MLP.
+    router_aux_loss_coef: the load-balancing loss's weight in a training
+      loss (`load_balancing_loss`); the model itself does not add it.
+  """
+  num_experts: int = 8
+  num_experts_per_tok: int = 2
+  moe_mlp_dim: Optional[int] = None
+  norm_topk_prob: bool = True
+  decoder_sparse_step: int = 1
+  mlp_only_layers: Tuple[int, ...] = ()
+  router_aux_loss_coef: float = 0.001
+
+  _POSITIVE = family.LayerTypesConfig._POSITIVE + (
+      "num_experts", "num_experts_per_tok", "decoder_sparse_step")
+
+  def __post_init__(self):
+    if isinstance(self.mlp_only_layers, list):  # as parsed from JSON
+      object.__setattr__(self, "mlp_only_layers",
+                         tuple(self.mlp_only_layers))
+    super().__post_init__()
+
+  @property
+  def expert_mlp_dim(self) -> int:
+    """Each expert's hidden width."""
+    return self.mlp_dim if self.moe_mlp_dim is None else self.moe_mlp_dim
+
+  @property
+  def sparse_layers(self) -> Tuple[bool, ...]:
+    """Whether each layer has experts (Hugging Face's rule)."""
+    return tuple(i not in self.mlp_only_layers
+                 and (i + 1) % self.decoder_sparse_step == 0
+                 for i in range(self.num_layers))
+
+  def mlps_differ(self) -> bool:
+    """Some layers have experts and some a dense MLP."""
+    return len(set(self.sparse_layers)) > 1
+
+  def check(self) -> None:
+    super().check()
+    name = type(self).__name__
+    if self.num_experts_per_tok > self.num_experts:
+      raise ValueError(
+          f"{name}: num_experts_per_tok={self.num_experts_per_tok} must be "
+          f"at most num_experts={self.num_experts}.")
+    if self.moe_mlp_dim is not None and (
+        not isinstance(self.moe_mlp_dim, (int, np.integer))
+        or self.moe_mlp_dim <= 0):
+      raise ValueError(f"{name}.moe_mlp_dim must be a positive integer or "
+                       f"None, got {self.moe_mlp_dim!r}.")
+    bad = [i for i in self.mlp_only_layers
+           if not isinstance(i, (int, np.integer))
+           or not 0 <= i < self.num_layers]
+    if bad:
+      raise ValueError(f"{name}.mlp_only_layers: {bad} are not layer indices "
+                       f"in [0, num_layers={self.num_layers}).")
+    if self.scan_layers and self.mlps_differ():
+      raise ValueError(
+          f"{name}: scan_layers needs one layer body, but layers "
+          f"{[i for i, s in enumerate(self.sparse_layers) if not s]} have a "
+          "dense MLP and the others experts; set scan_layers=False, or "
+          "decoder_sparse_step=1 and mlp_only_layers=().")
+
+
+class MoeBlock(llama.LlamaBlock):
+  """Llama's layer whose MLP, on the layers with experts, is `MoeMlp` (its
+  router logits sown as `ROUTER_LOGITS`); a family subclasses it for its
+  attention (`attention_options`)."""
+
+  def feed_forward(self, h: Array, layer) -> Array:
+    cfg = self.config
+    sparse = cfg.sparse_layers
+    # An int unrolled; None or traced only when every layer is alike
+    # (`MoeConfig.check`, `MoeCausalLM.decoder_options`).
+    if not sparse[layer if isinstance(layer, int) else 0]:
+      return super().feed_forward(h, layer)
+    y, logits = moe.MoeMlp(
+        num_experts=cfg.num_experts, top_k=cfg.num_experts_per_tok,
+        mlp_dim=cfg.expert_mlp_dim, norm_topk_prob=cfg.norm_topk_prob,
+        dtype=jnp.dtype(cfg.dtype), name="mlp")(h)
+    self.sow(INTERMEDIATES, ROUTER_LOGITS, logits)
+    return y
+
+
+class MoeCausalLM(llama.Llama):
+  """A Llama-like causal LM with `MoeBlock`s; layers are indexed where
+  their attention or their MLP differ."""
+  config: MoeConfig
+  block_cls = MoeBlock
+
+  def decoder_options(self):
+    cfg = self.config
+    return {"index_layers": cfg.layers_differ() or cfg.mlps_differ()}
+
+
+def router_logits(intermediates) -> Array:
+  """float32 [moe layers, batch, length, experts]: the router logits a
+  forward pass sowed (the "intermediates" collection it returned), in layer
+  order, from an unrolled (`layers_{i}`) or scanned (`layers`) stack."""
+  found = []
+
+  def visit(tree, path):
+    for key, value in tree.items():
+      if key == ROUTER_LOGITS:
+        found.append((path, value[0]))
+      elif isinstance(value, dict) or hasattr(value, "items"):
+        visit(value, path + (key,))
+  visit(intermediates, ())
+  if not found:
+    raise ValueError("router_logits: nothing was sown; apply the model with "
+                     f"mutable=[{INTERMEDIATES!r}] (and a model with experts).")
+
+  def order(item):
+    name = item[0][-1]
+    return int(name.rsplit("_", 1)[1]) if name.startswith("layers_") else -1
+  stacked = [v if item_path[-1] == "layers" else v[None]
+             for item_path, v in sorted(found, key=lambda item: (
+                 item[0][:-1], order(item)))]
+  return jnp.concatenate(stacked, axis=0).astype(jnp.float32)
+
+
+def load_balancing_loss(config: MoeConfig, intermediates,
+                        attention_mask: Optional[Array] = None) -> Array:
+  """transformers' auxiliary loss (`layers.moe.load_balancing_loss`) over
+  every MoE layer's sown router logits, the tokens of `attention_mask`
+  [batch, length] (1 = real) counted in each layer; unscaled (multiply by
+  `config.router_aux_loss_coef`). float32 []."""
+  logits = router_logits(intermediates)
+  mask = None
+  if attention_mask is not None:
+    mask = jnp.broadcast_to(jnp.asarray(attention_mask), logits.shape[:-1])
+  return moe.load_balancing_loss(logits, config.num_experts_per_tok,
+                                 config.num_experts, mask)
+
+
+# ----------------------------------------------------------------------------
+# Hugging Face: the experts' tensors.
+
+@dataclasses.dataclass(frozen=True)
+class ExpertNames:
+  """How a family's checkpoints name a MoE layer's tensors under
+  model.layers.{i}.: `block` (Qwen's "mlp", Mixtral's "block_sparse_moe"),
+  its router `{block}.gate.weight` [experts, embed], and expert e's
+  projections `{block}.experts.{e}.{gate|up|down}.weight` (torch Linear
+  layouts: [mlp, embed], [mlp, embed], [embed, mlp]).
+
+  That is the layout published checkpoints hold and transformers writes
+  (5.x turns it into its fused in-memory tensors on load and back on save).
+  The fused layout, `mlp.experts.gate_up_proj` [experts, 2 * mlp, embed]
+  (gate rows first) and `mlp.experts.down_proj` [experts, embed, mlp], is
+  read too where a file holds it.
+  """
+  block: str
+  gate: str
+  up: str
+  down: str
+
+
+_FUSED_GATE_UP = "mlp.experts.gate_up_proj"
+_FUSED_DOWN = "mlp.experts.down_proj"
+
+
+def _fused(tensors, prefix: str) -> bool:
+  return prefix + _FUSED_GATE_UP in tensors
+
+
+def _expert_shapes(cfg, names: ExpertNames, prefix: str, fused: bool):
+  d, e, m = cfg.emb_dim, cfg.num_experts, cfg.expert_mlp_dim
+  router = prefix + ("mlp" if fused else names.block) + ".gate.weight"
+  shapes = {router: (e, d)}
+  if fused:
+    shapes[prefix + _FUSED_GATE_UP] = (e, 2 * m, d)
+    shapes[prefix + _FUSED_DOWN] = (e, d, m)
+    return shapes
+  for i in range(e):
+    base = f"{prefix}{names.block}.experts.{i}."
+    shapes[base + names.gate + ".weight"] = (m, d)
+    shapes[base + names.up + ".weight"] = (m, d)
+    shapes[base + names.down + ".weight"] = (d, m)
+  return shapes
+
+
+def _experts_from(cfg, names: ExpertNames, t, prefix: str):
+  linear, m = family.torch_linear, cfg.expert_mlp_dim
+  if _fused(t, prefix):
+    gate_up = t[prefix + _FUSED_GATE_UP]
+    return {"router": {"kernel": linear(t[prefix + "mlp.gate.weight"])},
+            "wi_0": linear(gate_up[:, :m]), "wi_1": linear(gate_up[:, m:]),
+            "wo": linear(t[prefix + _FUSED_DOWN])}
+  block = prefix + names.block
+
+  def stacked(proj):
+    return np.stack([linear(t[f"{block}.experts.{i}.{proj}.weight"])
+                     for i in range(cfg.num_experts)])
+  return {"router": {"kernel": linear(t[block + ".gate.weight"])},
+          "wi_0": stacked(names.gate), "wi_1": stacked(names.up),
+          "wo": stacked(names.down)}
+
+
+def _experts_to(cfg, names: ExpertNames, mlp, prefix: str):
+  linear, block = family.torch_linear, prefix + names.block
+  t = {block + ".gate.weight": linear(mlp["router"]["kernel"])}
+  for ours, proj in (("wi_0", names.gate), ("wi_1", names.up),
+                     ("wo", names.down)):
+    for i in range(cfg.num_experts):
+      t[f"{block}.experts.{i}.{proj}.weight"] = linear(mlp[ours][i])
+  return t
+
+
+# The whole model: Llama's mapping layer by layer, the experts' tensors in
+# place of the dense MLP's on the layers that have them. A family passes its
+# names and its layer's options (functools.partial).
+
+def _outer(cfg):
+  """What llama's whole-model mapping reads of a config with no layers: its
+  embedding, final norm and output layer alone."""
+  return types.SimpleNamespace(vocab_size=cfg.vocab_size, emb_dim=cfg.emb_dim,
+                               tie_embeddings=cfg.tie_embeddings,
+                               num_layers=0)
+
+
+def tensor_shapes(cfg, tensors, names: ExpertNames, **options):
+  shapes = llama.tensor_shapes(_outer(cfg), tensors)
+  for i, sparse in enumerate(cfg.sparse_layers):
+    prefix = f"model.layers.{i}."
+    shapes.update(llama.hf_layer_shapes(cfg, prefix, llama.NORMS,
+                                        mlp=not sparse, **options))
+    if sparse:
+      shapes.update(_expert_shapes(cfg, names, prefix,
+                                   _fused(tensors, prefix)))
+  return shapes
+
+
+def from_hf(cfg, t, names: ExpertNames, **options) -> Dict[str, Any]:
+  params = llama.from_hf(_outer(cfg), t)
+  dec = params["decoder"]
+  for i, sparse in enumerate(cfg.sparse_layers):
+    prefix = f"model.layers.{i}."
+    layer = llama.hf_layer_from(cfg, t, prefix, llama.NORMS, mlp=not sparse,
+                                **options)
+    if sparse:
+      layer["mlp"] = _experts_from(cfg, names, t, prefix)
+    dec[f"layers_{i}"] = layer
+  return params
+
+
+def to_hf(cfg, params, names: ExpertNames, **options) -> Dict[str, Any]:
+  dec = params["decoder"]
+  t = llama.to_hf(_outer(cfg), params)
+  for i, sparse in enumerate(cfg.sparse_layers):
+    prefix = f"model.layers.{i}."
+    layer = dec[f"layers_{i}"]
+    t.update(llama.hf_layer_to(cfg, layer, prefix, llama.NORMS,
+                               mlp=not sparse, **options))
+    if sparse:
+      t.update(_experts_to(cfg, names, layer["mlp"], prefix))
+  return t
+
+
+def hf_mapping(architecture: str, model_type: str, names: ExpertNames, *,
+               config_from_hf, config_to_hf, **options) -> family.HFMapping:
+  """The `family.HFMapping` of a MoE family with Llama's layer (and its
+  attention `options`: qk_norm=True for Qwen's)."""
+  bind = functools.partial
+  return family.HFMapping(
+      architecture=architecture, model_type=model_type,
+      config_from_hf=config_from_hf, config_to_hf=config_to_hf,
+      tensor_shapes=bind(tensor_shapes, names=names, **options),
+      from_hf=bind(from_hf, names=names, **options),
+      to_hf=bind(to_hf, names=names, **options),
+      reconcile=llama.reconcile, ignored=llama.HF_IGNORED)
+
+
+def hf_moe_fields(hf, architecture: str) -> Dict[str, Any]:
+  """The shared `MoeConfig` fields of a config.json (`num_experts`, or
+  Mixtral's `num_local_experts`; `num_experts_per_tok`;
+  `router_aux_loss_coef`)."""
+  if hf.get("hidden_act", "silu") != "silu":
+    family.unsupported(architecture, f"hidden_act={hf['hidden_act']!r}")
+  experts = hf.get("num_experts", hf.get("num_local_experts"))
+  if experts is None:
+    raise family.HFCheckpointError(
+        f"{architecture}: config.json lacks num_experts (or "
+        "num_local_experts).")
+  return dict(num_experts=int(experts),
+              num_experts_per_tok=family.hf_int(hf, "num_experts_per_tok"),
+              router_aux_loss_coef=float(hf.get("router_aux_loss_coef",
+                                                0.001)))
