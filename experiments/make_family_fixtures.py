@@ -1,5 +1,6 @@
-"""Makes the parity fixtures of the Qwen2, Qwen3, Gemma 3 and Mistral
-families, and of Llama 3's rotary scaling, under tests/fixtures/hf/.
+"""Makes the parity fixtures of the Qwen2, Qwen3, Gemma 3, Mistral,
+Qwen3-MoE and Mixtral families, and of Llama 3's rotary scaling, under
+tests/fixtures/hf/.
 
 Each is a randomly initialised `transformers` model built from a config
 (no download), saved with `save_pretrained`, with `expected.npz` (the
@@ -9,10 +10,14 @@ prompt positions and 8 new tokens, past every sliding window here, with an
 EOS that stops a row), made by the same code as the other families'
 fixtures (make_hf_fixtures.py, make_hf_generate_fixtures.py). Where there
 is a window, the script checks that transformers generates otherwise when
-the window is too wide to matter. What each
-one exercises is in its function's docstring; tests/test_hf_families.py
-checks them without torch, and loads our export of each back into
-transformers when torch is installed.
+the window is too wide to matter. The mixture-of-experts fixtures also
+have `router.npz`: each MoE layer's router logits and transformers'
+load-balancing loss (`aux_loss`, unscaled) for the inputs of expected.npz,
+and the smallest gap between a token's k-th and (k+1)-th router logit (so
+that no routing is a near tie). What each one exercises is in its
+function's docstring; tests/test_hf_families.py and
+tests/test_moe_families.py check them without torch, and load our export
+of each back into transformers when torch is installed.
 
 Needs torch and transformers (not dependencies of the library):
 
@@ -110,14 +115,85 @@ def llama3_rope():
       attn_implementation="eager"))
 
 
+def qwen3_moe():
+  """Qwen3-MoE-like: Qwen3's attention (q/k norms, head_dim 16 with hidden /
+  heads = 8), 4 experts of width 16, top 2 with the weights left as the
+  softmax gave them (norm_topk_prob false; Qwen3-30B-A3B's true is
+  Mixtral's case), and 3 layers of which the middle one has a dense MLP of
+  48 (mlp_only_layers), untied."""
+  return transformers.Qwen3MoeForCausalLM(transformers.Qwen3MoeConfig(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=48,
+      moe_intermediate_size=16, num_experts=4, num_experts_per_tok=2,
+      norm_topk_prob=False, decoder_sparse_step=1, mlp_only_layers=[1],
+      num_hidden_layers=3, num_attention_heads=4, num_key_value_heads=2,
+      head_dim=16, rms_norm_eps=1e-6,
+      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+      max_position_embeddings=64, tie_word_embeddings=False,
+      bos_token_id=1, eos_token_id=2, attn_implementation="eager"))
+
+
+def mixtral():
+  """Mixtral-like: 4 experts of width 24 on every layer, top 2 with the
+  weights renormalised, a sliding window (3) on every layer, grouped-query
+  attention, untied."""
+  return transformers.MixtralForCausalLM(transformers.MixtralConfig(
+      vocab_size=VOCAB, hidden_size=32, intermediate_size=24,
+      num_local_experts=4, num_experts_per_tok=2, num_hidden_layers=2,
+      num_attention_heads=4, num_key_value_heads=2, sliding_window=3,
+      rms_norm_eps=1e-5,
+      rope_parameters={"rope_type": "default", "rope_theta": 1e6},
+      max_position_embeddings=64, tie_word_embeddings=False,
+      bos_token_id=1, eos_token_id=2, attn_implementation="eager"))
+
+
 FIXTURES = {"qwen2": qwen2, "qwen3": qwen3, "gemma3": gemma3,
-            "mistral": mistral, "llama3_rope": llama3_rope}
+            "mistral": mistral, "llama3_rope": llama3_rope,
+            "qwen3_moe": qwen3_moe, "mixtral": mixtral}
+MOE = ("qwen3_moe", "mixtral")
 # The embedding's scale after `_randomise` (N(0, 1)): at full scale it
 # dominates the residual stream, and a tied output layer then repeats the
 # input token; these scales give greedy generations that vary from step to
 # step with top-1 margins far above float noise (`min_gap`).
 EMBEDDING_SCALE = {"qwen2": 0.1, "qwen3": 0.3, "gemma3": 0.05,
-                   "mistral": 0.3, "llama3_rope": 0.3}
+                   "mistral": 0.3, "llama3_rope": 0.3, "qwen3_moe": 0.1,
+                   "mixtral": 0.3}
+
+
+def randomise_experts(model, seed: int):
+  """The experts' fused [experts, out, in] tensors (transformers 5's
+  in-memory layout), which `_randomise` takes for norm scales: ~ N(0,
+  1/fan_in) as every other matrix."""
+  gen = torch.Generator().manual_seed(seed)
+  with torch.no_grad():
+    for name, param in model.named_parameters():
+      if param.ndim == 3 and ".experts." in name:
+        noise = torch.randn(param.shape, generator=gen, dtype=torch.float32)
+        param.copy_(noise / np.sqrt(param.shape[-1]))
+
+
+def save_router(model, out: pathlib.Path):
+  """router.npz: transformers' router logits of each MoE layer (float32
+  [layers, batch, length, experts]) and its load-balancing loss over the
+  real tokens, for expected.npz's inputs."""
+  e = np.load(out / "expected.npz")
+  with torch.no_grad():
+    result = model(input_ids=torch.from_numpy(e["tokens"]).long(),
+                   attention_mask=torch.from_numpy(e["attention_mask"]).long(),
+                   position_ids=torch.from_numpy(e["positions"]).long(),
+                   output_router_logits=True)
+  batch, length = e["tokens"].shape
+  logits = np.stack([r.float().numpy().reshape(batch, length, -1)
+                     for r in result.router_logits])
+  k = model.config.num_experts_per_tok
+  real = logits[:, e["attention_mask"] == 1]
+  top = np.sort(real, axis=-1)[..., ::-1]
+  min_gap = float((top[..., k - 1] - top[..., k]).min())
+  assert min_gap > 1e-3, min_gap  # no near tie decides an expert
+  np.savez(out / "router.npz", router_logits=logits.astype(np.float32),
+           aux_loss=np.float32(result.aux_loss.item()),
+           min_gap=np.float32(min_gap))
+  print(f"{out.name}: {len(logits)} MoE layers, aux loss "
+        f"{result.aux_loss.item():.4f}, min router gap {min_gap:.4f}")
 
 
 def check_window_matters(name, root: pathlib.Path):
@@ -140,12 +216,16 @@ def make(name, root: pathlib.Path, seed: int):
   torch.manual_seed(seed)
   model = FIXTURES[name]()
   make_hf_fixtures._randomise(model, seed)  # pylint: disable=protected-access
+  if name in MOE:
+    randomise_experts(model, seed + 5)
   with torch.no_grad():
     model.model.embed_tokens.weight.mul_(EMBEDDING_SCALE[name])
   out = root / name
   out.mkdir(parents=True, exist_ok=True)
   make_hf_fixtures._save_decoder_fixture(  # pylint: disable=protected-access
       model, out, np.random.default_rng(seed))
+  if name in MOE:
+    save_router(model, out)
   make_hf_generate_fixtures.make(name, root, np.random.default_rng(seed + 1))
   if getattr(model.config, "sliding_window", None) is not None:
     check_window_matters(name, root)
