@@ -5,6 +5,9 @@ mlp, heads, kv, joined_kv, vocab, layers, relpos_buckets). A rule table from
 the config maps each logical name to a mesh axis, a tuple of mesh axes, or
 None (replicated), as in t5x and MaxText. Changing the plan is a config
 change; no model code changes.
+
+Mixture-of-experts weights have an `expert` axis, whole under the standard
+rules; `experts_over` splits it over mesh axes (expert parallelism).
 """
 
 import contextlib
@@ -42,6 +45,23 @@ STANDARD_RULES = (
 FULLY_SHARDED_RULES = tuple(
     (name, "data") if name == "embed" else (name, axes)
     for name, axes in STANDARD_RULES)
+
+
+def experts_over(rules, mesh_axes) -> Tuple[Tuple[str, Any], ...]:
+  """`rules` with the mixture-of-experts weights' `expert` axis split over
+  `mesh_axes` (a mesh axis name or a tuple of them): expert parallelism.
+
+  The expert rule goes first, so that it takes its mesh axes before an
+  `embed` or `mlp` rule would on the same weight (a mesh axis splits one
+  dimension of an array). Each device then holds num_experts / D experts
+  and `MoeMlp` computes only theirs (`jaxrlhf.models.layers.moe`). In a
+  config: c.sharding.logical_axis_rules = sharding.experts_over(
+  sharding.STANDARD_RULES, "data").
+  """
+  if isinstance(mesh_axes, list):
+    mesh_axes = tuple(mesh_axes)
+  return (("expert", mesh_axes),) + tuple(
+      rule for rule in as_rules(rules) if rule[0] != "expert")
 
 
 def as_rules(rules) -> Tuple[Tuple[str, Any], ...]:

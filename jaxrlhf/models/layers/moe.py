@@ -7,6 +7,20 @@ computed: no capacity factor, nothing dropped. The copies are sorted by
 expert so that each expert's rows are contiguous, and the three SwiGLU
 projections are grouped matrix products (`jax.lax.ragged_dot`) with the
 experts' row counts as group sizes.
+
+Expert parallelism: when the current logical-axis rules split the
+`expert` axis of the expert weights over mesh axes (`sharding.experts_over`)
+and the current mesh (`jax.set_mesh`, as `sharding.activate` sets) gives
+those axes more than one device, each device holds num_experts / D experts
+and computes only theirs, as a sharded grouped product under
+`jax.shard_map`: the tokens (with their routing) are all-gathered over the
+expert axes, each device runs the grouped products on the copies routed to
+its own experts, and the partial outputs are summed back to the devices
+that own the tokens by a reduce-scatter (tokens that do not split evenly
+over the devices are padded with tokens routed nowhere). Still dropless: a device's buffers hold every gathered
+copy, so no routing can overflow them. Routing is computed outside, as
+unsplit, so the result equals the unsplit block's up to the order of the
+float sums.
 """
 
 from typing import Any, Optional, Tuple
@@ -14,6 +28,7 @@ from typing import Any, Optional, Tuple
 import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 
 from jaxrlhf.models.layers import linears
 
@@ -33,6 +48,119 @@ def route(router_logits: Array, top_k: int,
   if norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
   return weights, experts.astype(jnp.int32)
+
+
+def _local_experts(tokens: Array, experts: Array, wi_0: Array, wi_1: Array,
+                   wo: Array, first: Optional[Array] = None) -> Array:
+  """The SwiGLU outputs of the (token, expert) copies routed to experts
+  [first, first + g), zeros for the other copies; of every copy when
+  `first` is None (the weights hold all the experts).
+
+  tokens [tokens, embed]; experts int32 [tokens, top_k]; wi_0, wi_1
+  [g, embed, mlp] and wo [g, mlp, embed] (experts first .. first + g - 1).
+  Returns [tokens, top_k, embed] in the tokens' dtype.
+  """
+  g = wi_0.shape[0]
+  k = experts.shape[1]
+  ids = experts.reshape(-1)                            # [tokens * k]
+  if first is not None:
+    # Copies for other devices' experts sort last (group g) and are in no
+    # group: ragged_dot leaves their rows out.
+    local = ids - first
+    ids = jnp.where((local >= 0) & (local < g), local, g)
+  # Stable sort: each expert's copies contiguous, in token order.
+  order = jnp.argsort(ids, stable=True)
+  rows = tokens[order // k]                            # [tokens * k, embed]
+  group_sizes = jnp.bincount(ids, length=g + 1)[:g].astype(jnp.int32)
+  gate = jax.lax.ragged_dot(rows, wi_0, group_sizes)
+  up = jax.lax.ragged_dot(rows, wi_1, group_sizes)
+  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wo, group_sizes)
+  if first is not None:
+    # Zero the rows in no group, whatever a backend's ragged_dot leaves
+    # there.
+    out = jnp.where((ids[order] < g)[:, None], out, jnp.zeros_like(out))
+  unsorted = jnp.zeros_like(out).at[order].set(out)    # copy order again
+  return unsorted.reshape(tokens.shape[0], k, -1)
+
+
+def _combine(copies: Array, weights: Array) -> Array:
+  """copies [tokens, top_k, embed] weighted by weights [tokens, top_k] and
+  summed over top_k: [tokens, embed]."""
+  return jnp.sum(copies * weights[..., None], axis=1)
+
+
+def expert_mesh_axes(num_experts: int) -> Tuple[str, ...]:
+  """The mesh axes the current rules split the expert weights' `expert`
+  axis over, or () when it is not split (no rule, no mesh, or one device).
+
+  Read from the whole weight's axes ("expert", "embed", "mlp"), so that a
+  mesh axis an earlier rule gives to `embed` or `mlp` is not counted twice.
+  Raises ValueError when num_experts does not split evenly over them.
+  """
+  spec = nn.logical_to_mesh_axes(("expert", "embed", "mlp"))
+  axes = spec[0] if spec is not None and len(spec) else None
+  if axes is None:
+    return ()
+  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty:
+    return ()
+  missing = [a for a in axes if a not in mesh.axis_names]
+  if missing:
+    raise ValueError(f"MoeMlp: the logical-axis rules map 'expert' to mesh "
+                     f"axes {missing} that the mesh {mesh.axis_names} lacks; "
+                     "fix the expert rule in config.sharding.logical_axis_rules")
+  ways = 1
+  for a in axes:
+    ways *= mesh.shape[a]
+  if ways == 1:
+    return ()
+  if num_experts % ways:
+    raise ValueError(f"MoeMlp: num_experts={num_experts} does not split over "
+                     f"mesh axes {axes} of {ways} devices; use an expert "
+                     "count divisible by them or another expert rule in "
+                     "config.sharding.logical_axis_rules")
+  return axes
+
+
+def _expert_parallel(tokens: Array, weights: Array, experts: Array,
+                     wi_0: Array, wi_1: Array, wo: Array,
+                     axes: Tuple[str, ...]) -> Array:
+  """The sharded grouped product over mesh `axes` (see the module
+  docstring): tokens [tokens, embed], weights [tokens, top_k] in the
+  tokens' dtype, experts int32 [tokens, top_k], expert weights whole
+  (split by the shard_map) -> y [tokens, embed]."""
+  mesh = jax.sharding.get_abstract_mesh()
+  ways = 1
+  for a in axes:
+    ways *= mesh.shape[a]
+  name = axes if len(axes) > 1 else axes[0]
+  n = tokens.shape[0]
+  pad = -n % ways
+  if pad:
+    # Padding tokens routed to no expert (id -1), so that the tokens split
+    # evenly over the devices; they are computed by none and cut off after.
+    tokens = jnp.pad(tokens, ((0, pad), (0, 0)))
+    weights = jnp.pad(weights, ((0, pad), (0, 0)))
+    experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1)
+
+  def local(tokens, weights, experts, wi_0, wi_1, wo):
+    # Each device: its 1/D share of the tokens in, all of them here.
+    tokens, weights, experts = (
+        jax.lax.all_gather(v, name, axis=0, tiled=True)
+        for v in (tokens, weights, experts))
+    first = jax.lax.axis_index(name) * wi_0.shape[0]
+    partial = _combine(
+        _local_experts(tokens, experts, wi_0, wi_1, wo, first), weights)
+    # Each token's sum over the devices' experts, on the device it came from.
+    return jax.lax.psum_scatter(partial, name, scatter_dimension=0,
+                                tiled=True)
+
+  spec = P(name)
+  y = jax.shard_map(
+      local, mesh=mesh, axis_names=set(axes), in_specs=(spec,) * 6,
+      out_specs=spec)(tokens, weights, experts, wi_0, wi_1, wo)
+  return y[:n] if pad else y
 
 
 class MoeMlp(nn.Module):
@@ -59,6 +187,8 @@ class MoeMlp(nn.Module):
                        f"[1, num_experts={self.num_experts}]")
     batch, length, embed = x.shape
     e, k, mlp = self.num_experts, self.top_k, self.mlp_dim
+    # Before any parameter is made: a split that cannot be made is named.
+    axes = expert_mesh_axes(e)
     router_logits = linears.DenseGeneral(
         (e,), ("embed", "expert"), dtype=self.dtype, name="router")(x)
     router_logits = router_logits.astype(jnp.float32)
@@ -79,17 +209,11 @@ class MoeMlp(nn.Module):
     tokens = x.reshape(batch * length, embed).astype(self.dtype)
     weights, experts = route(router_logits.reshape(-1, e), k,
                              self.norm_topk_prob)
-    flat_experts = experts.reshape(-1)                   # [tokens * k]
-    # Stable sort: each expert's copies contiguous, in token order.
-    order = jnp.argsort(flat_experts, stable=True)
-    rows = tokens[order // k]                            # [tokens * k, embed]
-    group_sizes = jnp.bincount(flat_experts, length=e).astype(jnp.int32)
-    gate = jax.lax.ragged_dot(rows, wi_0, group_sizes)
-    up = jax.lax.ragged_dot(rows, wi_1, group_sizes)
-    out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wo, group_sizes)
-    unsorted = jnp.zeros_like(out).at[order].set(out)    # copy order again
-    y = jnp.sum(unsorted.reshape(-1, k, embed)
-                * weights[..., None].astype(self.dtype), axis=1)
+    weights = weights.astype(self.dtype)
+    if axes:
+      y = _expert_parallel(tokens, weights, experts, wi_0, wi_1, wo, axes)
+    else:
+      y = _combine(_local_experts(tokens, experts, wi_0, wi_1, wo), weights)
     return (y.reshape(batch, length, embed),
             router_logits.reshape(batch, length, e))
 

@@ -1,0 +1,229 @@
+"""Expert parallelism: `MoeMlp` with its experts split over a mesh of 8
+simulated CPU devices gives the outputs and gradients of the unsplit block
+(up to the order of float32 sums), and really computes only each device's
+experts.
+
+The 8-device checks run in one subprocess (this file run as a script, with
+XLA_FLAGS=--xla_force_host_platform_device_count=8 set before JAX starts)
+and print one line "RESULT <json>"; the reference is the same block with no
+mesh, which takes the unsplit path.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+
+# Mesh shape, axis names, the mesh axes the experts go over, experts,
+# (batch, length) of the input.
+CASES = {
+    # Experts over the data axis, the tokens split over it too: all-gather
+    # then reduce-scatter; 2 experts on each device.
+    "data8": ((8, 1), "data", 16, (8, 3)),
+    # 4 x 2: experts over data while the model axis splits each expert's
+    # mlp dimension (left to the compiler).
+    "data4_model2": ((4, 2), "data", 8, (4, 5)),
+    # Experts over the model axis, one per device.
+    "model4": ((2, 4), "model", 4, (2, 6)),
+    # Experts over both axes; 3 x 3 tokens do not split over 8 devices:
+    # padded with tokens routed to no expert.
+    "both_uneven": ((4, 2), ("data", "model"), 8, (3, 3)),
+}
+TOP_K, MLP, EMBED = 2, 6, 5
+
+
+def _collect_ragged_dots(jaxpr, found):
+  """The weights' shapes of every ragged_dot_general in a (nested) jaxpr,
+  and the names of the collectives."""
+  from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    if name == "ragged_dot_general" and eqn.invars[1].aval.ndim == 3:
+      # (The weights' gradients contract two [rows, ...] operands.)
+      found["rhs"].append(list(eqn.invars[1].aval.shape))
+    if name in ("all_gather", "reduce_scatter", "psum", "psum_scatter",
+                "psum_invariant"):
+      found["collectives"].add(name)
+    for sub in flops.sub_jaxprs(eqn.params):
+      _collect_ragged_dots(sub, found)
+  return found
+
+
+def _check(case):
+  """One case's figures: largest differences of output and gradients to
+  the unsplit block, and what the split step computes."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models.layers import moe  # pylint: disable=g-import-not-at-top
+
+  shape, axes, experts, (batch, length) = CASES[case]
+  block = moe.MoeMlp(num_experts=experts, top_k=TOP_K, mlp_dim=MLP)
+  kx, kc, kp = jax.random.split(jax.random.PRNGKey(len(case)), 3)
+  x = jax.random.normal(kx, (batch, length, EMBED))
+  probe = jax.random.normal(kc, (batch, length, EMBED))
+  boxed = block.init(kp, x)["params"]
+  params = nn.unbox(boxed)
+
+  def loss(params, x):
+    y, logits = block.apply({"params": params}, x)
+    return (jnp.sum(y * probe) + jnp.sum(y ** 2)
+            + moe.load_balancing_loss(logits, TOP_K, experts))
+
+  def outputs(params, x):
+    y, logits = block.apply({"params": params}, x)
+    grads = jax.grad(loss, argnums=(0, 1))(params, x)
+    return y, logits, grads
+
+  want = jax.jit(outputs)(params, x)
+
+  rules = sharding.experts_over(sharding.STANDARD_RULES, axes)
+  mesh = sharding.create_mesh(shape, ("data", "model"))
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    placed = jax.device_put(params,
+                            sharding.tree_shardings(boxed, mesh, rules))
+    if batch % mesh.shape["data"] == 0:
+      x_in = jax.device_put(x, sharding.batch_sharding(mesh, rules, 3))
+    else:
+      x_in = x
+    # The block initialised under the split rules is the same block.
+    init_split = nn.unbox(jax.jit(block.init)(kp, x)["params"])
+    got = jax.jit(outputs)(placed, x_in)
+    found = _collect_ragged_dots(
+        jax.make_jaxpr(outputs)(placed, x_in).jaxpr,
+        {"rhs": [], "collectives": set()})
+
+  def diff(a, b):
+    return max(float(np.max(np.abs(np.asarray(u, np.float64)
+                                   - np.asarray(v, np.float64))))
+               for u, v in zip(jax.tree.leaves(a), jax.tree.leaves(b)))
+
+  def scale(a):
+    return max(float(np.max(np.abs(np.asarray(u)))) for u in
+               jax.tree.leaves(a))
+
+  wi_0 = placed["wi_0"]
+  return {
+      "y_diff": diff(want[0], got[0]),
+      "y_scale": scale(want[0]),
+      "logits_diff": diff(want[1], got[1]),
+      "grad_diff": diff(want[2], got[2]),
+      "grad_scale": scale(want[2]),
+      "grad_names": sorted(
+          "/".join(str(getattr(k, "key", k)) for k in path)
+          for path, _ in jax.tree_util.tree_flatten_with_path(got[2][0])[0]),
+      "init_diff": diff(params, init_split),
+      "wi_0_spec": [list(a) if isinstance(a, tuple) else a
+                    for a in wi_0.sharding.spec],
+      "wi_0_shard": list(wi_0.addressable_shards[0].data.shape),
+      "ragged_rhs": found["rhs"],
+      "collectives": sorted(found["collectives"]),
+      "devices": len(mesh.devices.flat),
+  }
+
+
+def _errors():
+  """The one-line errors of a split that cannot be made."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models.layers import moe  # pylint: disable=g-import-not-at-top
+  x = jax.numpy.ones((8, 2, EMBED))
+  out = {}
+  mesh = sharding.create_mesh((8, 1), ("data", "model"))
+  for key, experts, axes in (("uneven", 6, "data"), ("no_axis", 8, "expert")):
+    rules = sharding.experts_over(sharding.STANDARD_RULES, axes)
+    try:
+      with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+        moe.MoeMlp(num_experts=experts, top_k=2, mlp_dim=MLP).init(
+            jax.random.PRNGKey(0), x)
+      out[key] = ""
+    except ValueError as e:
+      out[key] = str(e)
+  return out
+
+
+def main():
+  import jax  # pylint: disable=g-import-not-at-top
+  assert len(jax.devices()) == 8, jax.devices()
+  result = {case: _check(case) for case in CASES}
+  result["errors"] = _errors()
+  print("RESULT " + json.dumps(result), flush=True)
+
+
+@pytest.fixture(scope="module")
+def result():
+  from conftest import REPO, quiet_env  # pylint: disable=g-import-not-at-top
+  proc = subprocess.run(
+      [sys.executable, os.path.abspath(__file__)],
+      env=quiet_env(XLA_FLAGS="--xla_force_host_platform_device_count=8"),
+      cwd=REPO, capture_output=True, text=True, timeout=900)
+  lines = [l for l in proc.stdout.splitlines() if l.startswith("RESULT ")]
+  assert proc.returncode == 0 and lines, (proc.stdout[-3000:]
+                                          + proc.stderr[-3000:])
+  return json.loads(lines[-1][len("RESULT "):])
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_split_experts_equal_the_unsplit_block(result, case):
+  r = result[case]
+  assert r["devices"] == 8
+  # float32 sums in another order: differences at rounding level.
+  assert r["y_diff"] <= 1e-5 * max(1.0, r["y_scale"]), r
+  assert r["logits_diff"] <= 1e-5, r
+  assert r["grad_diff"] <= 1e-5 * max(1.0, r["grad_scale"]), r
+  assert r["init_diff"] == 0.0
+  # Every parameter has its gradient (the input's is in grad_diff).
+  assert r["grad_names"] == ["router/kernel", "wi_0", "wi_1", "wo"]
+
+
+@pytest.mark.parametrize("case", sorted(CASES))
+def test_each_device_holds_and_computes_only_its_experts(result, case):
+  r = result[case]
+  shape, axes, experts, _ = CASES[case]
+  names = axes if isinstance(axes, tuple) else (axes,)
+  ways = 1
+  for a in names:
+    ways *= shape[("data", "model").index(a)]
+  expected_spec = list(names) if len(names) > 1 else names[0]
+  assert r["wi_0_spec"][0] == expected_spec
+  assert r["wi_0_shard"][0] == experts // ways
+  # Every grouped product (forward and backward) runs on the device's own
+  # experts' weights only.
+  assert r["ragged_rhs"] and all(s[0] == experts // ways
+                                 for s in r["ragged_rhs"]), r["ragged_rhs"]
+  # Tokens gathered to the experts' devices, outputs scattered back.
+  assert {"all_gather", "reduce_scatter"} <= set(r["collectives"]), r
+
+
+def test_splits_that_cannot_be_made_say_how_to_fix_them(result):
+  errors = result["errors"]
+  assert "num_experts=6" in errors["uneven"]
+  assert "8 devices" in errors["uneven"]
+  assert "lacks" in errors["no_axis"] and "'expert'" in errors["no_axis"]
+
+
+def test_experts_over_puts_the_expert_rule_first():
+  """Under fully sharded rules `embed` takes the data axis; the expert rule
+  must come first for the expert weights to split over it instead."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  rules = sharding.experts_over(sharding.FULLY_SHARDED_RULES, "data")
+  assert rules[0] == ("expert", "data")
+  assert [r for r in rules if r[0] == "expert"] == [("expert", "data")]
+  spec = nn.logical_to_mesh_axes(("expert", "embed", "mlp"), rules)
+  assert tuple(spec) == ("data", None, "model")
+  # The dense weights keep the fully sharded plan.
+  assert tuple(nn.logical_to_mesh_axes(("embed", "mlp"), rules)) == (
+      "data", "model")
+  assert sharding.experts_over(sharding.STANDARD_RULES, ["data", "model"])[
+      0] == ("expert", ("data", "model"))
+
+
+if __name__ == "__main__":
+  sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+  main()
