@@ -3,6 +3,9 @@ simulated CPU devices gives the outputs and gradients of the unsplit block
 (up to the order of float32 sums), and really computes only each device's
 experts.
 
+Two SFT steps of a tiny Qwen3-MoE on a 4 x 2 mesh with the experts over
+the data axis equal the same steps on one device.
+
 The 8-device checks run in one subprocess (this file run as a script, with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 set before JAX starts)
 and print one line "RESULT <json>"; the reference is the same block with no
@@ -14,6 +17,7 @@ import os
 import subprocess
 import sys
 
+import numpy as np
 import pytest
 
 # Mesh shape, axis names, the mesh axes the experts go over, experts,
@@ -147,11 +151,74 @@ def _errors():
   return out
 
 
+def _sft_steps(shape, rules, devices):
+  """Two SFT steps of the tiny Qwen3-MoE from its seeded initialisation:
+  (losses, parameters, the parameters' specs by name, the times the split
+  experts' path was traced)."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  from conftest import from_scratch, tiny_config, trainer_of  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import algorithms  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models.layers import moe  # pylint: disable=g-import-not-at-top
+  config = tiny_config(algorithm="sft", model__arch="qwen3_moe",
+                       model__size="tiny", model__num_encoder_layers=None,
+                       mesh__shape=shape, train__batch_size=8)
+  config.sharding.logical_axis_rules = rules
+  mesh = sharding.create_mesh(shape, config.mesh.axis_names, devices)
+  traced = []
+  split = moe._expert_parallel  # pylint: disable=protected-access
+
+  def counted(*args):
+    traced.append(1)
+    return split(*args)
+
+  moe._expert_parallel = counted  # pylint: disable=protected-access
+  try:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      trainer = trainer_of(from_scratch(algorithms.get("sft")), config, mesh)
+      state = trainer._init(jax.random.PRNGKey(config.seed))  # pylint: disable=protected-access
+      batches = trainer.train_batches(0)
+      losses = []
+      for _ in range(2):
+        batch = sharding.global_batch(next(batches), mesh, rules)
+        state, metrics = trainer.train_step(state, batch)
+        losses.append(float(metrics["loss"]))
+  finally:
+    moe._expert_parallel = split  # pylint: disable=protected-access
+  specs = {
+      "/".join(str(getattr(k, "key", k)) for k in path):
+          [list(a) if isinstance(a, tuple) else a for a in leaf.sharding.spec]
+      for path, leaf in jax.tree_util.tree_flatten_with_path(
+          state.params)[0]}
+  return losses, jax.device_get(state.params), specs, len(traced)
+
+
+def _training():
+  """Two SFT steps on one device against a 4 x 2 mesh with the experts over
+  the data axis (and each expert's mlp dimension over the model axis)."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  one = _sft_steps((1, 1), sharding.STANDARD_RULES, jax.devices()[:1])
+  eight = _sft_steps((4, 2), sharding.experts_over(sharding.STANDARD_RULES,
+                                                   "data"), None)
+  diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), one[1],
+                       eight[1])
+  moved = jax.tree.map(lambda a: float(np.max(np.abs(a))), one[1])
+  wi_0 = {k: v for k, v in eight[2].items() if k.endswith("wi_0")}
+  return {"losses_one": one[0], "losses_eight": eight[0],
+          "param_diff": max(jax.tree.leaves(diffs)),
+          "param_scale": max(jax.tree.leaves(moved)),
+          "wi_0_specs": wi_0, "traced_one": one[3], "traced_eight": eight[3]}
+
+
 def main():
   import jax  # pylint: disable=g-import-not-at-top
   assert len(jax.devices()) == 8, jax.devices()
   result = {case: _check(case) for case in CASES}
   result["errors"] = _errors()
+  result["training"] = _training()
   print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -205,6 +272,18 @@ def test_splits_that_cannot_be_made_say_how_to_fix_them(result):
   assert "num_experts=6" in errors["uneven"]
   assert "8 devices" in errors["uneven"]
   assert "lacks" in errors["no_axis"] and "'expert'" in errors["no_axis"]
+
+
+def test_sft_steps_with_split_experts_equal_one_device(result):
+  """A tiny Qwen3-MoE's two SFT steps: the same losses and parameters."""
+  r = result["training"]
+  # The (one) layer's 4 experts split over data, one per data shard.
+  assert r["wi_0_specs"] and all(
+      s == ["data", None, "model"] for s in r["wi_0_specs"].values()), r
+  assert r["traced_one"] == 0 and r["traced_eight"] > 0
+  np.testing.assert_allclose(r["losses_eight"], r["losses_one"], rtol=1e-5)
+  assert r["losses_one"][1] != r["losses_one"][0]
+  assert r["param_diff"] <= 1e-5 * r["param_scale"], r
 
 
 def test_experts_over_puts_the_expert_rule_first():
