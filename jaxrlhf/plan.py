@@ -26,6 +26,12 @@ for the topology's chips, as it would be on them, and the plan says:
     scanned layer or micro-batch once, is given beside it), the tokens a
     step learns from, and the lower bound on the step time at the chip's
     peak bf16 FLOP/s (`jaxrlhf.accelerators`: the data sheets);
+  - the traffic of the collectives the step states itself (inside
+    `jax.shard_map`: a mixture-of-experts block's gathers and scatters
+    when its experts are split, `jaxrlhf.models.layers.moe`), in bytes per
+    chip and step, loops by their trip count; those XLA adds for the
+    logical-axis shardings are not counted. Expert weights, like every
+    parameter, count in the train state at each chip's share;
   - for a step that does not fit, a one-line suggestion.
 
 Topologies: `cpu:N` (N simulated CPU devices, what the tests plan on) or a
@@ -143,6 +149,49 @@ def _per_chip_bytes(abstract, shardings) -> int:
   return total
 
 
+def collective_bytes(jaxpr, axis_sizes: Dict[str, int]) -> float:
+  """Bytes one device sends or receives in the collectives a (closed)
+  jaxpr states (within `jax.shard_map`), as ring algorithms move them
+  over D devices: an all-gather receives (D-1)/D of its output, a
+  reduce-scatter and an all-to-all send (D-1)/D of their input, a psum
+  both (2 (D-1)/D of it); a ragged all-to-all is counted at its whole input.
+  Loops count by their trip count (`flops.while_trip_bound` for a while),
+  a cond by its costlier branch. axis_sizes: mesh axis name -> size.
+  """
+  from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  factor = {"all_gather": ("out", 1), "reduce_scatter": ("in", 1),
+            "all_to_all": ("in", 1), "psum": ("in", 2),
+            "psum_invariant": ("in", 2), "ragged_all_to_all": ("in", None)}
+  total = 0.0
+  for eqn in jaxpr.eqns:
+    name = eqn.primitive.name
+    params = eqn.params
+    if name in factor:
+      side, times = factor[name]
+      avals = [v.aval for v in (eqn.outvars if side == "out" else
+                                eqn.invars) if hasattr(v.aval, "shape")]
+      size = sum(math.prod(a.shape) * a.dtype.itemsize for a in avals)
+      axes = params.get("axis_name", params.get("axes", ()))
+      axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+      ways = params.get("axis_size") or math.prod(
+          axis_sizes.get(a, 1) for a in axes)
+      total += size if times is None else times * size * (ways - 1) / ways
+    elif name == "scan":
+      total += params["length"] * collective_bytes(params["jaxpr"],
+                                                   axis_sizes)
+    elif name == "cond":
+      total += max(collective_bytes(b, axis_sizes)
+                   for b in params["branches"])
+    elif name == "while":
+      trips = flops.while_trip_bound(eqn) or 1
+      total += trips * collective_bytes(params["body_jaxpr"], axis_sizes)
+    else:
+      total += sum(collective_bytes(sub, axis_sizes)
+                   for sub in flops.sub_jaxprs(params))
+  return total
+
+
 def _compile_error_figures(error: Exception) -> Dict[str, float]:
   """What XLA said when the step did not fit ("Used 19.30G of 15.75G hbm",
   or "HLO temporaries (44.87G) exceeds available HBM (15.75G)"), in GiB."""
@@ -221,7 +270,10 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
     # A step split around the host (host rewards) or between sampler and
     # training devices is planned as its device work in one function.
     step = getattr(trainer.train_step, "fused", trainer.train_step)
-    step_flops = flops.function_flops(step, state, batch)
+    jaxpr = (step.trace(state, batch).jaxpr if hasattr(step, "trace")
+             else jax.make_jaxpr(step)(state, batch))
+    step_flops = flops.jaxpr_flops(jaxpr)
+    exchange = collective_bytes(jaxpr, dict(mesh.shape))
     start = time.perf_counter()
     compile_error = None
     try:
@@ -292,6 +344,7 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
       "batch_gib_per_chip": batch_gib,
       "flops_per_chip_per_step": flops_per_chip,
       "xla_flops_per_chip_per_step": xla_flops,
+      "collective_gib_per_chip_per_step": exchange / GIB,
       "compile_seconds": round(compile_s, 1),
   }
   if compile_error is not None:
@@ -370,6 +423,10 @@ def describe(plan: Dict[str, Any]) -> str:
       "(matmuls, loops by trip count"
       + (f"; XLA counts {_flop(xla)}, each loop body once" if xla else "")
       + ")")
+  exchange = plan.get("collective_gib_per_chip_per_step")
+  if exchange:
+    lines.append(f"  collectives per chip and step: {_gib(exchange)} (the "
+                 "step's own, e.g. split experts' token exchange)")
   if chip:
     bound = plan["step_time_lower_bound_s"]
     lines.append(

@@ -4,7 +4,8 @@ simulated CPU devices gives the outputs and gradients of the unsplit block
 experts.
 
 Two SFT steps of a tiny Qwen3-MoE on a 4 x 2 mesh with the experts over
-the data axis equal the same steps on one device.
+the data axis equal the same steps on one device, and `jaxrlhf.plan`
+counts their exchange of tokens.
 
 The 8-device checks run in one subprocess (this file run as a script, with
 XLA_FLAGS=--xla_force_host_platform_device_count=8 set before JAX starts)
@@ -62,6 +63,7 @@ def _check(case):
   import jax  # pylint: disable=g-import-not-at-top
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models.layers import moe  # pylint: disable=g-import-not-at-top
 
@@ -97,6 +99,9 @@ def _check(case):
     # The block initialised under the split rules is the same block.
     init_split = nn.unbox(jax.jit(block.init)(kp, x)["params"])
     got = jax.jit(outputs)(placed, x_in)
+    forward = jax.make_jaxpr(
+        lambda p, x: block.apply({"params": p}, x))(placed, x_in)
+    forward_bytes = plan_lib.collective_bytes(forward, dict(mesh.shape))
     found = _collect_ragged_dots(
         jax.make_jaxpr(outputs)(placed, x_in).jaxpr,
         {"rhs": [], "collectives": set()})
@@ -126,6 +131,7 @@ def _check(case):
       "wi_0_shard": list(wi_0.addressable_shards[0].data.shape),
       "ragged_rhs": found["rhs"],
       "collectives": sorted(found["collectives"]),
+      "forward_bytes": forward_bytes,
       "devices": len(mesh.devices.flat),
   }
 
@@ -213,12 +219,33 @@ def _training():
           "wi_0_specs": wi_0, "traced_one": one[3], "traced_eight": eight[3]}
 
 
+def _plan():
+  """`jaxrlhf.plan` of a tiny Qwen3-MoE SFT step with its experts over the
+  data axis of a 4 x 2 mesh."""
+  import jax  # pylint: disable=g-import-not-at-top
+  from conftest import tiny_config  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import plan as plan_lib  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  config = tiny_config(algorithm="sft", model__arch="qwen3_moe",
+                       model__size="tiny", model__num_encoder_layers=None,
+                       mesh__shape=(4, 2), train__batch_size=8)
+  config.sharding.logical_axis_rules = sharding.experts_over(
+      sharding.STANDARD_RULES, "data")
+  plan = plan_lib.make_plan(config, jax.devices(), topology="cpu:8")
+  return {"collective_bytes": plan["collective_gib_per_chip_per_step"]
+                              * plan_lib.GIB,
+          "described": plan_lib.describe(plan),
+          "row_length": config.data.inputs_length + config.data.targets_length,
+          "layers": config.model.num_decoder_layers}
+
+
 def main():
   import jax  # pylint: disable=g-import-not-at-top
   assert len(jax.devices()) == 8, jax.devices()
   result = {case: _check(case) for case in CASES}
   result["errors"] = _errors()
   result["training"] = _training()
+  result["plan"] = _plan()
   print("RESULT " + json.dumps(result), flush=True)
 
 
@@ -265,6 +292,14 @@ def test_each_device_holds_and_computes_only_its_experts(result, case):
                                  for s in r["ragged_rhs"]), r["ragged_rhs"]
   # Tokens gathered to the experts' devices, outputs scattered back.
   assert {"all_gather", "reduce_scatter"} <= set(r["collectives"]), r
+  # The plan's count of the forward's traffic per device, by hand: rings
+  # over D devices move (D-1)/D of the gathered tokens [T, embed], their
+  # routing weights and expert ids [T, top_k] (4 bytes each) and of the
+  # partial outputs [T, embed] reduce-scattered; T padded to a multiple of D.
+  batch, length = CASES[case][3]
+  tokens = -(-batch * length // ways) * ways
+  expected = (ways - 1) / ways * 4 * tokens * (2 * EMBED + 2 * TOP_K)
+  assert r["forward_bytes"] == pytest.approx(expected, rel=1e-9)
 
 
 def test_splits_that_cannot_be_made_say_how_to_fix_them(result):
@@ -284,6 +319,23 @@ def test_sft_steps_with_split_experts_equal_one_device(result):
   np.testing.assert_allclose(r["losses_eight"], r["losses_one"], rtol=1e-5)
   assert r["losses_one"][1] != r["losses_one"][0]
   assert r["param_diff"] <= 1e-5 * r["param_scale"], r
+
+
+def test_the_plan_counts_the_split_experts_exchange(result):
+  """Per MoE layer and device, rings over the D = 4 data devices move
+  (D-1)/D of: forward, the gathered tokens [T, embed], routing weights and
+  expert ids [T, top_k] and the reduce-scattered outputs [T, embed];
+  backward, the gathered output gradient [T, embed] and the
+  reduce-scattered gradients of the tokens [T, embed] and of the routing
+  weights [T, top_k]; 4 bytes each, T = 8 rows of the decoder's length
+  (the tiny Qwen3-MoE: top 2, embed 32)."""
+  r = result["plan"]
+  tokens, embed, top_k, ways = 8 * r["row_length"], 32, 2, 4
+  per_layer = (ways - 1) / ways * 4 * tokens * (
+      (2 * embed + 2 * top_k) + (2 * embed + top_k))
+  assert r["collective_bytes"] == pytest.approx(r["layers"] * per_layer,
+                                                rel=1e-9)
+  assert "collectives per chip and step" in r["described"]
 
 
 def test_experts_over_puts_the_expert_rule_first():
