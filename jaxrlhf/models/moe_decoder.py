@@ -157,27 +157,26 @@ class MoeCausalLM(llama.Llama):
 def router_logits(intermediates) -> Array:
   """float32 [moe layers, batch, length, experts]: the router logits a
   forward pass sowed (the "intermediates" collection it returned), in layer
-  order, from an unrolled (`layers_{i}`) or scanned (`layers`) stack."""
-  found = []
+  order, from an unrolled (`layers_{i}`) or scanned (`layers`, already
+  stacked) stack; of the model's first call where one apply called it
+  more than once."""
+  found = {}  # (path to the layer, its index) -> [layers, batch, ...]
 
   def visit(tree, path):
     for key, value in tree.items():
       if key == ROUTER_LOGITS:
-        found.append((path, value[0]))
-      elif isinstance(value, dict) or hasattr(value, "items"):
+        index = (int(path[-1].rsplit("_", 1)[1])
+                 if path[-1].startswith("layers_") else -1)
+        found[(path[:-1], index)] = (value[0] if index < 0
+                                     else value[0][None])
+      elif hasattr(value, "items"):
         visit(value, path + (key,))
   visit(intermediates, ())
   if not found:
     raise ValueError("router_logits: nothing was sown; apply the model with "
                      f"mutable=[{INTERMEDIATES!r}] (and a model with experts).")
-
-  def order(item):
-    name = item[0][-1]
-    return int(name.rsplit("_", 1)[1]) if name.startswith("layers_") else -1
-  stacked = [v if item_path[-1] == "layers" else v[None]
-             for item_path, v in sorted(found, key=lambda item: (
-                 item[0][:-1], order(item)))]
-  return jnp.concatenate(stacked, axis=0).astype(jnp.float32)
+  return jnp.concatenate([found[k] for k in sorted(found)],
+                         axis=0).astype(jnp.float32)
 
 
 def load_balancing_loss(config: MoeConfig, intermediates,
@@ -335,9 +334,7 @@ def hf_mapping(architecture: str, model_type: str, names: ExpertNames, *,
 def hf_moe_fields(hf, architecture: str) -> Dict[str, Any]:
   """The shared `MoeConfig` fields of a config.json (`num_experts`, or
   Mixtral's `num_local_experts`; `num_experts_per_tok`;
-  `router_aux_loss_coef`)."""
-  if hf.get("hidden_act", "silu") != "silu":
-    family.unsupported(architecture, f"hidden_act={hf['hidden_act']!r}")
+  `router_aux_loss_coef`); `llama.hf_config_fields` reads the rest."""
   experts = hf.get("num_experts", hf.get("num_local_experts"))
   if experts is None:
     raise family.HFCheckpointError(
