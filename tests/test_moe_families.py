@@ -112,6 +112,29 @@ def test_scanned_mixtral_computes_the_same_and_sows_per_layer():
   assert aux == pytest.approx(float(r["aux_loss"]), rel=1e-5)
 
 
+def test_the_aux_loss_trains_the_routers_through_remat():
+  """The load-balancing loss of a rematerialised model, differentiated: it
+  reaches every router, and not the last MoE layer's experts (no router
+  reads their output)."""
+  name = "qwen3_moe"
+  config, params = _loaded(name, remat_policy="full")
+  e = _npz(name, "expected.npz")
+  module = registry.module_for_config(config)
+
+  def aux(p):
+    _, state = module.apply({"params": p}, e["tokens"], e["positions"],
+                            e["attention_mask"],
+                            mutable=[moe_decoder.INTERMEDIATES])
+    return moe_decoder.load_balancing_loss(
+        config, state[moe_decoder.INTERMEDIATES], e["attention_mask"])
+  grads = jax.grad(aux)(params)["decoder"]
+  for i in (0, 2):
+    assert np.abs(grads[f"layers_{i}"]["mlp"]["router"]["kernel"]).sum() > 0
+  assert np.abs(grads["layers_0"]["mlp"]["wi_0"]).sum() > 0
+  for w in ("wi_0", "wi_1", "wo"):
+    assert not np.any(grads["layers_2"]["mlp"][w])
+
+
 @pytest.mark.parametrize("name", FIXTURES)
 def test_greedy_generation_matches_transformers(name):
   # 6 prompt positions and 8 new tokens through the KV cache, every token
