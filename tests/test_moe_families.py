@@ -354,4 +354,4 @@ def test_sft_of_a_tiny_qwen3_moe_from_main(tmp_path):
   rows = [json.loads(line) for line in open(tmp_path / "metrics.jsonl")]
   losses = [r["loss"] for r in rows if "loss" in r]
   assert len(losses) == 8 and all(np.isfinite(losses))
-  assert np.mean(losses[-2:]) < losses[0] - 0.5
+  assert np.mean(losses[-2:]) < losses[0] - 0.3
