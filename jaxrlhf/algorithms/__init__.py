@@ -32,6 +32,7 @@ MODULES = (
     "online.reinforce",
     "online.reinforce_pp",
     "online.rejection_sampling",
+    "online.distill",
 )
 
 

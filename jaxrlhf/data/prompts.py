@@ -22,7 +22,7 @@ The columns are the task's extra column features
 
 import dataclasses
 import functools
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import jax
 import numpy as np
@@ -111,6 +111,9 @@ class Prompts:
   # Extra column name -> [num_prompts] values, e.g. {"answer": ["72", ...]};
   # {} for a task without extra columns.
   columns: Dict[str, list] = dataclasses.field(default_factory=dict)
+  # [num_prompts] each prompt's own completion, the task's targets tokens
+  # (EOS included), unpadded; None for a task without targets.
+  completions: Optional[List[np.ndarray]] = None
 
 
 def _prompt_feature(task) -> str:
@@ -153,15 +156,23 @@ def _read_prompts(task, split: str, max_tokens: int, on_long: str,
     column = alignment_kinds.column_of_feature(key)
     if column is not None:
       column_features[key] = column
+  has_targets = "targets" in ds.element_spec
   ds = ds.map(lambda ex: {"tokens": ex[name], "length": tf.size(ex[name]),
                           "text": ex[text_key] if has_text else "",
+                          **({"targets": ex["targets"],
+                              "targets_length": tf.size(ex["targets"])}
+                             if has_targets else {}),
                           **{f: ex[f] for f in column_features}})
   columns = {column: [] for column in column_features.values()}
+  completions = [] if has_targets else None
   # Batched reading: per-example iteration costs more than the rest.
   for batch in ds.padded_batch(1024).as_numpy_iterator():
     for i, (tokens, length, text) in enumerate(zip(
         batch["tokens"], batch["length"], batch["text"])):
       tokens = tokens[:length]
+      if has_targets:
+        completions.append(np.asarray(
+            batch["targets"][i][:batch["targets_length"][i]], np.int32))
       for feature, column in column_features.items():
         columns[column].append(
             alignment_kinds.decode_column_value(batch[feature][i]))
@@ -194,7 +205,7 @@ def _read_prompts(task, split: str, max_tokens: int, on_long: str,
   padded = np.zeros((len(rows), max_tokens), np.int32)
   for i, row in enumerate(rows):
     padded[i, :len(row)] = row
-  return Prompts(padded, num_cut, texts, columns)
+  return Prompts(padded, num_cut, texts, columns, completions)
 
 
 def load_prompts(task_name: str, split: str, max_tokens: int, *,
@@ -273,6 +284,31 @@ class PromptBatches:
     batch = self.batch_at(self.position)
     self.position += 1
     return batch
+
+
+class WithColumn:
+  """A prompt stream whose batches also carry `column[prompt_index]` as
+  feature `name` (GKD's dataset completions); it moves as its stream
+  does."""
+
+  def __init__(self, stream: PromptBatches, name: str, column: np.ndarray):
+    self.stream, self.name, self.column = stream, name, column
+
+  @property
+  def position(self) -> int:
+    return self.stream.position
+
+  def batch_at(self, position: int) -> Dict[str, np.ndarray]:
+    return self._with_column(self.stream.batch_at(position))
+
+  def _with_column(self, batch):
+    return dict(batch, **{self.name: self.column[batch[PROMPT_INDEX]]})
+
+  def __iter__(self):
+    return self
+
+  def __next__(self) -> Dict[str, np.ndarray]:
+    return self._with_column(next(self.stream))
 
 
 def held_out_prompts(task_name: str, split: str, max_tokens: int,

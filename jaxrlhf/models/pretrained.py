@@ -58,7 +58,7 @@ def resolve_checkpoint(path: str) -> str:
   path = os.fspath(path)
   if _is_t5x(path):
     return t5x_checkpoint.find_t5x_checkpoint(path)
-  if _is_hf(path):
+  if is_hf(path):
     return path
   return _state_item_dir(path)
 
@@ -81,7 +81,8 @@ def _check_same_tree(loaded, target, path):
           "vocabulary when it is unset).")
 
 
-def _is_hf(path: str) -> bool:
+def is_hf(path: str) -> bool:
+  """Whether `path` is a Hugging Face model folder."""
   try:
     return loading.checkpoint_kind(path) == loading.HF
   except loading.PretrainedError:
@@ -119,7 +120,7 @@ def load_lm_params(path: str, target: Any, *, module=None,
   run's own ids already."""
   path = os.fspath(path)
   shardings = jax.tree.map(lambda x: x.sharding, target)
-  if _is_hf(path):
+  if is_hf(path):
     return _load_hf(path, target, module, token_swap)
   if _is_t5x(path):
     shapes = t5x_checkpoint.t5x_param_shapes(path)["params"]

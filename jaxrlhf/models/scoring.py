@@ -134,6 +134,17 @@ _log_z_and_target.defvjp(_log_z_and_target_fwd, _log_z_and_target_bwd)
 LOGITS_CHUNK_BYTES = None
 
 
+def logits_chunk(batch: int, vocab: int,
+                 chunk_bytes: Optional[int] = None) -> int:
+  """Positions per chunk whose [batch, chunk, vocab] float32 logits take at
+  most `chunk_bytes` (None: `LOGITS_CHUNK_BYTES`, or its default for the
+  backend); at least 1."""
+  if chunk_bytes is None:
+    chunk_bytes = LOGITS_CHUNK_BYTES or (
+        2**23 if jax.default_backend() == "cpu" else 2**30)
+  return max(1, chunk_bytes // (4 * batch * vocab))
+
+
 def hidden_token_stats(project, params, hidden, targets, *, temperature=1.0,
                        with_top1: bool = False, with_entropy: bool = False,
                        chunk_bytes: Optional[int] = None) -> TokenStats:
@@ -166,10 +177,7 @@ def hidden_token_stats(project, params, hidden, targets, *, temperature=1.0,
   """
   batch, length = targets.shape
   vocab = jax.eval_shape(project, params, hidden[:, :1]).shape[-1]
-  if chunk_bytes is None:
-    chunk_bytes = LOGITS_CHUNK_BYTES or (
-        2**23 if jax.default_backend() == "cpu" else 2**30)
-  chunk = max(1, chunk_bytes // (4 * batch * vocab))
+  chunk = logits_chunk(batch, vocab, chunk_bytes)
   if chunk >= length:
     logits = project(params, hidden).astype(jnp.float32)
     if not (isinstance(temperature, (int, float)) and temperature == 1):
@@ -380,6 +388,19 @@ class EncoderDecoderLM(_Adapter):
     mask = batch[_key(name, "decoder_loss_weights")].astype(jnp.float32)
     return logprobs * mask, mask
 
+  def response_states(self, params, batch, length: int):
+    """(states [batch, L, ...], project): what position t's next-token
+    logits over the vocabulary are made from, for the L = `length` target
+    tokens, and the function making them (`project(states[:, a:b])` ->
+    [batch, b - a, vocab]). T5's decoder yields its logits whole, so here
+    the states are those logits and `project` is the identity."""
+    logits = self.completion_logits(params, batch)
+    if logits.shape[1] != length:
+      raise ValueError(f"response_states: length={length}, but an "
+                       f"encoder-decoder's {logits.shape[1]} targets are all "
+                       "completion tokens.")
+    return logits, lambda states: states
+
   def completion_hidden(self, params, batch, name=None, rng=None):
     """(states [batch, Lc, emb], mask [batch, Lc]); state t has read target
     tokens < t and, at the last real target (the EOS), the whole completion."""
@@ -463,6 +484,21 @@ class DecoderOnlyLM(_Adapter):
     return hidden_token_stats(self._project, params, hidden[:, start - 1:-1],
                               tokens[:, start:], temperature=temperature,
                               with_top1=with_top1, with_entropy=with_entropy)
+
+  def response_states(self, params, batch, length: int):
+    """(final states [batch, L, emb], project): the states whose logits
+    (`project(states[:, a:b])` -> [batch, b - a, vocab], the output layer)
+    predict the last L = `length` tokens of the rows (an online response
+    of `jaxrlhf.rl.rollout.response_features`): position t's state has
+    read the tokens before response token t."""
+    hidden = self._hidden(params, batch, None)
+    total = hidden.shape[1]
+    if not 1 <= length < total:
+      raise ValueError(f"response_states: length={length}, but the rows "
+                       f"hold {total} tokens, and the first has no logits "
+                       "scoring it.")
+    return (hidden[:, total - length - 1:-1],
+            lambda states: self._project(params, states))
 
   def _project(self, params, hidden):
     """The output layer: final states [..., emb] -> logits [..., vocab]."""

@@ -81,6 +81,12 @@ class Rollout:
   # trainer's scoring of the same tokens: their gap is what importance
   # sampling corrects (`jaxrlhf.rl.importance_sampling`). None = not kept.
   sample_logprobs: jax.Array = None
+  # [batch, L] a distillation teacher's log-probs of the tokens at the
+  # sampling temperature (0 where `mask` is 0); None = no teacher.
+  teacher_logprobs: jax.Array = None
+  # The responses laid out for the teacher's architecture when it is not
+  # the policy's (None: `features` serve it).
+  teacher_features: Dict[str, jax.Array] = None
 
 
 def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):

@@ -28,6 +28,7 @@ from jaxrlhf.algorithms.online import recipe
 from jaxrlhf.algorithms.online import options
 from jaxrlhf.algorithms.online import reward_model_eval
 from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
 from jaxrlhf.rl import policy_gradient_losses
@@ -115,7 +116,7 @@ ALGORITHM = base.Algorithm(
     # GRPO's carried KL coefficient is its loss's.
     carried=kl_control.carried("grpo.kl_coef"),
     evaluation=reward_model_eval.EVALUATION,
-    config_groups=(options.ONLINE, reward_sources.GROUP, GROUP),
+    config_groups=(options.ONLINE, reward_sources.GROUP, teacher.GROUP, GROUP),
     checks=(options.check_online, options.check_groups_of_two),
     pipeline_stage=True,
 )

@@ -29,6 +29,7 @@ from jaxrlhf import sharding
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.algorithms.online import kl_control
 from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.rl import importance_sampling
 from jaxrlhf.rl import reductions
@@ -112,10 +113,15 @@ def split_step_key(key):
 def step_parts(trainer) -> StepParts:
   """The step's parts for `trainer`, computing every reward on the device
   (the host split and the overlap replace what they run elsewhere)."""
+  def policy_samples(params, frozen, prompts, key):
+    return sample(trainer, params, frozen,
+                  prompts[prompts_lib.PROMPT_FEATURE], key)
+
+  around = trainer.algorithm.training.sample  # GKD mixes in the data's
   return StepParts(
       rounds=lambda batch, rounds: [batch],
-      sample=lambda params, frozen, prompts, key: sample(
-          trainer, params, frozen, prompts[prompts_lib.PROMPT_FEATURE], key),
+      sample=policy_samples if around is None else functools.partial(
+          around, trainer, policy_samples),
       score=functools.partial(score, trainer),
       host_rewards=lambda rollout, samples, batch: (rollout, {}),
       keep=lambda rounds: rounds[0],
@@ -207,12 +213,16 @@ def score(trainer, params, frozen, prompt_tokens, samples):
   reference = frozen["reference"] if scores_reference else None
 
   def part(prompts, tokens, unused_key):
+    prompts = jnp.repeat(prompts, k, axis=0)
     rollout = rollout_lib.assemble_rollout(
         trainer.lm, params["policy"], reference,
         rewards.lm if rewards.reward_model else None,
-        frozen.get("reward"), jnp.repeat(prompts, k, axis=0), tokens,
+        frozen.get("reward"), prompts, tokens,
         temperature=o.temperature, eos_id=trainer.vocabulary.eos_id,
         missing_eos_penalty=rewards.eos_trick)
+    if trainer.online.teacher is not None:
+      rollout = teacher.score_with_teacher(trainer, frozen[teacher.TEACHER],
+                                           prompts, rollout)
     return rewards.with_device_rewards(rollout)
 
   rollout = _by_parts(o.rollout_microbatches, k, part, prompt_tokens,
@@ -267,6 +277,9 @@ def advantages(trainer, state, rollout, token_weights=None):
   # LoRA: the targets read the base with the adapters.
   rows, algorithm_state, target_metrics = trainer.algorithm.training.targets(
       trainer, trainer.view(state), rollout)
+  # Distillation: the teacher's per-token advantage, before any weights.
+  rows, target_metrics = teacher.with_distill_targets(trainer, rollout, rows,
+                                                      target_metrics)
   if token_weights is not None:
     advantage = rows["advantages"]
     if advantage.ndim == 1:
@@ -290,12 +303,14 @@ def update(trainer, state, rows, algorithm_state, update_key, next_key):
   metrics."""
   training = trainer.algorithm.training
   # The updates train the adapters alone (`state.params`) through the view.
+  def loss(params, minibatch):
+    return training.loss(trainer,
+                         trainer.view_parts(params, state.frozen)[0],
+                         minibatch, state.algorithm_state)
+
   params, opt_state, metrics = run_updates(
       trainer, state, rows,
-      lambda params, minibatch: training.loss(
-          trainer, trainer.view_parts(params, state.frozen)[0], minibatch,
-          state.algorithm_state),
-      update_key)
+      teacher.with_distill_loss(trainer, loss, state.frozen), update_key)
   metrics["learning_rate"] = trainer.learning_rate(state.step)
   return state.replace(step=state.step + 1, params=params,
                        opt_state=opt_state, algorithm_state=algorithm_state,

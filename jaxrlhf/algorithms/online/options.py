@@ -12,6 +12,7 @@ from jaxrlhf import config_schema
 from jaxrlhf.agents import environments
 from jaxrlhf.agents import tool_calls
 from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.rl import importance_sampling
@@ -241,15 +242,22 @@ ONLINE = config_schema.Group(
 
 
 def check_online(c) -> None:
-  """What every online algorithm needs: deterministic log-probs, and
-  rewards to train on (`reward_sources.check_rewards`)."""
+  """What every online algorithm that trains on rewards needs: rewards to
+  train on (`reward_sources.check_rewards`), and `check_sampling`."""
+  reward_sources.check_rewards(c)
+  check_sampling(c)
+
+
+def check_sampling(c) -> None:
+  """What every online algorithm needs: deterministic log-probs, a valid
+  off-policy setup and importance band, and episodes that can run."""
   config_schema.require(
       c.model.dropout_rate == 0, "model.dropout_rate",
       f"{c.model.dropout_rate}: online RL needs deterministic log-probs (PPO "
       "details, detail 7: with dropout the ratios are not 1 before the first "
       "update); set it to 0.")
-  reward_sources.check_rewards(c)
   check_off_policy(c)
+  teacher.check_distill(c)
   o = c.online
   config_schema.require(
       o.importance_ratio_low < o.importance_ratio_high,

@@ -42,6 +42,7 @@ from jaxrlhf.algorithms.online import recipe
 from jaxrlhf.algorithms.online import options
 from jaxrlhf.algorithms.online import reward_model_eval
 from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.losses import common
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import ppo_losses
@@ -188,7 +189,7 @@ ALGORITHM = base.Algorithm(
         value_from_reward_model=("value",)),  # detail 22
     carried=kl_control.carried("online.kl_coef"),
     evaluation=reward_model_eval.EVALUATION,
-    config_groups=(options.ONLINE, reward_sources.GROUP, GROUP),
+    config_groups=(options.ONLINE, reward_sources.GROUP, teacher.GROUP, GROUP),
     checks=(options.check_online,),
     pipeline_stage=True,
 )

@@ -35,6 +35,7 @@ import functools
 from typing import Any, Callable, Optional, Tuple
 
 import jax
+import jax.numpy as jnp
 
 from jaxrlhf import console
 from jaxrlhf.algorithms import base
@@ -48,7 +49,9 @@ from jaxrlhf.algorithms.online import kl_control
 from jaxrlhf.algorithms.online import options
 from jaxrlhf.algorithms.online import overlap
 from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.data import prompts as prompts_lib
+from jaxrlhf.rewards import learned_reward
 
 
 class PromptSource:
@@ -89,6 +92,8 @@ class OnlineSettings:
   response_length: int
   rewards: reward_sources.RewardSources
   prompt_source: PromptSource
+  # The frozen teacher of distillation (`distill`), or None.
+  teacher: Optional[learned_reward.FrozenNetwork] = None
 
   @property
   def updates_per_step(self) -> int:
@@ -125,6 +130,14 @@ class Online(base.Training):
       run has no reward model.
     dynamic_sampling: optional (config) -> the cap of sampling rounds of
       DAPO's dynamic sampling, or None when it is off (`host_split`).
+    trains_on_rewards: whether it trains on `config.rewards` (distillation
+      alone does not: its signal is the teacher's).
+    sample: optional (trainer, sample_fn, params, frozen, prompts, key) ->
+      `sampling.Samples`, the step's responses around the policy's
+      samples `sample_fn(params, frozen, prompts, key)` (GKD mixes in the
+      dataset's completions).
+    completions: the batch feature of the prompts' own completions
+      [P, max_new_tokens] (the task's targets) a step reads, or None.
   """
   samples_per_prompt: int
   num_epochs: int
@@ -136,6 +149,9 @@ class Online(base.Training):
   samples_reference: Optional[Callable[[Any], bool]] = None
   value_from_reward_model: Tuple[str, ...] = ()
   dynamic_sampling: Optional[Callable[[Any], Optional[int]]] = None
+  trains_on_rewards: bool = True
+  sample: Optional[Callable[..., Any]] = None
+  completions: Optional[str] = None
 
   online = True
 
@@ -146,9 +162,15 @@ class Online(base.Training):
                                      config.data.targets_length)
     rewards = reward_sources.build(
         config, trainer.vocabulary, trainer.lm, trainer.platform,
-        max_new_tokens, shapes_only=trainer.shapes_only)
+        max_new_tokens, shapes_only=trainer.shapes_only,
+        used=self.trains_on_rewards)
+    distilled = teacher.build_teacher(config, trainer.vocabulary,
+                                      trainer.platform, trainer.shapes_only)
     if not trainer.shapes_only:
-      console.log(rewards.describe())
+      if rewards.weights:
+        console.log(rewards.describe())
+      if distilled is not None:
+        console.log(teacher.describe(config, distilled))
     trainer.online = OnlineSettings(
         samples_per_prompt=options.resolve(o.samples_per_prompt,
                                            self.samples_per_prompt),
@@ -157,17 +179,29 @@ class Online(base.Training):
         response_length=(episode_step.episode_tokens(config, max_new_tokens)
                          if environments.episodic(o) else max_new_tokens),
         rewards=rewards,
-        prompt_source=PromptSource(config, trainer.prompt_length))
+        prompt_source=PromptSource(config, trainer.prompt_length),
+        teacher=distilled)
 
   def check_rows(self, algorithm, config, data_parallel: int) -> None:
     options.check_rows(algorithm, config, data_parallel)
 
   def batches(self, trainer, position: int):
-    return trainer.online.prompt_source.batches(position)
+    source = trainer.online.prompt_source
+    stream = source.batches(position)
+    if self.completions is None:
+      return stream
+    completions = teacher.completions_of(source.prompts,
+                                         trainer.online.max_new_tokens)
+    return prompts_lib.WithColumn(stream, self.completions, completions)
 
   def batch_spec(self, trainer):
-    return prompts_lib.prompt_batch_spec(trainer.config.train.batch_size,
+    spec = prompts_lib.prompt_batch_spec(trainer.config.train.batch_size,
                                          trainer.prompt_length)
+    if self.completions is not None:
+      spec[self.completions] = jax.ShapeDtypeStruct(
+          (trainer.config.train.batch_size, trainer.online.max_new_tokens),
+          jnp.int32)
+    return spec
 
   def tokens_in(self, trainer, local_batch) -> int:
     """Sampled tokens, over all processes: a fixed number per response
@@ -178,8 +212,9 @@ class Online(base.Training):
     return rows * settings.response_length * jax.process_count()
 
   def loaded_networks(self, trainer, abstract_state):
-    return reward_sources.loaded_networks(trainer, abstract_state,
-                                          self.value_from_reward_model)
+    return {**reward_sources.loaded_networks(trainer, abstract_state,
+                                             self.value_from_reward_model),
+            **teacher.loaded_networks(trainer, abstract_state)}
 
   def optimizer(self, trainer, per_network, update_scales):
     """One optimizer per network with warm-up counted in updates, so that
@@ -225,12 +260,14 @@ def keeps_reference(algorithm, config) -> bool:
 
 
 def frozen_reference_and_reward(trainer, rng):
-  """The frozen reference when the run keeps one (`keeps_reference`), and
-  the reward model when one is weighted."""
-  a, b = jax.random.split(rng)
+  """The frozen reference when the run keeps one (`keeps_reference`), the
+  reward model when one is weighted, and the teacher when the run has one
+  (`distill`)."""
+  a, b, c = jax.random.split(rng, 3)
   kept = ({"reference": trainer.init_lm(a)}
           if keeps_reference(trainer.algorithm, trainer.config) else {})
-  return {**kept, **reward_sources.frozen_networks(trainer, b)}
+  return {**kept, **reward_sources.frozen_networks(trainer, b),
+          **teacher.frozen_networks(trainer, c)}
 
 
 def policy_and_reference_checkpoints(trainer):

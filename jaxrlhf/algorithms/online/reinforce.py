@@ -14,6 +14,7 @@ from jaxrlhf.algorithms.online import recipe
 from jaxrlhf.algorithms.online import options
 from jaxrlhf.algorithms.online import reward_model_eval
 from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
 
@@ -74,7 +75,7 @@ ALGORITHM = base.Algorithm(
     carried=dataclasses.replace(KL_PENALTY, init=lambda config: dict(
         KL_PENALTY.init(config), baseline=0.0)),
     evaluation=reward_model_eval.EVALUATION,
-    config_groups=(options.ONLINE, reward_sources.GROUP, GROUP),
+    config_groups=(options.ONLINE, reward_sources.GROUP, teacher.GROUP, GROUP),
     checks=(options.check_online,),
     pipeline_stage=True,
 )

@@ -16,6 +16,7 @@ from jaxrlhf.algorithms.online import recipe
 from jaxrlhf.algorithms.online import options
 from jaxrlhf.algorithms.online import reward_model_eval
 from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
 from jaxrlhf.rl import kl as kl_lib
@@ -50,6 +51,6 @@ ALGORITHM = base.Algorithm(
         loss_count=critic_free.make_loss_count(clipping)),
     carried=kl_control.carried("online.kl_coef"),
     evaluation=reward_model_eval.EVALUATION,
-    config_groups=(options.ONLINE, reward_sources.GROUP),
+    config_groups=(options.ONLINE, reward_sources.GROUP, teacher.GROUP),
     checks=(options.check_online,),
 )

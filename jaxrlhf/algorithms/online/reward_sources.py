@@ -252,7 +252,7 @@ class RewardSources:
       score of a response without an EOS (detail 23), or None.
   """
   weights: Dict[str, float]
-  reward_model: Optional[learned_reward.RewardModel]
+  reward_model: Optional[learned_reward.FrozenNetwork]
   lm: Any
   host: Tuple[HostReward, ...]
   overlong: Optional[Tuple[int, int]]
@@ -283,8 +283,8 @@ class RewardSources:
     until `with_host_rewards` fills them) and their weighted sum."""
     device = self.device_rewards(rollout)
     missing = jnp.full(rollout.has_eos.shape, jnp.nan, jnp.float32)
-    rewards = jnp.stack([device.get(name, missing) for name in self.names],
-                        axis=1)
+    rewards = jnp.stack([device.get(name, missing) for name in self.names]
+                        or [missing], axis=1)[:, :len(self.names)]
     return rollout.replace(rewards=rewards, scores=self.combine(rewards))
 
   def with_host_rewards(self, rollout, host_values):
@@ -363,12 +363,16 @@ class RewardSources:
 
 
 def build(config, vocabulary, policy_lm, platform: str, max_new_tokens: int,
-          shapes_only: bool = False) -> RewardSources:
+          shapes_only: bool = False, used: bool = True) -> RewardSources:
   """The run's `RewardSources`: the reward model's network (its vocabulary
   checked against `vocabulary`) and the host rewards (a missing function or
   a task without a gold reward refused here, before the run writes
-  anything)."""
+  anything); none at all when the algorithm does not train on rewards
+  (`used` False: distillation)."""
   o, r = config.online, config.rewards
+  if not used:
+    return RewardSources(weights={}, reward_model=None, lm=policy_lm,
+                         host=(), overlong=None, eos_trick=None)
   reward_model = None
   if uses_reward_model(config):
     reward_model = learned_reward.build(

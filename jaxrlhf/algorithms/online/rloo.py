@@ -12,6 +12,7 @@ from jaxrlhf.algorithms.online import recipe
 from jaxrlhf.algorithms.online import options
 from jaxrlhf.algorithms.online import reward_model_eval
 from jaxrlhf.algorithms.online import reward_sources
+from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.algorithms.online import critic_free
 from jaxrlhf.rl import advantages as advantages_lib
 
@@ -41,7 +42,7 @@ ALGORITHM = base.Algorithm(
             critic_free.symmetric_clipping)),
     carried=kl_control.carried("online.kl_coef"),
     evaluation=reward_model_eval.EVALUATION,
-    config_groups=(options.ONLINE, reward_sources.GROUP),
+    config_groups=(options.ONLINE, reward_sources.GROUP, teacher.GROUP),
     checks=(options.check_online, options.check_groups_of_two),
     pipeline_stage=True,
 )

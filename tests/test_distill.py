@@ -1,0 +1,233 @@
+"""On-policy distillation and GKD (`jaxrlhf.algorithms.online.distill`,
+`teacher`).
+
+Checked against independent computations: the teacher's log-probs of the
+sampled tokens and the student's, from each row run alone and unpadded
+through the networks (numpy log-softmax of their logits), give the
+per-token advantage -coef * (log pi_student - log pi_teacher); the loss
+mode's term is coef x the reverse KL over the whole vocabulary of the same
+logits; GKD with lambda 0 trains on the dataset's completions and with
+lambda 1 on samples; a teacher of another vocabulary is refused in one
+line. Then both algorithms train through `python -m jaxrlhf.main` (a T5
+teacher and student of different widths; a Llama teacher deeper and wider
+than its Llama student), and the divergence to the teacher falls.
+"""
+
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import REPO, cli_args, quiet_env, tiny_config
+from test_online_decoder_only import (EOS, PROMPTS, _init_lm_params, _padded,
+                                      _right_padded_outputs, _write_workdir)
+from jaxrlhf import algorithms
+from jaxrlhf import sharding
+from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.algorithms.online import teacher as teacher_lib
+from jaxrlhf.data import prompts as prompts_lib
+from jaxrlhf.models import hf_io
+from jaxrlhf.models import sampling
+
+MAX_NEW = 6
+LLAMA = {"model__arch": "llama", "model__size": "tiny",
+         "model__num_encoder_layers": None}
+# The teacher: wider and deeper than the student.
+BIGGER = {"model__emb_dim": 64, "model__mlp_dim": 128,
+          "model__num_decoder_layers": 2}
+RESPONSES = [[3, 4, EOS], [8, 9, 10, 11, 12, 13], [EOS], [6, 7, 8, EOS]]
+
+
+def _log_softmax(x):
+  x = x - x.max(-1, keepdims=True)
+  return x - np.log(np.exp(x).sum(-1, keepdims=True))
+
+
+@pytest.fixture(scope="module")
+def llama_pair(tmp_path_factory):
+  """Random Llama student and teacher (of another size) run workdirs."""
+  root = tmp_path_factory.mktemp("distill")
+  student_config = tiny_config(algorithm="sft", **LLAMA)
+  teacher_config = tiny_config(algorithm="sft", **LLAMA, **BIGGER)
+  student, _ = _init_lm_params(student_config, 1)
+  teacher, _ = _init_lm_params(teacher_config, 2)
+  _write_workdir(root / "student", student_config, {"policy": student})
+  _write_workdir(root / "teacher", teacher_config, {"policy": teacher})
+  return {"student": str(root / "student"), "teacher": str(root / "teacher"),
+          "root": root}
+
+
+def _config(pair, algorithm="distill", **overrides):
+  return tiny_config(**{
+      "algorithm": algorithm, "init__policy_checkpoint": pair["student"],
+      "distill__teacher_checkpoint": pair["teacher"],
+      "online__max_new_tokens": MAX_NEW, "optimizer__warmup_steps": 0,
+      "train__batch_size": 4, "online__temperature": 0.8, **LLAMA,
+      **overrides})
+
+
+def _samples(responses):
+  tokens = _padded(responses, MAX_NEW)
+  mask = (_padded([[1] * len(r) for r in responses], MAX_NEW)
+          ).astype(np.float32)
+  return sampling.Samples(tokens=jnp.asarray(tokens),
+                          logprobs=jnp.zeros(mask.shape), mask=jnp.asarray(mask),
+                          has_eos=jnp.asarray([EOS in r for r in responses]),
+                          num_steps=jnp.int32(MAX_NEW))
+
+
+def _alone(module, params, temperature):
+  """Each row's log-softmax over the vocabulary at each response token,
+  from the row run alone and unpadded: [rows] of [n, vocab]."""
+  prompts = [p[:-1] for p in PROMPTS]  # no EOS before the response
+  logits = _right_padded_outputs(module, params,
+                                 [p + r for p, r in zip(prompts, RESPONSES)])
+  return [_log_softmax(l[len(p) - 1:len(p) - 1 + len(r)] / temperature)
+          for p, r, l in zip(prompts, RESPONSES, logits)]
+
+
+def test_teacher_scores_give_the_per_token_advantage_and_the_loss(llama_pair):
+  """Advantage mode: rows' advantages are -coef (log pi_s - log pi_t) on
+  each response token; loss mode: the loss is coef x the reverse KL of the
+  whole next-token distributions, averaged over response tokens."""
+  coef = 0.5
+  results = {}
+  for mode in ("advantage", "loss"):
+    config = _config(llama_pair, distill__coef=coef, distill__mode=mode)
+    with sharding.activate(config, jax.devices()[:1]) as mesh:
+      trainer = algorithms.build(config, mesh)
+      assert trainer.online.teacher.model_config.emb_dim == 64
+      state = trainer.init_state()
+      prompts = jnp.asarray(_padded(PROMPTS, config.data.inputs_length))
+      rollout = jax.jit(lambda s, p: iteration.score(
+          trainer, s.params, s.frozen, p, _samples(RESPONSES)))(state, prompts)
+      rows, _, metrics = jax.jit(
+          lambda s, r: iteration.advantages(trainer, s, r))(state, rollout)
+      loss_fn = teacher_lib.with_distill_loss(
+          trainer, lambda params, minibatch: (jnp.zeros(()), {}),
+          state.frozen)
+      loss, loss_metrics = jax.jit(loss_fn)(state.params, rows)
+      student = _alone(trainer.model, state.params["policy"],
+                       config.online.temperature)
+      teacher = _alone(trainer.online.teacher.adapter.module,
+                       state.frozen["teacher"], config.online.temperature)
+      results[mode] = (rollout, rows, metrics, loss, loss_metrics)
+
+  rollout, rows, metrics, _, _ = results["advantage"]
+  mask = np.asarray(rollout.mask)
+  want_gap, want_kl, count = np.zeros(mask.shape), 0.0, 0
+  for b, r in enumerate(RESPONSES):
+    n = len(r)
+    np.testing.assert_array_equal(mask[b], [1] * n + [0] * (MAX_NEW - n))
+    want_t = [teacher[b][t, r[t]] for t in range(n)]
+    np.testing.assert_allclose(np.asarray(rollout.teacher_logprobs)[b, :n],
+                               want_t, atol=2e-5)
+    want_gap[b, :n] = [student[b][t, r[t]] - teacher[b][t, r[t]]
+                       for t in range(n)]
+    p = np.exp(student[b])
+    want_kl += float(np.sum(p * (student[b] - teacher[b])))
+    count += n
+  np.testing.assert_allclose(np.asarray(rows["advantages"]),
+                             -coef * want_gap, atol=5e-5)
+  np.testing.assert_allclose(float(metrics["distill/reverse_kl"]),
+                             want_gap.sum() / mask.sum(), atol=2e-5)
+  _, _, _, loss, loss_metrics = results["loss"]
+  np.testing.assert_allclose(float(loss_metrics["distill/divergence"]),
+                             want_kl / count, rtol=1e-4)
+  np.testing.assert_allclose(float(loss), coef * want_kl / count, rtol=1e-4)
+
+
+def test_gkd_lambda_chooses_samples_or_the_dataset_completions(llama_pair):
+  """lambda 0: the step's responses are the prompts' own targets; lambda
+  1: the student's samples (which are not the targets)."""
+  completions = {}
+  for lmbda in (0.0, 1.0):
+    config = _config(llama_pair, "gkd", gkd__lmbda=lmbda)
+    with sharding.activate(config, jax.devices()[:1]) as mesh:
+      trainer = algorithms.build(config, mesh)
+      state = trainer.init_state()
+      batch = next(iter(trainer.algorithm.training.batches(trainer, 0)))
+      parts = iteration.step_parts(trainer)
+      samples = jax.jit(parts.sample)(state.params, state.frozen,
+                                      jax.tree.map(jnp.asarray, batch),
+                                      jax.random.PRNGKey(3))
+      source = trainer.online.prompt_source.prompts
+      targets = [source.completions[i] for i in batch[
+          prompts_lib.PROMPT_INDEX]]
+      completions[lmbda] = (np.asarray(samples.tokens), targets,
+                            np.asarray(samples.mask))
+  tokens, targets, mask = completions[0.0]
+  for row, target, row_mask in zip(tokens, targets, mask):
+    n = min(len(target), MAX_NEW)
+    np.testing.assert_array_equal(row[:n], target[:n])
+    assert row_mask[:n].all()
+  sampled, targets, _ = completions[1.0]
+  assert any(not np.array_equal(row[:len(t)], t[:MAX_NEW])
+             for row, t in zip(sampled, targets))
+
+
+def test_a_teacher_of_another_vocabulary_is_refused(llama_pair, tmp_path):
+  """A Hugging Face teacher whose vocabulary has another size: one line
+  naming the teacher and both sizes."""
+  config = tiny_config(algorithm="sft", **LLAMA, model__vocab_size=256)
+  params, model_config = _init_lm_params(config, 4)
+  hf_io.export_hf_checkpoint(model_config, params, tmp_path / "hf")
+  config = _config(llama_pair, distill__teacher_checkpoint=str(tmp_path / "hf"))
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    with pytest.raises(ValueError, match=r"config\.distill\.teacher_checkpoint"
+                       r": the teacher .* 256 tokens.*policy's has"):
+      algorithms.build(config, mesh)
+
+
+def _run_main(workdir, **overrides):
+  # A field overridden with None keeps the config's own value (None: a
+  # decoder-only model has no encoder layers).
+  unset = tuple(f"--config.{k.replace('__', '.')}="
+                for k, v in overrides.items() if v is None)
+  args = [sys.executable, "-m", "jaxrlhf.main",
+          "--config=configs/quickstart.py", f"--workdir={workdir}",
+          *(a for a in cli_args(**overrides) if not a.startswith(unset))]
+  out = subprocess.run(args, cwd=REPO, env=quiet_env(), capture_output=True,
+                       text=True, timeout=900)
+  assert out.returncode == 0, out.stdout[-2000:] + out.stderr[-3000:]
+  with open(os.path.join(workdir, "metrics.jsonl")) as f:
+    return out.stdout, [json.loads(line) for line in f]
+
+
+def _falls(metrics, key):
+  values = [m[key] for m in metrics if key in m]
+  assert len(values) >= 8, (key, values)
+  return np.mean(values[-3:]) < np.mean(values[:3])
+
+
+def test_distill_and_gkd_train_through_main(llama_pair, tmp_path):
+  """`python -m jaxrlhf.main`: on-policy distillation of a T5 student from
+  a wider T5 teacher, and GKD of a Llama student from a deeper, wider
+  Llama teacher; the divergence to the teacher falls in both."""
+  root = llama_pair["root"]
+  t5_teacher, t5_student = str(root / "t5_teacher"), str(root / "t5_student")
+  t5_bigger = {"model__emb_dim": 64, "model__mlp_dim": 128}
+  for path, sizes, seed in ((t5_teacher, t5_bigger, 5), (t5_student, {}, 6)):
+    config = tiny_config(algorithm="sft", **sizes)
+    params, _ = _init_lm_params(config, seed)
+    _write_workdir(path, config, {"policy": params})
+  stdout, metrics = _run_main(
+      tmp_path / "distill", algorithm="distill", train__num_steps=10,
+      init__policy_checkpoint=t5_student,
+      distill__teacher_checkpoint=t5_teacher, distill__mode="loss",
+      online__max_new_tokens=MAX_NEW, online__temperature=1.0,
+      eval__num_examples=8, eval__batch_size=8)
+  assert "Teacher: " in stdout and "emb_dim 64" in stdout
+  assert _falls(metrics, "distill/divergence"), metrics
+  _, metrics = _run_main(
+      tmp_path / "gkd", algorithm="gkd", train__num_steps=10,
+      init__policy_checkpoint=llama_pair["student"],
+      distill__teacher_checkpoint=llama_pair["teacher"],
+      online__max_new_tokens=MAX_NEW, online__temperature=1.0,
+      eval__num_examples=8, eval__batch_size=8, **LLAMA)
+  assert _falls(metrics, "distill/divergence"), metrics
