@@ -11,18 +11,21 @@ experts' row counts as group sizes.
 Expert parallelism: when the current logical-axis rules split the
 `expert` axis of the expert weights over mesh axes (`sharding.experts_over`)
 and the current mesh (`jax.set_mesh`, as `sharding.activate` sets) gives
-those axes more than one device, each device holds num_experts / D experts
-and computes only theirs, as a sharded grouped product under
-`jax.shard_map`: the tokens (with their routing) are all-gathered over the
-expert axes, each device runs the grouped products on the copies routed to
-its own experts, and the partial outputs are summed back to the devices
-that own the tokens by a reduce-scatter (tokens that do not split evenly
-over the devices are padded with tokens routed nowhere). Still dropless: a device's buffers hold every gathered
-copy, so no routing can overflow them. Routing is computed outside, as
-unsplit, so the result equals the unsplit block's up to the order of the
-float sums.
+those axes D > 1 devices, each device holds num_experts / D experts and
+computes only theirs, as a sharded grouped product under `jax.shard_map`:
+the tokens (with their routing) are all-gathered over the expert axes, each
+device runs the grouped products on the copies routed to its own experts,
+and the partial outputs are summed back to the devices that own the tokens
+by a reduce-scatter (tokens that do not split evenly over the devices are
+padded with tokens routed nowhere). Still dropless: a device's buffers hold
+every gathered copy (D times its own tokens' copies), so no routing can
+overflow them; an all-to-all sending each copy to its expert's device only
+would need ragged buffers (`jax.lax.ragged_all_to_all`) and is not done
+here. Routing is computed outside, as unsplit, so the result equals the
+unsplit block's up to the order of the float sums.
 """
 
+import math
 from typing import Any, Optional, Tuple
 
 import flax.linen as nn
@@ -89,6 +92,11 @@ def _combine(copies: Array, weights: Array) -> Array:
   return jnp.sum(copies * weights[..., None], axis=1)
 
 
+def _devices_over(mesh, axes: Tuple[str, ...]) -> int:
+  """The number of devices of `mesh` over its `axes`."""
+  return math.prod(mesh.shape[a] for a in axes)
+
+
 def expert_mesh_axes(num_experts: int) -> Tuple[str, ...]:
   """The mesh axes the current rules split the expert weights' `expert`
   axis over, or () when it is not split (no rule, no mesh, or one device).
@@ -108,11 +116,10 @@ def expert_mesh_axes(num_experts: int) -> Tuple[str, ...]:
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
     raise ValueError(f"MoeMlp: the logical-axis rules map 'expert' to mesh "
-                     f"axes {missing} that the mesh {mesh.axis_names} lacks; "
-                     "fix the expert rule in config.sharding.logical_axis_rules")
-  ways = 1
-  for a in axes:
-    ways *= mesh.shape[a]
+                     f"axes {missing} that the mesh {mesh.axis_names} "
+                     "lacks; fix the expert rule in "
+                     "config.sharding.logical_axis_rules")
+  ways = _devices_over(mesh, axes)
   if ways == 1:
     return ()
   if num_experts % ways:
@@ -131,9 +138,7 @@ def _expert_parallel(tokens: Array, weights: Array, experts: Array,
   tokens' dtype, experts int32 [tokens, top_k], expert weights whole
   (split by the shard_map) -> y [tokens, embed]."""
   mesh = jax.sharding.get_abstract_mesh()
-  ways = 1
-  for a in axes:
-    ways *= mesh.shape[a]
+  ways = _devices_over(mesh, axes)
   name = axes if len(axes) > 1 else axes[0]
   n = tokens.shape[0]
   pad = -n % ways
