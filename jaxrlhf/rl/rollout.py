@@ -219,6 +219,14 @@ def response_features(lm, prompt_tokens, response_tokens, response_mask,
                                            weights], axis=1)}
 
 
+def response_tokens(lm, features, length: int):
+  """[batch, L] the response tokens of `response_features` for `lm` (the
+  last L = `length` columns of a decoder-only row)."""
+  if lm.is_encoder_decoder:
+    return features["decoder_target_tokens"]
+  return features["tokens"][:, -length:]
+
+
 def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
                          temperature: float = 1.0,
                          response_length: Optional[int] = None):

@@ -29,6 +29,7 @@ from jaxrlhf import sharding
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.algorithms.online import kl_control
 from jaxrlhf.algorithms.online import options
+from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.rl import importance_sampling
@@ -223,7 +224,14 @@ def score(trainer, params, frozen, prompt_tokens, samples):
     if trainer.online.teacher is not None:
       rollout = teacher.score_with_teacher(trainer, frozen[teacher.TEACHER],
                                            prompts, rollout)
-    return rewards.with_device_rewards(rollout)
+    judged = None
+    if rewards.judge is not None:
+      judged = rewards.judge.scores(
+          frozen[reward_sources.JUDGE], prompts,
+          rollout_lib.response_tokens(trainer.lm, rollout.features,
+                                      rollout.mask.shape[1]),
+          rollout.mask, trainer.vocabulary.eos_id)
+    return rewards.with_device_rewards(rollout, judged)
 
   rollout = _by_parts(o.rollout_microbatches, k, part, prompt_tokens,
                       samples.tokens)

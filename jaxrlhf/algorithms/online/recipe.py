@@ -214,6 +214,7 @@ class Online(base.Training):
   def loaded_networks(self, trainer, abstract_state):
     return {**reward_sources.loaded_networks(trainer, abstract_state,
                                              self.value_from_reward_model),
+            **reward_sources.loaded_judge(trainer, abstract_state),
             **teacher.loaded_networks(trainer, abstract_state)}
 
   def optimizer(self, trainer, per_network, update_scales):

@@ -13,6 +13,11 @@ its share of the sum's absolute size):
                 its vocabulary must be the policy's (checked at start-up).
   overlong      DAPO's soft overlong penalty of the response length, inside
                 the step (`jaxrlhf.rewards.overlong`).
+  judge         a generative reward model: a frozen instruction model
+                (`rewards.judge.checkpoint`, of the policy's vocabulary)
+                reads the prompt and response through a template, inside
+                the step, and its verdict's probability is the reward
+                (`jaxrlhf.rewards.judge`).
   gold_reward   the task's registered gold reward (the synthetic tasks have
                 one), on the host.
   math_answer   the completion's final answer checked against the row's
@@ -53,9 +58,11 @@ from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import names
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import heads
+from jaxrlhf.models.layers import rotary
 from jaxrlhf.models import pretrained
 from jaxrlhf.rewards import code_execution
 from jaxrlhf.rewards import host
+from jaxrlhf.rewards import judge as judge_lib
 from jaxrlhf.rewards import learned_reward
 from jaxrlhf.rewards import math_answer
 from jaxrlhf.rewards import overlong
@@ -67,11 +74,12 @@ G = config_schema.Group
 
 REWARD_MODEL = "reward_model"
 OVERLONG = "overlong"
+JUDGE = "judge"
 # A multi-turn episode's own return (online.environment or online.tools:
 # `episode_step`), weight 1, filled in on the host.
 EPISODE = "episode"
 # The rewards computed inside the compiled step; the others run on the host.
-DEVICE_REWARDS = (REWARD_MODEL, OVERLONG)
+DEVICE_REWARDS = (REWARD_MODEL, OVERLONG, JUDGE)
 
 
 def _weight(doc: str, default: float = 0.0) -> F:
@@ -95,6 +103,25 @@ GROUP = G("rewards", "What online RL trains on: the weighted sum of these "
                     F("cache_length", 4, "L_cache, the band below max_length "
                       "where the penalty grows (DAPO: 4096 of 20480).",
                       bounds=">=0"),
+                ]),
+              G(JUDGE, "A generative reward model: a frozen instruction "
+                "model reads each prompt and response through a template "
+                "and its verdict, p(yes) / (p(yes) + p(no)) at the next "
+                "token, is the reward (jaxrlhf/rewards/judge.py).", [
+                    _weight("Its weight."),
+                    F("checkpoint", "", "The judge: a jaxrlhf run's workdir "
+                      "(its params/policy) or a Hugging Face folder, of the "
+                      "policy's vocabulary; required while weight is not "
+                      "0.", path=True,
+                      read_when=lambda c: c.rewards.judge.weight != 0),
+                    F("template", "{prompt}\n{response}\nIs the response "
+                      "good? Answer:", "What the judge reads: text with "
+                      "{prompt} and {response} once each (the row's prompt "
+                      "and response tokens go there; literal braces as {{ "
+                      "}})."),
+                    F("choices", "Yes,No", "'yes,no': the verdict's token "
+                      "and the one it is weighed against, each one token "
+                      "of the vocabulary."),
                 ]),
               G("gold_reward", "The task's registered gold reward "
                 "(jaxrlhf.data.tasks.register_gold_reward; the synthetic "
@@ -212,6 +239,16 @@ def check_rewards(c) -> None:
       bool(weights(c)), "rewards",
       "every reward's weight is 0, so there is nothing to train on; give "
       "one a weight (e.g. --config.rewards.gold_reward.weight=1).")
+  if c.rewards.judge.weight != 0:
+    config_schema.require(
+        bool(c.rewards.judge.checkpoint), "rewards.judge.checkpoint",
+        "rewards.judge.weight is not 0, so a judge scores the samples; set "
+        "it to a jaxrlhf run's workdir or a Hugging Face folder of the "
+        "policy's vocabulary.")
+    config_schema.require(
+        not environments.episodic(c.online), "rewards.judge.weight",
+        "a judge does not yet read multi-turn episodes (online.environment "
+        "/ online.tools); score their final answers with a host reward.")
   if uses_reward_model(c):
     config_schema.require(
         bool(c.online.reward_model_checkpoint),
@@ -250,6 +287,7 @@ class RewardSources:
     overlong: (L_max, L_cache) of DAPO's overlong penalty, or None.
     eos_trick: the missing-EOS penalty that replaces the reward model's
       score of a response without an EOS (detail 23), or None.
+    judge: the generative reward model's network and template, or None.
   """
   weights: Dict[str, float]
   reward_model: Optional[learned_reward.FrozenNetwork]
@@ -257,6 +295,7 @@ class RewardSources:
   host: Tuple[HostReward, ...]
   overlong: Optional[Tuple[int, int]]
   eos_trick: Optional[float]
+  judge: Optional["Judge"] = None
 
   @property
   def names(self) -> List[str]:
@@ -266,11 +305,14 @@ class RewardSources:
   def host_names(self) -> List[str]:
     return [n for n in self.weights if n not in DEVICE_REWARDS]
 
-  def device_rewards(self, rollout) -> Dict[str, jax.Array]:
+  def device_rewards(self, rollout, judged=None) -> Dict[str, jax.Array]:
     """{name: [rows]} of the rewards computed in the step: the reward
     model's score at the EOS (the EOS trick applied: `rollout.scores` as
-    `assemble_rollout` made it) and the overlong penalty of each response."""
+    `assemble_rollout` made it), the overlong penalty of each response and
+    the judge's verdicts `judged` ([rows], `Judge.scores`)."""
     out = {}
+    if judged is not None:
+      out[JUDGE] = judged
     if self.reward_model is not None:
       out[REWARD_MODEL] = rollout.scores
     if self.overlong is not None:
@@ -278,13 +320,16 @@ class RewardSources:
           jnp.sum(rollout.mask, axis=-1), *self.overlong)
     return out
 
-  def with_device_rewards(self, rollout):
+  def with_device_rewards(self, rollout, judged=None):
     """The rollout with its rewards [rows, num rewards] (the host's NaN
-    until `with_host_rewards` fills them) and their weighted sum."""
-    device = self.device_rewards(rollout)
+    until `with_host_rewards` fills them) and their weighted sum; `judged`:
+    the judge's verdicts [rows] when the run has one."""
+    if not self.names:  # distillation alone: no rewards, scores 0
+      return rollout
+    device = self.device_rewards(rollout, judged)
     missing = jnp.full(rollout.has_eos.shape, jnp.nan, jnp.float32)
-    rewards = jnp.stack([device.get(name, missing) for name in self.names]
-                        or [missing], axis=1)[:, :len(self.names)]
+    rewards = jnp.stack([device.get(name, missing) for name in self.names],
+                        axis=1)
     return rollout.replace(rewards=rewards, scores=self.combine(rewards))
 
   def with_host_rewards(self, rollout, host_values):
@@ -362,6 +407,51 @@ class RewardSources:
         for name, weight in self.weights.items())
 
 
+@dataclasses.dataclass(frozen=True)
+class Judge:
+  """The generative reward model: its network and its template as tokens
+  (`jaxrlhf.rewards.judge`)."""
+  network: learned_reward.FrozenNetwork
+  template: judge_lib.JudgeTemplate
+
+  def scores(self, params, prompt_tokens, response_tokens, response_mask,
+             eos_id: int):
+    """[rows] the judge's verdicts of the responses (prompt_tokens [rows,
+    Lp] encoder-style, response tokens and mask [rows, L]): each row's
+    prompt and response without padding or EOS in the template, the
+    probability of the verdict's token at the next position."""
+    def real(tokens, mask):
+      return tokens, mask * (tokens != eos_id) * (tokens != 0)
+    lm = self.network.adapter
+    template = self.template
+    if lm.is_encoder_decoder:  # its inputs end in EOS, as it was trained
+      template = dataclasses.replace(template, pieces=template.pieces[:-1] + (
+          template.pieces[-1] + (eos_id,),))
+    tokens, mask = judge_lib.judge_rows(
+        template,
+        {"prompt": real(prompt_tokens, jnp.ones_like(prompt_tokens)),
+         "response": real(response_tokens,
+                          response_mask.astype(jnp.int32))},
+        left_padded=not lm.is_encoder_decoder)
+    rows = tokens.shape[0]
+    if lm.is_encoder_decoder:
+      # The encoder reads the rows; the decoder's first position (input
+      # BOS 0, a target that marks the position real) answers.
+      first = jnp.zeros((rows, 1), jnp.int32)
+      batch = {"encoder_input_tokens": tokens, "decoder_input_tokens": first,
+               "decoder_target_tokens": first + 1,
+               "decoder_loss_weights": first + 1}
+    else:
+      # A column after the last token: its state answers (the states
+      # `response_states` gives are those before each of the last tokens).
+      tokens = jnp.pad(tokens, ((0, 0), (0, 1)))
+      mask = jnp.pad(mask, ((0, 0), (0, 1)))
+      batch = {"tokens": tokens, "attention_mask": mask,
+               "positions": rotary.positions_from_mask(mask)}
+    states, project = lm.response_states(params, batch, 1)
+    return judge_lib.verdict(project(states)[:, 0], self.template.choices)
+
+
 def build(config, vocabulary, policy_lm, platform: str, max_new_tokens: int,
           shapes_only: bool = False, used: bool = True) -> RewardSources:
   """The run's `RewardSources`: the reward model's network (its vocabulary
@@ -383,12 +473,22 @@ def build(config, vocabulary, policy_lm, platform: str, max_new_tokens: int,
   if r.overlong.weight != 0:
     overlong_cfg = (r.overlong.max_length or max_new_tokens,
                     r.overlong.cache_length)
+  judge = None
+  if r.judge.weight != 0:
+    j = r.judge
+    judge = Judge(
+        learned_reward.build(
+            j.checkpoint, "config.rewards.judge.checkpoint", vocabulary,
+            config.model, platform, check_vocabulary=not shapes_only,
+            what="the judge",
+            fix="Judge with a model of the policy's vocabulary."),
+        judge_lib.parse_template(j.template, j.choices, vocabulary.encode))
   return RewardSources(
       weights=weights(config), reward_model=reward_model,
       lm=reward_model.adapter if reward_model else policy_lm,
       host=() if shapes_only else _host_rewards(config),
       overlong=overlong_cfg,
-      eos_trick=o.missing_eos_penalty if o.eos_trick else None)
+      eos_trick=o.missing_eos_penalty if o.eos_trick else None, judge=judge)
 
 
 def _host_rewards(config) -> Tuple[HostReward, ...]:
@@ -454,10 +554,40 @@ def init_reward_net(trainer, rng):
 
 
 def frozen_networks(trainer, rng) -> Dict[str, Any]:
-  """{"reward": params} when a reward model is weighted, else {}."""
-  if trainer.online.rewards.reward_model is None:
+  """{"reward": params} when a reward model is weighted, {"judge": params}
+  when a judge is."""
+  sources = trainer.online.rewards
+  a, b = jax.random.split(rng)
+  out = {}
+  if sources.reward_model is not None:
+    out["reward"] = init_reward_net(trainer, a)
+  if sources.judge is not None:
+    out[JUDGE] = trainer.init_lm(b, module=sources.judge.network.adapter.module)
+  return out
+
+
+def loaded_judge(trainer, abstract_state) -> Dict[str, Any]:
+  """{"frozen/judge": its checkpoint's params} when a judge is weighted."""
+  judge = trainer.online.rewards.judge
+  if judge is None:
     return {}
-  return {"reward": init_reward_net(trainer, rng)}
+  return {f"frozen/{JUDGE}": load_frozen_lm(
+      trainer, judge.network, abstract_state, f"frozen/{JUDGE}",
+      "config.rewards.judge.checkpoint")}
+
+
+def load_frozen_lm(trainer, network, abstract_state, target: str,
+                   field: str):
+  """A frozen language model's params (a teacher, a judge: another run's
+  latest params/policy or a Hugging Face folder), shaped and sharded as
+  `target` of `abstract_state`; errors name `field`."""
+  try:
+    return pretrained.load_lm_params(
+        network.path, state_lib.subtree(abstract_state, target),
+        module=network.adapter.module,
+        token_swap=trainer.hf_options()["token_swap"])
+  except ValueError as e:
+    raise ValueError(f"{field}: {e}") from None
 
 
 def loaded_networks(trainer, abstract_state,

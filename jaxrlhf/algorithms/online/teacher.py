@@ -35,7 +35,6 @@ JSD(`gkd.beta`). Both log-probs and distributions are at
 `temperature`, default 0.9 there).
 """
 
-import functools
 from typing import Any, Dict, Optional
 
 import jax
@@ -43,10 +42,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf import config_schema
-from jaxrlhf.algorithms import state as state_lib
+from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.losses import distillation
-from jaxrlhf.models import pretrained
 from jaxrlhf.models import sampling
 from jaxrlhf.models import scoring
 from jaxrlhf.rewards import learned_reward
@@ -186,14 +184,9 @@ def loaded_networks(trainer, abstract_state) -> Dict[str, Any]:
   teacher = trainer.online.teacher
   if teacher is None:
     return {}
-  target = f"frozen/{TEACHER}"
-  try:
-    return {target: pretrained.load_lm_params(
-        teacher.path, state_lib.subtree(abstract_state, target),
-        module=teacher.adapter.module,
-        token_swap=trainer.hf_options()["token_swap"])}
-  except ValueError as e:
-    raise ValueError(f"config.distill.teacher_checkpoint: {e}") from None
+  return {f"frozen/{TEACHER}": reward_sources.load_frozen_lm(
+      trainer, teacher, abstract_state, f"frozen/{TEACHER}",
+      "config.distill.teacher_checkpoint")}
 
 
 # --- the teacher on a rollout ----------------------------------------------------
@@ -205,11 +198,8 @@ def teacher_features(trainer, prompt_tokens, rollout):
   teacher_lm = trainer.online.teacher.adapter
   if teacher_lm.is_encoder_decoder == trainer.lm.is_encoder_decoder:
     return rollout.features
-  length = rollout.mask.shape[1]
-  if trainer.lm.is_encoder_decoder:
-    tokens = rollout.features["decoder_target_tokens"]
-  else:
-    tokens = rollout.features["tokens"][:, -length:]
+  tokens = rollout_lib.response_tokens(trainer.lm, rollout.features,
+                                      rollout.mask.shape[1])
   return rollout_lib.response_features(
       teacher_lm, prompt_tokens, tokens, rollout.mask,
       trainer.vocabulary.eos_id)

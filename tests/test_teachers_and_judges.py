@@ -1,5 +1,6 @@
-"""On-policy distillation and GKD (`jaxrlhf.algorithms.online.distill`,
-`teacher`).
+"""Teachers and judges: on-policy distillation and GKD
+(`jaxrlhf.algorithms.online.distill`, `teacher`), and a generative reward
+model as a reward source (`rewards.judge`).
 
 Checked against independent computations: the teacher's log-probs of the
 sampled tokens and the student's, from each row run alone and unpadded
@@ -11,6 +12,13 @@ lambda 1 on samples; a teacher of another vocabulary is refused in one
 line. Then both algorithms train through `python -m jaxrlhf.main` (a T5
 teacher and student of different widths; a Llama teacher deeper and wider
 than its Llama student), and the divergence to the teacher falls.
+
+The judge's reward of each row equals the verdict computed by hand: the
+row's prompt and response without padding or EOS placed in the template's
+tokens (written out from the vocabulary, not parsed by the code under
+test), run alone through the judge (a Llama, and a T5 whose inputs end in
+EOS), p(yes) / (p(yes) + p(no)) of its next-token logits; GRPO trains on
+it through `python -m jaxrlhf.main`.
 """
 
 import json
@@ -231,3 +239,96 @@ def test_distill_and_gkd_train_through_main(llama_pair, tmp_path):
       online__max_new_tokens=MAX_NEW, online__temperature=1.0,
       eval__num_examples=8, eval__batch_size=8, **LLAMA)
   assert _falls(metrics, "distill/divergence"), metrics
+
+
+# --- the judge ----------------------------------------------------------------
+
+# The synthetic vocabulary's ids: "gold" 7, "moon" 13, "red" 4, "blue" 5.
+JUDGE = {"rewards__reward_model__weight": 0, "rewards__judge__weight": 1,
+         "rewards__judge__template": "{prompt} gold {response} moon",
+         "rewards__judge__choices": "red,blue"}
+GOLD, MOON, RED, BLUE = 7, 13, 4, 5
+
+
+def _t5_first_logits(module, params, inputs):
+  """Each row's decoder logits at its first position, the row alone."""
+  out = []
+  for row in inputs:
+    enc = np.asarray([row], np.int32)
+    # Decoder input BOS (0); a nonzero target marks the position real.
+    logits = module.apply({"params": params}, enc, np.zeros((1, 1), np.int32),
+                          np.ones((1, 1), np.int32))
+    out.append(np.asarray(logits, np.float64)[0, 0])
+  return out
+
+
+def test_the_judge_reward_is_the_verdict_of_each_row_alone(llama_pair):
+  """Llama and T5 judges: reward/judge of each row is p(red) / (p(red) +
+  p(blue)) after [prompt, gold, response, moon] (T5: and an EOS)."""
+  root = llama_pair["root"]
+  t5_config = tiny_config(algorithm="sft")
+  t5_params, _ = _init_lm_params(t5_config, 7)
+  _write_workdir(root / "t5_judge", t5_config, {"policy": t5_params})
+  prompts = [p[:-1] for p in PROMPTS]  # no EOS
+  responses = [[t for t in r if t != EOS] for r in RESPONSES]
+  rows = [p + [GOLD] + r + [MOON] for p, r in zip(prompts, responses)]
+  for judge in (llama_pair["teacher"], str(root / "t5_judge")):
+    config = tiny_config(**{
+        "algorithm": "reinforce",
+        "init__policy_checkpoint": llama_pair["student"],
+        "online__max_new_tokens": MAX_NEW, "train__batch_size": 4,
+        "online__samples_per_prompt": 1, **LLAMA,
+        **JUDGE, "rewards__judge__checkpoint": judge})
+    with sharding.activate(config, jax.devices()[:1]) as mesh:
+      trainer = algorithms.build(config, mesh)
+      state = trainer.init_state()
+      padded = jnp.asarray(_padded(PROMPTS, config.data.inputs_length))
+      rollout = jax.jit(lambda s, p: iteration.score(
+          trainer, s.params, s.frozen, p, _samples(RESPONSES)))(state,
+                                                                 padded)
+      network = trainer.online.rewards.judge.network
+      params = state.frozen["judge"]
+      if network.adapter.is_encoder_decoder:
+        logits = _t5_first_logits(network.adapter.module, params,
+                                  [r + [EOS] for r in rows])
+      else:
+        logits = [l[-1] for l in _right_padded_outputs(
+            network.adapter.module, params, rows)]
+    want = [1 / (1 + np.exp(l[BLUE] - l[RED])) for l in logits]
+    column = trainer.online.rewards.names.index("judge")
+    np.testing.assert_allclose(np.asarray(rollout.rewards)[:, column], want,
+                               rtol=1e-5)
+    np.testing.assert_allclose(np.asarray(rollout.scores), want, rtol=1e-5)
+
+
+@pytest.mark.parametrize("template,choices,message", [
+    ("{prompt} only", "red,blue", r"must name \{response\} once"),
+    ("{prompt} {response} {answer}", "red,blue", r"\{answer\} is not one"),
+    ("{prompt} {response}", "red", r"not two texts"),
+    ("{prompt} {response}", "red,red", r"the same token"),
+])
+def test_a_bad_judge_template_is_refused(template, choices, message):
+  from jaxrlhf.data import tasks  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.rewards import judge  # pylint: disable=g-import-not-at-top
+  with pytest.raises(ValueError, match=message):
+    judge.parse_template(template, choices,
+                         tasks.synthetic_vocabulary().encode)
+
+
+def test_grpo_trains_on_a_judge_and_a_teacher_through_main(llama_pair,
+                                                           tmp_path):
+  """GRPO with the judge as its reward and the teacher's per-token term
+  (the GRPO mix of on-policy distillation): both are logged every step."""
+  stdout, metrics = _run_main(
+      tmp_path / "grpo", algorithm="grpo", train__num_steps=4,
+      init__policy_checkpoint=llama_pair["student"],
+      distill__teacher_checkpoint=llama_pair["teacher"],
+      rewards__judge__checkpoint=llama_pair["teacher"],
+      online__max_new_tokens=MAX_NEW, online__samples_per_prompt=2,
+      train__batch_size=4, eval__num_examples=8, eval__batch_size=8,
+      **LLAMA, **JUDGE)
+  assert "Rewards: judge x 1" in stdout and "Teacher: " in stdout
+  steps = [m for m in metrics if "reward/judge" in m]
+  assert len(steps) == 4
+  for m in steps:
+    assert 0 < m["reward/judge"] < 1 and np.isfinite(m["distill/reverse_kl"])
