@@ -21,6 +21,7 @@ EOS), p(yes) / (p(yes) + p(no)) of its next-token logits; GRPO trains on
 it through `python -m jaxrlhf.main`.
 """
 
+import dataclasses
 import json
 import os
 import subprocess
@@ -299,6 +300,103 @@ def test_the_judge_reward_is_the_verdict_of_each_row_alone(llama_pair):
     np.testing.assert_allclose(np.asarray(rollout.rewards)[:, column], want,
                                rtol=1e-5)
     np.testing.assert_allclose(np.asarray(rollout.scores), want, rtol=1e-5)
+
+
+def _greedy_continuation(module, params, row, steps):
+  """The judge's greedy tokens after `row`, one full forward pass per
+  token (no cache)."""
+  row = list(row)
+  for _ in range(steps):
+    logits = _right_padded_outputs(module, params, [row])[0][-1]
+    row.append(int(np.argmax(logits)))
+  return row[-steps:]
+
+
+def test_the_pairwise_and_score_verdicts_of_each_row_alone(llama_pair):
+  """pairwise: the mean over both orders of p(the response's label);
+  score: the first number (by a made-up table of number tokens) in the
+  judge's greedy continuation, NaN (left out, not counted) without one."""
+  references = [[9, 10, EOS], [4, EOS], [11, 12, 13, EOS], [EOS]]
+  prompts = [p[:-1] for p in PROMPTS]
+  responses = [[t for t in r if t != EOS] for r in RESPONSES]
+  refs = [[t for t in r if t != EOS] for r in references]
+  # A made-up table of number tokens: ids 3 to 63 are the digit id % 10,
+  # but id 20 is "10" (two digits); the others are words.
+  values = -np.ones(128, np.int32)
+  digits = np.zeros(128, np.int32)
+  for token in range(3, 64):
+    value = 10 if token == 20 else token % 10
+    values[token], digits[token] = value, len(str(value))
+  got = {}
+  for verdict in ("pairwise", "score"):
+    template = ("{prompt} gold {response} moon {reference}"
+                if verdict == "pairwise" else JUDGE["rewards__judge__template"])
+    config = tiny_config(**{
+        "algorithm": "reinforce",
+        "init__policy_checkpoint": llama_pair["student"],
+        "online__max_new_tokens": MAX_NEW, "train__batch_size": 4,
+        "online__samples_per_prompt": 1, **LLAMA, **JUDGE,
+        "rewards__judge__template": template,
+        "rewards__judge__verdict": verdict,
+        "rewards__judge__max_new_tokens": 3,
+        "rewards__judge__checkpoint": llama_pair["teacher"]})
+    with sharding.activate(config, jax.devices()[:1]) as mesh:
+      trainer = algorithms.build(config, mesh)
+      rewards = trainer.online.rewards
+      if verdict == "score":
+        trainer.online.rewards = dataclasses.replace(
+            rewards, judge=dataclasses.replace(rewards.judge,
+                                               numbers=(values, digits)))
+      state = trainer.init_state()
+      padded = jnp.asarray(_padded(PROMPTS, config.data.inputs_length))
+      rollout = jax.jit(lambda s, p, r: iteration.score(
+          trainer, s.params, s.frozen, p, _samples(RESPONSES), r))(
+              state, padded, jnp.asarray(_padded(references, MAX_NEW)))
+      module = rewards.judge.network.adapter.module
+      params = state.frozen["judge"]
+      if verdict == "pairwise":
+        first = [p + [GOLD] + r + [MOON] + f
+                 for p, r, f in zip(prompts, responses, refs)]
+        second = [p + [GOLD] + f + [MOON] + r
+                  for p, r, f in zip(prompts, responses, refs)]
+        p1, p2 = ([1 / (1 + np.exp(l[-1][BLUE] - l[-1][RED])) for l in
+                   _right_padded_outputs(module, params, rows)]
+                  for rows in (first, second))
+        want = [0.5 * (a + 1 - b) for a, b in zip(p1, p2)]
+      else:
+        want = []
+        for p, r in zip(prompts, responses):
+          written = _greedy_continuation(module, params,
+                                         p + [GOLD] + r + [MOON], 3)
+          text, started = "", False
+          for token in written:
+            if digits[token]:
+              text += str(values[token])
+              started = True
+            elif started:
+              break
+          want.append(float(text) if text else np.nan)
+      got[verdict] = (np.asarray(rollout.rewards)[:, 0], want,
+                      trainer.online.rewards.metrics(rollout.rewards))
+  np.testing.assert_allclose(got["pairwise"][0], got["pairwise"][1],
+                             rtol=1e-5)
+  scores, want, metrics = got["score"]
+  assert not np.all(np.isnan(want)), want  # the judge wrote numbers
+  np.testing.assert_allclose(scores, want, rtol=1e-6)
+  assert float(metrics["reward/judge/rows"]) == np.sum(~np.isnan(want))
+
+
+def test_the_first_written_number():
+  from jaxrlhf.rewards import judge  # pylint: disable=g-import-not-at-top
+  # Tokens 10..19 are "0".."9", token 20 is "10"; the rest are words.
+  names = {i: str(i - 10) for i in range(10, 20)}
+  names[20] = "10"
+  values, digits = judge.number_tokens(lambda i: names.get(i, "w"), 24)
+  rows = jnp.asarray([[3, 11, 12, 2], [3, 4, 5, 6], [11, 20, 14, 3],
+                      [11, 3, 12, 13]])
+  got = np.asarray(judge.first_number(rows, values, digits))
+  np.testing.assert_array_equal(got[[0, 2, 3]], [12.0, 1104.0, 1.0])
+  assert np.isnan(got[1])
 
 
 @pytest.mark.parametrize("template,choices,message", [

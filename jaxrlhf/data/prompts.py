@@ -115,6 +115,20 @@ class Prompts:
   # (EOS included), unpadded; None for a task without targets.
   completions: Optional[List[np.ndarray]] = None
 
+  def padded_completions(self, length: int) -> np.ndarray:
+    """[num_prompts, length] the prompts' completions, cut or 0-padded to
+    `length`; refused for a task without targets."""
+    if self.completions is None:
+      raise ValueError(
+          "config.data.task has no 'targets' feature, so its prompts have "
+          "no completions of their own (GKD's dataset responses, a pairwise "
+          "judge's references); give the task targets, or use "
+          "algorithm='distill' (samples only) or another judge verdict.")
+    out = np.zeros((len(self.completions), length), np.int32)
+    for i, row in enumerate(self.completions):
+      out[i, :min(len(row), length)] = row[:length]
+    return out
+
 
 def _prompt_feature(task) -> str:
   features = task.output_features
@@ -224,6 +238,10 @@ def load_prompts(task_name: str, split: str, max_tokens: int, *,
 # split's `Prompts`, where the host finds its text and columns.
 PROMPT_FEATURE = "encoder_input_tokens"
 PROMPT_INDEX = "prompt_index"
+# The prompts' own completions [batch, max_new_tokens] (the task's targets,
+# `Prompts.completions`), in the batches of a run that reads them (GKD's
+# dataset responses, a pairwise judge's reference).
+COMPLETIONS = "completion_tokens"
 
 
 def prompt_batch_spec(global_batch_size: int, length: int):

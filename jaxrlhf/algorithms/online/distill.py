@@ -53,7 +53,7 @@ def _online(samples: bool) -> recipe.Online:
       loss=_loss, loss_count=critic_free.make_loss_count(_clipping),
       trains_on_rewards=False,
       sample=None if samples else teacher.gkd_sample,
-      completions=None if samples else teacher.COMPLETIONS)
+      reads_completions=not samples)
 
 
 _CHECKS = (options.check_sampling,)

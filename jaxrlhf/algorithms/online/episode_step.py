@@ -261,8 +261,8 @@ class EpisodeStep(host_split.HostSplitStep):
     return rollout.replace(decode_steps=samples.decode_steps,
                            sample_logprobs=samples.logprobs * rollout.mask)
 
-  def _score(self, params, frozen, prompt_tokens, samples):
-    del prompt_tokens  # the episodes' openings are their own
+  def _score(self, params, frozen, prompt_tokens, samples, references=None):
+    del prompt_tokens, references  # the episodes' openings are their own
     return self._score_episodes(params, frozen,
                                 dataclasses.replace(samples, host=None))
 

@@ -49,9 +49,12 @@ class StepParts:
       `sampling.Samples` [P * k, L]: k responses per prompt, adjacent, of
       the prompts' tokens (multi-turn episodes: `episode_step`, which
       reads the prompts' rows).
-    score: (params, frozen, prompt_tokens, samples) -> `rollout_lib.Rollout`:
-      truncated after the EOS, the policy's and reference's log-probs at
-      the sampling temperature, the rewards computed on the device.
+    score: (params, frozen, prompt_tokens, samples, references) ->
+      `rollout_lib.Rollout`: truncated after the EOS, the policy's and
+      reference's log-probs at the sampling temperature, the rewards
+      computed on the device; references: the prompts' own completions
+      [P, L] (`prompts_lib.COMPLETIONS`) when the batch carries them, for
+      a pairwise judge, else None.
     host_rewards: (rollout, samples, batch) -> (rollout with the host's
       rewards, {reward/<name>/skipped: count}).
     keep: ([(rollout, metrics)] of the rounds) -> (the rollout to train on,
@@ -87,7 +90,8 @@ def online_step(parts: StepParts, state, batch):
                                                              round_)
     samples = parts.sample(state.params, state.frozen, prompts, key)
     rollout = parts.score(state.params, state.frozen,
-                          prompts[prompts_lib.PROMPT_FEATURE], samples)
+                          prompts[prompts_lib.PROMPT_FEATURE], samples,
+                          prompts.get(prompts_lib.COMPLETIONS))
     rounds.append(parts.host_rewards(rollout, samples, prompts))
   rollout, metrics = parts.keep(rounds)
   # Off-policy: the gap between the policy that sampled and this one.
@@ -200,12 +204,13 @@ def sample(trainer, params, frozen, prompt_tokens, key):
                    prompt_tokens, key=key)
 
 
-def score(trainer, params, frozen, prompt_tokens, samples):
+def score(trainer, params, frozen, prompt_tokens, samples, references=None):
   """The rollout of sampled responses: truncated after their EOS, scored by
   the rewards computed on the device (the host's NaN until
   `RewardSources.with_host_rewards` fills them), with policy and reference
   log-probs at the sampling temperature (the reference's only when a KL
-  term weighs them: `kl_control.scores_reference`)."""
+  term weighs them: `kl_control.scores_reference`); `references` [P, L]:
+  the prompts' own completions, which a pairwise judge reads."""
   o, k = trainer.config.online, trainer.online.samples_per_prompt
   rewards = trainer.online.rewards
   params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
@@ -213,8 +218,9 @@ def score(trainer, params, frozen, prompt_tokens, samples):
                                                  trainer.config)
   reference = frozen["reference"] if scores_reference else None
 
-  def part(prompts, tokens, unused_key):
-    prompts = jnp.repeat(prompts, k, axis=0)
+  def part(prompts_and_references, tokens, unused_key):
+    prompts, part_references = jax.tree.map(
+        lambda x: jnp.repeat(x, k, axis=0), prompts_and_references)
     rollout = rollout_lib.assemble_rollout(
         trainer.lm, params["policy"], reference,
         rewards.lm if rewards.reward_model else None,
@@ -230,11 +236,11 @@ def score(trainer, params, frozen, prompt_tokens, samples):
           frozen[reward_sources.JUDGE], prompts,
           rollout_lib.response_tokens(trainer.lm, rollout.features,
                                       rollout.mask.shape[1]),
-          rollout.mask, trainer.vocabulary.eos_id)
+          rollout.mask, trainer.vocabulary.eos_id, part_references)
     return rewards.with_device_rewards(rollout, judged)
 
-  rollout = _by_parts(o.rollout_microbatches, k, part, prompt_tokens,
-                      samples.tokens)
+  rollout = _by_parts(o.rollout_microbatches, k, part,
+                      (prompt_tokens, references), samples.tokens)
   # (The rollout's own decode_steps are None: they are the samples'.)
   return rollout.replace(decode_steps=samples.num_steps,
                          sample_logprobs=samples.logprobs * rollout.mask)

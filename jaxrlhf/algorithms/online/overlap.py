@@ -174,11 +174,11 @@ class OverlappedStep:
           self._frozen_for(frozen), prompts,
           jax.device_put(key, sharding.replicated(self.mesh)))
 
-  def _score(self, params, frozen, prompt_tokens, samples):
+  def _score(self, params, frozen, prompt_tokens, samples, references=None):
     with jax.set_mesh(self.mesh):
       return self._sampler.parts.score(
           jax.device_put(params, self._params_on_sampler),
-          self._frozen_for(frozen), prompt_tokens, samples)
+          self._frozen_for(frozen), prompt_tokens, samples, references)
 
   def _host_rewards(self, rollout, samples, batch):
     with jax.set_mesh(self.mesh):
@@ -189,7 +189,8 @@ class OverlappedStep:
     sampler), as `online_step` makes one: (rollout, host metrics)."""
     samples = self._sample(params, state.frozen, batch, key)
     rollout = self._score(params, state.frozen,
-                          batch[prompts_lib.PROMPT_FEATURE], samples)
+                          batch[prompts_lib.PROMPT_FEATURE], samples,
+                          batch.get(prompts_lib.COMPLETIONS))
     return self._host_rewards(rollout, samples, batch)
 
   def _keep(self, rounds):

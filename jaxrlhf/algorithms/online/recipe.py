@@ -136,8 +136,8 @@ class Online(base.Training):
       `sampling.Samples`, the step's responses around the policy's
       samples `sample_fn(params, frozen, prompts, key)` (GKD mixes in the
       dataset's completions).
-    completions: the batch feature of the prompts' own completions
-      [P, max_new_tokens] (the task's targets) a step reads, or None.
+    reads_completions: whether its steps read the prompts' own
+      completions (the task's targets, `prompts_lib.COMPLETIONS`): GKD.
   """
   samples_per_prompt: int
   num_epochs: int
@@ -151,7 +151,7 @@ class Online(base.Training):
   dynamic_sampling: Optional[Callable[[Any], Optional[int]]] = None
   trains_on_rewards: bool = True
   sample: Optional[Callable[..., Any]] = None
-  completions: Optional[str] = None
+  reads_completions: bool = False
 
   online = True
 
@@ -185,20 +185,26 @@ class Online(base.Training):
   def check_rows(self, algorithm, config, data_parallel: int) -> None:
     options.check_rows(algorithm, config, data_parallel)
 
+  def with_completions(self, config) -> bool:
+    """Whether the batches carry the prompts' own completions: the
+    algorithm reads them (GKD) or a pairwise judge does."""
+    return self.reads_completions or (
+        self.trains_on_rewards and reward_sources.reads_references(config))
+
   def batches(self, trainer, position: int):
     source = trainer.online.prompt_source
     stream = source.batches(position)
-    if self.completions is None:
+    if not self.with_completions(trainer.config):
       return stream
-    completions = teacher.completions_of(source.prompts,
-                                         trainer.online.max_new_tokens)
-    return prompts_lib.WithColumn(stream, self.completions, completions)
+    return prompts_lib.WithColumn(
+        stream, prompts_lib.COMPLETIONS,
+        source.prompts.padded_completions(trainer.online.max_new_tokens))
 
   def batch_spec(self, trainer):
     spec = prompts_lib.prompt_batch_spec(trainer.config.train.batch_size,
                                          trainer.prompt_length)
-    if self.completions is not None:
-      spec[self.completions] = jax.ShapeDtypeStruct(
+    if self.with_completions(trainer.config):
+      spec[prompts_lib.COMPLETIONS] = jax.ShapeDtypeStruct(
           (trainer.config.train.batch_size, trainer.online.max_new_tokens),
           jnp.int32)
     return spec

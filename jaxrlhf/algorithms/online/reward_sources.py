@@ -58,6 +58,7 @@ from jaxrlhf.algorithms import state as state_lib
 from jaxrlhf.data import names
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import heads
+from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import rotary
 from jaxrlhf.models import pretrained
 from jaxrlhf.rewards import code_execution
@@ -116,12 +117,24 @@ GROUP = G("rewards", "What online RL trains on: the weighted sum of these "
                       read_when=lambda c: c.rewards.judge.weight != 0),
                     F("template", "{prompt}\n{response}\nIs the response "
                       "good? Answer:", "What the judge reads: text with "
-                      "{prompt} and {response} once each (the row's prompt "
-                      "and response tokens go there; literal braces as {{ "
-                      "}})."),
+                      "{prompt} and {response} once each, and {reference} "
+                      "for the pairwise verdict (the row's tokens go "
+                      "there; literal braces as {{ }})."),
                     F("choices", "Yes,No", "'yes,no': the verdict's token "
                       "and the one it is weighed against, each one token "
-                      "of the vocabulary."),
+                      "of the vocabulary (pairwise: the labels of the "
+                      "first and the second answer, e.g. 'A,B')."),
+                    F("verdict", "yes_probability", "How the verdict is "
+                      "read: 'yes_probability' (p(yes) / (p(yes) + p(no)) "
+                      "at the next token), 'pairwise' (the template names "
+                      "{reference} too, the prompt's own completion from "
+                      "the task's targets; the probability that the "
+                      "response is preferred, averaged over both orders), "
+                      "'score' (the first number the judge writes greedily "
+                      "in max_new_tokens tokens; a row without one is left "
+                      "out).", choices=judge_lib.VERDICTS),
+                    F("max_new_tokens", 4, "The tokens the score verdict "
+                      "writes.", bounds=">0"),
                 ]),
               G("gold_reward", "The task's registered gold reward "
                 "(jaxrlhf.data.tasks.register_gold_reward; the synthetic "
@@ -233,6 +246,12 @@ def uses_reward_model(config) -> bool:
   return config.rewards.reward_model.weight != 0
 
 
+def reads_references(config) -> bool:
+  """Whether a pairwise judge reads each prompt's own completion."""
+  j = config.rewards.judge
+  return j.weight != 0 and j.verdict == "pairwise"
+
+
 def check_rewards(c) -> None:
   """Something to train on; a reward model where one is weighted."""
   config_schema.require(
@@ -249,6 +268,13 @@ def check_rewards(c) -> None:
         not environments.episodic(c.online), "rewards.judge.weight",
         "a judge does not yet read multi-turn episodes (online.environment "
         "/ online.tools); score their final answers with a host reward.")
+    config_schema.require(
+        not reads_references(c) or not (c.online.sampler_devices
+                                        or c.online.off_policy_steps),
+        "rewards.judge.verdict",
+        "the pairwise judge does not yet read references on sampler "
+        "devices (online.sampler_devices, online.off_policy_steps); unset "
+        "them or use the yes_probability verdict.")
   if uses_reward_model(c):
     config_schema.require(
         bool(c.online.reward_model_checkpoint),
@@ -409,30 +435,61 @@ class RewardSources:
 
 @dataclasses.dataclass(frozen=True)
 class Judge:
-  """The generative reward model: its network and its template as tokens
-  (`jaxrlhf.rewards.judge`)."""
+  """The generative reward model: its network, its template as tokens and
+  how its verdict is read (`jaxrlhf.rewards.judge`).
+
+  Attributes:
+    network: the judge's network.
+    template: the template as tokens.
+    verdict: one of `judge_lib.VERDICTS`.
+    max_new_tokens: the tokens the score verdict writes.
+    numbers: the score verdict's (values, digits) of every token
+      (`judge_lib.number_tokens`), or None.
+  """
   network: learned_reward.FrozenNetwork
   template: judge_lib.JudgeTemplate
+  verdict: str = "yes_probability"
+  max_new_tokens: int = 4
+  numbers: Optional[Tuple[Any, Any]] = None
 
   def scores(self, params, prompt_tokens, response_tokens, response_mask,
-             eos_id: int):
+             eos_id: int, references=None):
     """[rows] the judge's verdicts of the responses (prompt_tokens [rows,
-    Lp] encoder-style, response tokens and mask [rows, L]): each row's
-    prompt and response without padding or EOS in the template, the
-    probability of the verdict's token at the next position."""
+    Lp] encoder-style, response tokens and mask [rows, L]; references
+    [rows, Lr], the pairwise verdict's, right-padded): each row's texts
+    without padding or EOS in the template, read as `verdict` says."""
     def real(tokens, mask):
       return tokens, mask * (tokens != eos_id) * (tokens != 0)
-    lm = self.network.adapter
+    slots = {"prompt": real(prompt_tokens, jnp.ones_like(prompt_tokens)),
+             "response": real(response_tokens,
+                              response_mask.astype(jnp.int32))}
+    if self.verdict == "pairwise":
+      slots["reference"] = real(references, jnp.ones_like(references))
+      swapped = dict(slots, response=slots["reference"],
+                     reference=slots["response"])
+      return judge_lib.pairwise_preference(
+          self._next_token_verdict(params, slots, eos_id),
+          self._next_token_verdict(params, swapped, eos_id),
+          self.template.response_first)
+    if self.verdict == "score":
+      return self._written_number(params, slots, eos_id)
+    return self._next_token_verdict(params, slots, eos_id)
+
+  def _rows(self, slots, eos_id):
+    """(tokens, mask) of the judging rows, laid out for the judge."""
     template = self.template
-    if lm.is_encoder_decoder:  # its inputs end in EOS, as it was trained
+    encoder_decoder = self.network.adapter.is_encoder_decoder
+    if encoder_decoder:  # its inputs end in EOS, as it was trained
       template = dataclasses.replace(template, pieces=template.pieces[:-1] + (
           template.pieces[-1] + (eos_id,),))
-    tokens, mask = judge_lib.judge_rows(
-        template,
-        {"prompt": real(prompt_tokens, jnp.ones_like(prompt_tokens)),
-         "response": real(response_tokens,
-                          response_mask.astype(jnp.int32))},
-        left_padded=not lm.is_encoder_decoder)
+    return judge_lib.judge_rows(template, slots,
+                                left_padded=not encoder_decoder)
+
+  def _next_token_verdict(self, params, slots, eos_id):
+    """[rows] p(choice 0) / (p(choice 0) + p(choice 1)) at the position
+    after the judging rows."""
+    tokens, mask = self._rows(slots, eos_id)
+    lm = self.network.adapter
     rows = tokens.shape[0]
     if lm.is_encoder_decoder:
       # The encoder reads the rows; the decoder's first position (input
@@ -450,6 +507,23 @@ class Judge:
                "positions": rotary.positions_from_mask(mask)}
     states, project = lm.response_states(params, batch, 1)
     return judge_lib.verdict(project(states)[:, 0], self.template.choices)
+
+  def _written_number(self, params, slots, eos_id):
+    """[rows] the first number of the judge's greedy continuation of the
+    judging rows, NaN where it wrote none."""
+    tokens, mask = self._rows(slots, eos_id)
+    module = self.network.adapter.module
+    options = dict(greedy=True, eos_id=eos_id, stop_when_done=True)
+    key = jax.random.PRNGKey(0)  # unused: greedy
+    if self.network.adapter.is_encoder_decoder:
+      written = sampling.sample_encoder_decoder(
+          module, params, tokens, key, self.max_new_tokens, **options)
+    else:
+      written = sampling.sample_decoder_only(
+          module, params, tokens, mask, key, self.max_new_tokens, **options)
+    values, digits = self.numbers
+    return judge_lib.first_number(written.tokens, jnp.asarray(values),
+                                  jnp.asarray(digits))
 
 
 def build(config, vocabulary, policy_lm, platform: str, max_new_tokens: int,
@@ -482,7 +556,12 @@ def build(config, vocabulary, policy_lm, platform: str, max_new_tokens: int,
             config.model, platform, check_vocabulary=not shapes_only,
             what="the judge",
             fix="Judge with a model of the policy's vocabulary."),
-        judge_lib.parse_template(j.template, j.choices, vocabulary.encode))
+        judge_lib.parse_template(j.template, j.choices, vocabulary.encode,
+                                 j.verdict),
+        verdict=j.verdict, max_new_tokens=j.max_new_tokens,
+        numbers=(judge_lib.number_tokens(
+            lambda i: vocabulary.decode([i]), vocabulary.vocab_size)
+                 if j.verdict == "score" else None))
   return RewardSources(
       weights=weights(config), reward_model=reward_model,
       lm=reward_model.adapter if reward_model else policy_lm,

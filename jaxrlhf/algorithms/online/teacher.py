@@ -39,7 +39,6 @@ from typing import Any, Dict, Optional
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from jaxrlhf import config_schema
 from jaxrlhf.algorithms.online import reward_sources
@@ -297,29 +296,9 @@ def gkd_sample(trainer, sample_fn, params, frozen, prompts, key):
   """GKD's responses: the student's samples with probability gkd.lmbda,
   else the dataset's completions (one draw per step)."""
   coin, key = jax.random.split(key)
-  completions = jnp.repeat(prompts[COMPLETIONS],
+  completions = jnp.repeat(prompts[prompts_lib.COMPLETIONS],
                            trainer.online.samples_per_prompt, axis=0)
   on_policy = jax.random.uniform(coin) < trainer.config.gkd.lmbda
   return jax.lax.cond(
       on_policy, lambda: sample_fn(params, frozen, prompts, key),
       lambda: _dataset_samples(trainer, completions))
-
-
-# The batch feature of GKD's dataset completions [P, max_new_tokens].
-COMPLETIONS = "completion_tokens"
-
-
-def completions_of(prompts, length: int) -> np.ndarray:
-  """[num_prompts, length] the prompts' completions (the task's targets,
-  cut or 0-padded to `length`)."""
-  if prompts.completions is None:
-    raise ValueError("config.algorithm 'gkd': config.data.task has no "
-                     "'targets' feature, so there are no dataset "
-                     "completions to distil on; give the task targets, or "
-                     "use algorithm='distill' (samples only).")
-  out = np.zeros((len(prompts.completions), length), np.int32)
-  for i, row in enumerate(prompts.completions):
-    out[i, :min(len(row), length)] = row[:length]
-  return out
-
-
