@@ -11,6 +11,12 @@ micro-batch's share of the whole batch's loss (`mean_over_examples` and
 `weighted_share` build the usual two), so the shares sum to the loss of the
 whole batch.
 
+The router of a mixture-of-experts model is trained here too, for every
+algorithm: each micro-batch's loss gets router_aux_loss_coef x the
+load-balancing loss of the forward passes its trained networks made, and
+the metrics their `moe/...` load (`with_router_loss`). A dense model's step
+is the loss alone, unchanged.
+
 `check_split` is the one check that a batch splits evenly into micro-batches
 and over the data-parallel devices.
 """
@@ -20,6 +26,8 @@ from typing import Callable
 import jax
 import jax.numpy as jnp
 import optax
+
+from jaxrlhf.models import moe_decoder
 
 
 def split_microbatches(batch, num_microbatches: int):
@@ -47,7 +55,8 @@ def accumulate_gradients(loss_fn, params, batch, rng, num_microbatches: int,
   that memory falls as micro-batches rise instead of growing by a full
   float32 copy of the gradients.
   """
-  grad_fn = jax.value_and_grad(loss_fn, has_aux=True)
+  grad_fn = jax.value_and_grad(with_router_loss(loss_fn, num_microbatches),
+                               has_aux=True)
   if num_microbatches == 1:
     (loss, metrics), grads = grad_fn(params, batch, rng)
     return loss, metrics, grads
@@ -71,6 +80,28 @@ def accumulate_gradients(loss_fn, params, batch, rng, num_microbatches: int,
           place(jax.tree.map(jnp.zeros_like, params)))
   (loss, metrics, grads), _ = jax.lax.scan(body, init, (micro, rngs))
   return loss, metrics, grads
+
+
+def with_router_loss(loss_fn: Callable, num_microbatches: int) -> Callable:
+  """`loss_fn` with the routers' load-balancing loss of the mixture-of-experts
+  forward passes it makes with the trained `params`
+  (`moe_decoder.recording`): their mean coef x aux over M micro-batches
+  (each micro-batch's divided by M) added to the loss, and the
+  `moe_decoder.router_loss` metrics (means over the micro-batches) to the
+  metrics. Where no such pass is made (a dense model; only frozen networks
+  with experts) it returns what `loss_fn` returns, and traces to the same
+  computation."""
+  def loss_with_router(params, microbatch, rng):
+    with moe_decoder.recording(params) as records:
+      loss, metrics = loss_fn(params, microbatch, rng)
+    if not records:
+      return loss, metrics
+    term, router_metrics = moe_decoder.router_loss(records)
+    metrics = dict(metrics)
+    metrics.update({k: v / num_microbatches
+                    for k, v in router_metrics.items()})
+    return loss + term / num_microbatches, metrics
+  return loss_with_router
 
 
 def guarded_update(params, opt_state, grads, loss, tx, extra_metrics):

@@ -23,12 +23,22 @@ applying the model with that collection mutable:
 (`router_logits(state["intermediates"])` stacks them [moe layers, batch,
 length, experts], unrolled or scanned alike.) Applied without the
 collection mutable (sampling, scoring) nothing is recorded.
+
+In training that is done once for every algorithm: the gradient update
+(`jaxrlhf.algorithms.update`) runs each loss inside `recording(params)`,
+and the scoring adapters apply a MoE model through `apply`, which, for a
+forward pass of parameters computed from the trained ones, records its
+routing (`RouterRecord`); `router_loss` turns the records into the term the
+loss adds and the `moe/...` metrics. Frozen networks (a reference, a
+reward model, a teacher) and dense models record nothing.
 """
 
+import contextlib
 import dataclasses
 import functools
+import threading
 import types
-from typing import Any, Dict, Optional, Tuple
+from typing import Any, Dict, List, NamedTuple, Optional, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -191,6 +201,120 @@ def load_balancing_loss(config: MoeConfig, intermediates,
     mask = jnp.broadcast_to(jnp.asarray(attention_mask), logits.shape[:-1])
   return moe.load_balancing_loss(logits, config.num_experts_per_tok,
                                  config.num_experts, mask)
+
+
+# ----------------------------------------------------------------------------
+# The router's loss in training: what a trained forward pass records.
+
+class RouterRecord(NamedTuple):
+  """The routing of one forward pass of trained parameters.
+
+  Attributes:
+    coef: its config's `router_aux_loss_coef`.
+    aux: float32 [], the unscaled load-balancing loss of its counted tokens
+      (`load_balancing_loss`).
+    load: float32 [moe layers, experts], each layer's share of the counted
+      tokens' routed slots per expert (`layers.moe.expert_load`; rows sum
+      to 1).
+  """
+  coef: float
+  aux: Array
+  load: Array
+
+
+# The innermost `recording`'s (trace ids of the trained parameters, its
+# records), per thread: a loss is traced on the thread that calls it.
+_RECORDING = threading.local()
+
+
+@contextlib.contextmanager
+def recording(trained):
+  """Within it, `apply` records the routing of the forward passes whose
+  parameters are computed from `trained` (the parameters a loss is
+  differentiated by, as traced: `jax.value_and_grad`'s inputs; a LoRA
+  view's merged weights count, a frozen network's closed-over weights do
+  not). Yields the list the `RouterRecord`s are appended to."""
+  traces = {id(x._trace) for x in jax.tree.leaves(trained)  # pylint: disable=protected-access
+            if isinstance(x, jax.core.Tracer)}
+  records: List[RouterRecord] = []
+  stack = getattr(_RECORDING, "stack", None)
+  if stack is None:
+    stack = _RECORDING.stack = []
+  stack.append((traces, records))
+  try:
+    yield records
+  finally:
+    stack.pop()
+
+
+def _records_for(module, params) -> Optional[List[RouterRecord]]:
+  """The list a forward pass of `module` with `params` records into: the
+  innermost `recording`'s when the module has experts and the parameters
+  are traced from that recording's trained ones; else None."""
+  stack = getattr(_RECORDING, "stack", None)
+  if not stack or not isinstance(module, MoeCausalLM):
+    return None
+  traces, records = stack[-1]
+  trained = any(isinstance(x, jax.core.Tracer) and id(x._trace) in traces  # pylint: disable=protected-access
+                for x in jax.tree.leaves(params))
+  return records if trained else None
+
+
+def apply(module, params, args, kwargs, attention_mask: Array, method=None):
+  """`module.apply({"params": params}, *args, **kwargs, method=method)`,
+  which within a `recording` of trained `params` of a model with experts
+  also records its routing over the tokens of `attention_mask`
+  [batch, length] (1 = counted); any other call is the plain apply."""
+  records = _records_for(module, params)
+  if records is None:
+    return module.apply({"params": params}, *args, **kwargs, method=method)
+  out, state = module.apply({"params": params}, *args, **kwargs,
+                            method=method, mutable=[INTERMEDIATES])
+  config = module.config
+  inter = state[INTERMEDIATES]
+  logits = router_logits(inter)                 # [layers, batch, length, e]
+  mask = jnp.broadcast_to(jnp.asarray(attention_mask), logits.shape[:-1])
+  load = jax.vmap(lambda x, m: moe.expert_load(
+      x, config.num_experts_per_tok, m))(logits, mask)
+  records.append(RouterRecord(
+      coef=float(config.router_aux_loss_coef),
+      aux=load_balancing_loss(config, inter, attention_mask),
+      load=jax.lax.stop_gradient(load)))
+  return out
+
+
+# The metrics `router_loss` returns.
+AUX_LOSS_METRIC = "moe/aux_loss"
+LOAD_MAX_METRIC = "moe/expert_load/max"
+LOAD_MIN_METRIC = "moe/expert_load/min"
+LOAD_CV_METRIC = "moe/expert_load/cv"
+
+
+def router_loss(records) -> Tuple[Array, Dict[str, Array]]:
+  """(the term a trained loss adds, its metrics) from a loss's
+  `RouterRecord`s (at least one): the mean over the records of coef x aux
+  (one forward pass: transformers' `router_aux_loss_coef * aux_loss`), and
+
+    moe/aux_loss          the mean unscaled aux (top_k when balanced),
+    moe/expert_load/max   the busiest expert of any MoE layer, and
+    moe/expert_load/min   the idlest, as its share of the layer's routed
+                          slots times the experts (1 = an even share; 0 =
+                          an expert no token reaches);
+    moe/expert_load/cv    the layers' mean coefficient of variation of
+                          their experts' loads (0 when even),
+
+  each a mean over the records. float32 [] each.
+  """
+  if not records:
+    raise ValueError("router_loss: no forward pass was recorded.")
+  mean = lambda values: sum(values) / len(records)
+  relative = [r.load * r.load.shape[-1] for r in records]  # 1 = even
+  return mean([r.coef * r.aux for r in records]), {
+      AUX_LOSS_METRIC: mean([r.aux for r in records]),
+      LOAD_MAX_METRIC: mean([jnp.max(x) for x in relative]),
+      LOAD_MIN_METRIC: mean([jnp.min(x) for x in relative]),
+      LOAD_CV_METRIC: mean([jnp.mean(jnp.std(x, axis=-1)) for x in relative]),
+  }
 
 
 # ----------------------------------------------------------------------------

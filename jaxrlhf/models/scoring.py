@@ -38,6 +38,8 @@ from typing import Dict, NamedTuple, Optional, Sequence, Tuple
 import jax
 import jax.numpy as jnp
 
+from jaxrlhf.models import moe_decoder
+
 
 def token_logprobs(logits, targets):
   """log p(target_t) under softmax(logits_t), in float32.
@@ -451,10 +453,16 @@ class DecoderOnlyLM(_Adapter):
     return args, {"segment_ids": batch[_key(name, "segment_ids")],
                   "max_segments": examples_per_row(batch)}
 
-  def _hidden(self, params, batch, name):
+  def _forward(self, params, batch, name, method=None):
+    """The module applied to completion `name`'s rows; through
+    `moe_decoder.apply`, which records a trained MoE model's routing over
+    the rows' real tokens (the router's loss in training)."""
     args, kwargs = self._inputs(batch, name)
-    return self.module.apply({"params": params}, *args, **kwargs,
-                             method=self.module.hidden_states)
+    return moe_decoder.apply(self.module, params, args, kwargs,
+                             batch[_key(name, "attention_mask")], method)
+
+  def _hidden(self, params, batch, name):
+    return self._forward(params, batch, name, self.module.hidden_states)
 
   def completion_segment_ids(self, batch, name=None):
     """[batch, L] segment ids of completion `name`'s rows."""
@@ -463,8 +471,7 @@ class DecoderOnlyLM(_Adapter):
   def completion_logits(self, params, batch, name=None, rng=None):
     """[batch, L, vocab] logits of prompt+completion; position t predicts t+1."""
     del rng  # decoder-only models here have no dropout
-    args, kwargs = self._inputs(batch, name)
-    return self.module.apply({"params": params}, *args, **kwargs)
+    return self._forward(params, batch, name)
 
   def next_token_stats(self, params, batch, name=None, temperature=1.0,
                        rng=None, with_top1=False, with_entropy=False,
