@@ -6,8 +6,10 @@ logs it with the experts' load (`update.with_router_loss`,
 `moe_decoder.recording`). Checked here on a tiny Qwen3-MoE (2 MoE layers, 4
 experts, top 2): the loss and its gradient against the cross-entropy plus
 coef x the aux loss computed in numpy from the sown router logits; frozen
-networks adding nothing; a dense model's step traced unchanged; and SFT,
-DPO and GRPO training through the trainer.
+networks adding nothing; a dense model's step traced unchanged; SFT,
+DPO and GRPO training through the trainer; and LoRA on the experts
+(lora.targets 'experts'): the grouped low-rank products against merged
+weights, and a step that trains the adapters and leaves the base.
 """
 
 import dataclasses
@@ -260,3 +262,77 @@ def test_grpo_trains_a_tiny_qwen3_moe():
                        online__reward_model_checkpoint="",
                        online__samples_per_prompt=2)
   _check_moe_metrics(_train(config, 2))
+
+
+# --- LoRA on the experts ----------------------------------------------------
+
+
+def test_lora_on_the_experts_equals_the_merged_weights_and_trains_them():
+  """lora.targets 'experts': each expert gets its own A and B; the adapted
+  model's logits are those of the merged weights W_e + A_e B_e alpha / r
+  (the grouped low-rank path against plain merged experts); the default
+  targets leave the experts alone; a LoRA SFT step moves the experts'
+  adapters and nothing of the frozen base."""
+  from jaxrlhf.models import lora  # pylint: disable=g-import-not-at-top
+  config = tiny_config(**MOE, lora__rank=2, lora__alpha=4.0,
+                       lora__targets="experts,query",
+                       optimizer__name="adamw")
+  mesh, rules = one_device_mesh(config)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    trainer = trainer_of(from_scratch(algorithms.get("sft")), config, mesh)
+    model = trainer.model
+    spec = trainer.lora.spec
+    assert not any(s.experts for s in lora.adapter_sites(
+        model, dataclasses.replace(spec, targets=lora.DEFAULT_TARGETS)
+    ).values())
+    sites = lora.adapter_sites(model, spec)
+    experts = sorted(p for p, s in sites.items() if s.experts)
+    assert experts == [("decoder", f"layers_{i}", "mlp", w)
+                       for i in range(2) for w in ("wi_0", "wi_1", "wo")]
+    state = trainer.init_state()
+    base = jax.device_get(nn.unbox(state.frozen["base"]))
+    adapters = jax.device_get(nn.unbox(state.params["policy"]))
+    wi_0 = adapters["decoder"]["layers_0"]["mlp"]["wi_0"]
+    assert wi_0["lora_a"].shape == (4, 32, 2)   # [experts, embed, r]
+    assert wi_0["lora_b"].shape == (4, 2, 32)   # [experts, r, mlp]
+    # Nonzero B (it starts at 0): the adapted logits against the merged
+    # weights, each expert's own product folded in by hand.
+    rng = np.random.default_rng(0)
+    adapters = jax.tree.map(
+        lambda x: x + 0.1 * rng.standard_normal(x.shape).astype(x.dtype),
+        adapters)
+    batch = jax.device_get(next(trainer.train_batches(0)))
+    tokens = np.asarray(batch["tokens"])[:2]
+    positions = np.tile(np.arange(tokens.shape[1]), (2, 1))
+    mask = np.ones_like(tokens)
+    merged = jax.tree.map(np.copy, base)
+    for i in range(2):
+      mlp = merged["decoder"][f"layers_{i}"]["mlp"]
+      for w in ("wi_0", "wi_1", "wo"):
+        pair = adapters["decoder"][f"layers_{i}"]["mlp"][w]
+        mlp[w] = mlp[w] + np.einsum("eir,ero->eio", pair["lora_a"],
+                                    pair["lora_b"]) * spec.scale
+      attn = merged["decoder"][f"layers_{i}"]["self_attention"]["query"]
+      pair = adapters["decoder"][f"layers_{i}"]["self_attention"]["query"]
+      attn["kernel"] = attn["kernel"] + np.einsum(
+          "ir,rhk->ihk", pair["lora_a"], pair["lora_b"]) * spec.scale
+    want = model.apply({"params": merged}, tokens, positions, mask)
+    got = model.apply({"params": lora.view(base, adapters, spec)}, tokens,
+                      positions, mask)
+    np.testing.assert_allclose(got, want, atol=1e-4, rtol=1e-4)
+    np.testing.assert_allclose(lora.merged(base, adapters, spec)["decoder"][
+        "layers_1"]["mlp"]["wo"], merged["decoder"]["layers_1"]["mlp"]["wo"],
+                               rtol=1e-5, atol=1e-6)
+    # One SFT step: the experts' adapters move, the base does not.
+    before = jax.device_get(nn.unbox(state.params["policy"]))
+    state, metrics = trainer.train_step(
+        state, sharding.global_batch(batch, mesh, rules))
+  after = jax.device_get(nn.unbox(state.params["policy"]))
+  moved = after["decoder"]["layers_1"]["mlp"]["wo"]["lora_b"]
+  assert np.abs(moved - before["decoder"]["layers_1"]["mlp"]["wo"][
+      "lora_b"]).max() > 0
+  for x, y in zip(jax.tree.leaves(base),
+                  jax.tree.leaves(jax.device_get(nn.unbox(
+                      state.frozen["base"])))):
+    np.testing.assert_array_equal(x, y)
+  assert np.isfinite(metrics["loss"]) and "moe/aux_loss" in metrics

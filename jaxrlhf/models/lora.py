@@ -28,7 +28,12 @@ Which projections are adapted: the `DenseGeneral`s whose scope name is in
 wi/wi_0/wi_1/wo, in every family; T5's cross-attention's too), optionally
 only in some layers (`layers_{i}` of an unrolled stack). They are found by
 tracing the model's initialisation once with a Flax method interceptor
-(`adapter_sites`): no family declares them.
+(`adapter_sites`): no family declares them. A mixture-of-experts layer's
+experts (`layers.moe.MoeMlp`'s stacked wi_0, wi_1, wo [experts, in, out],
+plain parameters) are adapted where the targets name `EXPERTS`: each
+expert its own A [experts, in, r] and B [experts, r, out], held in a view
+beside the weight under `moe.adapter_names` (the default targets leave
+them, as PEFT's do a transformers MoE's fused experts).
 
 qwix (Google's LoRA/quantisation library, which Tunix uses) was tried on
 these modules and not used: its Linen LoRA cannot run the base without the
@@ -60,10 +65,14 @@ from jaxrlhf.models import llama
 from jaxrlhf.models import registry
 from jaxrlhf.models.layers import decoders
 from jaxrlhf.models.layers import linears
+from jaxrlhf.models.layers import moe
 
 # The projections of every family: attention (T5's cross-attention too) and
 # MLP (the gated MLP's wi_0/wi_1, the plain MLP's wi).
 DEFAULT_TARGETS = ("query", "key", "value", "out", "wi", "wi_0", "wi_1", "wo")
+# The target that adapts every MoE layer's experts (wi_0, wi_1 and wo).
+EXPERTS = "experts"
+_EXPERT_WEIGHTS = ("wi_0", "wi_1", "wo")
 # The view's extra leaves in an adapted projection's parameters.
 A, B = "lora_a", "lora_b"
 DROPOUT_KEY, DROPOUT_RATE = "lora_dropout_key", "lora_dropout_rate"
@@ -123,9 +132,17 @@ class LoraSpec:
 @dataclasses.dataclass(frozen=True)
 class Site:
   """An adapted projection: its kernel's input and output axis counts (the
-  kernel [*stack, *in, *out] may have stacked layers in front)."""
+  kernel [*stack, *in, *out] may have stacked layers, or experts, in
+  front); `experts`: the kernel is the parameter at the site's path itself,
+  a MoE layer's stacked expert weight (target `EXPERTS`), not a
+  `DenseGeneral`'s "kernel"."""
   num_in: int
   num_out: int
+  experts: bool = False
+
+  def target(self, path: Path) -> str:
+    """The name `LoraSpec.targets` adapts it by."""
+    return EXPERTS if self.experts else path[-1]
 
 
 @functools.lru_cache(maxsize=32)
@@ -137,9 +154,13 @@ def _projections(module) -> Dict[Path, Site]:
 
   def record(next_fun, args, kwargs, context):
     m = context.module
-    if (isinstance(m, linears.DenseGeneral)
-        and context.method_name == "__call__"):
-      found[tuple(m.scope.path)] = Site(m.num_in_axes, len(tuple(m.features)))
+    if context.method_name == "__call__":
+      if isinstance(m, linears.DenseGeneral):
+        found[tuple(m.scope.path)] = Site(m.num_in_axes,
+                                          len(tuple(m.features)))
+      elif isinstance(m, moe.MoeMlp):
+        for name in _EXPERT_WEIGHTS:
+          found[tuple(m.scope.path) + (name,)] = Site(1, 1, experts=True)
     return next_fun(*args, **kwargs)
 
   kind = registry.family_of(module).kind
@@ -160,7 +181,7 @@ def adapter_sites(module, spec: LoraSpec) -> Dict[Path, Site]:
       every layer's adapters there).
   """
   every = _projections(module)
-  names = sorted({path[-1] for path in every})
+  names = sorted({site.target(path) for path, site in every.items()})
   unknown = [t for t in spec.targets if t not in names]
   if len(unknown) == len(spec.targets):
     raise ValueError(
@@ -169,8 +190,13 @@ def adapter_sites(module, spec: LoraSpec) -> Dict[Path, Site]:
   sites = {}
   seen_layers = set()
   for path, site in every.items():
-    if path[-1] not in spec.targets:
+    if site.target(path) not in spec.targets:
       continue
+    if site.experts and spec.dropout > 0:
+      raise ValueError(
+          f"config.lora.dropout: {spec.dropout}: the experts' adapters "
+          f"(target {EXPERTS!r}) have no dropout; set lora.dropout=0 or "
+          f"leave {EXPERTS!r} out of lora.targets.")
     if spec.layers is not None:
       if "layers" in path:
         raise ValueError(
@@ -219,7 +245,9 @@ def init_adapters(rng, base, sites: Dict[Path, Site], spec: LoraSpec):
   replicated), so they shard as their kernels do."""
   out = {}
   for i, (path, site) in enumerate(sorted(sites.items())):
-    kernel = _get(base, path)["kernel"]
+    kernel = _get(base, path)
+    if not site.experts:
+      kernel = kernel["kernel"]
     value = nn.meta.unbox(kernel) if isinstance(
         kernel, nn.meta.AxisMetadata) else kernel
     shape, names = tuple(value.shape), _names(kernel, len(value.shape))
@@ -278,7 +306,13 @@ def view(base, adapters, spec: LoraSpec, dropout_rng=None):
     for k, v in a_node.items():
       if k not in b_node:
         raise ValueError(f"LoRA adapters at {k!r} have no base parameters.")
-      out[k] = merge(b_node[k], v)
+      if _adapted(v) and not isinstance(b_node[k], dict):
+        # A MoE layer's expert weight: its adapters beside it.
+        name_a, name_b = moe.adapter_names(k)
+        out[name_a] = v[A]
+        out[name_b] = v[B] * jnp.asarray(spec.scale, v[B].dtype)
+      else:
+        out[k] = merge(b_node[k], v)
     return out
 
   return merge(_plain(base), _plain(adapters))
@@ -318,16 +352,33 @@ def merged(base, adapters, spec: Optional[LoraSpec] = None):
       delta = _delta(xp.asarray(a, kernel.dtype), xp.asarray(b, kernel.dtype),
                      kernel.ndim, xp)
       return dict(rest, kernel=kernel + delta)
-    return {k: fold(v) for k, v in node.items()}
+    out = {}
+    for k, v in node.items():
+      if k in _expert_adapter_names(node):
+        continue
+      name_a, name_b = moe.adapter_names(k)
+      if name_a in node:
+        xp = np if isinstance(v, np.ndarray) else jnp
+        v = v + _delta(xp.asarray(node[name_a], v.dtype),
+                       xp.asarray(node[name_b], v.dtype), v.ndim, xp)
+      out[k] = fold(v)
+    return out
 
   return fold(_plain(base))
+
+
+def _expert_adapter_names(node) -> Tuple[str, ...]:
+  """The keys of a view's node that are expert weights' adapters."""
+  return tuple(n for k in node if not isinstance(node[k], dict)
+               for n in moe.adapter_names(k) if n in node)
 
 
 def has_adapters(tree) -> bool:
   """Whether a parameter tree is a view holding adapters."""
   if not isinstance(tree, (dict, flax.core.FrozenDict)):
     return False
-  return _adapted(tree) or any(has_adapters(v) for v in tree.values())
+  return (_adapted(tree) or bool(_expert_adapter_names(tree))
+          or any(has_adapters(v) for v in tree.values()))
 
 
 def adapter_matrices(adapters) -> Dict[str, Tuple[Any, Any]]:

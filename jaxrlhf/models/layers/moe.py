@@ -26,7 +26,7 @@ unsplit block's up to the order of the float sums.
 """
 
 import math
-from typing import Any, Optional, Tuple
+from typing import Any, Dict, Optional, Tuple
 
 import flax.linen as nn
 import jax
@@ -54,13 +54,17 @@ def route(router_logits: Array, top_k: int,
 
 
 def _local_experts(tokens: Array, experts: Array, wi_0: Array, wi_1: Array,
-                   wo: Array, first: Optional[Array] = None) -> Array:
+                   wo: Array, first: Optional[Array] = None,
+                   adapters: Optional[Dict[str, Tuple[Array, Array]]] = None
+                   ) -> Array:
   """The SwiGLU outputs of the (token, expert) copies routed to experts
   [first, first + g), zeros for the other copies; of every copy when
   `first` is None (the weights hold all the experts).
 
   tokens [tokens, embed]; experts int32 [tokens, top_k]; wi_0, wi_1
-  [g, embed, mlp] and wo [g, mlp, embed] (experts first .. first + g - 1).
+  [g, embed, mlp] and wo [g, mlp, embed] (experts first .. first + g - 1);
+  adapters: {projection name: LoRA's (A [g, in, r], B [g, r, out])} of the
+  adapted ones, whose products add (rows . A) . B, grouped alike.
   Returns [tokens, top_k, embed] in the tokens' dtype.
   """
   g = wi_0.shape[0]
@@ -75,9 +79,18 @@ def _local_experts(tokens: Array, experts: Array, wi_0: Array, wi_1: Array,
   order = jnp.argsort(ids, stable=True)
   rows = tokens[order // k]                            # [tokens * k, embed]
   group_sizes = jnp.bincount(ids, length=g + 1)[:g].astype(jnp.int32)
-  gate = jax.lax.ragged_dot(rows, wi_0, group_sizes)
-  up = jax.lax.ragged_dot(rows, wi_1, group_sizes)
-  out = jax.lax.ragged_dot(jax.nn.silu(gate) * up, wo, group_sizes)
+  adapters = adapters or {}
+
+  def grouped(x, w, name):
+    y = jax.lax.ragged_dot(x, w, group_sizes)
+    if name in adapters:
+      a, b = adapters[name]
+      y = y + jax.lax.ragged_dot(jax.lax.ragged_dot(x, a, group_sizes), b,
+                                 group_sizes)
+    return y
+  gate = grouped(rows, wi_0, "wi_0")
+  up = grouped(rows, wi_1, "wi_1")
+  out = grouped(jax.nn.silu(gate) * up, wo, "wo")
   if first is not None:
     # Zero the rows in no group, whatever a backend's ragged_dot leaves
     # there.
@@ -132,11 +145,12 @@ def expert_mesh_axes(num_experts: int) -> Tuple[str, ...]:
 
 def _expert_parallel(tokens: Array, weights: Array, experts: Array,
                      wi_0: Array, wi_1: Array, wo: Array,
-                     axes: Tuple[str, ...]) -> Array:
+                     axes: Tuple[str, ...], adapters=None) -> Array:
   """The sharded grouped product over mesh `axes` (see the module
   docstring): tokens [tokens, embed], weights [tokens, top_k] in the
-  tokens' dtype, experts int32 [tokens, top_k], expert weights whole
-  (split by the shard_map) -> y [tokens, embed]."""
+  tokens' dtype, experts int32 [tokens, top_k], expert weights (and their
+  LoRA `adapters`, as `_local_experts`) whole (split by the shard_map) ->
+  y [tokens, embed]."""
   mesh = jax.sharding.get_abstract_mesh()
   ways = _devices_over(mesh, axes)
   name = axes if len(axes) > 1 else axes[0]
@@ -149,23 +163,32 @@ def _expert_parallel(tokens: Array, weights: Array, experts: Array,
     weights = jnp.pad(weights, ((0, pad), (0, 0)))
     experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1)
 
-  def local(tokens, weights, experts, wi_0, wi_1, wo):
+  def local(tokens, weights, experts, wi_0, wi_1, wo, adapters):
     # Each device: its 1/D share of the tokens in, all of them here.
     tokens, weights, experts = (
         jax.lax.all_gather(v, name, axis=0, tiled=True)
         for v in (tokens, weights, experts))
     first = jax.lax.axis_index(name) * wi_0.shape[0]
     partial = _combine(
-        _local_experts(tokens, experts, wi_0, wi_1, wo, first), weights)
+        _local_experts(tokens, experts, wi_0, wi_1, wo, first, adapters),
+        weights)
     # Each token's sum over the devices' experts, on the device it came from.
     return jax.lax.psum_scatter(partial, name, scatter_dimension=0,
                                 tiled=True)
 
   spec = P(name)
   y = jax.shard_map(
-      local, mesh=mesh, axis_names=set(axes), in_specs=(spec,) * 6,
-      out_specs=spec)(tokens, weights, experts, wi_0, wi_1, wo)
+      local, mesh=mesh, axis_names=set(axes), in_specs=(spec,) * 7,
+      out_specs=spec)(tokens, weights, experts, wi_0, wi_1, wo,
+                      adapters or {})
   return y[:n] if pad else y
+
+
+def adapter_names(name: str) -> Tuple[str, str]:
+  """The names of LoRA's A [expert, in, r] and B [expert, r, out] (B
+  already times alpha / r) of expert projection `name` ("wi_0", "wi_1",
+  "wo") beside it in a view's parameters (`jaxrlhf.models.lora.view`)."""
+  return f"{name}_lora_a", f"{name}_lora_b"
 
 
 class MoeMlp(nn.Module):
@@ -175,7 +198,12 @@ class MoeMlp(nn.Module):
 
   Parameters: `router/kernel` [embed, expert]; `wi_0`, `wi_1`
   [expert, embed, mlp] and `wo` [expert, mlp, embed], float32, cast to
-  `dtype` at every read (as `linears.DenseGeneral`).
+  `dtype` at every read (as `linears.DenseGeneral`). LoRA: where the
+  parameters given to `apply` hold an expert projection's adapters
+  (`adapter_names`), each expert's product gains its low-rank update,
+  (x . A_e) . B_e, as two more grouped products (the weights are never
+  merged, so a small update is not lost to a bfloat16 base's rounding);
+  split over experts as the weights are.
   """
   num_experts: int
   top_k: int
@@ -210,15 +238,23 @@ class MoeMlp(nn.Module):
     wi_0 = expert_kernel("wi_0", (e, embed, mlp), ("expert", "embed", "mlp"))
     wi_1 = expert_kernel("wi_1", (e, embed, mlp), ("expert", "embed", "mlp"))
     wo = expert_kernel("wo", (e, mlp, embed), ("expert", "mlp", "embed"))
+    adapters = {}
+    for name in ("wi_0", "wi_1", "wo"):
+      a, b = adapter_names(name)
+      if self.has_variable("params", a):
+        adapters[name] = (self.get_variable("params", a).astype(self.dtype),
+                          self.get_variable("params", b).astype(self.dtype))
 
     tokens = x.reshape(batch * length, embed).astype(self.dtype)
     weights, experts = route(router_logits.reshape(-1, e), k,
                              self.norm_topk_prob)
     weights = weights.astype(self.dtype)
     if axes:
-      y = _expert_parallel(tokens, weights, experts, wi_0, wi_1, wo, axes)
+      y = _expert_parallel(tokens, weights, experts, wi_0, wi_1, wo, axes,
+                           adapters)
     else:
-      y = _combine(_local_experts(tokens, experts, wi_0, wi_1, wo), weights)
+      y = _combine(_local_experts(tokens, experts, wi_0, wi_1, wo,
+                                  adapters=adapters), weights)
     return (y.reshape(batch, length, embed),
             router_logits.reshape(batch, length, e))
 
