@@ -115,8 +115,8 @@ def test_sft_loss_is_cross_entropy_plus_coef_times_the_aux_loss(sft_run,
                              load.min(), rtol=1e-5)
   np.testing.assert_allclose(float(metrics["moe/expert_load/cv"]),
                              np.mean(np.std(load, axis=-1)), rtol=1e-5)
-  # The gradient is the cross-entropy's plus coef x the aux loss's (the
-  # latter through the routers alone: top-k is not differentiated).
+  # The gradient is the cross-entropy's plus coef x the aux loss's (which
+  # reaches the routers: compared on one).
   def aux_of(p):
     _, s = module.apply({"params": p}, batch["tokens"], batch["positions"],
                         batch["attention_mask"],
