@@ -98,7 +98,9 @@ GROUP = config_schema.Group(
         F("targets", ",".join(lora.DEFAULT_TARGETS),
           "The adapted projections, by module name: the attention's "
           "query, key, value, out (T5's cross-attention too) and the MLP's "
-          "wi, wi_0, wi_1, wo (the names every family's layers use)."),
+          "wi, wi_0, wi_1, wo (the names every family's layers use); "
+          "'experts': every expert's projections of a mixture-of-experts "
+          "layer (an adapter per expert)."),
         F("layers", "", "Comma-separated indices of the adapted layers "
           "(every layer stack's, unrolled: model.scan_layers=False); '' = "
           "every layer."),
