@@ -41,6 +41,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf import config_schema
+from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.losses import distillation
@@ -77,6 +78,12 @@ GROUP = config_schema.Group(
           "the whole vocabulary at every response token is added to the "
           "loss (reverse KL; gkd: JSD(gkd.beta), and gkd always uses "
           "'loss').", choices=MODES),
+        F("teacher_dtype", "model",
+          "How the frozen teacher is held: 'model' = in its model's dtype, "
+          "the precision its forward pass reads (bfloat16 halves its "
+          "memory; its projections cast their kernels to it anyway, so "
+          "only parameters read in float32, such as norm scales, round), "
+          "or 'float32'.", choices=lora_state.BASE_DTYPES),
         F("teacher_size", "",
           "A preset of config.model.arch for the teacher when its "
           "checkpoint has no model config to read (a plan of a run whose "
@@ -174,7 +181,13 @@ def frozen_networks(trainer, rng) -> Dict[str, Any]:
   teacher = trainer.online.teacher
   if teacher is None:
     return {}
-  return {TEACHER: trainer.init_lm(rng, module=teacher.adapter.module)}
+  params = trainer.init_lm(rng, module=teacher.adapter.module)
+  if trainer.config.distill.teacher_dtype == "model":
+    dtype = jnp.dtype(teacher.model_config.dtype)
+    params = jax.tree.map(
+        lambda x: x.astype(dtype) if jnp.issubdtype(x.dtype, jnp.floating)
+        else x, params)
+  return {TEACHER: params}
 
 
 def loaded_networks(trainer, abstract_state) -> Dict[str, Any]:
