@@ -430,3 +430,29 @@ def test_grpo_trains_on_a_judge_and_a_teacher_through_main(llama_pair,
   assert len(steps) == 4
   for m in steps:
     assert 0 < m["reward/judge"] < 1 and np.isfinite(m["distill/reverse_kl"])
+
+
+@pytest.mark.parametrize("overrides,message", [
+    ({"algorithm": "distill"},
+     r"config\.distill\.teacher_checkpoint: distill learns from a teacher"),
+    ({"algorithm": "grpo", "distill__teacher_checkpoint": "/t",
+      "rewards__reward_model__weight": 0, "rewards__gold_reward__weight": 1,
+      "online__tools": "agent_tools:add"},
+     r"config\.distill\.teacher_checkpoint: a teacher does not yet score "
+     r"multi-turn"),
+    ({"algorithm": "rejection_sampling", "distill__teacher_checkpoint": "/t",
+      "rewards__reward_model__weight": 0, "rewards__gold_reward__weight": 1},
+     r"rejection sampling trains on its chosen samples"),
+    ({"algorithm": "gkd", "distill__teacher_checkpoint": "/t",
+      "gkd__beta": 1.5}, r"config\.gkd\.beta: 1\.5 must be"),
+    ({"algorithm": "grpo", "rewards__judge__weight": 1,
+      "rewards__reward_model__weight": 0},
+     r"config\.rewards\.judge\.checkpoint: rewards\.judge\.weight is not 0"),
+])
+def test_a_config_that_cannot_distil_or_judge_is_refused_in_one_line(
+    overrides, message):
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
+  config = tiny_config(**overrides)
+  with pytest.raises(ValueError, match=message) as raised:
+    defaults.validate(config)
+  assert "\n" not in str(raised.value)
