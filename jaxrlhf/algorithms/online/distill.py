@@ -66,7 +66,7 @@ _EVALUATION = base.Evaluation(
     check=policy_eval.check_eval_task)
 
 DISTILL = base.Algorithm(
-    name="distill",
+    name=teacher.DISTILL,
     summary="On-policy distillation: the student samples, a frozen teacher "
     "scores every sampled token, and the student follows the per-token "
     "reverse KL to it (as advantages, or as a loss over the vocabulary).",
@@ -79,7 +79,7 @@ DISTILL = base.Algorithm(
 )
 
 GKD = base.Algorithm(
-    name="gkd",
+    name=teacher.GKD,
     summary="Generalised knowledge distillation: the generalised JSD to a "
     "frozen teacher on the student's samples (a share lambda of steps) "
     "and the dataset's completions (the rest).",

@@ -54,6 +54,8 @@ F = config_schema.Field
 
 TEACHER = "teacher"
 MODES = ("advantage", "loss")
+# The algorithms whose only signal is the teacher's (`distill`).
+DISTILL, GKD = "distill", "gkd"
 
 GROUP = config_schema.Group(
     "distill", "A frozen teacher the student learns from: "
@@ -112,17 +114,19 @@ def active(config) -> bool:
 
 
 def mode(config) -> str:
-  return "loss" if config.algorithm == "gkd" else config.distill.mode
+  """How the teacher's signal trains (`MODES`): GKD's is always the loss."""
+  return "loss" if config.algorithm == GKD else config.distill.mode
 
 
 def beta(config) -> float:
-  return float(config.gkd.beta) if config.algorithm == "gkd" else 1.0
+  """The divergence's beta: GKD's, else 1 (reverse KL)."""
+  return float(config.gkd.beta) if config.algorithm == GKD else 1.0
 
 
 def check_distill(c) -> None:
   """What distillation needs: a teacher where the algorithm is one, and a
   driver that scores with it."""
-  if c.algorithm in ("distill", "gkd"):
+  if c.algorithm in (DISTILL, GKD):
     config_schema.require(
         active(c), "distill.teacher_checkpoint",
         f"{c.algorithm} learns from a teacher; set it to a jaxrlhf run's "
