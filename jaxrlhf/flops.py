@@ -12,7 +12,11 @@ rematerialised backward pass holds. A `while` loop is
 counted at its trip count's upper bound when its condition states one (see
 `while_trip_bound`: a counter from a constant, below a constant, stepped by
 a constant, as the sampler's stop-when-done loop is), so a plan counts the
-most a step can cost; otherwise its body once. Element-wise work is
+most a step can cost; otherwise its body once. A grouped product
+(`ragged_dot`, a mixture of experts' expert matmuls) counts each row once,
+by the one group it falls in (see `ragged_dot_flops`). The body of a
+`shard_map` runs on each of its devices, at their shard's shapes: it counts
+once per device. Element-wise work is
 left out (as in MFU's "model FLOPs"): on accelerators it is a few percent
 of a transformer's.
 """
@@ -99,17 +103,90 @@ def while_trip_bound(eqn) -> Optional[int]:
   return min(bounds) if bounds else None
 
 
-def jaxpr_flops(jaxpr) -> float:
+def ragged_dot_flops(eqn, group_ways: int = 1) -> float:
+  """FLOPs of a `ragged_dot_general` equation (`jax.lax.ragged_dot` and
+  its gradients): 2 x output elements x contracted size, each row of the
+  ragged dimension multiplied by the one group it falls in. When that
+  dimension is contracted (a weight gradient, whose output holds a slice
+  per group) each row counts in one slice, not in all.
+
+  Exact when every row falls in a group (a mixture of experts whose
+  experts are all held). group_ways > 1: the equation holds 1/group_ways
+  of the groups (experts split over that many devices, the rows being all
+  theirs' tokens' copies), and its rows are counted at that share: those
+  that fall in its groups when the routing is balanced over all groups.
+  """
+  dims = eqn.params["ragged_dot_dimension_numbers"]
+  (contracting, _), _ = dims.dot_dimension_numbers
+  lhs = eqn.invars[0].aval.shape
+  out = eqn.outvars[0].aval.shape
+  total = 2.0 * math.prod(out) * math.prod(lhs[d] for d in contracting)
+  if dims.lhs_ragged_dimensions[0] in contracting:
+    total /= eqn.invars[2].aval.shape[-1]   # the output's group slices
+  return total / group_ways
+
+
+def _spec_ways(spec, dim: int, mesh_shape) -> int:
+  """Devices a PartitionSpec splits dimension `dim` over."""
+  axes = spec[dim] if spec is not None and dim < len(spec) else None
+  if axes is None:
+    return 1
+  axes = axes if isinstance(axes, (tuple, list)) else (axes,)
+  return math.prod(mesh_shape[a] for a in axes)
+
+
+def _shard_map_group_ways(eqn) -> dict:
+  """{id of each ragged_dot_general equation of a shard_map's body: its
+  group_ways}: the devices its groups are split over, by the in_spec of the
+  body input that its grouped operand is (through dtype casts); a weight
+  gradient's, by the equation whose group sizes it shares; else 1."""
+  params = eqn.params
+  body = params["jaxpr"]
+  mesh_shape = dict(params["mesh"].shape)
+  producer = {v: e for e in body.eqns for v in e.outvars}
+  split = dict(zip(body.invars, params["in_specs"]))
+
+  def source(var):
+    while var in producer and producer[var].primitive.name in (
+        "convert_element_type", "copy"):
+      var = producer[var].invars[0]
+    return var
+
+  ragged = [e for e in body.eqns if e.primitive.name == "ragged_dot_general"]
+  ways, by_sizes = {}, {}
+  for e in ragged:
+    groups = e.params["ragged_dot_dimension_numbers"].rhs_group_dimensions
+    rhs = source(e.invars[1])
+    if groups and rhs in split:
+      ways[id(e)] = _spec_ways(split[rhs], groups[0], mesh_shape)
+      by_sizes[e.invars[2]] = ways[id(e)]
+  for e in ragged:
+    if id(e) not in ways:
+      ways[id(e)] = by_sizes.get(e.invars[2], 1)
+  return ways
+
+
+def jaxpr_flops(jaxpr, group_ways=None) -> float:
   """Matmul FLOPs of a (closed) jaxpr, loops counted by their trip count.
 
   A `while` loop's trip count is not known before it runs: it is counted at
   `while_trip_bound`'s upper bound when there is one, else once.
+  group_ways: {id of a ragged_dot_general equation: its `ragged_dot_flops`
+  group_ways} (a shard_map's body; 1 for those not in it).
   """
   jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
   total = 0.0
   for eqn in jaxpr.eqns:
     name = eqn.primitive.name
-    if name == "dot_general":
+    if name == "ragged_dot_general":
+      total += ragged_dot_flops(eqn, (group_ways or {}).get(id(eqn), 1))
+    elif name == "shard_map":
+      mesh_shape = dict(eqn.params["mesh"].shape)
+      devices = math.prod(mesh_shape[a]
+                          for a in eqn.params["newly_manual_axes"])
+      total += devices * jaxpr_flops(eqn.params["jaxpr"],
+                                     _shard_map_group_ways(eqn))
+    elif name == "dot_general":
       (contracting, _), _ = eqn.params["dimension_numbers"]
       lhs = eqn.invars[0].aval.shape
       out = eqn.outvars[0].aval.shape

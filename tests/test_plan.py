@@ -12,8 +12,10 @@ import json
 import subprocess
 import sys
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
+from jax.sharding import PartitionSpec as P
 import numpy as np
 import pytest
 
@@ -28,6 +30,7 @@ from jaxrlhf.data import feature_converters
 from jaxrlhf.data import names
 from jaxrlhf.data import shapes
 from jaxrlhf.data import synthetic
+from jaxrlhf.models.layers import moe
 
 LLAMA = dict(model__arch="llama", model__size="tiny",
              model__num_encoder_layers=None)
@@ -98,6 +101,44 @@ def test_flops_of_a_while_loop_with_a_counter_bound_are_the_bound():
   assert flops.function_flops(
       lambda x, w, n: loop(x, w, 0, n, 1), x, w, 10) == one
   assert flops.function_flops(lambda x, w: loop(x, w, 0, 10, 0), x, w) == one
+
+
+def test_a_shard_map_body_counts_once_per_device():
+  mesh = jax.sharding.AbstractMesh((4, 2), ("data", "model"))
+  x, w = jnp.ones((16, 32)), jnp.ones((32, 8))
+  split = lambda x, w: jax.shard_map(
+      jnp.matmul, mesh=mesh, in_specs=(P("data"), P(None, "model")),
+      out_specs=P("data", "model"))(x, w)
+  with jax.sharding.use_abstract_mesh(mesh):
+    assert flops.function_flops(split, x, w) == 2 * 16 * 32 * 8
+
+
+@pytest.mark.parametrize("expert_devices", [1, 4])
+def test_flops_of_a_mixture_of_experts_by_hand(expert_devices):
+  """Every (token, expert) copy once through its expert's SwiGLU, whether
+  the experts are all held or split over 4 devices (each multiplying
+  every device's copies by its 2 experts: a quarter of them in its groups
+  when the routing is balanced); gradients with respect to the weights."""
+  tokens, embed, experts, top_k, mlp = 2 * 6, 12, 8, 2, 16
+  layer = moe.MoeMlp(num_experts=experts, top_k=top_k, mlp_dim=mlp)
+  x = jnp.ones((2, 6, embed))
+  mesh = jax.sharding.AbstractMesh((expert_devices, 1), ("data", "model"))
+  router = 2 * tokens * embed * experts
+  one_projection = 2 * tokens * top_k * embed * mlp
+  with nn.logical_axis_rules(sharding.experts_over(sharding.STANDARD_RULES,
+                                                   "data")):
+    params = jax.eval_shape(lambda: layer.init(jax.random.key(0), x))
+    with jax.sharding.use_abstract_mesh(mesh):
+      forward = lambda p: layer.apply(p, x)[0].astype(jnp.float32).sum()
+      assert moe.expert_mesh_axes(experts) == (
+          ("data",) if expert_devices > 1 else ())
+      assert flops.function_flops(forward, params) == (
+          router + 3 * one_projection)
+      # Backward: the router's weight gradient, the three experts' weight
+      # gradients and the gradient through wo into its inputs (x itself
+      # is not differentiated).
+      assert flops.function_flops(jax.grad(forward), params) == (
+          2 * router + (3 + 3 + 1) * one_projection)
 
 
 # --- a batch's layout from the config alone ----------------------------------------
