@@ -106,16 +106,18 @@ RESPONSES_PER_STEP = rlvr.PROMPTS_PER_STEP * rlvr.SAMPLES_PER_PROMPT
 
 GKD = {"gkd.lmbda": 0.5}
 # name -> (config.algorithm or "sft", overrides, teacher forward passes per
-# step, one line for the README).
+# step (jaxrlhf/algorithms/online/iteration.py scores the rollout with the
+# teacher; GKD's loss mode runs it again over the vocabulary), one line for
+# the README).
 METHODS = {
     "sft_teacher": ("sft", {}, 0,
                     "SFT on the teacher's greedy completions of training "
                     "prompts (made once, before training)"),
-    "gkd_b0": ("gkd", dict(GKD, **{"gkd.beta": 0.0}), 1,
+    "gkd_b0": ("gkd", dict(GKD, **{"gkd.beta": 0.0}), 2,
                "GKD, beta 0 (forward KL(teacher‖student)), lambda 0.5"),
-    "gkd_b05": ("gkd", dict(GKD, **{"gkd.beta": 0.5}), 1,
+    "gkd_b05": ("gkd", dict(GKD, **{"gkd.beta": 0.5}), 2,
                 "GKD, beta 0.5 (the JSD), lambda 0.5"),
-    "gkd_b1": ("gkd", dict(GKD, **{"gkd.beta": 1.0}), 1,
+    "gkd_b1": ("gkd", dict(GKD, **{"gkd.beta": 1.0}), 2,
                "GKD, beta 1 (reverse KL(student‖teacher)), lambda 0.5"),
     "distill": ("distill", {"distill.mode": "advantage"}, 1,
                 "on-policy distillation: -(log pi_student - log "
@@ -651,8 +653,10 @@ def format_readme(results) -> str:
         "sample per prompt) of log pi_student - log pi_teacher (the k1 "
         "estimate; it can be negative on a finite sample).",
         "- **teacher forwards / step**: teacher forward passes over the "
-        "step's responses that the method runs each step (GKD's loss mode "
-        "also runs the student once more over them; sft_teacher's "
+        f"step's {s['responses_per_step']} responses: one scores their "
+        "tokens (every method with a teacher; `distill/reverse_kl`), and "
+        "GKD runs it once more in its loss over the vocabulary; "
+        "sft_teacher's "
         f"teacher sampled its {s.get('teacher_sample_prompts', 0)} "
         "completions once before training"
         + (f", in {t['samples_minutes']:.2f} minutes, their gold reward "
@@ -660,14 +664,19 @@ def format_readme(results) -> str:
            else "") + ").",
         "- **s / step**: wall seconds per training step as the run logged "
         "them; **minutes**: wall time of a run (its compilation, its two "
-        "in-run evaluations of 64 test sums, training), the greedy and KL "
+        "in-run evaluations of 64 test sums, or sft_teacher's of 64 "
+        "held-out teacher completions, training), the greedy and KL "
         "evaluations not included. The machine was shared with other "
         "jobs, so both are rough.",
         "",
         "From training (the last fifth of the steps): the rollouts' mean "
         "gold reward and the teacher's sampled per-token reverse KL on them "
-        "(`distill/reverse_kl`, where the teacher scores the rollout), and "
-        "the loss-mode divergence (`distill/divergence`, GKD):",
+        "(`distill/reverse_kl`, where the teacher scores the rollout: the "
+        "mean of log pi_student - log pi_teacher over its tokens; GKD's "
+        "steps on the dataset's completions count too, where the tokens "
+        "are not the student's samples and it is no KL estimate), and "
+        "the loss-mode divergence (`distill/divergence`, GKD: the "
+        "generalised JSD at its beta, each beta's own scale):",
         "",
         "| method | gold reward (rollouts) | distill/reverse_kl | "
         "distill/divergence |",
@@ -687,7 +696,8 @@ def format_readme(results) -> str:
         "",
         "Settings shared by the online runs: " + ", ".join(
             f"`{k}={v}`" for k, v in sorted(a["shared_overrides"].items()))
-        + ".",
+        + "; distill and gkd train on the teacher alone (no reward is "
+        "computed for them, hence their blank gold reward above).",
         "",
     ]
   if b:
@@ -697,7 +707,8 @@ def format_readme(results) -> str:
         "## A trained judge as the reward on `synthetic_summarize`",
         "",
         "The quickstart pipeline's sft, data and reward_model stages "
-        f"(SFT held-out gold reward {p['sft_gold_reward']:.3f}; "
+        "(the SFT policy's greedy decodes' held-out gold reward "
+        f"{p['sft_gold_reward']:.3f}; "
         f"{b['judge_data_samples_per_prompt']} SFT samples for each of "
         f"{b['judge_data_prompts']} training prompts, labelled by the gold "
         "reward; the reward model's held-out pair accuracy "
