@@ -11,7 +11,8 @@ DeepSeekMath's with DAPO's four changes. No reward model.
 
 Other checkpoints: `--config=configs/grpo_gsm8k.py:qwen2.5-0.5b` (or
 qwen2.5-3b, qwen2.5-7b, qwen3-1.7b, llama3.2-1b, llama3.2-3b, ... : the
-size presets of the qwen2, qwen3 and llama families, docs/config.md), with
+size presets of the qwen2, qwen3 and llama families, docs/config.md; or the
+mixture of experts qwen3-30b-a3b, family qwen3_moe), with
 the paths pointed at that checkpoint.
 
 The data: GSM8K rows {"question", "answer"} (openai/gsm8k, JSONL or
@@ -79,6 +80,12 @@ GiB of a chip's 16, with splash attention (model.attention_impl 'auto' on
 TPU) and the rollout's log-probs formed a chunk of positions at a time.
 The 7-8B sizes are planned for a v5e 4x8 slice (grpo_gsm8k_<size>.json
 there); configs/grpo_gsm8k_lora.py trains them with LoRA on fewer chips.
+The mixture of experts qwen3-30b-a3b (8 of 128 experts a token; the
+experts fully sharded as every other weight, the rollout in 16 parts of 8
+prompts) fits no slice planned yet: v5e 8x8 and 8x16 (XLA's temporaries
+alone 33 and 55 GiB a chip) nor v5p 2x2x2 (116 GiB a chip of 95; the
+plans are in experiments/results/plans/options/); LoRA
+(configs/grpo_gsm8k_lora.py) fits a v5e 2x4 slice.
 """
 
 from jaxrlhf import defaults
@@ -86,8 +93,9 @@ from jaxrlhf import presets
 from jaxrlhf import sharding
 
 # Size preset prefix -> model family.
-FAMILIES = (("qwen2.5-", "qwen2"), ("qwen3-", "qwen3"), ("llama", "llama"),
-            ("tinyllama", "llama"))
+# (Qwen3's mixture-of-experts sizes first: "qwen3-" would take them.)
+FAMILIES = (("qwen2.5-", "qwen2"), ("qwen3-30b-a3b", "qwen3_moe"),
+            ("qwen3-", "qwen3"), ("llama", "llama"), ("tinyllama", "llama"))
 # Prompt and response tokens: GSM8K questions fit 256 Qwen or Llama tokens;
 # worked solutions take 100 to 300.
 QUESTION_TOKENS = 256
@@ -101,8 +109,8 @@ def get_config(size: str = "qwen2.5-1.5b"):
   if arch is None:
     raise ValueError(
         f"configs/grpo_gsm8k.py:{size}: choose a size preset of the qwen2 "
-        "(qwen2.5-...), qwen3 (qwen3-...) or llama (llama..., tinyllama...) "
-        "family.")
+        "(qwen2.5-...), qwen3 (qwen3-...), qwen3_moe (qwen3-30b-a3b) or "
+        "llama (llama..., tinyllama...) family.")
   c = defaults.base_config()
   c.algorithm = "grpo"
   c.model.arch = arch
@@ -180,4 +188,8 @@ def get_config(size: str = "qwen2.5-1.5b"):
   presets.scanned_layers(c)
   c.train.num_microbatches = 8
   c.online.rollout_microbatches = 4
+  if arch == "qwen3_moe":
+    # For 8 chips (v5p 2x2x2, module docstring): the rollout in parts of 8
+    # prompts, one a chip.
+    c.online.rollout_microbatches = 16
   return c

@@ -28,6 +28,16 @@ The plans: `python -m jaxrlhf.plan --config=configs/grpo_gsm8k_lora.py
 --topology=v5e:2x2` (experiments/results/plans/grpo_gsm8k_lora_<size>.json,
 beside the full fine-tuning plans grpo_gsm8k_<size>.json). On 8 chips the
 micro-batches can be halved (16 and 8).
+
+`qwen3-30b-a3b` (Qwen3's mixture of experts, 30.5B parameters; its 57 GiB
+bfloat16 base does not fit 4 chips) is laid out for a v5e 2x4 slice of 8
+(11.18 GiB a chip): its experts fully sharded as every other weight, and
+the update's minibatch in 64 micro-batches. (With the experts split over
+the chips, `sharding.experts_over`, the plan needed 15.82 GiB: each chip
+gathers every chip's tokens for its experts.) The default targets adapt its attention projections
+(query, key, value, out) only: every layer's MLP is a mixture of experts,
+whose expert weights are adapted only when lora.targets names 'experts',
+and whose router is not a target.
 """
 
 import os
@@ -46,4 +56,8 @@ def get_config(size: str = "llama3.1-8b"):
   c.model.remat_policy = "full"
   c.train.num_microbatches = 32
   c.online.rollout_microbatches = 16
+  if c.model.arch == "qwen3_moe":
+    # Planned for 8 chips (module docstring): the update in micro-batches
+    # of 8 responses, one a chip.
+    c.train.num_microbatches = 64
   return c
