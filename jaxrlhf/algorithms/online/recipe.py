@@ -92,7 +92,7 @@ class OnlineSettings:
   response_length: int
   rewards: reward_sources.RewardSources
   prompt_source: PromptSource
-  # The frozen teacher of distillation (`distill`), or None.
+  # The frozen teacher of distillation (`teacher`), or None.
   teacher: Optional[learned_reward.FrozenNetwork] = None
 
   @property
