@@ -105,6 +105,24 @@ def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
   return logits
 
 
+def choose_tokens(logits: jax.Array, key: jax.Array, temperature: float,
+                  top_k: int, top_p: float, greedy: bool
+                  ) -> Tuple[jax.Array, jax.Array]:
+  """One draw per row: (int32 tokens [batch], float32 log-probs [batch])
+  from logits [batch, vocab], filtered by `filter_logits` (greedy: argmax,
+  at temperature 1, `key` unused), the log-probs those of the filtered
+  distribution."""
+  logits = filter_logits(logits, 1.0 if greedy else temperature, top_k, top_p)
+  if greedy:
+    token = jnp.argmax(logits, axis=-1)
+  else:
+    token = jax.random.categorical(key, logits, axis=-1)
+  token = token.astype(jnp.int32)
+  logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None],
+                                axis=-1)[:, 0]
+  return token, logprob
+
+
 def _check_options(max_new_tokens, temperature, top_k, top_p,
                    num_samples=1, cache_segments=1):
   for name, value in (("temperature", temperature), ("top_k", top_k),
@@ -186,21 +204,10 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
   """
   batch = first_logits.shape[0]
 
-  def choose(logits, key):
-    logits = filter_logits(logits, 1.0 if greedy else temperature, top_k,
-                           top_p)
-    if greedy:
-      token = jnp.argmax(logits, axis=-1)
-    else:
-      token = jax.random.categorical(key, logits, axis=-1)
-    token = token.astype(jnp.int32)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(logits), token[:, None],
-                                  axis=-1)[:, 0]
-    return token, logprob
-
   def draw(logits, done, rng):
     rng, key = jax.random.split(rng)
-    token, logprob = choose(logits, key)
+    token, logprob = choose_tokens(logits, key, temperature, top_k, top_p,
+                                   greedy)
     token = jnp.where(done, 0, token)
     logprob = jnp.where(done, 0.0, logprob)
     return token, logprob, done | (token == eos_id), rng

@@ -1,0 +1,320 @@
+"""Continuous batching: a fixed number of decode slots that never wait.
+
+  samples, stats = engine.generate(llama_model, params, prompt_tokens,
+                                   prompt_attention_mask, rng, num_slots=16,
+                                   max_new_tokens=256, top_p=0.9)
+
+`sampling.sample_decoder_only` decodes its batch in lockstep: a row that has
+drawn its EOS keeps its place (and its share of every step) until the
+longest row ends. Here N prompts share `num_slots` (S) decode slots: the
+first S are prefilled into the slots, every decode step draws a token for
+each live slot and feeds it, and when a sequence ends (its EOS, or its
+`max_new_tokens` budget) its slot takes the next pending prompt, prefilled
+into that slot while the others keep decoding. Everything runs in one
+compiled `lax.while_loop`: one iteration is one decode step of all S slots
+followed, when enough slots are free, by a prefill of the next
+`refill_size` (R) pending prompts (a `lax.cond`), their caches written into
+the free slots; the host is never consulted, so no step waits on it.
+R trades the slots' idle steps (a slot waits until R are free; R = 1
+refills at once) against the prefill's batch (R prompts in one call);
+`experiments/bench_engine.py` measures it.
+
+Each slot keeps its own cache row laid out exactly as a one-prompt run of
+`sample_decoder_only` lays out its cache (the prompt in columns 0 .. P - 1,
+new token t in column P + t): the decode step is the model's own
+`decode_step` mapped over the slots (`jax.vmap` of a one-row call), so each
+slot writes its own column and attends with its own causal mask. Its
+randomness is its own too: prompt i draws from the key
+`jax.random.fold_in(rng, i)`, split once per token as the lockstep sampler
+splits its key. So prompt i's tokens and log-probs are those of
+`sample_decoder_only(model, params, tokens[i:i+1], mask[i:i+1],
+fold_in(rng, i), max_new_tokens, ...)` whatever the slots, the refill size
+or the other prompts (tests/test_engine.py; the log-probs to float
+rounding: a slot's products run in a batch of S rows, not 1). The decode
+steps read the weights cast once and joined as the lockstep sampler's do
+(`sampling._decode_params`); the prefills read them as they are.
+
+Not supported (refused with a message): T5 (an encoder-decoder; use
+`sampling.sample_encoder_decoder`), a prefix-LM prompt, cache segments
+(every slot holds P + max_new_tokens - 1 columns), `num_samples` (repeat
+the prompts: each copy then draws its own key). Sharding is untested: the
+slots are meant to run on one device (a mesh's batch axis would split the
+slots).
+"""
+
+import functools
+from typing import Any, Tuple
+
+import flax
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.models import sampling
+from jaxrlhf.models.layers import param_recording
+from jaxrlhf.models.layers import rotary
+
+# pylint: disable=protected-access
+
+
+@flax.struct.dataclass
+class EngineStats:
+  """What one `generate` call ran (int32 scalars)."""
+  # Loop iterations: each draws a token in every live slot and feeds the
+  # drawn tokens (a decode step of all S slots).
+  decode_steps: jax.Array
+  # Slot-steps that drew a token of a live sequence: the tokens drawn (the
+  # sum of the sequences' lengths, EOS included).
+  useful_slot_steps: jax.Array
+  # Prefill calls: the first fill (S prompts) and each refill (R prompts).
+  prefills: jax.Array
+
+  def utilisation(self, num_slots: int) -> float:
+    """useful slot-steps / (decode steps x num_slots), a host float."""
+    steps = int(self.decode_steps) * int(num_slots)
+    return float(self.useful_slot_steps) / steps if steps else 0.0
+
+
+@flax.struct.dataclass
+class _Slots:
+  """The S slots' device state (leading axis S everywhere)."""
+  cache: Any             # the model's cache, one row per slot: every leaf
+  #                        [S, (layers,) 1, kv_heads, P + M - 1, head_dim]
+  cache_mask: jax.Array  # [S, P + M - 1] int32: the prompt's mask, then 1s
+  num_real: jax.Array    # [S] int32 the prompt's real tokens
+  logits: jax.Array      # [S, vocab] float32 logits of the next draw
+  rng: jax.Array         # [S, ...] each sequence's key, split per draw
+  t: jax.Array           # [S] int32 tokens its sequence has drawn
+  seq: jax.Array         # [S] int32 the prompt it holds (N: none)
+  active: jax.Array      # [S] bool: it holds a sequence still drawing
+
+
+def _slot_rows(x: jax.Array) -> jax.Array:
+  """A cache leaf [(layers,) n, heads, T, head_dim] as n one-row caches
+  [n, (layers,) 1, heads, T, head_dim] (the layout `jax.vmap` maps)."""
+  lead = x.ndim - 4
+  if lead not in (0, 1):
+    raise ValueError(f"engine: a KV-cache entry of shape {x.shape} is not "
+                     "[(layers,) batch, heads, length, head_dim].")
+  return jnp.expand_dims(jnp.moveaxis(x, lead, 0), lead + 1)
+
+
+def _prefill(model, params, tokens, mask, width):
+  """Prefills n left-padded prompts [n, P] into caches of `width` columns:
+  (logits [n, vocab] float32, cache in slot rows (`_slot_rows`), cache_mask
+  [n, width], num_real [n]), as `sample_decoder_only`'s prefill."""
+  n, length = tokens.shape
+  cache_mask = jnp.concatenate(
+      [mask, jnp.ones((n, width - length), jnp.int32)], axis=1)
+  logits, variables = model.apply(
+      {"params": params}, tokens, rotary.positions_from_mask(mask),
+      cache_mask, 0, method=model.decode_step, mutable=["cache"])
+  cache = jax.tree.map(_slot_rows, variables["cache"])
+  return (logits.astype(jnp.float32), cache, cache_mask,
+          jnp.sum(mask, axis=-1).astype(jnp.int32))
+
+
+def _feed(model, params, cache, tokens, positions, cache_mask, index):
+  """One decode step of every slot, each a one-row `decode_step` at its own
+  cache column: tokens, positions, index [S], cache_mask [S, T] ->
+  (logits [S, vocab] float32, cache)."""
+  def one(cache, token, position, mask, index):
+    logits, variables = model.apply(
+        {"params": params, "cache": cache}, token[None, None],
+        position[None, None], mask[None], index, method=model.decode_step,
+        mutable=["cache"])
+    return logits[0].astype(jnp.float32), variables["cache"]
+  return jax.vmap(one)(cache, tokens, positions, cache_mask, index)
+
+
+def _draw(rng, logits, temperature, top_k, top_p, greedy):
+  """Each slot's draw with its own key: rng [S, ...], logits [S, vocab] ->
+  (rng split once, tokens [S], log-probs [S]); a slot draws as a one-row
+  `sampling._decode_loop` does."""
+  def one(rng, logits):
+    rng, key = jax.random.split(rng)
+    token, logprob = sampling.choose_tokens(logits[None], key, temperature,
+                                            top_k, top_p, greedy)
+    return rng, token[0], logprob[0]
+  return jax.vmap(one)(rng, logits)
+
+
+def _put(old, rows, new):
+  """old with old[rows[j]] = new[j]; a row index out of range is dropped."""
+  return old.at[rows].set(new.astype(old.dtype), mode="drop")
+
+
+def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
+              num_slots, refill_size, max_new_tokens, temperature, top_k,
+              top_p, greedy, eos_id, fuse_projections):
+  model = sampling._inference_module(model)
+  tokens_in = jnp.asarray(prompt_tokens, jnp.int32)
+  mask_in = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
+  n, length = tokens_in.shape
+  slots, refill, new = num_slots, refill_size, max_new_tokens
+  width = length + new - 1
+  # The queue, with rows past its end for the prefills that reach beyond it
+  # (their results are dropped): a dynamic slice must not be clamped back.
+  pad = max(slots, refill)
+  queue_tokens = jnp.concatenate(
+      [tokens_in, jnp.zeros((pad, length), jnp.int32)])
+  queue_mask = jnp.concatenate([mask_in, jnp.ones((pad, length), jnp.int32)])
+  keys = jax.vmap(jax.random.fold_in, (None, 0))
+
+  with param_recording.recording_param_reads() as reads, \
+      param_recording.recording_param_fusions() as fusions:
+    logits, cache, cache_mask, num_real = _prefill(
+        model, params, queue_tokens[:slots], queue_mask[:slots], width)
+  decode_params = sampling._decode_params(params, reads, fusions,
+                                          fuse_projections)
+  first = jnp.arange(slots, dtype=jnp.int32)
+  state = _Slots(cache=cache, cache_mask=cache_mask, num_real=num_real,
+                 logits=logits, rng=keys(rng, first),
+                 t=jnp.zeros((slots,), jnp.int32),
+                 seq=jnp.where(first < n, first, n), active=first < n)
+  out = (jnp.zeros((n, new), jnp.int32), jnp.zeros((n, new), jnp.float32),
+         jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool))
+  zero = jnp.int32(0)
+  counts = (zero, zero, jnp.int32(1))  # steps, useful, prefills
+
+  def refill_slots(state, next_prompt, prefills):
+    """The next R pending prompts prefilled into the first free slots."""
+    free = ~state.active
+    pending = n - next_prompt
+    taken = jnp.minimum(jnp.minimum(pending, refill), jnp.sum(free))
+    logits, cache, cache_mask, num_real = _prefill(
+        model, params,
+        jax.lax.dynamic_slice_in_dim(queue_tokens, next_prompt, refill),
+        jax.lax.dynamic_slice_in_dim(queue_mask, next_prompt, refill), width)
+    # New prompt j goes to the j-th free slot (slot index `slots`, dropped,
+    # when j >= taken).
+    rank = jnp.where(free, jnp.cumsum(free) - 1, refill)
+    target = jnp.full((refill,), slots, jnp.int32).at[rank].set(
+        jnp.arange(slots, dtype=jnp.int32), mode="drop")
+    target = jnp.where(jnp.arange(refill) < taken, target, slots)
+    ids = next_prompt + jnp.arange(refill, dtype=jnp.int32)
+    put = functools.partial(_put, rows=target)
+    state = _Slots(
+        cache=jax.tree.map(lambda old, x: put(old, new=x), state.cache,
+                           cache),
+        cache_mask=put(state.cache_mask, new=cache_mask),
+        num_real=put(state.num_real, new=num_real),
+        logits=put(state.logits, new=logits),
+        rng=put(state.rng, new=keys(rng, ids)),
+        t=put(state.t, new=jnp.zeros_like(ids)),
+        seq=put(state.seq, new=ids),
+        active=put(state.active, new=jnp.ones((refill,), bool)))
+    return state, next_prompt + taken, prefills + 1
+
+  def body(carry):
+    state, next_prompt, (tokens, logprobs, lengths, has_eos), counts = carry
+    steps, useful, prefills = counts
+    rng_s, token, logprob = _draw(state.rng, state.logits, temperature,
+                                  top_k, top_p, greedy)
+    live = state.active
+    row = jnp.where(live, state.seq, n)  # n: dropped
+    tokens = tokens.at[row, state.t].set(token, mode="drop")
+    logprobs = logprobs.at[row, state.t].set(logprob, mode="drop")
+    is_eos = token == eos_id
+    ended = live & (is_eos | (state.t + 1 >= new))
+    ended_row = jnp.where(ended, state.seq, n)
+    lengths = lengths.at[ended_row].set(state.t + 1, mode="drop")
+    has_eos = has_eos.at[ended_row].set(is_eos, mode="drop")
+    state = state.replace(rng=rng_s, t=state.t + 1, active=live & ~ended)
+    if new > 1:  # a budget of 1 never feeds its token
+      # Token t sits at rotary position num_real + t and cache column
+      # length + t (a slot past its budget, whose step is wasted, writes
+      # the last column, which its next prompt's steps write before they
+      # read it).
+      column = jnp.minimum(state.t - 1, new - 2)
+      logits, cache = _feed(model, decode_params, state.cache, token,
+                            state.num_real + column, state.cache_mask,
+                            length + column)
+      state = state.replace(logits=logits, cache=cache)
+    pending = n - next_prompt
+    free = jnp.sum(~state.active)
+    state, next_prompt, prefills = jax.lax.cond(
+        (pending > 0) & (free >= jnp.minimum(refill, pending)),
+        refill_slots, lambda *a: a, state, next_prompt, prefills)
+    return (state, next_prompt, (tokens, logprobs, lengths, has_eos),
+            (steps + 1, useful + jnp.sum(live, dtype=jnp.int32), prefills))
+
+  carry = (state, jnp.int32(min(slots, n)), out, counts)
+  _, _, (tokens, logprobs, lengths, has_eos), counts = jax.lax.while_loop(
+      lambda carry: jnp.any(carry[0].active), body, carry)
+  mask = (jnp.arange(new)[None, :] < lengths[:, None]).astype(jnp.float32)
+  samples = sampling.Samples(tokens=tokens, logprobs=logprobs * mask,
+                             mask=mask, has_eos=has_eos,
+                             num_steps=jnp.max(lengths))
+  stats = EngineStats(decode_steps=counts[0], useful_slot_steps=counts[1],
+                      prefills=counts[2])
+  return samples, stats
+
+
+_STATIC = ("model", "num_slots", "refill_size", "max_new_tokens",
+           "temperature", "top_k", "top_p", "greedy", "eos_id",
+           "fuse_projections")
+_generate_jit = sampling._jit_static(_generate, _STATIC)
+
+
+def default_refill_size(num_slots: int) -> int:
+  """`refill_size` when unset: a quarter of the slots (at least 1)."""
+  return max(1, num_slots // 4)
+
+
+def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
+             num_slots: int, max_new_tokens: int, temperature: float = 1.0,
+             top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
+             eos_id: int = 1, refill_size: int = None,
+             fuse_projections: bool = True
+             ) -> Tuple[sampling.Samples, EngineStats]:
+  """Samples a continuation of each prompt with `num_slots` decode slots.
+
+  Args:
+    model: a decoder-only module with the common `decode_step(tokens,
+      positions, attention_mask, cache_index)` (Llama, Qwen, Gemma,
+      GPT-NeoX, ...).
+    params: its parameters (the tree under "params").
+    prompt_tokens: int [N, prompt_len], LEFT-padded (each row's last column
+      is its last prompt token), as `sampling.sample_decoder_only` takes.
+    prompt_attention_mask: [N, prompt_len], 1 = real token, 0 = pad.
+    rng: a PRNG key; prompt i draws from `jax.random.fold_in(rng, i)`
+      (unused when greedy).
+    num_slots: static S, the sequences decoded at once (any N >= 1 works:
+      S < N queues the rest, S > N leaves slots empty).
+    max_new_tokens: static budget of new tokens per prompt.
+    temperature, top_k, top_p, greedy: as in `sampling.sample_decoder_only`.
+    eos_id: the end-of-sequence id.
+    refill_size: static R in 1 .. S, the prompts a refill prefills at once:
+      the loop refills when R slots are free (or all that is left pending
+      fits); None: `default_refill_size` (S // 4).
+    fuse_projections: as in `sampling.sample_decoder_only`.
+  Returns:
+    (Samples of the new tokens, [N, max_new_tokens] in prompt order, EOS
+    kept, then 0; num_steps the longest sequence's tokens; EngineStats).
+  """
+  sampling._check_options(max_new_tokens, temperature, top_k, top_p)
+  if hasattr(model, "encode"):
+    raise ValueError("engine.generate samples decoder-only models; for an "
+                     "encoder-decoder (T5) use "
+                     "sampling.sample_encoder_decoder.")
+  sampling._check_left_padded(prompt_attention_mask)
+  if not isinstance(num_slots, (int, np.integer)) or num_slots < 1:
+    raise ValueError(f"num_slots must be a positive int, got {num_slots!r}.")
+  if refill_size is None:
+    refill_size = default_refill_size(int(num_slots))
+  if (not isinstance(refill_size, (int, np.integer))
+      or not 1 <= refill_size <= num_slots):
+    raise ValueError(f"refill_size must be an int in 1 .. num_slots="
+                     f"{num_slots}, got {refill_size!r}.")
+  if np.shape(prompt_tokens)[0] < 1:
+    raise ValueError("engine.generate needs at least one prompt.")
+  greedy = greedy or temperature == 0
+  return _generate_jit(
+      model=model, params=params, prompt_tokens=prompt_tokens,
+      prompt_attention_mask=prompt_attention_mask, rng=rng,
+      num_slots=int(num_slots), refill_size=int(refill_size),
+      max_new_tokens=int(max_new_tokens),
+      temperature=float(temperature) if not greedy else 1.0,
+      top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
+      eos_id=int(eos_id), fuse_projections=bool(fuse_projections))
