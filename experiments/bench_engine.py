@@ -1,0 +1,169 @@
+r"""Continuous batching against lockstep decoding: tokens/s and slot use.
+
+  python experiments/bench_engine.py                        # CPU, tiny Llama
+  python experiments/bench_engine.py --json=out.json --slots=16 \
+      --refills=1,4,16
+
+The workload is bench_rollout.py's: `--prompts` (P) random prompts of
+`--prompt` tokens, `--group` (k) responses each (N = P * k sequences), at
+most `--new` tokens, at temperature 1, from a randomly initialised Llama
+whose every decode step draws the EOS with probability `--eos_prob`
+(`bench_rollout.ending_at_rate`: geometric lengths, a mild spread). In one
+run, on the same prompts:
+
+  lockstep N      today's online step: `sample_decoder_only` on all N rows
+                  at once (`num_samples=k`, `stop_when_done`): N slots,
+                  each busy until the longest of the N ends;
+  lockstep S      the same sampler on N / S batches of S rows, one after
+                  the other (`--slots` S; the prompts repeated): the slots
+                  the engine has, each batch waiting for its longest row;
+  engine S/R      `engine.generate` with S slots, refilled R prompts at a
+                  time (`--refills`), each slot taking the next pending
+                  sequence when its own ends.
+
+Printed per variant (and written to `--json`): seconds per call (the
+fastest of `--repeats` after a compiling call), CPU seconds, response
+tokens (up to and including the EOS) and tokens/s, decode steps (draws of
+a token column: the lockstep sampler's `num_steps`, the engine's loop
+iterations), slot-steps (steps x slots) and the useful ones (tokens
+drawn), and their ratio, the slots' utilisation. The variants draw from
+different keys (the engine one per sequence), so their responses differ
+and so, a little, do their token counts: compare tokens/s.
+"""
+
+import argparse
+import json
+import os
+import sys
+
+sys.path.insert(0, os.path.join(os.path.dirname(__file__), ".."))
+
+import jax  # noqa: E402
+import numpy as np  # noqa: E402
+
+import bench_rollout  # noqa: E402
+import bench_sampling  # noqa: E402
+from jaxrlhf import console  # noqa: E402
+from jaxrlhf.models import engine  # noqa: E402
+from jaxrlhf.models import sampling  # noqa: E402
+
+
+def _parse():
+  p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+  p.add_argument("--size", default="tiny", choices=("tiny", "small", "large"),
+                 help="the model sizes of bench_sampling.py")
+  p.add_argument("--prompts", type=int, default=16, help="P")
+  p.add_argument("--group", type=int, default=4, help="k, samples per prompt")
+  p.add_argument("--prompt", type=int, default=64, help="prompt tokens")
+  p.add_argument("--new", type=int, default=128,
+                 help="max_new_tokens, the response budget")
+  p.add_argument("--eos_prob", type=float, default=0.1,
+                 help="probability that a step ends a response")
+  p.add_argument("--slots", type=int, default=16,
+                 help="S, the engine's slots (and lockstep S's batch)")
+  p.add_argument("--refills", default="1,4,16",
+                 help="the engine's refill sizes R to run (each <= S)")
+  p.add_argument("--vocab_size", type=int, default=2048)
+  p.add_argument("--dtype", default="float32")
+  p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--json", default="", help="write the figures here")
+  return p.parse_args()
+
+
+def _counts(samples, rows):
+  """(tokens, decode steps, slot-steps) of lockstep Samples of `rows`."""
+  steps = int(samples.num_steps)
+  return float(samples.mask.sum()), steps, steps * rows
+
+
+def main(args):
+  console.silence_library_noise(python_loggers=True)
+  P, k, new, S = args.prompts, args.group, args.new, args.slots
+  n = P * k
+  refills = [int(r) for r in args.refills.split(",")]
+  if n % S or any(not 1 <= r <= S for r in refills):
+    raise SystemExit(f"--slots {S} must divide the {n} sequences and each "
+                     f"of --refills {refills} lie in 1 .. {S}.")
+  eos_id = 1
+  config = bench_sampling.model_config("llama", args.vocab_size, args.dtype,
+                                       args.size)
+  module, params = bench_sampling.init_params(config)
+  module = bench_rollout.ending_at_rate(module, eos_id, args.eos_prob)
+  prompts = bench_sampling.prompts("llama", P, args.prompt, args.vocab_size)
+  repeated = np.repeat(prompts, k, axis=0)
+  ones = np.ones_like(repeated)
+  rng = jax.random.PRNGKey(0)
+  print(f"device: {jax.devices()[0].device_kind}; {args.size} Llama, vocab "
+        f"{args.vocab_size}, {args.dtype}; {P} prompts x {k} samples = {n} "
+        f"sequences, prompt {args.prompt} tokens, budget {new} new tokens, "
+        f"temperature 1, EOS with probability {args.eos_prob} per step")
+  options = dict(max_new_tokens=new, temperature=1.0, eos_id=eos_id)
+
+  all_rows = jax.jit(lambda p, x, r: sampling.sample_decoder_only(
+      module, p, x, np.ones_like(prompts), r, num_samples=k,
+      stop_when_done=True, **options))
+  batch = jax.jit(lambda p, x, r: sampling.sample_decoder_only(
+      module, p, x, ones[:S], r, stop_when_done=True, **options))
+
+  def lockstep_batches(p, x, r):
+    return [batch(p, x[b * S:(b + 1) * S], jax.random.fold_in(r, b))
+            for b in range(n // S)]
+
+  results = []
+
+  def report(name, slots, refill, seconds, cpu, tokens, steps, slot_steps,
+             lengths):
+    row = dict(variant=name, slots=slots, refill_size=refill,
+               seconds=seconds, cpu_seconds=cpu, tokens=tokens,
+               tokens_per_s=tokens / seconds, decode_steps=steps,
+               slot_steps=slot_steps, useful_slot_steps=tokens,
+               utilisation=tokens / slot_steps,
+               mean_length=float(np.mean(lengths)),
+               longest=int(np.max(lengths)))
+    results.append(row)
+    base = results[0]["tokens_per_s"]
+    print(f"{name:14} {slots:>5} {seconds:>8.3f} {cpu:>6.2f} "
+          f"{int(tokens):>7} {row['tokens_per_s']:>8,.0f} "
+          f"{row['tokens_per_s'] / base:>6.2f}x {steps:>6} {slot_steps:>7} "
+          f"{row['utilisation']:>6.1%} {row['mean_length']:>6.1f} "
+          f"{row['longest']:>5}")
+
+  header = (f"{'variant':14} {'slots':>5} {'seconds':>8} {'CPU s':>6} "
+            f"{'tokens':>7} {'tok/s':>8} {'ratio':>7} {'steps':>6} "
+            f"{'slot-st':>7} {'util':>6} {'mean':>6} {'max':>5}")
+  print(header)
+  print("-" * len(header))
+
+  seconds, cpu, out = bench_rollout.fastest(all_rows, params, prompts, rng,
+                                            repeats=args.repeats)
+  report("lockstep N", n, None, seconds, cpu, *_counts(out, n),
+         out.mask.sum(1))
+
+  seconds, cpu, outs = bench_rollout.fastest(lockstep_batches, params,
+                                             repeated, rng,
+                                             repeats=args.repeats)
+  tokens = sum(float(o.mask.sum()) for o in outs)
+  steps = sum(int(o.num_steps) for o in outs)
+  report("lockstep S", S, None, seconds, cpu, tokens, steps, steps * S,
+         np.concatenate([o.mask.sum(1) for o in outs]))
+
+  for refill in refills:
+    run = jax.jit(lambda p, x, r, refill=refill: engine.generate(
+        module, p, x, ones, r, S, refill_size=refill, **options))
+    seconds, cpu, (out, stats) = bench_rollout.fastest(
+        run, params, repeated, rng, repeats=args.repeats)
+    steps = int(stats.decode_steps)
+    assert int(stats.useful_slot_steps) == int(out.mask.sum())
+    report(f"engine S/R={refill}", S, refill, seconds, cpu,
+           float(out.mask.sum()), steps, steps * S, out.mask.sum(1))
+  sys.stdout.flush()
+  if args.json:
+    with open(args.json, "w") as f:
+      json.dump(dict(device=jax.devices()[0].device_kind,
+                     jax=jax.__version__, args=vars(args), results=results),
+                f, indent=1)
+      f.write("\n")
+
+
+if __name__ == "__main__":
+  main(_parse())
