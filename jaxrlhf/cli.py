@@ -5,16 +5,29 @@ errors.
 A mistake in the command (an unknown flag or config field, a config file
 that does not load, a value out of range) is one line starting with
 "error:" on stderr and exit status `USAGE_ERROR`, never a traceback.
+
+An override naming a field the config lacks is found before the library
+(and JAX) is imported when the config file needs no more of the library
+than `defaults.base_config()`: the file is run against that config as the
+generated index `config_index.py` records it (see `early_unknown_field`).
 """
 
+import contextlib
+import copy
+import importlib.abc
 import os
 import re
 import sys
 import traceback
-from typing import Callable, Sequence
+import types
+from typing import Callable, Optional, Sequence
 
 from absl import flags
+import ml_collections
+from ml_collections import config_dict
 from ml_collections import config_flags
+
+from jaxrlhf import config_index
 
 # Exit status of a run refused for its command, config, workdir (held by
 # another run, or its checkpoints written under another config) or input data
@@ -22,9 +35,15 @@ from ml_collections import config_flags
 # (a non-finite step, a full disk, a lost process) exits 1.
 USAGE_ERROR = 2
 
-CONFIG = config_flags.DEFINE_config_file(
-    "config", None, "Experiment config file (path[:arg]); required.",
-    lock_config=True)
+
+
+def _define_config_flag(flag_values: flags.FlagValues) -> flags.FlagHolder:
+  return config_flags.DEFINE_config_file(
+      "config", None, "Experiment config file (path[:arg]); required.",
+      flag_values=flag_values, lock_config=True)
+
+
+CONFIG = _define_config_flag(flags.FLAGS)
 
 
 def fail(message: str) -> None:
@@ -70,6 +89,20 @@ def config_file_message(error: BaseException) -> str:
   detail = str(cause).strip().splitlines()
   return (f"--config={path}: get_config raised {type(cause).__name__}"
           f"{': ' + detail[-1] if detail else ''}{where}.")
+
+
+def _unknown_field_error(error: BaseException
+                         ) -> Optional[BaseException]:
+  """The AttributeError or KeyError behind a flag-parsing error that names
+  a field the config lacks (ml_collections raises it bare or as a
+  flags.Error's cause), or None."""
+  if isinstance(error, (AttributeError, KeyError)):
+    return error
+  cause = error.__cause__ or error.__context__
+  if isinstance(error, flags.Error) and isinstance(
+      cause, (AttributeError, KeyError)):
+    return cause
+  return None
 
 
 def unknown_field_message(argv, error) -> str:
@@ -119,15 +152,17 @@ def flags_parser(help_text: Callable[[], str]):
            for a in argv[1:]):
       print(help_text())
       sys.exit(0)
+    missing = early_unknown_field(argv)
+    if missing is not None:
+      fail(unknown_field_message(argv, missing))
     try:
       return flags.FLAGS(argv)
-    except (AttributeError, KeyError) as e:
-      fail(unknown_field_message(argv, e))
-    except flags.Error as e:
-      if isinstance(e.__cause__ or e.__context__, (AttributeError, KeyError)):
-        fail(unknown_field_message(argv, e.__cause__ or e.__context__))
-      fail(str(e))
     except Exception as e:  # pylint: disable=broad-except
+      missing = _unknown_field_error(e)
+      if missing is not None:
+        fail(unknown_field_message(argv, missing))
+      if isinstance(e, flags.Error):
+        fail(str(e))
       # The config file itself failed while flags were parsed.
       fail(config_file_message(e))
 
@@ -139,3 +174,152 @@ def no_arguments(argv) -> None:
   if len(argv) > 1:
     fail(f"unexpected arguments {argv[1:]}; every setting is a flag such "
          "as --config.train.num_steps=10.")
+
+
+# Early check for overrides of missing fields.
+#
+# Loading a config imports the library (every algorithm declares its config
+# group beside its code, and those modules import JAX), which is most of the
+# time a typo in an override takes to report. The generated index holds what
+# `defaults.base_config()` returns; a config file that needs nothing else of
+# the library can be run against it, and ml_collections then applies the
+# overrides exactly as the full parse does. Whatever the index cannot stand
+# in for (another module of the library, or of any package, imported by the
+# config file; another attribute of `defaults`) leaves the decision to the
+# full parse, which runs next as it always did.
+
+# The types a field of the index has, by the names the index gives them.
+_TYPES = {t.__name__: t for t in (bool, int, float, str, tuple)}
+
+
+class _Undecided(BaseException):
+  """The index cannot stand in for what the config file needs. (Not an
+  Exception, so that a config file's `except Exception` lets it through.)"""
+
+
+def config_from_fields(fields) -> ml_collections.ConfigDict:
+  """A ConfigDict from an index's fields: {group: {...}, field: (type
+  name, default)}; a default of None is a placeholder of the type."""
+  c = ml_collections.ConfigDict()
+  for name, item in fields.items():
+    if isinstance(item, dict):
+      c[name] = config_from_fields(item)
+    else:
+      kind, default = item
+      c[name] = (config_dict.placeholder(_TYPES[kind]) if default is None
+                 else default)
+  return c
+
+
+def _override_paths(argv: Sequence[str]) -> Sequence[str]:
+  """The field paths of argv's --config.<path> overrides, found as
+  ml_collections finds them."""
+  return [arg.split("=", 1)[0].split(".", 1)[1] for arg in argv
+          if re.match(r"-{1,2}(no)?config\.", arg)]
+
+
+def _in_index(path: str) -> bool:
+  node = config_index.FIELDS
+  for name in path.split("."):
+    if not isinstance(node, dict) or name not in node:
+      return False
+    node = node[name]
+  return True
+
+
+class _NothingUnloaded(importlib.abc.MetaPathFinder):
+  """Refuses to import anything outside the standard library, noting why
+  in `refused` (in case the config file catches even _Undecided)."""
+
+  def __init__(self, refused):
+    self.refused = refused
+
+  def find_spec(self, name, path=None, target=None):
+    del path, target  # unused
+    if name.partition(".")[0] not in sys.stdlib_module_names:
+      self.refused.append(f"the config file imports {name}")
+      raise _Undecided(self.refused[-1])
+    return None
+
+
+@contextlib.contextmanager
+def _library_from_index():
+  """Within: `jaxrlhf.defaults` (unless already imported) is a stand-in
+  whose only attribute is `base_config()`, built from the index, and a
+  module not yet imported can be imported only from the standard library;
+  anything else raises _Undecided, noted in the list it yields. Every
+  change is undone on exit."""
+  refused = []
+  package = sys.modules["jaxrlhf"]
+  module_name = f"{CONFIG.name}_config"  # where ml_collections loads it
+  saved = {name: sys.modules.get(name)
+           for name in ("jaxrlhf.defaults", module_name)}
+  had_attribute = hasattr(package, "defaults")
+  if saved["jaxrlhf.defaults"] is None:
+    stand_in = types.ModuleType("jaxrlhf.defaults")
+    stand_in.base_config = lambda: config_from_fields(config_index.FIELDS)
+
+    def other(name):
+      if name.startswith("__"):
+        raise AttributeError(name)
+      refused.append(f"the config file uses defaults.{name}")
+      raise _Undecided(refused[-1])
+
+    stand_in.__getattr__ = other
+    sys.modules["jaxrlhf.defaults"] = stand_in
+    package.defaults = stand_in
+  finder = _NothingUnloaded(refused)
+  sys.meta_path.insert(0, finder)
+  try:
+    yield refused
+  finally:
+    sys.meta_path.remove(finder)
+    for name, module in saved.items():
+      if module is None:
+        sys.modules.pop(name, None)
+      else:
+        sys.modules[name] = module
+    if not had_attribute:
+      vars(package).pop("defaults", None)
+
+
+def early_unknown_field(argv: Sequence[str]) -> Optional[BaseException]:
+  """The error the full parse of argv would raise for an override naming a
+  field the config lacks, found without importing the library; None when
+  every override is in the index, when there is no such error, or when the
+  index cannot tell (the full parse then decides).
+
+  argv is parsed by a copy of every flag, with the config file run under
+  `_library_from_index`: the same overrides are applied in the same order
+  to a config of the same fields and types, so the first error is the one
+  the full parse meets first."""
+  if all(_in_index(path) for path in _override_paths(argv)):
+    return None  # Nothing to find early: the full parse applies them.
+  scratch = flags.FlagValues()
+  for flag in {id(flags.FLAGS[n]): flags.FLAGS[n] for n in flags.FLAGS
+               }.values():
+    if flag.name != CONFIG.name:
+      scratch[flag.name] = copy.deepcopy(flag)
+  _define_config_flag(scratch)
+  parser = scratch[CONFIG.name].parser
+  loaded = []  # set once get_config() has returned
+
+  def load(path):
+    config = type(parser).parse(parser, path)
+    loaded.append(path)
+    return config
+
+  parser.parse = load
+  with _library_from_index() as refused:
+    try:
+      scratch(list(argv))
+      return None
+    except _Undecided:
+      return None
+    except Exception as e:  # pylint: disable=broad-except
+      error = e
+  # An error before get_config() returned is the config file's own, which
+  # the full parse reports (it may differ under the stand-in).
+  if refused or not loaded:
+    return None
+  return _unknown_field_error(error)
