@@ -14,6 +14,7 @@ import pathlib
 
 import jax
 import jax.numpy as jnp
+import ml_collections
 import numpy as np
 import pytest
 
@@ -297,6 +298,28 @@ def test_reference_docs_are_current():
   from jaxrlhf import docs
   assert docs.PATH.read_text() == docs.render(), (
       "docs/config.md is out of date: run python -m jaxrlhf.docs")
+
+
+def test_field_index_is_current_and_rebuilds_the_base_config():
+  """jaxrlhf/config_index.py is rendered from the declarations, and the
+  config the command line builds from it (before it imports the library)
+  has base_config()'s fields, with their types and defaults."""
+  from jaxrlhf import cli, config_index, docs
+
+  def leaves(c, prefix=""):
+    out = {}
+    for name, value in c.items():
+      if isinstance(value, ml_collections.ConfigDict):
+        out.update(leaves(value, f"{prefix}{name}."))
+      else:
+        out[prefix + name] = (c.get_type(name), value)
+    return out
+
+  assert docs.INDEX_PATH.read_text() == docs.render_index(), (
+      "jaxrlhf/config_index.py is out of date: run python -m jaxrlhf.docs")
+  base = leaves(defaults.base_config())
+  assert base["train.num_steps"][0] is int and len(base) > 100
+  assert leaves(cli.config_from_fields(config_index.FIELDS)) == base
 
 
 @pytest.mark.parametrize("field,value,message", [
