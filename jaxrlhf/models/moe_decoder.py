@@ -31,6 +31,13 @@ forward pass of parameters computed from the trained ones, records its
 routing (`RouterRecord`); `router_loss` turns the records into the term the
 loss adds and the `moe/...` metrics. Frozen networks (a reference, a
 reward model, a teacher) and dense models record nothing.
+
+Router replay (online RL's `online.router_replay`). A forward pass applied
+with "intermediates" mutable also records the experts each token went to
+(`routes`: int32 [batch, length, moe layers, top_k]); the sampler keeps
+them for the tokens it feeds, and `apply(..., replayed=routes)` makes a
+later forward pass of the same tokens route them alike
+(`routing_variables`, read by `layers.moe.MoeMlp`).
 """
 
 import contextlib
@@ -51,7 +58,7 @@ from jaxrlhf.models.layers import moe
 Array = jax.Array
 
 # The collection and name each MoE layer's router logits are sown under.
-INTERMEDIATES = "intermediates"
+INTERMEDIATES = moe.INTERMEDIATES
 ROUTER_LOGITS = "router_logits"
 
 
@@ -164,29 +171,66 @@ class MoeCausalLM(llama.Llama):
     return {"index_layers": cfg.layers_differ() or cfg.mlps_differ()}
 
 
-def router_logits(intermediates) -> Array:
-  """float32 [moe layers, batch, length, experts]: the router logits a
-  forward pass sowed (the "intermediates" collection it returned), in layer
-  order, from an unrolled (`layers_{i}`) or scanned (`layers`, already
-  stacked) stack; of the model's first call where one apply called it
-  more than once."""
-  found = {}  # (path to the layer, its index) -> [layers, batch, ...]
+def _sown(intermediates, name: str) -> Array:
+  """[moe layers, ...]: what each MoE layer sowed as `name` (in its block,
+  or in its `mlp`) in the "intermediates" collection a forward pass
+  returned, in layer order, from an unrolled (`layers_{i}`) or scanned
+  (`layers`, already stacked) stack; of the model's first call where one
+  apply called it more than once."""
+  found = {}  # (path to the stack, layer index) -> [layers, ...]
 
   def visit(tree, path):
     for key, value in tree.items():
-      if key == ROUTER_LOGITS:
-        index = (int(path[-1].rsplit("_", 1)[1])
-                 if path[-1].startswith("layers_") else -1)
-        found[(path[:-1], index)] = (value[0] if index < 0
-                                     else value[0][None])
+      if key == name:
+        at = max(i for i, p in enumerate(path) if p.startswith("layers"))
+        index = (int(path[at].rsplit("_", 1)[1])
+                 if path[at].startswith("layers_") else -1)
+        found[(path[:at], index)] = value[0] if index < 0 else value[0][None]
       elif hasattr(value, "items"):
         visit(value, path + (key,))
   visit(intermediates, ())
   if not found:
-    raise ValueError("router_logits: nothing was sown; apply the model with "
+    raise ValueError(f"{name}: nothing was sown; apply the model with "
                      f"mutable=[{INTERMEDIATES!r}] (and a model with experts).")
-  return jnp.concatenate([found[k] for k in sorted(found)],
-                         axis=0).astype(jnp.float32)
+  return jnp.concatenate([found[k] for k in sorted(found)], axis=0)
+
+
+def router_logits(intermediates) -> Array:
+  """float32 [moe layers, batch, length, experts]: the router logits a
+  forward pass sowed (the "intermediates" collection it returned), in layer
+  order (`_sown`)."""
+  return _sown(intermediates, ROUTER_LOGITS).astype(jnp.float32)
+
+
+# ----------------------------------------------------------------------------
+# Router replay: the experts a forward pass chose, given to another.
+
+def routes(intermediates) -> Array:
+  """int32 [batch, length, moe layers, top_k]: the experts each token was
+  routed to in a forward pass applied with "intermediates" mutable (the
+  collection it returned), the MoE layers in order: the layout
+  `routing_variables` replays."""
+  return jnp.moveaxis(_sown(intermediates, moe.EXPERTS), 0, 2).astype(
+      jnp.int32)
+
+
+def routing_variables(config: MoeConfig, replayed: Array):
+  """The variable collection (`layers.moe.ROUTING`) that makes a forward
+  pass of a `MoeCausalLM` of `config` route each token to the experts
+  `replayed` int [batch, length, moe layers, top_k] holds (a token whose
+  first entry is -1 routes itself), as `routes` returns them."""
+  sparse = [i for i, s in enumerate(config.sparse_layers) if s]
+  expected = (len(sparse), config.num_experts_per_tok)
+  if replayed.ndim != 4 or tuple(replayed.shape[2:]) != expected:
+    raise ValueError(f"routing_variables: the replayed routes have shape "
+                     f"{tuple(replayed.shape)}, not [batch, length, moe "
+                     f"layers, top_k] with {expected[0]} MoE layers and "
+                     f"top_k {expected[1]}")
+  if config.scan_layers:  # one layer body: every layer has experts
+    return {"decoder": {"layers": {"mlp": {
+        moe.EXPERTS: jnp.moveaxis(replayed, 2, 0)}}}}
+  return {"decoder": {f"layers_{i}": {"mlp": {moe.EXPERTS: replayed[:, :, j]}}
+                      for j, i in enumerate(sparse)}}
 
 
 def load_balancing_loss(config: MoeConfig, intermediates,
@@ -260,15 +304,21 @@ def _records_for(module, params) -> Optional[List[RouterRecord]]:
   return records if trained else None
 
 
-def apply(module, params, args, kwargs, attention_mask: Array, method=None):
+def apply(module, params, args, kwargs, attention_mask: Array, method=None,
+          replayed: Optional[Array] = None):
   """`module.apply({"params": params}, *args, **kwargs, method=method)`,
   which within a `recording` of trained `params` of a model with experts
   also records its routing over the tokens of `attention_mask`
-  [batch, length] (1 = counted); any other call is the plain apply."""
+  [batch, length] (1 = counted); and which, given `replayed` routes
+  (`routes`' layout) and a model with experts, routes as they say
+  (`routing_variables`). Any other call is the plain apply."""
+  variables = {"params": params}
+  if replayed is not None and isinstance(module, MoeCausalLM):
+    variables[moe.ROUTING] = routing_variables(module.config, replayed)
   records = _records_for(module, params)
   if records is None:
-    return module.apply({"params": params}, *args, **kwargs, method=method)
-  out, state = module.apply({"params": params}, *args, **kwargs,
+    return module.apply(variables, *args, **kwargs, method=method)
+  out, state = module.apply(variables, *args, **kwargs,
                             method=method, mutable=[INTERMEDIATES])
   config = module.config
   inter = state[INTERMEDIATES]

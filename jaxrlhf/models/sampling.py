@@ -61,6 +61,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.models import moe_decoder
 from jaxrlhf.models.layers import kv_cache
 from jaxrlhf.models.layers import param_recording
 from jaxrlhf.models.layers import rotary
@@ -78,6 +79,12 @@ class Samples:
   # or fewer with `stop_when_done` (columns from it on are padding). None
   # in Samples built by hand.
   num_steps: jax.Array = None
+  # int32 [batch, prompt_len + max_new_tokens, moe layers, top_k]: the
+  # experts each token the sampler fed was routed to (a mixture-of-experts
+  # model sampled with `record_routes`; `moe_decoder.routes`' layout), -1
+  # where no token was fed (the last new token, and the columns a
+  # `stop_when_done` loop never ran); None when not recorded.
+  routes: jax.Array = None
 
 
 def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):
@@ -187,20 +194,26 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
                                 Tuple[jax.Array, Any]],
                  rng: jax.Array, max_new_tokens: int, temperature: float,
                  top_k: int, top_p: float, greedy: bool, eos_id: int,
-                 stop_when_done: bool, ends: Tuple[int, ...]) -> Samples:
+                 stop_when_done: bool, ends: Tuple[int, ...],
+                 records: Optional[jax.Array] = None) -> Samples:
   """Draws `max_new_tokens` tokens.
 
   Args:
     first_logits: [batch, vocab] logits of the first new token.
     cache: the model's KV cache after the prompt.
     step: (cache, token [batch], t, end) -> (logits [batch, vocab] of token
-      t + 1, cache), feeding token t (the t-th new token, 0 after an EOS);
-      `end` (static) ends t's segment of steps, t < end.
+      t + 1, cache, record [batch, ...] or None), feeding token t (the t-th
+      new token, 0 after an EOS); `end` (static) ends t's segment of
+      steps, t < end; its record (what it saw feeding token t) goes to
+      column t of `records`.
     stop_when_done: stop once every row has drawn its EOS (a while loop)
       instead of always running max_new_tokens - 1 steps (a scan); the
       outputs are the same.
     ends: the segments' ends (`segment_ends`), a loop each, one after the
       other.
+    records: None, or [batch, max_new_tokens, ...] the steps' records are
+      written into (the columns no step ran keep what it holds); returned
+      as `Samples.routes`.
   """
   batch = first_logits.shape[0]
 
@@ -215,18 +228,29 @@ def _decode_loop(first_logits: jax.Array, cache: Any,
   done = jnp.zeros((batch,), bool)
   first_logits = first_logits.astype(jnp.float32)
   if stop_when_done:
-    tokens, logprobs, has_eos, num_steps = _decode_until_done(
-        first_logits, cache, step, draw, done, rng, max_new_tokens, ends)
+    tokens, logprobs, has_eos, num_steps, records = _decode_until_done(
+        first_logits, cache, step, draw, done, rng, max_new_tokens, ends,
+        records)
   else:
-    tokens, logprobs, has_eos = _decode_fixed(
-        first_logits, cache, step, draw, done, rng, ends)
+    tokens, logprobs, has_eos, records = _decode_fixed(
+        first_logits, cache, step, draw, done, rng, ends, records)
     num_steps = jnp.int32(max_new_tokens)
   # Real tokens: everything up to and including the first EOS.
   is_eos = tokens == eos_id
   after_eos = (jnp.cumsum(is_eos, axis=-1) - is_eos) > 0
   mask = (~after_eos).astype(jnp.float32)
   return Samples(tokens=tokens, logprobs=logprobs * mask, mask=mask,
-                 has_eos=has_eos, num_steps=num_steps)
+                 has_eos=has_eos, num_steps=num_steps, routes=records)
+
+
+def _record(records, record, t):
+  """`records` [batch, columns, ...] with column t set to `record`
+  [batch, ...] (None: nothing recorded)."""
+  if records is None:
+    return None
+  start = (jnp.zeros((), jnp.int32), t) + (jnp.zeros((), jnp.int32),) * (
+      records.ndim - 2)
+  return jax.lax.dynamic_update_slice(records, record[:, None], start)
 
 
 def _segments(ends):
@@ -235,20 +259,21 @@ def _segments(ends):
           if end > start]
 
 
-def _decode_fixed(logits, cache, step, draw, done, rng, ends):
+def _decode_fixed(logits, cache, step, draw, done, rng, ends, records):
   """max_new_tokens draws and max_new_tokens - 1 steps (a scan per segment,
   `ends`), whether or not the rows have ended. Returns (tokens, logprobs
-  [batch, max_new_tokens], has_eos [batch])."""
+  [batch, max_new_tokens], has_eos [batch], records)."""
   batch = logits.shape[0]
-  carry = (logits, cache, done, rng)
+  carry = (logits, cache, done, rng, records)
   tokens = [jnp.zeros((0, batch), jnp.int32)]
   logprobs = [jnp.zeros((0, batch), jnp.float32)]
   for start, end in _segments(ends):
     def body(carry, t, end=end):
-      logits, cache, done, rng = carry
+      logits, cache, done, rng, records = carry
       token, logprob, done, rng = draw(logits, done, rng)
-      logits, cache = step(cache, token, t, end)
-      return (logits, cache, done, rng), (token, logprob)
+      logits, cache, record = step(cache, token, t, end)
+      return (logits, cache, done, rng, _record(records, record, t)), (
+          token, logprob)
 
     carry, (drawn, drawn_logprobs) = jax.lax.scan(
         body, carry, jnp.arange(start, end, dtype=jnp.int32))
@@ -257,15 +282,15 @@ def _decode_fixed(logits, cache, step, draw, done, rng, ends):
   tokens = jnp.concatenate(tokens, axis=0)
   logprobs = jnp.concatenate(logprobs, axis=0)
   # The last token is drawn outside the loop: feeding it would be wasted.
-  logits, _, done, rng = carry
+  logits, _, done, rng, records = carry
   last, last_logprob, has_eos, _ = draw(logits, done, rng)
   tokens = jnp.concatenate([tokens.T, last[:, None]], axis=1)
   logprobs = jnp.concatenate([logprobs.T, last_logprob[:, None]], axis=1)
-  return tokens, logprobs, has_eos
+  return tokens, logprobs, has_eos, records
 
 
 def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens,
-                       ends):
+                       ends, records):
   """`_decode_fixed`'s draws and steps in the same order (so the same rng
   splits and tokens), stopping once every row is done: a step runs only when
   some row still needs the token after it. The columns never drawn keep the
@@ -274,7 +299,7 @@ def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens,
   later segments' loops run no step.
 
   Returns (tokens, logprobs [batch, max_new_tokens], has_eos [batch],
-  num_steps int32 []: the columns drawn).
+  num_steps int32 []: the columns drawn, records).
   """
   batch = logits.shape[0]
   token, logprob, done, rng = draw(logits, done, rng)
@@ -284,7 +309,7 @@ def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens,
   tokens = nn.with_logical_constraint(tokens, ("batch", "length"))
   logprobs = nn.with_logical_constraint(logprobs, ("batch", "length"))
 
-  carry = (token, cache, done, rng, tokens, logprobs)
+  carry = (token, cache, done, rng, tokens, logprobs, records)
   num_steps = jnp.int32(1)
   for start, end in _segments(ends):
     # Step s draws column s + 1. The counter t (the next column) starts at
@@ -296,22 +321,23 @@ def _decode_until_done(logits, cache, step, draw, done, rng, max_new_tokens,
       return (t < end + 1) & ~jnp.all(done)
 
     def body(carry, end=end):
-      t, token, cache, done, rng, tokens, logprobs = carry
-      logits, cache = step(cache, token, t - 1, end)
+      t, token, cache, done, rng, tokens, logprobs, records = carry
+      logits, cache, record = step(cache, token, t - 1, end)
+      records = _record(records, record, t - 1)
       token, logprob, done, rng = draw(logits, done, rng)
       zero = jnp.zeros((), jnp.int32)
       tokens = jax.lax.dynamic_update_slice(tokens, token[:, None],
                                             (zero, t))
       logprobs = jax.lax.dynamic_update_slice(logprobs, logprob[:, None],
                                               (zero, t))
-      return t + 1, token, cache, done, rng, tokens, logprobs
+      return t + 1, token, cache, done, rng, tokens, logprobs, records
 
     t, *carry = jax.lax.while_loop(keep_going, body,
                                    (jnp.int32(start + 1), *carry))
     # A segment after the one where every row ended runs no step.
     num_steps = num_steps + (t - (start + 1))
-  _, _, done, _, tokens, logprobs = carry
-  return tokens, logprobs, done, num_steps
+  _, _, done, _, tokens, logprobs, records = carry
+  return tokens, logprobs, done, num_steps, records
 
 
 def _later_chunks(ends: Tuple[int, ...]) -> Tuple[int, ...]:
@@ -429,7 +455,7 @@ def _sample_encoder_decoder(*, model, params, encoder_input_tokens, rng,
         {"params": params, "cache": cache}, None, encoder_input_tokens,
         token[:, None], t + 1, end + 1, method=model.decode_step,
         mutable=["cache"])
-    return logits[:, -1].astype(jnp.float32), variables["cache"]
+    return logits[:, -1].astype(jnp.float32), variables["cache"], None
 
   return _decode_loop(logits, cache, step, rng, max_new_tokens, temperature,
                       top_k, top_p, greedy, eos_id, stop_when_done, ends)
@@ -504,8 +530,12 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
                          rng, max_new_tokens, temperature, top_k, top_p, greedy,
                          eos_id, num_samples, stop_when_done,
                          fuse_projections, cache_segments,
-                         bidirectional_prompt):
+                         bidirectional_prompt, record_routes):
   model = _inference_module(model)
+  # Router replay: record the experts each fed token is routed to.
+  record_routes = record_routes and isinstance(model,
+                                               moe_decoder.MoeCausalLM)
+  mutable = ["cache"] + ([moe_decoder.INTERMEDIATES] if record_routes else [])
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   prompt_mask = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
   batch, prompt_length = prompt_tokens.shape
@@ -527,8 +557,14 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
     logits, variables = model.apply(
         {"params": params}, prompt_tokens, positions,
         cache_mask[:, :prompt_length + ends[0]], 0,
-        method=model.decode_step, mutable=["cache"], **extra)
+        method=model.decode_step, mutable=mutable, **extra)
   params = _decode_params(params, reads, fusions, fuse_projections)
+  records = prompt_routes = None
+  if record_routes:
+    prompt_routes = _repeat_rows(
+        moe_decoder.routes(variables[moe_decoder.INTERMEDIATES]), num_samples)
+    records = jnp.full((batch * num_samples, max_new_tokens)
+                       + prompt_routes.shape[2:], -1, jnp.int32)
   logits = _repeat_rows(logits, num_samples, 0, ("batch", "vocab"))
   cache = _repeat_cache(variables["cache"], num_samples, batch, "kv_heads")
   cache_mask = _repeat_rows(cache_mask, num_samples, 0, ("batch", "length"))
@@ -539,15 +575,23 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
     logits, variables = model.apply(
         {"params": params, "cache": cache}, token[:, None], position,
         cache_mask[:, :prompt_length + end], prompt_length + t,
-        method=model.decode_step, mutable=["cache"])
-    return logits.astype(jnp.float32), variables["cache"]
+        method=model.decode_step, mutable=mutable)
+    record = None
+    if record_routes:
+      record = moe_decoder.routes(variables[moe_decoder.INTERMEDIATES])[:, 0]
+    return logits.astype(jnp.float32), variables["cache"], record
 
-  return _decode_loop(logits, cache, step, rng, max_new_tokens, temperature,
-                      top_k, top_p, greedy, eos_id, stop_when_done, ends)
+  samples = _decode_loop(logits, cache, step, rng, max_new_tokens,
+                         temperature, top_k, top_p, greedy, eos_id,
+                         stop_when_done, ends, records)
+  if not record_routes:
+    return samples
+  return samples.replace(routes=jnp.concatenate(
+      [prompt_routes, samples.routes], axis=1))
 
 
 _sample_decoder_only_jit = _jit_static(
-    _sample_decoder_only, _STATIC + ("bidirectional_prompt",))
+    _sample_decoder_only, _STATIC + ("bidirectional_prompt", "record_routes"))
 
 
 def _check_left_padded(prompt_attention_mask):
@@ -578,7 +622,8 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
                         num_samples: int = 1,
                         stop_when_done: bool = False,
                         fuse_projections: bool = True,
-                        cache_segments: Optional[int] = None) -> Samples:
+                        cache_segments: Optional[int] = None,
+                        record_routes: bool = False) -> Samples:
   """Samples continuations from a decoder-only model.
 
   Works with `llama.Llama`, `gpt_neox.GPTNeoX` and
@@ -604,10 +649,15 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
       axis=0)`.
     stop_when_done, fuse_projections, cache_segments: as in
       `sample_encoder_decoder`.
+    record_routes: static; a mixture-of-experts model
+      (`moe_decoder.MoeCausalLM`) records the experts every prompt and new
+      token it feeds is routed to, in `Samples.routes` (router replay: the
+      trainer routes the same tokens alike); ignored by a dense model.
   Returns:
     Samples of the NEW tokens only: [batch * num_samples, max_new_tokens]
     tokens (EOS kept, then 0), log-probs, mask, [batch * num_samples]
-    has_eos, and num_steps.
+    has_eos, and num_steps; with `record_routes`, their routes over the
+    prompt's columns and the new tokens'.
   """
   _check_options(max_new_tokens, temperature, top_k, top_p, num_samples,
                  cache_segments)
@@ -623,4 +673,5 @@ def sample_decoder_only(model, params, prompt_tokens, prompt_attention_mask,
       stop_when_done=bool(stop_when_done),
       fuse_projections=bool(fuse_projections),
       cache_segments=_segments_or_default(cache_segments, max_new_tokens),
-      bidirectional_prompt=bool(bidirectional_prompt))
+      bidirectional_prompt=bool(bidirectional_prompt),
+      record_routes=bool(record_routes))

@@ -390,12 +390,16 @@ class EncoderDecoderLM(_Adapter):
     mask = batch[_key(name, "decoder_loss_weights")].astype(jnp.float32)
     return logprobs * mask, mask
 
-  def response_states(self, params, batch, length: int):
+  def response_states(self, params, batch, length: int, routes=None):
     """(states [batch, L, ...], project): what position t's next-token
     logits over the vocabulary are made from, for the L = `length` target
     tokens, and the function making them (`project(states[:, a:b])` ->
     [batch, b - a, vocab]). T5's decoder yields its logits whole, so here
-    the states are those logits and `project` is the identity."""
+    the states are those logits and `project` is the identity. (`routes`:
+    the decoder-only adapter's; T5 has no experts, so None.)"""
+    if routes is not None:
+      raise ValueError("response_states: T5 has no experts to replay "
+                       "routes in.")
     logits = self.completion_logits(params, batch)
     if logits.shape[1] != length:
       raise ValueError(f"response_states: length={length}, but an "
@@ -453,16 +457,20 @@ class DecoderOnlyLM(_Adapter):
     return args, {"segment_ids": batch[_key(name, "segment_ids")],
                   "max_segments": examples_per_row(batch)}
 
-  def _forward(self, params, batch, name, method=None):
+  def _forward(self, params, batch, name, method=None, routes=None):
     """The module applied to completion `name`'s rows; through
     `moe_decoder.apply`, which records a trained MoE model's routing over
-    the rows' real tokens (the router's loss in training)."""
+    the rows' real tokens (the router's loss in training) and replays
+    `routes` (int [batch, L, moe layers, top_k], or None) in a MoE
+    model."""
     args, kwargs = self._inputs(batch, name)
     return moe_decoder.apply(self.module, params, args, kwargs,
-                             batch[_key(name, "attention_mask")], method)
+                             batch[_key(name, "attention_mask")], method,
+                             replayed=routes)
 
-  def _hidden(self, params, batch, name):
-    return self._forward(params, batch, name, self.module.hidden_states)
+  def _hidden(self, params, batch, name, routes=None):
+    return self._forward(params, batch, name, self.module.hidden_states,
+                         routes)
 
   def completion_segment_ids(self, batch, name=None):
     """[batch, L] segment ids of completion `name`'s rows."""
@@ -475,14 +483,16 @@ class DecoderOnlyLM(_Adapter):
 
   def next_token_stats(self, params, batch, name=None, temperature=1.0,
                        rng=None, with_top1=False, with_entropy=False,
-                       last: Optional[int] = None) -> TokenStats:
+                       last: Optional[int] = None,
+                       routes=None) -> TokenStats:
     """`TokenStats` [batch, L - 1] of tokens 1 .. L - 1 given the tokens
     before them (position t's logits score token t + 1), or with `last` of
     the last `last` tokens only ([batch, last]: an online response's), from
     the final states a chunk of positions at a time (`hidden_token_stats`):
-    the [batch, L, vocab] logits are never built."""
+    the [batch, L, vocab] logits are never built. `routes`: what a MoE
+    model replays (`_forward`)."""
     del rng  # decoder-only models here have no dropout
-    hidden = self._hidden(params, batch, name)
+    hidden = self._hidden(params, batch, name, routes)
     tokens = batch[_key(name, "tokens")]
     start = 1 if last is None else tokens.shape[1] - last
     if not 1 <= start < tokens.shape[1]:
@@ -492,13 +502,14 @@ class DecoderOnlyLM(_Adapter):
                               tokens[:, start:], temperature=temperature,
                               with_top1=with_top1, with_entropy=with_entropy)
 
-  def response_states(self, params, batch, length: int):
+  def response_states(self, params, batch, length: int, routes=None):
     """(final states [batch, L, emb], project): the states whose logits
     (`project(states[:, a:b])` -> [batch, b - a, vocab], the output layer)
     predict the last L = `length` tokens of the rows (an online response
     of `jaxrlhf.rl.rollout.response_features`): position t's state has
-    read the tokens before response token t."""
-    hidden = self._hidden(params, batch, None)
+    read the tokens before response token t. `routes`: what a MoE model
+    replays (`_forward`)."""
+    hidden = self._hidden(params, batch, None, routes)
     total = hidden.shape[1]
     if not 1 <= length < total:
       raise ValueError(f"response_states: length={length}, but the rows "

@@ -282,16 +282,18 @@ def correct(name, trainer_logprobs, sampler_logprobs, mask, *, cap=None,
                                  high=high)
 
 
-def gap_metrics(trainer_logprobs, sampler_logprobs, mask):
+def gap_metrics(trainer_logprobs, sampler_logprobs, mask,
+                prefix: str = "gap"):
   """The gap between the sampling and the training policy on the same tokens.
 
   Args:
     trainer_logprobs: [rows, L] log pi_train of the sampled tokens.
     sampler_logprobs: [rows, L] log pi_sampler of the same tokens.
     mask: [rows, L] 1 on the tokens that carry loss.
+    prefix: the metrics' names' start.
 
   Returns:
-    dict of scalars: "gap/k1" and "gap/k3", KL(sampler || trainer) per
+    dict of scalars (named for prefix "gap"): "gap/k1" and "gap/k3", KL(sampler || trainer) per
     response estimated on the sampler's samples (k1 = sum_t -r_t, k3 =
     sum_t (exp(r_t) - 1) - r_t), averaged over the responses with a token in
     the mask; "gap/ratio_mean", "_std" (population), "_min", "_max" of the
@@ -312,11 +314,11 @@ def gap_metrics(trainer_logprobs, sampler_logprobs, mask):
   ratio_max = jnp.max(jnp.where(inside, ratio, -jnp.inf))
   mean = common.masked_mean(ratio, mask)
   return {
-      "gap/k1": common.masked_mean(k1, rows),
-      "gap/k3": common.masked_mean(k3, rows),
-      "gap/ratio_mean": jnp.where(any_token, mean, 1.0),
-      "gap/ratio_std": jnp.sqrt(common.masked_var(ratio, mask,
-                                                  unbiased=False)),
-      "gap/ratio_min": jnp.where(any_token, ratio_min, 1.0),
-      "gap/ratio_max": jnp.where(any_token, ratio_max, 1.0),
+      f"{prefix}/k1": common.masked_mean(k1, rows),
+      f"{prefix}/k3": common.masked_mean(k3, rows),
+      f"{prefix}/ratio_mean": jnp.where(any_token, mean, 1.0),
+      f"{prefix}/ratio_std": jnp.sqrt(common.masked_var(ratio, mask,
+                                                        unbiased=False)),
+      f"{prefix}/ratio_min": jnp.where(any_token, ratio_min, 1.0),
+      f"{prefix}/ratio_max": jnp.where(any_token, ratio_max, 1.0),
   }

@@ -87,6 +87,19 @@ class Rollout:
   # The responses laid out for the teacher's architecture when it is not
   # the policy's (None: `features` serve it).
   teacher_features: Dict[str, jax.Array] = None
+  # int32 [batch, Lp + L, moe layers, top_k]: the experts the sampler
+  # routed each token of `features` to, which the policy's scoring
+  # (`logprobs`) and the updates replay (router replay,
+  # `sampling.Samples.routes`); None = each forward pass routes itself.
+  routes: jax.Array = None
+  # [batch, L] the policy's scoring without replaying `routes`
+  # (`online.router_replay_gap`: the gap replay closes); None = not made.
+  unreplayed_logprobs: jax.Array = None
+
+
+# The update rows' key of the routes the policy's forward passes replay
+# (`Rollout.routes`, `policy_logprobs`).
+ROUTES = "routes"
 
 
 def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):
@@ -129,8 +142,8 @@ def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):
 def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
                      temperature: float, eos_id: int, num_samples: int = 1,
                      stop_when_done: bool = False,
-                     cache_segments: Optional[int] = None
-                     ) -> sampling.Samples:
+                     cache_segments: Optional[int] = None,
+                     record_routes: bool = False) -> sampling.Samples:
   """The policy's samples for the prompts, with their log-probs and stats.
 
   Args:
@@ -148,6 +161,9 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
     cache_segments: static; the decode loop's segments, each reading the
       KV cache written so far (`sampling.sample_encoder_decoder`; None:
       `sampling.default_cache_segments`).
+    record_routes: static; a decoder-only mixture-of-experts policy
+      records its routing (`sampling.sample_decoder_only`), over the
+      columns of `response_features`' rows.
 
   Returns:
     `sampling.Samples` of [batch * num_samples, max_new_tokens].
@@ -160,7 +176,8 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
         lm.module, params, prompt_tokens, rng, max_new_tokens, **options)
   tokens, mask = left_pad_prompts(prompt_tokens, eos_id)
   return sampling.sample_decoder_only(
-      lm.module, params, tokens, mask, rng, max_new_tokens, **options)
+      lm.module, params, tokens, mask, rng, max_new_tokens,
+      record_routes=record_routes, **options)
 
 
 def response_features(lm, prompt_tokens, response_tokens, response_mask,
@@ -229,7 +246,8 @@ def response_tokens(lm, features, length: int):
 
 def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
                          temperature: float = 1.0,
-                         response_length: Optional[int] = None):
+                         response_length: Optional[int] = None,
+                         routes: Optional[jax.Array] = None):
   """Per-token log-probs and entropies of the completions, one forward pass.
 
   The log-probs equal `lm.completion_logprobs(params, batch, name,
@@ -241,6 +259,8 @@ def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
   Args:
     response_length: for decoder-only models, keep only the last this many
       columns (the response of `response_features`); None keeps all.
+    routes: routes a mixture-of-experts model replays (`Rollout.routes`),
+      or None.
 
   Returns:
     (logprobs [batch, L], entropy [batch, L], mask [batch, L]), zero where
@@ -248,6 +268,9 @@ def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
   """
   key = (lambda s: s) if name is None else (lambda s: f"{name}_{s}")
   if lm.is_encoder_decoder:
+    if routes is not None:
+      raise ValueError("logprobs_and_entropy: routes are replayed by "
+                       "decoder-only mixture-of-experts models only.")
     mask = batch[key("decoder_loss_weights")].astype(jnp.float32)
     stats = lm.next_token_stats(params, batch, name, temperature,
                                 with_entropy=True)
@@ -259,7 +282,8 @@ def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
     # array of an online step with a large vocabulary.
     mask = batch[key("loss_weights")].astype(jnp.float32)
     stats = lm.next_token_stats(params, batch, name, temperature,
-                                with_entropy=True, last=response_length)
+                                with_entropy=True, last=response_length,
+                                routes=routes)
     logprobs, entropy = stats.logprobs, stats.entropy
     if response_length is None:
       pad = ((0, 0), (1, 0))
@@ -269,6 +293,24 @@ def logprobs_and_entropy(lm, params, batch, name: Optional[str] = None,
       # prompt).
       mask = mask[:, mask.shape[1] - response_length:]
   return logprobs * mask, entropy * mask, mask
+
+
+def update_rows(rollout: Rollout) -> Dict[str, jax.Array]:
+  """The policy's part of the rows the updates train on: the rollout's
+  features, and the routes its forward passes replay (`ROUTES`) where the
+  sampler recorded them."""
+  if rollout.routes is None:
+    return dict(rollout.features)
+  return dict(rollout.features, **{ROUTES: rollout.routes})
+
+
+def policy_logprobs(lm, params, rows, temperature: float,
+                    response_length: int):
+  """The policy's `logprobs_and_entropy` of update rows (a minibatch of
+  `Rollout.features` and the targets), replaying the sampler's routing
+  where the rows carry it (`ROUTES`)."""
+  return logprobs_and_entropy(lm, params, rows, None, temperature,
+                              response_length, routes=rows.get(ROUTES))
 
 
 def response_values(lm, value_params, features, response_length: int):
@@ -301,7 +343,7 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
                      reward_params, prompt_tokens, response_tokens, *,
                      temperature: float, eos_id: int = 1, pad_id: int = 0,
                      missing_eos_penalty: Optional[float] = -1.0,
-                     episodes=None) -> Rollout:
+                     episodes=None, routes=None) -> Rollout:
   """Scores sampled responses: truncation, reward at EOS, EOS trick, log-probs.
 
   Args:
@@ -326,6 +368,9 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
       after an EOS: a turn ends at its end-of-turn id); the log-probs and
       the mask cover the model's tokens, the environment's are read
       (`jaxrlhf.agents.episodes.Assembled`).
+    routes: the sampler's routing of the rows (`sampling.Samples.routes`),
+      which the policy's scoring replays (a mixture-of-experts policy), or
+      None; kept in `Rollout.routes` for the updates.
 
   Returns:
     A `Rollout` whose per-token arrays are [batch, L]; every array is a
@@ -352,7 +397,8 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
     reward_features = response_features(reward_lm, prompt_tokens, tokens, mask,
                                         eos_id)
   logprobs, entropy, fmask = logprobs_and_entropy(lm, policy_params, features,
-                                                  None, temperature, length)
+                                                  None, temperature, length,
+                                                  routes=routes)
   if reference_params is None:
     ref_logprobs = logprobs
   else:
@@ -372,7 +418,7 @@ def assemble_rollout(lm, policy_params, reference_params, reward_lm,
   return jax.lax.stop_gradient(Rollout(
       features=features, logprobs=logprobs, ref_logprobs=ref_logprobs,
       entropy=entropy, mask=fmask, has_eos=has_eos, raw_scores=raw_scores,
-      scores=scores, reward_features=reward_features))
+      scores=scores, reward_features=reward_features, routes=routes))
 
 
 def rollout_metrics(rollout: Rollout, kl_coef=None, kl_estimator="k1",

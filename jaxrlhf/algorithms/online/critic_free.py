@@ -61,7 +61,8 @@ def make_targets(advantages_fn: Callable):
   def targets(trainer, state, rollout):
     advantages, algorithm_state, metrics = advantages_fn(trainer, state,
                                                          rollout)
-    data = dict(rollout.features, old_logprobs=rollout.logprobs,
+    data = dict(rollout_lib.update_rows(rollout),
+                old_logprobs=rollout.logprobs,
                 advantages=advantages, response_mask=rollout.mask)
     if kl_control.scores_reference(trainer.algorithm, trainer.config):
       data["ref_logprobs"] = rollout.ref_logprobs
@@ -82,8 +83,8 @@ def make_loss(clipping_fn: Callable):
 
   def loss(trainer, params, minibatch, algorithm_state):
     clipping = clipping_fn(trainer.config)
-    logprobs, entropy, mask = rollout_lib.logprobs_and_entropy(
-        trainer.lm, params["policy"], minibatch, None,
+    logprobs, entropy, mask = rollout_lib.policy_logprobs(
+        trainer.lm, params["policy"], minibatch,
         trainer.config.online.temperature, trainer.online.response_length)
     value, metrics = policy_gradient_losses.clipped_policy_gradient_loss(
         logprobs, minibatch["old_logprobs"], minibatch.get("ref_logprobs"),

@@ -75,8 +75,10 @@ class HostSplitStep:
     self._cap = dynamic_sampling_rounds(t.algorithm, t.config)
     rows = sharding.batch_sharding(self.mesh, t.rules, 1)
     replicated = sharding.replicated(self.mesh)
-    samples = sampling.Samples(tokens=rows, logprobs=rows, mask=rows,
-                               has_eos=rows, num_steps=replicated)
+    samples = sampling.Samples(
+        tokens=rows, logprobs=rows, mask=rows, has_eos=rows,
+        num_steps=replicated,
+        routes=rows if t.online.router_replay else None)
     parts = iteration.step_parts(t)
     self._add_host = jax.jit(self._rewards.with_host_rewards)
     self._scores = jax.jit(lambda rollout: rollout.scores,

@@ -155,7 +155,7 @@ def _by_parts(parts: int, k: int, fn, prompt_tokens, responses=None,
 
   Part p takes prompts p, p + P, ... (`split_microbatches`), so each data
   shard's prompts feed every part and none move, with their k response rows
-  of `responses` ([prompts * k, ...], adjacent per prompt) and the p-th of
+  of `responses` ([prompts * k, ...] leaves, adjacent per prompt) and the p-th of
   P keys split from `key`. `fn` returns response rows ([rows, ...] leaves)
   and scalars, which are added over the parts (the decode steps run); k
   is the responses per prompt."""
@@ -169,7 +169,7 @@ def _by_parts(parts: int, k: int, fn, prompt_tokens, responses=None,
     return grouped.reshape((parts, -1) + x.shape[1:])
 
   xs = (update_lib.split_microbatches(prompt_tokens, parts),
-        None if responses is None else split_responses(responses),
+        jax.tree.map(split_responses, responses),
         None if key is None else jax.random.split(key, parts))
   per_part = jax.lax.map(lambda a: fn(*a), xs)
 
@@ -199,7 +199,8 @@ def sample(trainer, params, frozen, prompt_tokens, key):
         max_new_tokens=settings.max_new_tokens, temperature=o.temperature,
         eos_id=trainer.vocabulary.eos_id,
         num_samples=settings.samples_per_prompt,
-        stop_when_done=o.stop_when_done, cache_segments=o.cache_segments)
+        stop_when_done=o.stop_when_done, cache_segments=o.cache_segments,
+        record_routes=settings.router_replay)
   return _by_parts(o.rollout_microbatches, settings.samples_per_prompt, part,
                    prompt_tokens, key=key)
 
@@ -218,15 +219,22 @@ def score(trainer, params, frozen, prompt_tokens, samples, references=None):
                                                  trainer.config)
   reference = frozen["reference"] if scores_reference else None
 
-  def part(prompts_and_references, tokens, unused_key):
+  def part(prompts_and_references, tokens_and_routes, unused_key):
     prompts, part_references = jax.tree.map(
         lambda x: jnp.repeat(x, k, axis=0), prompts_and_references)
+    tokens, routes = tokens_and_routes
     rollout = rollout_lib.assemble_rollout(
         trainer.lm, params["policy"], reference,
         rewards.lm if rewards.reward_model else None,
         frozen.get("reward"), prompts, tokens,
         temperature=o.temperature, eos_id=trainer.vocabulary.eos_id,
-        missing_eos_penalty=rewards.eos_trick)
+        missing_eos_penalty=rewards.eos_trick, routes=routes)
+    if routes is not None and o.router_replay_gap:
+      # The scoring without replay, for the gap replay closes.
+      unreplayed, _, _ = rollout_lib.logprobs_and_entropy(
+          trainer.lm, params["policy"], rollout.features, None,
+          o.temperature, rollout.mask.shape[1])
+      rollout = rollout.replace(unreplayed_logprobs=unreplayed)
     if trainer.online.teacher is not None:
       rollout = teacher.score_with_teacher(trainer, frozen[teacher.TEACHER],
                                            prompts, rollout)
@@ -240,7 +248,8 @@ def score(trainer, params, frozen, prompt_tokens, samples, references=None):
     return rewards.with_device_rewards(rollout, judged)
 
   rollout = _by_parts(o.rollout_microbatches, k, part,
-                      (prompt_tokens, references), samples.tokens)
+                      (prompt_tokens, references),
+                      (samples.tokens, samples.routes))
   # (The rollout's own decode_steps are None: they are the samples'.)
   return rollout.replace(decode_steps=samples.num_steps,
                          sample_logprobs=samples.logprobs * rollout.mask)
@@ -267,6 +276,11 @@ def importance_correction(config, trainer_logprobs, sampler_logprobs,
   name = options.importance_correction(config)
   metrics = importance_sampling.gap_metrics(trainer_logprobs,
                                             sampler_logprobs, rollout.mask)
+  if rollout.unreplayed_logprobs is not None:
+    # Router replay's diagnostic: the gap had the trainer routed itself.
+    metrics.update(importance_sampling.gap_metrics(
+        rollout.unreplayed_logprobs, sampler_logprobs, rollout.mask,
+        prefix=UNREPLAYED_GAP))
   if name == "none":
     return rollout, None, metrics
   weights, mask, correction_metrics = importance_sampling.correct(
@@ -275,6 +289,11 @@ def importance_correction(config, trainer_logprobs, sampler_logprobs,
       high=o.importance_ratio_high)
   metrics.update(correction_metrics)
   return rollout.replace(mask=mask), weights, metrics
+
+
+# The prefix of the gap metrics without router replay
+# (`online.router_replay_gap`).
+UNREPLAYED_GAP = "gap/unreplayed"
 
 
 def advantages(trainer, state, rollout, token_weights=None):

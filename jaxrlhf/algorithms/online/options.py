@@ -15,6 +15,7 @@ from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.algorithms.online import teacher
 from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.data import prompts as prompts_lib
+from jaxrlhf.models import moe_decoder
 from jaxrlhf.rl import importance_sampling
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import reductions
@@ -181,6 +182,20 @@ ONLINE = config_schema.Group(
           "token_mask, sequence_mask and icepop.", bounds=">0"),
         F("importance_ratio_high", 2.0,
           "The upper end of that band.", bounds=">0"),
+        F("router_replay", True,
+          "Mixture-of-experts policies (qwen3_moe, mixtral): the sampler "
+          "records the experts it routed each token to, and the rollout's "
+          "scoring and the updates route those tokens to the same experts, "
+          "weighted by the trained router's probabilities of them (so the "
+          "router still learns): Rollout Routing Replay (R3), which keeps "
+          "the trainer's log-probs of the sampled tokens from drifting from "
+          "the sampler's where the two would route differently. Dense "
+          "policies ignore it; multi-turn episodes need it False."),
+        F("router_replay_gap", False,
+          "With router_replay, also score each rollout without replaying "
+          "and log that gap to the sampler too (gap/unreplayed/k1, k3): "
+          "what replay closes, for one more forward pass of the policy per "
+          "step."),
         F("prompt_suffix", "",
           "A prompt ending that cutting keeps (e.g. '\\n\\nTL;DR:'; a long "
           "prompt that does not end with it is an error naming it); '' = "
@@ -266,6 +281,21 @@ def check_sampling(c) -> None:
       f"({o.importance_ratio_high}): the band of kept ratios would be "
       "empty.")
   check_episodes(c)
+
+
+def replays_routes(config, module) -> bool:
+  """Whether a run of `config` with policy `module` replays the sampler's
+  routing (`online.router_replay` on a mixture-of-experts policy); refused
+  for multi-turn episodes, whose turn sampler does not record it."""
+  if not (config.online.router_replay
+          and isinstance(module, moe_decoder.MoeCausalLM)):
+    return False
+  config_schema.require(
+      not environments.episodic(config.online), "online.router_replay",
+      "True with multi-turn episodes of a mixture-of-experts policy: the "
+      "turn sampler does not record its routing yet; set "
+      "online.router_replay=False.")
+  return True
 
 
 def check_episodes(c) -> None:

@@ -83,7 +83,8 @@ def decoupled_correction(config, lm, params, rollout):
   its gap to the sampling policy's scoring."""
   start, _, _ = rollout_lib.logprobs_and_entropy(
       lm, params["policy"], rollout.features, None,
-      config.online.temperature, rollout.mask.shape[1])
+      config.online.temperature, rollout.mask.shape[1],
+      routes=rollout.routes)
   return iteration.importance_correction(
       config, start, rollout.logprobs, rollout.replace(logprobs=start))
 

@@ -118,7 +118,7 @@ def update_data(rollout, targets):
   """The rows PPO's epochs and minibatches train on: the policy's features
   and the value network's (the same keys when the architectures agree,
   disjoint keys when they do not), with the rollout's targets."""
-  return dict(rollout.reward_features, **rollout.features,
+  return dict(rollout.reward_features, **rollout_lib.update_rows(rollout),
               old_logprobs=rollout.logprobs, response_mask=rollout.mask,
               old_values=targets["old_values"],
               advantages=targets["advantages"], returns=targets["returns"])
@@ -158,8 +158,8 @@ def minibatch_loss(trainer, params, minibatch, algorithm_state=None):
   """PPO's loss on one minibatch of rollout rows."""
   del algorithm_state
   cfg = trainer.config
-  logprobs, entropy, mask = rollout_lib.logprobs_and_entropy(
-      trainer.lm, params["policy"], minibatch, None, cfg.online.temperature,
+  logprobs, entropy, mask = rollout_lib.policy_logprobs(
+      trainer.lm, params["policy"], minibatch, cfg.online.temperature,
       trainer.online.response_length)
   value = values(trainer.online.rewards.lm, params["value"], minibatch,
                  trainer.online.response_length)

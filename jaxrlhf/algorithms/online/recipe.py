@@ -94,6 +94,9 @@ class OnlineSettings:
   prompt_source: PromptSource
   # The frozen teacher of distillation (`teacher`), or None.
   teacher: Optional[learned_reward.FrozenNetwork] = None
+  # The sampler records its routing and the trainer replays it (a
+  # mixture-of-experts policy with `online.router_replay`).
+  router_replay: bool = False
 
   @property
   def updates_per_step(self) -> int:
@@ -180,7 +183,8 @@ class Online(base.Training):
                          if environments.episodic(o) else max_new_tokens),
         rewards=rewards,
         prompt_source=PromptSource(config, trainer.prompt_length),
-        teacher=distilled)
+        teacher=distilled,
+        router_replay=options.replays_routes(config, trainer.lm.module))
 
   def check_rows(self, algorithm, config, data_parallel: int) -> None:
     options.check_rows(algorithm, config, data_parallel)

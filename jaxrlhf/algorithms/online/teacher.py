@@ -278,7 +278,8 @@ def with_distill_loss(trainer, loss_fn, frozen):
     mask = minibatch["response_mask"]
     viewed, viewed_frozen = trainer.view_parts(params, frozen)  # LoRA
     student, project_student = trainer.lm.response_states(
-        viewed["policy"], minibatch, length)
+        viewed["policy"], minibatch, length,
+        routes=minibatch.get(rollout_lib.ROUTES))
     teacher, project_teacher = teacher_lm.response_states(
         viewed_frozen[TEACHER], minibatch, length)
     teacher = jax.lax.stop_gradient(teacher)
@@ -316,6 +317,15 @@ def gkd_sample(trainer, sample_fn, params, frozen, prompts, key):
   completions = jnp.repeat(prompts[prompts_lib.COMPLETIONS],
                            trainer.online.samples_per_prompt, axis=0)
   on_policy = jax.random.uniform(coin) < trainer.config.gkd.lmbda
+  sampled = jax.eval_shape(lambda: sample_fn(params, frozen, prompts, key))
+
+  def dataset():
+    samples = _dataset_samples(trainer, completions)
+    if sampled.routes is None:
+      return samples
+    # Router replay: no sampler routed the dataset's tokens; -1 lets the
+    # trainer route them itself.
+    return samples.replace(routes=jnp.full(sampled.routes.shape, -1,
+                                           sampled.routes.dtype))
   return jax.lax.cond(
-      on_policy, lambda: sample_fn(params, frozen, prompts, key),
-      lambda: _dataset_samples(trainer, completions))
+      on_policy, lambda: sample_fn(params, frozen, prompts, key), dataset)

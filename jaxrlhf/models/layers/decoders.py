@@ -19,6 +19,7 @@ from jaxrlhf import checks
 from jaxrlhf.models.layers import attentions
 from jaxrlhf.models.layers import kv_cache
 from jaxrlhf.models.layers import linears
+from jaxrlhf.models.layers import moe
 
 Array = jax.Array
 
@@ -77,9 +78,11 @@ def make_layer_stack(block, config, num_layers: int, scan_layers: bool,
   named = {} if name is None else {"name": name}
   if scan_layers:
     # "intermediates": what a layer sows (MoE router logits) stacked per
-    # layer, as the parameters; without it scan would drop them.
+    # layer, as the parameters; without it scan would drop them. "routing":
+    # the experts a MoE layer replays (`layers.moe.ROUTING`), per layer.
     scanned = nn.scan(
-        block, variable_axes={"params": 0, "cache": 0, "intermediates": 0},
+        block, variable_axes={"params": 0, "cache": 0, moe.INTERMEDIATES: 0,
+                              moe.ROUTING: 0},
         split_rngs={"params": True, "dropout": True},
         in_axes=(nn.broadcast,) * num_args + ((0,) if layer_index else ()),
         length=num_layers,

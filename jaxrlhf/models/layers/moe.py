@@ -37,20 +37,44 @@ from jaxrlhf.models.layers import linears
 
 Array = jax.Array
 
+# Router replay. A forward pass given the variable collection ROUTING holds,
+# at each `MoeMlp`'s scope, EXPERTS int [batch, length, top_k]: the experts
+# each token is routed to (-1 first: its own top k). A forward pass applied
+# with INTERMEDIATES mutable records there, under EXPERTS, the experts it
+# routed each token to (int32 [batch, length, top_k]), beside the router
+# logits its block sows (`jaxrlhf.models.moe_decoder`).
+ROUTING = "routing"
+INTERMEDIATES = "intermediates"
+EXPERTS = "experts"
 
-def route(router_logits: Array, top_k: int,
-          norm_topk_prob: bool) -> Tuple[Array, Array]:
+
+def route(router_logits: Array, top_k: int, norm_topk_prob: bool,
+          replayed: Optional[Array] = None) -> Tuple[Array, Array]:
   """Top-k routing of router_logits [tokens, experts].
 
   Returns (weights float32 [tokens, top_k], experts int32 [tokens, top_k]):
   the softmax probabilities (over all experts, in float32) of each token's
   k most probable experts, renormalised to sum to 1 when `norm_topk_prob`.
+
+  replayed: int [tokens, top_k] experts chosen elsewhere (router replay:
+  the sampler's choice, `ROUTING`); a token whose first entry is negative
+  takes its own top k. The replayed experts' weights are this router's
+  probabilities of them, renormalised alike, so a loss's gradient still
+  reaches the router through the chosen experts' weights (Rollout Routing
+  Replay, "R3", arXiv 2510.11370: the inference engine's routing mask is
+  replayed in training, the gate values computed from the training
+  router's logits).
   """
   probs = jax.nn.softmax(router_logits.astype(jnp.float32), axis=-1)
   weights, experts = jax.lax.top_k(probs, top_k)
+  experts = experts.astype(jnp.int32)
+  if replayed is not None:
+    replayed = replayed.astype(jnp.int32)
+    experts = jnp.where(replayed[:, :1] >= 0, replayed, experts)
+    weights = jnp.take_along_axis(probs, experts, axis=-1)
   if norm_topk_prob:
     weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
-  return weights, experts.astype(jnp.int32)
+  return weights, experts
 
 
 def _local_experts(tokens: Array, experts: Array, wi_0: Array, wi_1: Array,
@@ -204,6 +228,10 @@ class MoeMlp(nn.Module):
   (x . A_e) . B_e, as two more grouped products (the weights are never
   merged, so a small update is not lost to a bfloat16 base's rounding);
   split over experts as the weights are.
+
+  Routing: its own top k, or the experts the variables' `ROUTING`
+  collection replays (`route`); the experts used are sown in
+  `INTERMEDIATES` (`EXPERTS`), where that collection is mutable.
   """
   num_experts: int
   top_k: int
@@ -246,8 +274,17 @@ class MoeMlp(nn.Module):
                           self.get_variable("params", b).astype(self.dtype))
 
     tokens = x.reshape(batch * length, embed).astype(self.dtype)
+    replayed = None
+    if self.has_variable(ROUTING, EXPERTS):
+      replayed = self.get_variable(ROUTING, EXPERTS)
+      if replayed.shape != (batch, length, k):
+        raise ValueError(f"MoeMlp: the replayed routing has shape "
+                         f"{replayed.shape}, not [batch, length, top_k] = "
+                         f"{(batch, length, k)}")
+      replayed = replayed.reshape(-1, k)
     weights, experts = route(router_logits.reshape(-1, e), k,
-                             self.norm_topk_prob)
+                             self.norm_topk_prob, replayed)
+    self.sow(INTERMEDIATES, EXPERTS, experts.reshape(batch, length, k))
     weights = weights.astype(self.dtype)
     if axes:
       y = _expert_parallel(tokens, weights, experts, wi_0, wi_1, wo, axes,
