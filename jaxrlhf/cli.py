@@ -298,7 +298,8 @@ def early_unknown_field(argv: Sequence[str]) -> Optional[BaseException]:
   scratch = flags.FlagValues()
   for flag in {id(flags.FLAGS[n]): flags.FLAGS[n] for n in flags.FLAGS
                }.values():
-    if flag.name != CONFIG.name:
+    # (Not the config flag, nor the override flags an earlier parse made.)
+    if flag.name.split(".")[0] != CONFIG.name:
       scratch[flag.name] = copy.deepcopy(flag)
   _define_config_flag(scratch)
   parser = scratch[CONFIG.name].parser
