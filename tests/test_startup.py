@@ -223,7 +223,11 @@ CHANGING_CONFIGS = {
 CASES = [
     ("configs/quickstart.py", "train.num_stepz=3", False, True),
     ("configs/quickstart.py:small", "trian.num_steps=3", False, True),
-    ("configs/quickstart.py", "train.num_steps.x=3", False, True),
+    # Below a field that holds a number.
+    ("configs/quickstart.py", "train.num_steps.per_hostz=3", False, True),
+    # A name the library's source quotes, as it would a field declared
+    # since the index was generated: the full parse decides.
+    ("configs/quickstart.py", "train.arch=t5", False, False),
     # Imports presets, and so JAX: the full parse decides.
     ("configs/dpo.py", "train.num_stepz=3", False, False),
     ("adds.py", "train.num_stepz=3", True, False),
