@@ -306,7 +306,8 @@ def early_unknown_field(argv: Sequence[str]) -> Optional[BaseException]:
   """The error the full parse of argv would raise for an override naming a
   field the config lacks, found without importing the library; None when
   every override is in the index, when there is no such error, or when the
-  index cannot tell (the full parse then decides).
+  index cannot tell (a missing name the library's source quotes, a config
+  file that needs more than the index): the full parse then decides.
 
   argv is parsed by a copy of every flag, with the config file run under
   `_library_from_index`: the same overrides are applied in the same order
