@@ -75,6 +75,10 @@
 #   rollout.txt      experiments/bench_rollout.py: the same sampling with
 #                    the prompts repeated, the prefill shared, and stopping
 #                    when every row is done;
+#   engine.txt       experiments/bench_engine.py: the same workload through
+#                    the continuous-batching engine's slots (refill sizes
+#                    1, 16, 64) beside the lockstep sampler: tokens/s and
+#                    the slots' utilisation;
 #   online_step.txt  experiments/bench_online_step.py: a GRPO step's time
 #                    split (sampling, host rewards, scoring with and
 #                    without the reference, updates, the wait on the
@@ -128,7 +132,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-BENCHMARKS="sft dpo sft_fused dpo_fused sft_fused_x4 dpo_fused_x4 attention decode_matmul sampling sampling_long rollout online_step"
+BENCHMARKS="sft dpo sft_fused dpo_fused sft_fused_x4 dpo_fused_x4 attention decode_matmul sampling sampling_long rollout engine online_step"
 for name in ${ONLY//,/ }; do
   case " $BENCHMARKS " in
     *" $name "*) ;;
@@ -172,6 +176,8 @@ if [ "$SMOKE" = 1 ]; then
           --prompt=8 --new=8 --eos_prob=0.3 --repeats=1)
   ROLLOUT=(--families=llama --size=tiny --vocab_size=128 --prompts=2
            --group=2 --prompt=4 --new=8 --eos_prob=0.3 --repeats=1)
+  ENGINE=(--size=tiny --vocab_size=128 --prompts=2 --group=2 --prompt=4
+          --new=8 --eos_prob=0.3 --slots=2 --refills=1,2 --repeats=1)
   if [ "$BASELINES" = 0 ]; then
     TRAIN_MODEL+=(--no_trl)
     SAMPLING+=(--no_transformers)
@@ -181,6 +187,7 @@ if [ "$SMOKE" = 1 ]; then
   CAP_SFT=300 CAP_DPO=300 CAP_FUSED=200 CAP_SAMPLING=200 CAP_ONLINE=300
   CAP_ROLLOUT=200 CAP_ATTENTION=200 CAP_FUSED_DPO=200 CAP_FUSED_X4=200
   CAP_FUSED_DPO_X4=200 CAP_DECODE_MATMUL=100 CAP_SAMPLING_LONG=200
+  CAP_ENGINE=200
 else
   TRAIN_MODEL=(--arch=llama --size=tinyllama-1.1b --num_layers=8
                --vocab_size=32000 --dtype=bfloat16 --optimizer=adamw
@@ -200,11 +207,14 @@ else
           --prompt=64 --new=256 --eos_prob=0.05 --repeats=1)
   ROLLOUT=(--families=llama --size=small --vocab_size=32128 --prompts=32
            --group=8 --prompt=64 --new=256 --eos_prob=0.05 --repeats=3)
+  ENGINE=(--size=small --vocab_size=32128 --prompts=32 --group=8 --prompt=64
+          --new=256 --eos_prob=0.05 --slots=64 --refills=1,16,64 --repeats=3)
   ATTENTION=()
   DECODE_MATMUL=(--profile)
   CAP_SFT=125 CAP_DPO=130 CAP_FUSED=100 CAP_SAMPLING=200 CAP_ONLINE=210
   CAP_ROLLOUT=50 CAP_ATTENTION=90 CAP_FUSED_DPO=100 CAP_FUSED_X4=90
   CAP_FUSED_DPO_X4=120 CAP_DECODE_MATMUL=90 CAP_SAMPLING_LONG=150
+  CAP_ENGINE=90
 fi
 
 SUMMARY="$OUT/summary.txt"
@@ -331,6 +341,8 @@ run sampling_long "$CAP_SAMPLING_LONG" '^(device:|family|llama +[0-9])' "${SHARE
   "$PYTHON" experiments/bench_sampling.py "${SAMPLING_LONG[@]}"
 run rollout "$CAP_ROLLOUT" '^(device:|(t5|llama) |  +responses:)' -- \
   "$PYTHON" experiments/bench_rollout.py "${ROLLOUT[@]}"
+run engine "$CAP_ENGINE" '^(device:|variant|(lockstep|engine) )' -- \
+  "$PYTHON" experiments/bench_engine.py "${ENGINE[@]}"
 run online_step "$CAP_ONLINE" '^(device:|stop_when_done|sampling |host rewards |assemble(, no KL)? |updates |step \(split|fused|waiting on host)' -- \
   "$PYTHON" experiments/bench_online_step.py "${ONLINE[@]}"
 
