@@ -142,6 +142,8 @@ FIELDS = {
     'adaptive_kl': ('bool', False),
     'cache_segments': ('int', None),
     'clip_eps': ('float', 0.2),
+    'engine': ('str', 'lockstep'),
+    'engine_slots': ('int', None),
     'env_timeout_s': ('float', 60.0),
     'environment': ('str', ''),
     'eos_trick': ('bool', True),

@@ -39,6 +39,7 @@ import jax
 import jax.numpy as jnp
 
 from jaxrlhf.models import heads
+from jaxrlhf.models import engine as engine_lib
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import rotary
 from jaxrlhf.rl import kl as kl_lib
@@ -143,7 +144,9 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
                      temperature: float, eos_id: int, num_samples: int = 1,
                      stop_when_done: bool = False,
                      cache_segments: Optional[int] = None,
-                     record_routes: bool = False) -> sampling.Samples:
+                     record_routes: bool = False,
+                     engine: str = "lockstep",
+                     engine_slots: Optional[int] = None) -> sampling.Samples:
   """The policy's samples for the prompts, with their log-probs and stats.
 
   Args:
@@ -164,10 +167,31 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
     record_routes: static; a decoder-only mixture-of-experts policy
       records its routing (`sampling.sample_decoder_only`), over the
       columns of `response_features`' rows.
+    engine: static; 'lockstep' (`sampling`) or 'continuous'
+      (`engine.generate` over the prompts repeated num_samples times,
+      row r drawing from fold_in(rng, r); decoder-only, no routes;
+      stop_when_done and cache_segments do not apply, and `num_steps`
+      counts the engine's decode steps).
+    engine_slots: static; continuous: the decode slots (None: a quarter of
+      the batch * num_samples rows, at least 1).
 
   Returns:
     `sampling.Samples` of [batch * num_samples, max_new_tokens].
   """
+  if engine == "continuous":
+    if lm.is_encoder_decoder or record_routes:
+      raise ValueError(
+          "online.engine='continuous' decodes decoder-only policies without "
+          "recording routes; set online.engine='lockstep' (or "
+          "online.router_replay=False for a mixture-of-experts policy).")
+    tokens, mask = left_pad_prompts(prompt_tokens, eos_id)
+    tokens, mask = (jnp.repeat(x, num_samples, axis=0)
+                    for x in (tokens, mask))
+    slots = engine_slots or max(1, tokens.shape[0] // 4)
+    samples, stats = engine_lib.generate(
+        lm.module, params, tokens, mask, rng, slots, max_new_tokens,
+        temperature=temperature, eos_id=eos_id)
+    return samples.replace(num_steps=stats.decode_steps)
   options = dict(temperature=temperature, eos_id=eos_id,
                  num_samples=num_samples, stop_when_done=stop_when_done,
                  cache_segments=cache_segments)

@@ -200,7 +200,8 @@ def sample(trainer, params, frozen, prompt_tokens, key):
         eos_id=trainer.vocabulary.eos_id,
         num_samples=settings.samples_per_prompt,
         stop_when_done=o.stop_when_done, cache_segments=o.cache_segments,
-        record_routes=settings.router_replay)
+        record_routes=settings.router_replay, engine=o.engine,
+        engine_slots=o.engine_slots)
   return _by_parts(o.rollout_microbatches, settings.samples_per_prompt, part,
                    prompt_tokens, key=key)
 

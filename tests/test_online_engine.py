@@ -1,0 +1,90 @@
+"""online.engine='continuous': a GRPO step sampling with the engine.
+
+The truths: (1) a response is drawn with its own key whatever the slots
+(tests/test_engine.py), so a whole GRPO step (its rollout, rewards,
+advantages, update) is the same with one slot as with a slot per
+response, only the decode steps run differ; (2) on-policy in float32 the
+sampler's log-probs are the trainer's scoring of the same tokens (the gap
+metrics near 0); (3) what it does not support is refused from the config.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from conftest import from_scratch, one_device_mesh, tiny_config, trainer_of
+from jaxrlhf import algorithms
+from jaxrlhf import sharding
+from jaxrlhf.algorithms.online import options
+
+GRPO = dict(model__arch="llama", model__size="tiny",
+            model__num_encoder_layers=None, model__num_decoder_layers=None,
+            optimizer__warmup_steps=0, train__batch_size=4, algorithm="grpo",
+            rewards__reward_model__weight=0.0,
+            rewards__gold_reward__weight=0.0,
+            # Responses of different lengths score differently: nonzero
+            # advantages, an update that moves the policy.
+            rewards__functions="reward_functions:word_count",
+            online__reward_model_checkpoint="",
+            online__samples_per_prompt=2, online__engine="continuous")
+
+
+def _step(slots):
+  """(metrics, updated policy params) of one GRPO step from the seeded
+  start, sampling with `slots` engine slots."""
+  config = tiny_config(**GRPO, online__engine_slots=slots)
+  mesh, rules = one_device_mesh(config)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    trainer = trainer_of(from_scratch(algorithms.get("grpo")), config, mesh)
+    state = trainer.init_state()
+    batch = next(trainer.train_batches(0))
+    state, metrics = trainer.train_step(
+        state, sharding.global_batch(jax.device_get(batch), mesh, rules))
+    return jax.device_get(metrics), jax.device_get(state.params["policy"])
+
+
+@pytest.fixture(scope="module")
+def steps():
+  return {slots: _step(slots) for slots in (1, 8)}
+
+
+def test_a_grpo_step_does_not_depend_on_the_slots(steps):
+  (one, params_one), (eight, params_eight) = steps[1], steps[8]
+  assert set(one) == set(eight)
+  for name in one:
+    if name == "decode_steps" or "time" in name or name.endswith("_s"):
+      continue
+    # The gap is a difference of near-equal log-probs, computed by the
+    # sampler in a batch of 1 or 8 slots: equal to their rounding.
+    atol = 1e-5 if name.startswith("gap/") else 1e-6
+    np.testing.assert_allclose(one[name], eight[name], rtol=1e-5, atol=atol,
+                               err_msg=name)
+  assert float(one["advantage_abs_mean"]) > 0
+  jax.tree.map(lambda a, b: np.testing.assert_allclose(a, b, rtol=1e-5,
+                                                       atol=1e-6),
+               params_one, params_eight)
+  # One slot runs a step per token drawn; eight (a slot per response) run
+  # as many as the longest response has tokens.
+  assert int(one["decode_steps"]) > int(eight["decode_steps"])
+
+
+def test_the_samplers_log_probs_are_the_trainers(steps):
+  metrics, _ = steps[1]
+  assert abs(float(metrics["gap/k1"])) < 1e-4
+  assert abs(float(metrics["gap/k3"])) < 1e-4
+
+
+@pytest.mark.parametrize("overrides,field", [
+    (dict(model__arch="t5"), "model.arch"),
+    (dict(model__arch="llama", online__sampler_devices=1),
+     "online.sampler_devices"),
+    (dict(model__arch="llama", online__cache_segments=2),
+     "online.cache_segments"),
+])
+def test_unsupported_settings_are_refused(overrides, field):
+  config = tiny_config(online__engine="continuous", algorithm="grpo",
+                       **overrides)
+  with pytest.raises(ValueError, match=f"config.{field}: .*engine"):
+    options.check_engine(config)
