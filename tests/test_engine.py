@@ -17,6 +17,7 @@ import pytest
 from jaxrlhf.models import engine
 from jaxrlhf.models import llama
 from jaxrlhf.models import sampling
+from jaxrlhf.models import t5
 
 VOCAB = 32
 NEVER = VOCAB  # an EOS id no draw can match
@@ -182,3 +183,10 @@ def test_right_padding_refused(tiny, prompts):
   tokens, mask = prompts
   with pytest.raises(ValueError, match="left-padded"):
     engine.generate(model, params, tokens, mask[:, ::-1], KEY, 2, NEW)
+
+
+def test_encoder_decoder_refused(prompts):
+  model = t5.T5(t5.t5_config("tiny", vocab_size=VOCAB))
+  tokens, mask = prompts
+  with pytest.raises(ValueError, match="sample_encoder_decoder"):
+    engine.generate(model, {}, tokens, mask, KEY, 2, NEW)
