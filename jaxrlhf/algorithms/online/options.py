@@ -155,11 +155,14 @@ ONLINE = config_schema.Group(
           choices=prompts_lib.LONG_PROMPT_POLICIES),
         F("off_policy_steps", 0,
           "Generation overlapped with training (jaxrlhf/algorithms/"
-          "online/overlap.py): 1 samples step t+1's responses with step t's "
-          "parameters while step t's update runs (one-step off-policy, "
-          "corrected by off_policy_correction); 0 samples each step's "
-          "responses with the parameters it updates (on-policy).",
-          choices=(0, 1)),
+          "online/overlap.py), the staleness bound k: 1 samples step t+1's "
+          "responses with step t's parameters while step t's update runs "
+          "(one-step off-policy, corrected by off_policy_correction); k > 1 "
+          "keeps a queue of the next k steps' rollouts, step t training on "
+          "responses of step t-k's parameters (asynchronous RL with bounded "
+          "staleness; the first k steps' of the run's first step's); 0 "
+          "samples each step's responses with the parameters it updates "
+          "(on-policy).", bounds=">=0"),
         F("sampler_devices", 0,
           "Devices that only sample (each process gives an equal share of "
           "its own), on a mesh of their own with mesh.shape's axes; the rest "

@@ -11,7 +11,14 @@ train; with `online.off_policy_steps=1` the two work at the same time:
   training devices   parameters t+1 = the update of step t on rollout t
 
 so step t's update is not waited for by step t+1's sampling (verl's and
-NeMo-RL's one-step off-policy mode, AReaL's staleness 1). The parameters
+NeMo-RL's one-step off-policy mode, AReaL's staleness 1). With
+`off_policy_steps` = k > 1 the sampler runs up to k steps ahead (a bounded
+staleness, AReaL's eta = k, prime-rl's async level): a queue holds the
+rollouts of steps t+1 .. t+k, and each step's update is followed by the
+rollout of step t+k, sampled with the parameters step t started from, so
+step t trains on responses of the parameters of step t-k (of the run's
+first step for its first k steps: its first call fills the queue with
+them). The parameters
 move to the sampler with a resharding `jax.device_put` once per step (the
 frozen reference and reward model once per run), and each rollout moves
 back the same way. Prompts t+1 are the stream's next batch, read ahead
@@ -43,6 +50,7 @@ starts from: the on-policy results on a mesh split in two
 (tests/test_eight_devices.py).
 """
 
+import collections
 import dataclasses
 
 import jax
@@ -91,13 +99,13 @@ def decoupled_correction(config, lm, params, rollout):
 
 class OverlappedStep:
   """(state, batch) -> (state, metrics): `iteration.online_step` with its
-  rollout made on the sampler's mesh, one step ahead with
-  `online.off_policy_steps=1` (module docstring)."""
+  rollout made on the sampler's mesh, up to k steps ahead with
+  `online.off_policy_steps=k` (module docstring)."""
 
   def __init__(self, trainer):
     t = trainer
     o = t.config.online
-    self._ahead = bool(o.off_policy_steps)
+    self._ahead = int(o.off_policy_steps)  # k: the staleness bound
     mesh = sharding.sampler_mesh(t.config)
     if mesh is None:
       mesh = t.mesh
@@ -114,7 +122,9 @@ class OverlappedStep:
     self._params_on_sampler = _on_mesh(t.state_shardings.params, mesh)
     self._frozen_on_sampler = _on_mesh(t.state_shardings.frozen, mesh)
     self._frozen = None  # the frozen networks on the sampler, moved once
-    self._pending = None  # (rollout on the sampler, host metrics)
+    # The rollouts made ahead, oldest first: (rollout on the sampler, host
+    # metrics) of the next steps' prompts, in step order.
+    self._pending = collections.deque()
     self._step = None  # the step the next call runs
     correct = self._sampler.parts.correct
     if self._ahead and o.off_policy_correction == "decoupled":
@@ -130,19 +140,30 @@ class OverlappedStep:
   def __call__(self, state, batch):
     if self._step is None:  # the first call: where the run starts
       self._step = int(jax.device_get(state.step))
-    ahead = self._ahead and self._step + 1 < self._num_steps
+    # The steps whose rollouts this step makes ahead: up to step t + k,
+    # those not made yet (all k on a run's first call, then one), within
+    # the run.
+    # (The queue holds steps t .. : this step's own first, unless empty.)
+    made = self._step + max(len(self._pending) - 1, 0)
+    ahead = range(made + 1, min(self._step + self._ahead, self._num_steps - 1)
+                  + 1) if self._ahead else range(0)
     if ahead:  # step t's parameters, copied before the update donates them
       params = jax.device_put(state.params, self._params_on_sampler,
                               may_alias=False)
     state, metrics = iteration.online_step(self.parts, state, batch)
-    if ahead:
-      # While the training devices update, the sampler samples the next
-      # step's prompts with the parameters this step started from.
-      stream = self._prompt_source.stream
-      _, key, _ = iteration.split_step_key(state.rng)
-      self._pending = self._rollout(
-          params, state, self._on_sampler(stream.batch_at(stream.position)),
-          key)
+    # While the training devices update, the sampler samples the later
+    # steps' prompts with the parameters this step started from (read
+    # ahead: the stream's position is already step t + 1's), each with its
+    # own step's key (the keys' chain, `split_step_key`, run forward).
+    stream = self._prompt_source.stream
+    rng = state.rng  # step t + 1's
+    for step in range(self._step + 1, ahead.stop if ahead else 0):
+      if step in ahead:
+        _, key, _ = iteration.split_step_key(rng)
+        self._pending.append(self._rollout(
+            params, state, self._on_sampler(stream.batch_at(
+                stream.position + step - self._step - 1)), key))
+      rng = iteration.split_step_key(rng)[0]
     self._step += 1
     return state, metrics
 
@@ -155,7 +176,7 @@ class OverlappedStep:
     """Nothing to sample when the rollout was made a step ahead; else the
     step's batch, moved to the sampler."""
     del rounds
-    if self._pending is None:
+    if not self._pending:
       yield self._on_sampler({k: evaluation.local_rows(v)
                               for k, v in batch.items()})
 
@@ -197,8 +218,8 @@ class OverlappedStep:
   def _keep(self, rounds):
     """The rollout made ahead (or this step's), moved to the training mesh,
     and the host's metrics."""
-    if self._pending is not None:
-      rounds, self._pending = [self._pending], None
+    if self._pending:
+      rounds = [self._pending.popleft()]
     rollout, skipped = rounds[0]
     return (jax.device_put(rollout, _rows_on(self._training_mesh,
                                              self._rules, rollout)),
