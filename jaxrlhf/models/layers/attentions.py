@@ -35,6 +35,7 @@ import numpy as np
 from jaxrlhf.models import fused_attention
 from jaxrlhf.models.layers import kv_cache
 from jaxrlhf.models.layers import linears
+from jaxrlhf.models.layers import paged_kv
 from jaxrlhf.models.layers import param_recording
 from jaxrlhf.models.layers import rotary
 
@@ -314,7 +315,10 @@ class Attention(nn.Module):
     (created as zeros on the first call), and the queries attend over all T
     cached positions (a cache in chunks, `kv_cache_chunks`: over its first
     T); `mask` [batch, 1, length, T] (from `cache_mask`) hides the pads and
-    the positions not written yet. A prefill may instead pass
+    the positions not written yet. With a `paged_kv.PagedIndex` as
+    cache_index, the cache is the page pools of `paged_kv.make_pool`, read
+    and written through the index's page tables (`paged_kv.update_paged`),
+    and `mask` is `paged_kv.paged_mask`'s. A prefill may instead pass
     `CausalSegments` with their cache_length T: the cache is written the
     same way and the queries attend over their own keys.
     """
@@ -351,7 +355,16 @@ class Attention(nn.Module):
     key = nn.with_logical_constraint(key, kv_axes)
     value = nn.with_logical_constraint(value, kv_axes)
     segments = isinstance(mask, CausalSegments)
-    if cache_index is not None:
+    paged = isinstance(cache_index, paged_kv.PagedIndex)
+    if paged:
+      # A paged cache (`paged_kv`): write the new keys and values into the
+      # page pools, attend over each row's pages gathered back.
+      if segments:
+        raise ValueError("A paged KV-cache call takes the dense mask of "
+                         "kv_cache.cache_mask, not CausalSegments.")
+      key = paged_kv.update_paged(self, "cached_key", key, cache_index)
+      value = paged_kv.update_paged(self, "cached_value", value, cache_index)
+    elif cache_index is not None:
       # A prefill described by CausalSegments (`DecoderOnly.decode_step`)
       # fills the cache and attends over its own keys, which are all the
       # cache holds yet; other calls attend over the whole cache.
@@ -369,6 +382,10 @@ class Attention(nn.Module):
     if segments:
       if window is not None and not isinstance(window, (int, np.integer)):
         window_choices = tuple(k.sliding_window for k in self.layer_kinds)
+    elif window is not None and paged:
+      mask = mask & paged_kv.paged_window_mask(cache_index, mask.shape[-2],
+                                               window)
+      window = None
     elif window is not None:
       mask = mask & window_mask(mask.shape[-2], mask.shape[-1], window,
                                 cache_index)

@@ -25,6 +25,9 @@ written once per sample, is `T5Attention`'s own):
     new query may attend to;
   kv_cache_chunks(lengths): the context in which a sampler makes its caches
     (`sampling`'s cache segments).
+A paged cache (`paged_kv`: page pools and page tables) replaces the
+contiguous one when a call's cache_index is a `paged_kv.PagedIndex`
+(`attentions.Attention` only).
 """
 
 import contextlib
@@ -35,6 +38,8 @@ import flax.linen as nn
 import jax
 import jax.numpy as jnp
 import numpy as np
+
+from jaxrlhf.models.layers import paged_kv
 
 Array = jax.Array
 
@@ -84,6 +89,10 @@ def update_kv_cache(module: nn.Module, name: str, new: Array, cache_index,
   cache instead of with the new position. Chunks (not slices of one array)
   keep that: XLA copies a cache that a step both slices and updates.
   """
+  if isinstance(cache_index, paged_kv.PagedIndex):
+    raise ValueError(f"KV cache {name!r}: a paged cache is read by "
+                     "attentions.Attention only; decode this model with the "
+                     "contiguous cache.")
   batch, _, heads, head_dim = new.shape
 
   def create():
@@ -148,8 +157,12 @@ def cache_mask(attention_mask: Array, cache_index, length: int) -> Array:
     cache_index: int scalar (may be traced).
     length: static number of queries.
   Returns:
-    bool [batch, 1, length, T].
+    bool [batch, 1, length, T]; with a `paged_kv.PagedIndex` as cache_index
+    (a paged cache; attention_mask unused), `paged_kv.paged_mask`'s [batch,
+    1, length, max_pages x page_size].
   """
+  if isinstance(cache_index, paged_kv.PagedIndex):
+    return paged_kv.paged_mask(cache_index, length)
   real = jnp.asarray(attention_mask).astype(bool)
   query_slots = cache_index + jnp.arange(length)
   key_slots = jnp.arange(real.shape[-1])

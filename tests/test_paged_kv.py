@@ -1,0 +1,313 @@
+"""The paged KV cache (models/layers/paged_kv.py).
+
+The truths: (1) attention over a sequence's pages, written token by token
+and prompt by prompt in any interleaving with other sequences (and with
+pages freed and reused between), equals softmax attention over that
+sequence's keys alone, computed in numpy; (2) the free list: a released
+sequence's pages are the next ones handed out, a page shared by a group
+is freed with its last reader only, an allocation the pool cannot cover
+allocates nothing and is reported; (3) a tiny Llama decoded on pages
+(prefill of left-padded prompts, the samples of a prompt sharing its
+pages, pages released at EOS) draws the tokens and log-probs of
+`sampling.sample_decoder_only` with the same key.
+"""
+
+import dataclasses
+import functools
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.models import llama
+from jaxrlhf.models import sampling
+from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import paged_kv
+from jaxrlhf.models.layers import rotary
+
+HEADS, KV_HEADS, HEAD_DIM = 4, 2, 8
+
+
+def reference_attention(query, keys, values):
+  """numpy softmax(q k^T / sqrt(d)) v of one query [heads, d] over one
+  sequence's keys and values [n, kv_heads, d] (grouped heads)."""
+  groups = HEADS // KV_HEADS
+  out = np.zeros((HEADS, HEAD_DIM))
+  for h in range(HEADS):
+    k, v = keys[:, h // groups], values[:, h // groups]
+    logits = k @ query[h] / np.sqrt(HEAD_DIM)
+    weights = np.exp(logits - logits.max())
+    out[h] = (weights / weights.sum()) @ v
+  return out
+
+
+def test_attention_over_pages_equals_attention_over_each_sequence():
+  rng = np.random.default_rng(0)
+  page_size, max_pages, num_pages, seqs = 4, 6, 40, 5
+  tables = paged_kv.init_tables(num_pages, page_size, seqs, max_pages)
+  pools = [jnp.zeros((num_pages, page_size, KV_HEADS, HEAD_DIM))] * 2
+  written = [[] for _ in range(seqs)]  # each sequence's (key, value) rows
+
+  def write(tables, pools, rows, new_k, new_v, start, length):
+    """rows' new tokens (new_k/new_v [len(rows), L, kv, d]) at start."""
+    want = np.asarray(tables.lengths).copy()
+    want[rows] = length
+    tables = paged_kv.reserve(tables, want)
+    index = paged_kv.PagedIndex(tables.page_table[np.asarray(rows, np.int32)],
+                                jnp.asarray(start, jnp.int32), page_size)
+    pools = [paged_kv.write_pages(p, index, x)
+             for p, x in zip(pools, (new_k, new_v))]
+    return tables, pools
+
+  # Left-padded prompts of sequences 0..2 in one call (pads dropped).
+  prompt_len = 7
+  real = np.array([7, 2, 5])
+  new_k = rng.normal(size=(3, prompt_len, KV_HEADS, HEAD_DIM))
+  new_v = rng.normal(size=(3, prompt_len, KV_HEADS, HEAD_DIM))
+  tables, pools = write(tables, pools, [0, 1, 2], new_k, new_v,
+                        real - prompt_len, real)
+  for b in range(3):
+    for j in range(prompt_len - real[b], prompt_len):
+      written[b].append((new_k[b, j], new_v[b, j]))
+  # Then tokens one at a time, the sequences taking turns at random (3 and
+  # 4 start empty), sequence 1 released and restarted half way.
+  for step in range(40):
+    rows = sorted(rng.choice(seqs, size=rng.integers(1, seqs + 1),
+                             replace=False))
+    rows = [r for r in rows if len(written[r]) < max_pages * page_size]
+    if step == 20:
+      tables = paged_kv.release(tables, np.arange(seqs) == 1)
+      written[1] = []
+    if not rows:
+      continue
+    k1 = rng.normal(size=(len(rows), 1, KV_HEADS, HEAD_DIM))
+    v1 = rng.normal(size=(len(rows), 1, KV_HEADS, HEAD_DIM))
+    start = np.array([len(written[r]) for r in rows])
+    tables, pools = write(tables, pools, rows, k1, v1, start, start + 1)
+    for i, r in enumerate(rows):
+      written[r].append((k1[i, 0], v1[i, 0]))
+  assert not bool(tables.exhausted)
+  lengths = np.array([len(w) for w in written])
+  np.testing.assert_array_equal(tables.lengths, lengths)
+
+  # One query per sequence at its next position, through `attend` over
+  # the gathered pages with the paged mask.
+  query = rng.normal(size=(seqs, 1, HEADS, HEAD_DIM))
+  index = paged_kv.PagedIndex(tables.page_table,
+                              jnp.asarray(lengths - 1, jnp.int32), page_size)
+  keys, values = (paged_kv.gather_pages(p, tables.page_table)
+                  for p in pools)
+  got = attentions.attend(jnp.asarray(query, jnp.float32), (keys,),
+                          (values,), paged_kv.paged_mask(index, 1),
+                          cache_layout=True)
+  for s in range(seqs):
+    k = np.stack([kv[0] for kv in written[s]])
+    v = np.stack([kv[1] for kv in written[s]])
+    np.testing.assert_allclose(got[s, 0], reference_attention(query[s, 0], k, v),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_released_pages_are_reused_and_counted():
+  tables = paged_kv.init_tables(6, 4, 3, 6)
+  tables = paged_kv.reserve(tables, jnp.array([9, 5, 0]))  # 3 + 2 pages
+  assert int(tables.num_free) == 1
+  first = set(np.asarray(tables.page_table[0, :3]).tolist())
+  tables = paged_kv.release(tables, jnp.array([True, False, False]))
+  assert int(tables.num_free) == 4
+  np.testing.assert_array_equal(tables.page_table[0], 6)  # holds none
+  # Sequence 2 grows to 16 positions: 4 pages, the 3 released among them.
+  tables = paged_kv.reserve(tables, jnp.array([0, 5, 16]))
+  got = set(np.asarray(tables.page_table[2, :4]).tolist())
+  assert first <= got and len(got) == 4
+  assert not got & set(np.asarray(tables.page_table[1, :2]).tolist())
+  assert int(tables.num_free) == 0 and not bool(tables.exhausted)
+  tables = paged_kv.release(tables, jnp.array([True, True, True]))
+  assert int(tables.num_free) == 6
+  np.testing.assert_array_equal(tables.refs, 0)
+  assert sorted(np.asarray(tables.free).tolist()) == list(range(6))
+
+
+def test_a_shared_prompt_is_read_by_each_sample():
+  rng = np.random.default_rng(1)
+  page_size, num_pages = 4, 12
+  tables = paged_kv.init_tables(num_pages, page_size, 4, 5)
+  pool = {"k": jnp.zeros((num_pages, page_size, KV_HEADS, HEAD_DIM))}
+  prompt = rng.normal(size=(1, 10, KV_HEADS, HEAD_DIM)).astype(np.float32)
+  tables = paged_kv.reserve(tables, jnp.array([10, 0, 0, 0]))  # 2.5 pages
+  pool["k"] = paged_kv.write_pages(
+      pool["k"], paged_kv.PagedIndex(tables.page_table[:1],
+                                     jnp.zeros((1,), jnp.int32), page_size),
+      prompt)
+  tables, pool = paged_kv.fork(tables, pool, jnp.array([0, 0, 0]),
+                               jnp.array([1, 2, 3]))
+  table = np.asarray(tables.page_table)
+  # The full pages in place, the partial one copied to a page per sample.
+  for s in (1, 2, 3):
+    np.testing.assert_array_equal(table[s, :2], table[0, :2])
+  assert len({table[s, 2] for s in range(4)}) == 4
+  assert int(tables.num_free) == num_pages - 3 - 3
+  # Each sample appends its own token at position 10; every sample reads
+  # the prompt, then its own token, and the prompt's pages are unchanged.
+  tables = paged_kv.reserve(tables, jnp.array([10, 11, 11, 11]))
+  mine = rng.normal(size=(3, 1, KV_HEADS, HEAD_DIM)).astype(np.float32)
+  pool["k"] = paged_kv.write_pages(
+      pool["k"], paged_kv.PagedIndex(tables.page_table[1:],
+                                     jnp.full((3,), 10, jnp.int32),
+                                     page_size), mine)
+  read = np.asarray(jnp.swapaxes(
+      paged_kv.gather_pages(pool["k"], tables.page_table), 1, 2))
+  np.testing.assert_array_equal(read[0, :10], prompt[0])
+  for i, s in enumerate((1, 2, 3)):
+    np.testing.assert_array_equal(read[s, :10], prompt[0])
+    np.testing.assert_array_equal(read[s, 10], mine[i, 0])
+  assert np.all(read[0, 10] == 0)
+  # The prompt released first: its full pages live on with the samples.
+  tables = paged_kv.release(tables, jnp.array([True, False, False, False]))
+  assert int(tables.num_free) == num_pages - 2 - 3
+  tables = paged_kv.release(tables, jnp.array([False, True, True, False]))
+  assert int(tables.num_free) == num_pages - 2 - 1
+  tables = paged_kv.release(tables, jnp.array([False, False, False, True]))
+  assert int(tables.num_free) == num_pages
+
+
+def test_exhaustion_allocates_nothing_and_is_reported():
+  tables = paged_kv.init_tables(4, 2, 2, 8)
+  tables = paged_kv.reserve(tables, jnp.array([4, 0]))
+  paged_kv.check_not_exhausted(tables)  # 2 pages used, 2 free
+  full = paged_kv.reserve(tables, jnp.array([6, 4]))  # needs 3
+  assert bool(full.exhausted)
+  np.testing.assert_array_equal(full.page_table, tables.page_table)
+  np.testing.assert_array_equal(full.lengths, tables.lengths)
+  assert int(full.num_free) == 2
+  with pytest.raises(RuntimeError, match="ran out"):
+    paged_kv.check_not_exhausted(full)
+  # A write to a page the sequence does not hold is dropped.
+  pool = jnp.zeros((4, 2, KV_HEADS, HEAD_DIM))
+  index = paged_kv.PagedIndex(full.page_table[1:], jnp.array([0], jnp.int32),
+                              2)
+  out = paged_kv.write_pages(pool, index,
+                             jnp.ones((1, 1, KV_HEADS, HEAD_DIM)))
+  np.testing.assert_array_equal(out, pool)
+  # A length past the table's max_pages x page_size is refused the same way.
+  assert bool(paged_kv.reserve(tables, jnp.array([17, 0])).exhausted)
+
+
+VOCAB = 32
+EOS = 3
+NEW = 8
+PROMPTS = [[5, 9, 3, 2, 7], [7, 1, 2, 8, 4, 6], [11], [2, 3, 5, 7, 11]]
+
+
+@functools.lru_cache(maxsize=None)
+def tiny(scan_layers: bool):
+  """(model, params, tokens, mask [B, width] left-padded PROMPTS)."""
+  config = dataclasses.replace(
+      llama.LlamaConfig.preset("tiny", vocab_size=VOCAB),
+      scan_layers=scan_layers)
+  model = llama.Llama(config)
+  one = jnp.ones((1, 4), jnp.int32)
+  params = nn.meta.unbox(
+      jax.jit(model.init)(jax.random.PRNGKey(3), one, one, one)["params"])
+  # Larger weights: peakier next-token distributions (clear greedy margins).
+  params = jax.tree.map(lambda x: x * 2.0, params)
+  width = max(len(r) for r in PROMPTS)
+  tokens = np.zeros((len(PROMPTS), width), np.int32)
+  mask = np.zeros_like(tokens)
+  for b, r in enumerate(PROMPTS):
+    tokens[b, width - len(r):] = r
+    mask[b, width - len(r):] = 1
+  return model, params, tokens, mask
+
+
+def paged_sample(model, params, tokens, mask, rng, num_samples, page_size,
+                 num_pages, **options):
+  """`sample_decoder_only`'s loop on pages: the prompts (sequences 0 ..
+  B - 1) prefilled, forked into their samples (B + i * k + j), the prompts
+  released; each step reserves a position for the live samples and feeds
+  their tokens; a sample releases its pages at its EOS. Returns (tokens,
+  logprobs [B * k, NEW], the most pages held at once, final tables)."""
+  batch, length = tokens.shape
+  rows = batch * num_samples
+  max_pages = paged_kv.pages_for(length + NEW, page_size)
+  tables = paged_kv.init_tables(num_pages, page_size, batch + rows,
+                                max_pages)
+  pool = paged_kv.make_pool(model, params, num_pages, page_size)
+  num_real = jnp.sum(mask, axis=-1).astype(jnp.int32)
+  tables = paged_kv.reserve(
+      tables, jnp.zeros((batch + rows,), jnp.int32).at[:batch].set(num_real))
+  index = paged_kv.PagedIndex(tables.page_table[:batch], num_real - length,
+                              page_size)
+  logits, variables = model.apply(
+      {"params": params, "cache": pool}, jnp.asarray(tokens),
+      rotary.positions_from_mask(jnp.asarray(mask)), None, index,
+      method=model.decode_step, mutable=["cache"])
+  samples = batch + jnp.arange(rows)
+  tables, pool = paged_kv.fork(
+      tables, variables["cache"], jnp.repeat(jnp.arange(batch), num_samples),
+      samples)
+  tables = paged_kv.release(tables, jnp.arange(batch + rows) < batch)
+  logits = jnp.repeat(logits, num_samples, axis=0)
+  num_real = jnp.repeat(num_real, num_samples)
+
+  @jax.jit
+  def step(pool, tables, logits, done, rng, t):
+    rng, key = jax.random.split(rng)
+    token, logprob = sampling.choose_tokens(logits, key, **options)
+    token = jnp.where(done, 0, token)
+    logprob = jnp.where(done, 0.0, logprob)
+    ended = ~done & (token == EOS)
+    done = done | ended
+    tables = paged_kv.release(
+        tables, jnp.zeros((batch + rows,), bool).at[samples].set(ended))
+    start = tables.lengths[samples]
+    tables = paged_kv.reserve(
+        tables, tables.lengths.at[samples].add(jnp.where(done, 0, 1)))
+    index = paged_kv.PagedIndex(tables.page_table[samples], start, page_size)
+    logits, variables = model.apply(
+        {"params": params, "cache": pool}, token[:, None],
+        (num_real + t)[:, None], None, index, method=model.decode_step,
+        mutable=["cache"])
+    return variables["cache"], tables, logits, done, rng, token, logprob
+
+  done = jnp.zeros((rows,), bool)
+  drawn, drawn_logprobs, most = [], [], 0
+  for t in range(NEW):
+    pool, tables, logits, done, rng, token, logprob = step(
+        pool, tables, logits, done, rng, jnp.int32(t))
+    drawn.append(token)
+    drawn_logprobs.append(logprob)
+    most = max(most, num_pages - int(tables.num_free))
+  return (np.stack(drawn, 1), np.stack(drawn_logprobs, 1), most, tables)
+
+
+@pytest.mark.parametrize("name,options,num_samples,scan_layers", [
+    ("greedy", dict(greedy=True), 1, False),
+    ("sampled", dict(temperature=1.0), 3, False),
+    ("filtered", dict(temperature=0.7, top_k=8, top_p=0.9), 2, False),
+    ("sampled, scanned layers", dict(temperature=1.0), 3, True)])
+def test_llama_on_pages_samples_as_the_lockstep_sampler(name, options,
+                                                        num_samples,
+                                                        scan_layers):
+  model, params, tokens, mask = tiny(scan_layers)
+  rng = jax.random.PRNGKey(7)
+  want = sampling.sample_decoder_only(
+      model, params, tokens, mask, rng, NEW, eos_id=EOS,
+      num_samples=num_samples, **options)
+  full = dict(temperature=1.0, top_k=0, top_p=1.0, greedy=False)
+  full.update(options)
+  page_size, num_pages = 2, 64
+  got, logprobs, most, tables = paged_sample(
+      model, params, tokens, mask, rng, num_samples, page_size, num_pages,
+      **full)
+  np.testing.assert_array_equal(got, want.tokens)
+  np.testing.assert_allclose(logprobs, want.logprobs, rtol=1e-4, atol=1e-5)
+  assert not bool(tables.exhausted)
+  # Every page back once every sample is released.
+  tables = paged_kv.release(tables, jnp.ones_like(tables.lengths, bool))
+  assert int(tables.num_free) == num_pages
+  # Fewer pages than the contiguous cache's positions (rows x (P + NEW - 1))
+  # would take.
+  rows = len(PROMPTS) * num_samples
+  assert most * page_size < rows * (tokens.shape[1] + NEW - 1)
