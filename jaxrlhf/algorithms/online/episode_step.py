@@ -43,13 +43,12 @@ from jaxrlhf.agents import environments
 from jaxrlhf.agents import episodes as episodes_lib
 from jaxrlhf.agents import policies
 from jaxrlhf.algorithms.online import host_split
-from jaxrlhf.algorithms.online import kl_control
+from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.data import chat_templates
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
 from jaxrlhf.eval import pass_at_k
-from jaxrlhf.rl import rollout as rollout_lib
 
 # Per-episode means of these sums (`episodes.metrics`).
 _MEANS = ("episode/turns", "episode/tool_calls", "episode/failed_calls",
@@ -245,21 +244,13 @@ class EpisodeStep(host_split.HostSplitStep):
 
   def _score_fn(self, params, frozen, samples: EpisodeSamples):
     t = self._trainer
-    rewards = t.online.rewards
     params, frozen = t.view_parts(params, frozen)
-    scores_reference = kl_control.scores_reference(t.algorithm, t.config)
-    rollout = rollout_lib.assemble_rollout(
-        t.lm, params["policy"],
-        frozen["reference"] if scores_reference else None,
-        rewards.lm if rewards.reward_model else None, frozen.get("reward"),
-        samples.opening, samples.tokens,
-        temperature=t.config.online.temperature, eos_id=self._eos_id,
-        missing_eos_penalty=rewards.eos_trick,
+    rollout = iteration.score_rows(
+        t, params, frozen, samples.opening, samples.tokens,
         episodes=(samples.opening_mask, samples.present, samples.model,
                   samples.ended))
-    rollout = rewards.with_device_rewards(rollout)
-    return rollout.replace(decode_steps=samples.decode_steps,
-                           sample_logprobs=samples.logprobs * rollout.mask)
+    return iteration.with_sampler_stats(rollout, samples.decode_steps,
+                                        samples.logprobs)
 
   def _score(self, params, frozen, prompt_tokens, samples, references=None):
     del prompt_tokens, references  # the episodes' openings are their own

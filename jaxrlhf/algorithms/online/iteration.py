@@ -214,46 +214,67 @@ def score(trainer, params, frozen, prompt_tokens, samples, references=None):
   term weighs them: `kl_control.scores_reference`); `references` [P, L]:
   the prompts' own completions, which a pairwise judge reads."""
   o, k = trainer.config.online, trainer.online.samples_per_prompt
-  rewards = trainer.online.rewards
   params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
-  scores_reference = kl_control.scores_reference(trainer.algorithm,
-                                                 trainer.config)
-  reference = frozen["reference"] if scores_reference else None
 
   def part(prompts_and_references, tokens_and_routes, unused_key):
     prompts, part_references = jax.tree.map(
         lambda x: jnp.repeat(x, k, axis=0), prompts_and_references)
     tokens, routes = tokens_and_routes
-    rollout = rollout_lib.assemble_rollout(
-        trainer.lm, params["policy"], reference,
-        rewards.lm if rewards.reward_model else None,
-        frozen.get("reward"), prompts, tokens,
-        temperature=o.temperature, eos_id=trainer.vocabulary.eos_id,
-        missing_eos_penalty=rewards.eos_trick, routes=routes)
-    if routes is not None and o.router_replay_gap:
-      # The scoring without replay, for the gap replay closes.
-      unreplayed, _, _ = rollout_lib.logprobs_and_entropy(
-          trainer.lm, params["policy"], rollout.features, None,
-          o.temperature, rollout.mask.shape[1])
-      rollout = rollout.replace(unreplayed_logprobs=unreplayed)
-    if trainer.online.teacher is not None:
-      rollout = teacher.score_with_teacher(trainer, frozen[teacher.TEACHER],
-                                           prompts, rollout)
-    judged = None
-    if rewards.judge is not None:
-      judged = rewards.judge.scores(
-          frozen[reward_sources.JUDGE], prompts,
-          rollout_lib.response_tokens(trainer.lm, rollout.features,
-                                      rollout.mask.shape[1]),
-          rollout.mask, trainer.vocabulary.eos_id, part_references)
-    return rewards.with_device_rewards(rollout, judged)
+    return score_rows(trainer, params, frozen, prompts, tokens,
+                      part_references, routes=routes)
 
   rollout = _by_parts(o.rollout_microbatches, k, part,
                       (prompt_tokens, references),
                       (samples.tokens, samples.routes))
-  # (The rollout's own decode_steps are None: they are the samples'.)
-  return rollout.replace(decode_steps=samples.num_steps,
-                         sample_logprobs=samples.logprobs * rollout.mask)
+  return with_sampler_stats(rollout, samples.num_steps, samples.logprobs)
+
+
+def score_rows(trainer, params, frozen, prompts, tokens, references=None, *,
+               routes=None, episodes=None):
+  """`score`'s rollout of rows, one per response: `prompts` [rows, Lp]
+  (repeated for each prompt's responses), `tokens` [rows, L], with the
+  viewed parameters (`trainer.view_parts`); `references` [rows, L] for a
+  pairwise judge, `routes` the sampler's to replay, `episodes`
+  multi-turn episodes' layout (`rollout_lib.assemble_rollout`, whose
+  `prompts` are then the episodes' left-padded openings)."""
+  o, rewards = trainer.config.online, trainer.online.rewards
+  scores_reference = kl_control.scores_reference(trainer.algorithm,
+                                                 trainer.config)
+  rollout = rollout_lib.assemble_rollout(
+      trainer.lm, params["policy"],
+      frozen["reference"] if scores_reference else None,
+      rewards.lm if rewards.reward_model else None,
+      frozen.get("reward"), prompts, tokens,
+      temperature=o.temperature, eos_id=trainer.vocabulary.eos_id,
+      missing_eos_penalty=rewards.eos_trick, routes=routes,
+      episodes=episodes)
+  if routes is not None and o.router_replay_gap:
+    # The scoring without replay, for the gap replay closes.
+    unreplayed, _, _ = rollout_lib.logprobs_and_entropy(
+        trainer.lm, params["policy"], rollout.features, None,
+        o.temperature, rollout.mask.shape[1])
+    rollout = rollout.replace(unreplayed_logprobs=unreplayed)
+  # (A teacher and a judge are refused for episodes: options.check_sampling,
+  # reward_sources.check_rewards.)
+  if trainer.online.teacher is not None:
+    rollout = teacher.score_with_teacher(trainer, frozen[teacher.TEACHER],
+                                         prompts, rollout)
+  judged = None
+  if rewards.judge is not None:
+    judged = rewards.judge.scores(
+        frozen[reward_sources.JUDGE], prompts,
+        rollout_lib.response_tokens(trainer.lm, rollout.features,
+                                    rollout.mask.shape[1]),
+        rollout.mask, trainer.vocabulary.eos_id, references)
+  return rewards.with_device_rewards(rollout, judged)
+
+
+def with_sampler_stats(rollout, decode_steps, sample_logprobs):
+  """The scored rollout with what the sampler knew: its decode steps
+  (int32 []) and its own log-probs of the tokens it drew ([rows, L], kept
+  where the rollout's mask is 1)."""
+  return rollout.replace(decode_steps=decode_steps,
+                         sample_logprobs=sample_logprobs * rollout.mask)
 
 
 def correct(config, state, rollout):
