@@ -21,6 +21,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from jaxrlhf.models import engine
 from jaxrlhf.models import llama
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import attentions
@@ -311,3 +312,57 @@ def test_llama_on_pages_samples_as_the_lockstep_sampler(name, options,
   # would take.
   rows = len(PROMPTS) * num_samples
   assert most * page_size < rows * (tokens.shape[1] + NEW - 1)
+
+
+ENGINE_PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11], [2, 3, 5, 7, 11],
+                  [4, 4, 4], [9, 8], [6, 2, 10, 12], [13]]
+
+
+@pytest.fixture(scope="module")
+def engine_prompts():
+  width = max(len(r) for r in ENGINE_PROMPTS)
+  tokens = np.zeros((len(ENGINE_PROMPTS), width), np.int32)
+  mask = np.zeros_like(tokens)
+  for b, r in enumerate(ENGINE_PROMPTS):
+    tokens[b, width - len(r):] = r
+    mask[b, width - len(r):] = 1
+  return tokens, mask
+
+
+@pytest.mark.parametrize("options", [dict(greedy=True),
+                                     dict(temperature=0.8, top_k=10)])
+def test_engine_on_pages_samples_each_prompt_as_alone(engine_prompts,
+                                                      options):
+  """engine.generate with pages: prompt i's tokens are
+  `sample_decoder_only`'s for that prompt alone with fold_in(rng, i)
+  (the engine's contract), with a pool smaller than slots x budget: any
+  3 live sequences hold at most 7 + 6 + 6 pages (the 3 longest prompts,
+  6, 5 and 4 tokens, with 7 tokens fed), where 3 rows of P + NEW - 1 = 13
+  positions take 3 x 7."""
+  model, params, _, _ = tiny(False)
+  tokens, mask = engine_prompts
+  key = jax.random.PRNGKey(0)
+  page_size, slots = 2, 3
+  width = tokens.shape[1] + NEW - 1
+  got, stats = engine.generate(model, params, tokens, mask, key, slots,
+                               NEW, eos_id=EOS, refill_size=2,
+                               page_size=page_size, num_pages=19,
+                               **options)
+  for i in range(len(tokens)):
+    want = sampling.sample_decoder_only(
+        model, params, tokens[i:i + 1], mask[i:i + 1],
+        jax.random.fold_in(key, i), NEW, eos_id=EOS, **options)
+    np.testing.assert_array_equal(got.tokens[i], want.tokens[0])
+    np.testing.assert_allclose(got.logprobs[i], want.logprobs[0],
+                               rtol=1e-4, atol=1e-5)
+  assert int(stats.useful_slot_steps) == int(np.sum(got.mask))
+  assert not bool(stats.pages_exhausted)
+  assert 0 < int(stats.pages_peak) <= 19 < slots * -(-width // page_size)
+
+
+def test_engine_on_a_pool_too_small_raises(engine_prompts):
+  model, params, _, _ = tiny(False)
+  tokens, mask = engine_prompts
+  with pytest.raises(RuntimeError, match="ran out"):
+    engine.generate(model, params, tokens, mask, jax.random.PRNGKey(0), 3,
+                    NEW, eos_id=EOS, page_size=2, num_pages=6)

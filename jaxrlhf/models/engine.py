@@ -34,6 +34,18 @@ rounding: a slot's products run in a batch of S rows, not 1). The decode
 steps read the weights cast once and joined as the lockstep sampler's do
 (`sampling._decode_params`); the prefills read them as they are.
 
+With `page_size`, the slots' caches are pages of one pool instead
+(`layers/paged_kv.py`): a prefill takes the pages its prompt's real tokens
+need (no pads, no budget), each decode step a new page for a slot whose
+sequence crosses a page boundary, and a sequence's pages go back to the
+free list when it ends, so the cache held follows the live sequences'
+lengths; `EngineStats.pages_peak` counts the most pages held at once. All
+S slots then decode in one batched `decode_step` over the pool (not under
+vmap); the draws and the samples are the same (tests/test_paged_kv.py). A
+pool of `num_pages` too small for what is live is an error after the call
+(nothing is preempted yet: the default pool, S x the pages of P + M - 1
+positions, is never too small). Only `attentions.Attention` reads pages.
+
 Not supported (refused with a message): T5 (an encoder-decoder; use
 `sampling.sample_encoder_decoder`), a prefix-LM prompt, cache segments
 (every slot holds P + max_new_tokens - 1 columns), `num_samples` (repeat
@@ -43,7 +55,7 @@ slots).
 """
 
 import functools
-from typing import Any, Tuple
+from typing import Any, Optional, Tuple
 
 import flax
 import jax
@@ -51,6 +63,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models import sampling
+from jaxrlhf.models.layers import paged_kv
 from jaxrlhf.models.layers import param_recording
 from jaxrlhf.models.layers import rotary
 
@@ -68,6 +81,10 @@ class EngineStats:
   useful_slot_steps: jax.Array
   # Prefill calls: the first fill (S prompts) and each refill (R prompts).
   prefills: jax.Array
+  # With pages: the most pages held at once (0 without), and whether the
+  # pool ran out (the samples are then wrong; `generate` raises).
+  pages_peak: jax.Array
+  pages_exhausted: jax.Array
 
   def utilisation(self, num_slots: int) -> float:
     """useful slot-steps / (decode steps x num_slots), a host float."""
@@ -79,8 +96,10 @@ class EngineStats:
 class _Slots:
   """The S slots' device state (leading axis S everywhere)."""
   cache: Any             # the model's cache, one row per slot: every leaf
-  #                        [S, (layers,) 1, kv_heads, P + M - 1, head_dim]
+  #                        [S, (layers,) 1, kv_heads, P + M - 1, head_dim];
+  #                        paged: (pools, PageTables of S sequences)
   cache_mask: jax.Array  # [S, P + M - 1] int32: the prompt's mask, then 1s
+  #                        (paged: [S, 0], unused)
   num_real: jax.Array    # [S] int32 the prompt's real tokens
   logits: jax.Array      # [S, vocab] float32 logits of the next draw
   rng: jax.Array         # [S, ...] each sequence's key, split per draw
@@ -127,6 +146,42 @@ def _feed(model, params, cache, tokens, positions, cache_mask, index):
   return jax.vmap(one)(cache, tokens, positions, cache_mask, index)
 
 
+def _prefill_pages(model, params, pages, tokens, mask, rows):
+  """Prefills n left-padded prompts [n, P] into the pages of slots `rows`
+  [n] (a row out of range is dropped), taking the pages of their real
+  tokens: (logits [n, vocab] float32, pages, num_real [n])."""
+  pool, tables = pages
+  length = tokens.shape[1]
+  num_real = jnp.sum(mask, axis=-1).astype(jnp.int32)
+  tables = paged_kv.reserve(
+      tables, tables.lengths.at[rows].set(num_real, mode="drop"))
+  index = paged_kv.PagedIndex(
+      tables.page_table.at[rows].get(mode="fill",
+                                     fill_value=tables.num_pages),
+      num_real - length, tables.page_size)
+  logits, variables = model.apply(
+      {"params": params, "cache": pool}, tokens,
+      rotary.positions_from_mask(mask), None, index,
+      method=model.decode_step, mutable=["cache"])
+  return (logits.astype(jnp.float32), (variables["cache"], tables),
+          num_real)
+
+
+def _feed_pages(model, params, pages, tokens, live):
+  """One decode step of every slot on pages: each live slot's token [S]
+  at its sequence's next position (a new page where it starts one); a
+  slot not live holds no pages and writes nothing. -> (logits [S, vocab]
+  float32, pages)."""
+  pool, tables = pages
+  start = tables.lengths  # prompt + tokens fed: the token's position
+  tables = paged_kv.reserve(tables, start + live.astype(jnp.int32))
+  index = paged_kv.PagedIndex(tables.page_table, start, tables.page_size)
+  logits, variables = model.apply(
+      {"params": params, "cache": pool}, tokens[:, None], start[:, None],
+      None, index, method=model.decode_step, mutable=["cache"])
+  return logits.astype(jnp.float32), (variables["cache"], tables)
+
+
 def _draw(rng, logits, temperature, top_k, top_p, greedy):
   """Each slot's draw with its own key: rng [S, ...], logits [S, vocab] ->
   (rng split once, tokens [S], log-probs [S]); a slot draws as a one-row
@@ -146,7 +201,8 @@ def _put(old, rows, new):
 
 def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
               num_slots, refill_size, max_new_tokens, temperature, top_k,
-              top_p, greedy, eos_id, fuse_projections):
+              top_p, greedy, eos_id, fuse_projections, page_size,
+              num_pages):
   model = sampling._inference_module(model)
   tokens_in = jnp.asarray(prompt_tokens, jnp.int32)
   mask_in = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
@@ -161,13 +217,23 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
   queue_mask = jnp.concatenate([mask_in, jnp.ones((pad, length), jnp.int32)])
   keys = jax.vmap(jax.random.fold_in, (None, 0))
 
+  paged = page_size is not None
+  first = jnp.arange(slots, dtype=jnp.int32)
   with param_recording.recording_param_reads() as reads, \
       param_recording.recording_param_fusions() as fusions:
-    logits, cache, cache_mask, num_real = _prefill(
-        model, params, queue_tokens[:slots], queue_mask[:slots], width)
+    if paged:
+      pages = (paged_kv.make_pool(model, params, num_pages, page_size),
+               paged_kv.init_tables(num_pages, page_size, slots,
+                                    paged_kv.pages_for(width, page_size)))
+      logits, cache, num_real = _prefill_pages(
+          model, params, pages, queue_tokens[:slots], queue_mask[:slots],
+          first)
+      cache_mask = jnp.zeros((slots, 0), jnp.int32)
+    else:
+      logits, cache, cache_mask, num_real = _prefill(
+          model, params, queue_tokens[:slots], queue_mask[:slots], width)
   decode_params = sampling._decode_params(params, reads, fusions,
                                           fuse_projections)
-  first = jnp.arange(slots, dtype=jnp.int32)
   state = _Slots(cache=cache, cache_mask=cache_mask, num_real=num_real,
                  logits=logits, rng=keys(rng, first),
                  t=jnp.zeros((slots,), jnp.int32),
@@ -175,29 +241,35 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
   out = (jnp.zeros((n, new), jnp.int32), jnp.zeros((n, new), jnp.float32),
          jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool))
   zero = jnp.int32(0)
-  counts = (zero, zero, jnp.int32(1))  # steps, useful, prefills
+  counts = (zero, zero, jnp.int32(1), zero)  # steps, useful, prefills, peak
 
   def refill_slots(state, next_prompt, prefills):
     """The next R pending prompts prefilled into the first free slots."""
     free = ~state.active
     pending = n - next_prompt
     taken = jnp.minimum(jnp.minimum(pending, refill), jnp.sum(free))
-    logits, cache, cache_mask, num_real = _prefill(
-        model, params,
-        jax.lax.dynamic_slice_in_dim(queue_tokens, next_prompt, refill),
-        jax.lax.dynamic_slice_in_dim(queue_mask, next_prompt, refill), width)
     # New prompt j goes to the j-th free slot (slot index `slots`, dropped,
     # when j >= taken).
     rank = jnp.where(free, jnp.cumsum(free) - 1, refill)
     target = jnp.full((refill,), slots, jnp.int32).at[rank].set(
         jnp.arange(slots, dtype=jnp.int32), mode="drop")
     target = jnp.where(jnp.arange(refill) < taken, target, slots)
+    prompts = (
+        jax.lax.dynamic_slice_in_dim(queue_tokens, next_prompt, refill),
+        jax.lax.dynamic_slice_in_dim(queue_mask, next_prompt, refill))
+    if paged:
+      logits, cache, num_real = _prefill_pages(model, params, state.cache,
+                                               *prompts, target)
+    else:
+      logits, cache, cache_mask, num_real = _prefill(model, params,
+                                                     *prompts, width)
     ids = next_prompt + jnp.arange(refill, dtype=jnp.int32)
     put = functools.partial(_put, rows=target)
     state = _Slots(
-        cache=jax.tree.map(lambda old, x: put(old, new=x), state.cache,
-                           cache),
-        cache_mask=put(state.cache_mask, new=cache_mask),
+        cache=cache if paged else jax.tree.map(
+            lambda old, x: put(old, new=x), state.cache, cache),
+        cache_mask=(state.cache_mask if paged
+                    else put(state.cache_mask, new=cache_mask)),
         num_real=put(state.num_real, new=num_real),
         logits=put(state.logits, new=logits),
         rng=put(state.rng, new=keys(rng, ids)),
@@ -208,7 +280,7 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
 
   def body(carry):
     state, next_prompt, (tokens, logprobs, lengths, has_eos), counts = carry
-    steps, useful, prefills = counts
+    steps, useful, prefills, peak = counts
     rng_s, token, logprob = _draw(state.rng, state.logits, temperature,
                                   top_k, top_p, greedy)
     live = state.active
@@ -221,7 +293,14 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     lengths = lengths.at[ended_row].set(state.t + 1, mode="drop")
     has_eos = has_eos.at[ended_row].set(is_eos, mode="drop")
     state = state.replace(rng=rng_s, t=state.t + 1, active=live & ~ended)
-    if new > 1:  # a budget of 1 never feeds its token
+    if paged:  # an ended sequence's pages go back to the free list
+      pool, tables = state.cache
+      state = state.replace(cache=(pool, paged_kv.release(tables, ended)))
+    if new > 1 and paged:
+      logits, cache = _feed_pages(model, decode_params, state.cache, token,
+                                  state.active)
+      state = state.replace(logits=logits, cache=cache)
+    elif new > 1:  # a budget of 1 never feeds its token
       # Token t sits at rotary position num_real + t and cache column
       # length + t (a slot past its budget, whose step is wasted, writes
       # the last column, which its next prompt's steps write before they
@@ -236,24 +315,34 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     state, next_prompt, prefills = jax.lax.cond(
         (pending > 0) & (free >= jnp.minimum(refill, pending)),
         refill_slots, lambda *a: a, state, next_prompt, prefills)
+    if paged:
+      tables = state.cache[1]
+      peak = jnp.maximum(peak, tables.num_pages - tables.num_free)
     return (state, next_prompt, (tokens, logprobs, lengths, has_eos),
-            (steps + 1, useful + jnp.sum(live, dtype=jnp.int32), prefills))
+            (steps + 1, useful + jnp.sum(live, dtype=jnp.int32), prefills,
+             peak))
 
+  if paged:
+    counts = counts[:3] + (num_pages - state.cache[1].num_free,)
   carry = (state, jnp.int32(min(slots, n)), out, counts)
-  _, _, (tokens, logprobs, lengths, has_eos), counts = jax.lax.while_loop(
-      lambda carry: jnp.any(carry[0].active), body, carry)
+  state, _, (tokens, logprobs, lengths, has_eos), counts = (
+      jax.lax.while_loop(lambda carry: jnp.any(carry[0].active), body,
+                         carry))
   mask = (jnp.arange(new)[None, :] < lengths[:, None]).astype(jnp.float32)
   samples = sampling.Samples(tokens=tokens, logprobs=logprobs * mask,
                              mask=mask, has_eos=has_eos,
                              num_steps=jnp.max(lengths))
-  stats = EngineStats(decode_steps=counts[0], useful_slot_steps=counts[1],
-                      prefills=counts[2])
+  stats = EngineStats(
+      decode_steps=counts[0], useful_slot_steps=counts[1],
+      prefills=counts[2], pages_peak=counts[3],
+      pages_exhausted=state.cache[1].exhausted if paged
+      else jnp.zeros((), bool))
   return samples, stats
 
 
 _STATIC = ("model", "num_slots", "refill_size", "max_new_tokens",
            "temperature", "top_k", "top_p", "greedy", "eos_id",
-           "fuse_projections")
+           "fuse_projections", "page_size", "num_pages")
 _generate_jit = sampling._jit_static(_generate, _STATIC)
 
 
@@ -266,7 +355,8 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
              num_slots: int, max_new_tokens: int, temperature: float = 1.0,
              top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
              eos_id: int = 1, refill_size: int = None,
-             fuse_projections: bool = True
+             fuse_projections: bool = True, page_size: Optional[int] = None,
+             num_pages: Optional[int] = None
              ) -> Tuple[sampling.Samples, EngineStats]:
   """Samples a continuation of each prompt with `num_slots` decode slots.
 
@@ -289,6 +379,13 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
       the loop refills when R slots are free (or all that is left pending
       fits); None: `default_refill_size` (S // 4).
     fuse_projections: as in `sampling.sample_decoder_only`.
+    page_size: static; None: each slot a contiguous cache row of P + M - 1
+      columns; an int: the slots' caches in pages of that many positions
+      (`paged_kv`).
+    num_pages: static, with page_size: the pool's pages (None: S x
+      ceil((P + M - 1) / page_size), enough for any lengths). A pool too
+      small for the live sequences raises after the call (when the call
+      is not traced).
   Returns:
     (Samples of the new tokens, [N, max_new_tokens] in prompt order, EOS
     kept, then 0; num_steps the longest sequence's tokens; EngineStats).
@@ -309,12 +406,31 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
                      f"{num_slots}, got {refill_size!r}.")
   if np.shape(prompt_tokens)[0] < 1:
     raise ValueError("engine.generate needs at least one prompt.")
+  if page_size is not None or num_pages is not None:
+    if not isinstance(page_size, (int, np.integer)) or page_size < 1:
+      raise ValueError(f"page_size must be a positive int (or None: no "
+                       f"pages), got {page_size!r}.")
+    width = np.shape(prompt_tokens)[1] + int(max_new_tokens) - 1
+    if num_pages is None:
+      num_pages = int(num_slots) * -(-width // int(page_size))
+    if not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
+      raise ValueError(f"num_pages must be a positive int, got "
+                       f"{num_pages!r}.")
+    page_size, num_pages = int(page_size), int(num_pages)
   greedy = greedy or temperature == 0
-  return _generate_jit(
+  samples, stats = _generate_jit(
       model=model, params=params, prompt_tokens=prompt_tokens,
       prompt_attention_mask=prompt_attention_mask, rng=rng,
       num_slots=int(num_slots), refill_size=int(refill_size),
       max_new_tokens=int(max_new_tokens),
       temperature=float(temperature) if not greedy else 1.0,
       top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
-      eos_id=int(eos_id), fuse_projections=bool(fuse_projections))
+      eos_id=int(eos_id), fuse_projections=bool(fuse_projections),
+      page_size=page_size, num_pages=num_pages)
+  exhausted = stats.pages_exhausted
+  if not isinstance(exhausted, jax.core.Tracer) and bool(exhausted):
+    raise RuntimeError(
+        f"engine.generate: the pool of {num_pages} pages of {page_size} "
+        "positions ran out (nothing is preempted); give num_pages more "
+        "(None: enough for any lengths) or fewer num_slots.")
+  return samples, stats

@@ -239,8 +239,9 @@ def check_not_exhausted(tables: PageTables) -> None:
   if bool(tables.exhausted):
     raise RuntimeError(
         f"paged KV cache: the pool of {tables.num_pages} pages of "
-        f"{tables.page_size} positions ran out; give make_pool and "
-        "init_tables more pages (or decode fewer sequences at once).")
+        f"{tables.page_size} positions ran out (or a sequence outgrew its "
+        "table's max_pages); give make_pool and init_tables more pages (or "
+        "decode fewer sequences at once).")
 
 
 def positions_of(index: PagedIndex, length: int) -> Array:
@@ -328,7 +329,8 @@ def make_pool(model: nn.Module, params: Any, num_pages: int,
   shapes = jax.eval_shape(
       lambda p: model.apply({"params": p}, one, one, one, 0,
                             method=model.decode_step, mutable=["cache"])[1],
-      params)["cache"]
+      jax.tree.map(lambda x: jax.ShapeDtypeStruct(x.shape, x.dtype),
+                   params))["cache"]
 
   def pool(leaf):
     if leaf.ndim not in (4, 5):
