@@ -19,7 +19,12 @@ run, on the same prompts:
                   the engine has, each batch waiting for its longest row;
   engine S/R      `engine.generate` with S slots, refilled R prompts at a
                   time (`--refills`), each slot taking the next pending
-                  sequence when its own ends.
+                  sequence when its own ends;
+  paged S/R       the same on a paged KV cache (`--page_size`, refill
+                  sizes `--paged_refills`), followed by a line of the
+                  cache it held at most (its peak pages) against the S
+                  slots x (prompt + budget - 1) positions of contiguous
+                  rows, in bytes.
 
 Printed per variant (and written to `--json`): seconds per call (the
 fastest of `--repeats` after a compiling call), CPU seconds, response
@@ -46,6 +51,7 @@ import bench_sampling  # noqa: E402
 from jaxrlhf import console  # noqa: E402
 from jaxrlhf.models import engine  # noqa: E402
 from jaxrlhf.models import sampling  # noqa: E402
+from jaxrlhf.models.layers import paged_kv  # noqa: E402
 
 
 def _parse():
@@ -63,6 +69,10 @@ def _parse():
                  help="S, the engine's slots (and lockstep S's batch)")
   p.add_argument("--refills", default="1,4,16",
                  help="the engine's refill sizes R to run (each <= S)")
+  p.add_argument("--page_size", type=int, default=16,
+                 help="positions per page of the paged variants (0: none)")
+  p.add_argument("--paged_refills", default="4",
+                 help="the paged engine's refill sizes R to run")
   p.add_argument("--vocab_size", type=int, default=2048)
   p.add_argument("--dtype", default="float32")
   p.add_argument("--repeats", type=int, default=3)
@@ -156,6 +166,32 @@ def main(args):
     assert int(stats.useful_slot_steps) == int(out.mask.sum())
     report(f"engine S/R={refill}", S, refill, seconds, cpu,
            float(out.mask.sum()), steps, steps * S, out.mask.sum(1))
+
+  paged_refills = ([int(r) for r in args.paged_refills.split(",")]
+                   if args.page_size else [])
+  # The cache's bytes per position: a pool of one one-position page.
+  per_position = sum(
+      x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
+          lambda: paged_kv.make_pool(module, params, 1, 1))))
+  for refill in paged_refills:
+    run = jax.jit(lambda p, x, r, refill=refill: engine.generate(
+        module, p, x, ones, r, S, refill_size=refill,
+        page_size=args.page_size, **options))
+    seconds, cpu, (out, stats) = bench_rollout.fastest(
+        run, params, repeated, rng, repeats=args.repeats)
+    assert not bool(stats.pages_exhausted)
+    steps = int(stats.decode_steps)
+    report(f"paged S/R={refill}", S, refill, seconds, cpu,
+           float(out.mask.sum()), steps, steps * S, out.mask.sum(1))
+    paged = int(stats.pages_peak) * args.page_size * per_position
+    rows = S * (args.prompt + new - 1) * per_position
+    results[-1].update(page_size=args.page_size,
+                       pages_peak=int(stats.pages_peak),
+                       cache_bytes_peak=paged, cache_bytes_slots=rows)
+    print(f"  cache: {int(stats.pages_peak)} pages of {args.page_size} at "
+          f"most = {paged:,} bytes against {S} slots x "
+          f"{args.prompt + new - 1} positions = {rows:,} bytes "
+          f"({paged / rows:.1%})")
   sys.stdout.flush()
   if args.json:
     with open(args.json, "w") as f:
