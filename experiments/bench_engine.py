@@ -71,8 +71,9 @@ def _parse():
                  help="the engine's refill sizes R to run (each <= S)")
   p.add_argument("--page_size", type=int, default=16,
                  help="positions per page of the paged variants (0: none)")
-  p.add_argument("--paged_refills", default="4",
-                 help="the paged engine's refill sizes R to run")
+  p.add_argument("--paged_refills", default="",
+                 help="the paged engine's refill sizes R to run (each <= S; "
+                 "empty: the engine's default, S // 4)")
   p.add_argument("--vocab_size", type=int, default=2048)
   p.add_argument("--dtype", default="float32")
   p.add_argument("--repeats", type=int, default=3)
@@ -91,9 +92,13 @@ def main(args):
   P, k, new, S = args.prompts, args.group, args.new, args.slots
   n = P * k
   refills = [int(r) for r in args.refills.split(",")]
-  if n % S or any(not 1 <= r <= S for r in refills):
+  paged_refills = ([int(r) for r in args.paged_refills.split(",")]
+                   if args.paged_refills else
+                   [engine.default_refill_size(S)]) if args.page_size else []
+  if n % S or any(not 1 <= r <= S for r in refills + paged_refills):
     raise SystemExit(f"--slots {S} must divide the {n} sequences and each "
-                     f"of --refills {refills} lie in 1 .. {S}.")
+                     f"of --refills {refills} and --paged_refills "
+                     f"{paged_refills} lie in 1 .. {S}.")
   eos_id = 1
   config = bench_sampling.model_config("llama", args.vocab_size, args.dtype,
                                        args.size)
@@ -167,8 +172,6 @@ def main(args):
     report(f"engine S/R={refill}", S, refill, seconds, cpu,
            float(out.mask.sum()), steps, steps * S, out.mask.sum(1))
 
-  paged_refills = ([int(r) for r in args.paged_refills.split(",")]
-                   if args.page_size else [])
   # The cache's bytes per position: a pool of one one-position page.
   per_position = sum(
       x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
