@@ -6,10 +6,14 @@ pages freed and reused between), equals softmax attention over that
 sequence's keys alone, computed in numpy; (2) the free list: a released
 sequence's pages are the next ones handed out, a page shared by a group
 is freed with its last reader only, an allocation the pool cannot cover
-allocates nothing and is reported; (3) a tiny Llama decoded on pages
-(prefill of left-padded prompts, the samples of a prompt sharing its
-pages, pages released at EOS) draws the tokens and log-probs of
-`sampling.sample_decoder_only` with the same key.
+allocates nothing and is reported; (3) a tiny Llama (and a Gemma 3,
+whose local layers' windows are shorter than the sequences) decoded on
+pages (prefill of left-padded prompts, the samples of a prompt sharing
+its pages, pages released at EOS) draws the tokens and log-probs of
+`sampling.sample_decoder_only` with the same key, holding the group's
+prompt pages once; (4) `engine.generate` on pages keeps the engine's
+contract (each prompt's samples those it draws alone) in a pool smaller
+than slots x budget, and a pool too small raises.
 """
 
 import dataclasses
@@ -22,6 +26,7 @@ import numpy as np
 import pytest
 
 from jaxrlhf.models import engine
+from jaxrlhf.models import gemma3
 from jaxrlhf.models import llama
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import attentions
@@ -202,12 +207,14 @@ PROMPTS = [[5, 9, 3, 2, 7], [7, 1, 2, 8, 4, 6], [11], [2, 3, 5, 7, 11]]
 
 
 @functools.lru_cache(maxsize=None)
-def tiny(scan_layers: bool):
-  """(model, params, tokens, mask [B, width] left-padded PROMPTS)."""
-  config = dataclasses.replace(
-      llama.LlamaConfig.preset("tiny", vocab_size=VOCAB),
-      scan_layers=scan_layers)
-  model = llama.Llama(config)
+def tiny(scan_layers: bool, family: str = "llama"):
+  """(model, params, tokens, mask [B, width] left-padded PROMPTS) of a tiny
+  Llama, or Gemma 3 (a window of 4 on its local layers)."""
+  config, module = {"llama": (llama.LlamaConfig, llama.Llama),
+                    "gemma3": (gemma3.Gemma3Config, gemma3.Gemma3)}[family]
+  config = dataclasses.replace(config.preset("tiny", vocab_size=VOCAB),
+                               scan_layers=scan_layers)
+  model = module(config)
   one = jnp.ones((1, 4), jnp.int32)
   params = nn.meta.unbox(
       jax.jit(model.init)(jax.random.PRNGKey(3), one, one, one)["params"])
@@ -283,15 +290,19 @@ def paged_sample(model, params, tokens, mask, rng, num_samples, page_size,
   return (np.stack(drawn, 1), np.stack(drawn_logprobs, 1), most, tables)
 
 
-@pytest.mark.parametrize("name,options,num_samples,scan_layers", [
-    ("greedy", dict(greedy=True), 1, False),
-    ("sampled", dict(temperature=1.0), 3, False),
-    ("filtered", dict(temperature=0.7, top_k=8, top_p=0.9), 2, False),
-    ("sampled, scanned layers", dict(temperature=1.0), 3, True)])
-def test_llama_on_pages_samples_as_the_lockstep_sampler(name, options,
-                                                        num_samples,
-                                                        scan_layers):
-  model, params, tokens, mask = tiny(scan_layers)
+@pytest.mark.parametrize("name,options,num_samples,scan_layers,family", [
+    ("greedy", dict(greedy=True), 1, False, "llama"),
+    ("sampled", dict(temperature=1.0), 3, False, "llama"),
+    ("filtered", dict(temperature=0.7, top_k=8, top_p=0.9), 2, False,
+     "llama"),
+    ("sampled, scanned layers", dict(temperature=1.0), 3, True, "llama"),
+    # Windows shorter than the sequences: per layer (unrolled) and looked up
+    # with the scanned layer's traced index.
+    ("gemma3 windows", dict(temperature=1.0), 2, False, "gemma3"),
+    ("gemma3 windows, scanned", dict(greedy=True), 1, True, "gemma3")])
+def test_on_pages_samples_as_the_lockstep_sampler(name, options, num_samples,
+                                                  scan_layers, family):
+  model, params, tokens, mask = tiny(scan_layers, family)
   rng = jax.random.PRNGKey(7)
   want = sampling.sample_decoder_only(
       model, params, tokens, mask, rng, NEW, eos_id=EOS,
@@ -308,10 +319,16 @@ def test_llama_on_pages_samples_as_the_lockstep_sampler(name, options,
   # Every page back once every sample is released.
   tables = paged_kv.release(tables, jnp.ones_like(tables.lengths, bool))
   assert int(tables.num_free) == num_pages
-  # Fewer pages than the contiguous cache's positions (rows x (P + NEW - 1))
-  # would take.
-  rows = len(PROMPTS) * num_samples
-  assert most * page_size < rows * (tokens.shape[1] + NEW - 1)
+  # The prompts' full pages held once: each sample holds its own pages of
+  # positions full x page_size .. real + NEW - 1 only (the loop reserves
+  # the position of the token it feeds last), the group its prompt's full
+  # pages once; repeated per sample they would take k times.
+  bound = 0
+  for real in mask.sum(1):
+    full = real // page_size
+    bound += full + num_samples * (
+        paged_kv.pages_for(real + NEW, page_size) - full)
+  assert most <= bound
 
 
 ENGINE_PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11], [2, 3, 5, 7, 11],
