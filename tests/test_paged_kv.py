@@ -111,7 +111,8 @@ def test_attention_over_pages_equals_attention_over_each_sequence():
   for s in range(seqs):
     k = np.stack([kv[0] for kv in written[s]])
     v = np.stack([kv[1] for kv in written[s]])
-    np.testing.assert_allclose(got[s, 0], reference_attention(query[s, 0], k, v),
+    np.testing.assert_allclose(got[s, 0],
+                               reference_attention(query[s, 0], k, v),
                                rtol=1e-5, atol=1e-5)
 
 
