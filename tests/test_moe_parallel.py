@@ -15,6 +15,7 @@ mesh, which takes the unsplit path.
 
 import json
 import os
+import re
 import subprocess
 import sys
 
@@ -136,6 +137,87 @@ def _check(case):
   }
 
 
+def _data_parallel():
+  """The experts whole (no expert rule) on meshes whose data axis splits the
+  batch: the block's outputs and gradients against the unsplit block's, the
+  rows of every forward grouped product, the collectives of the compiled
+  load-balancing loss over stacked layers' logits."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models.layers import moe  # pylint: disable=g-import-not-at-top
+
+  # (An embedding of 8: fully sharded rules split it over the data axis.)
+  experts, batch, length, layers, embed = 8, 8, 3, 2, 8
+  block = moe.MoeMlp(num_experts=experts, top_k=TOP_K, mlp_dim=MLP)
+  kx, kp, kl = jax.random.split(jax.random.PRNGKey(7), 3)
+  x = jax.random.normal(kx, (batch, length, embed))
+  boxed = block.init(kp, x)["params"]
+  params = nn.unbox(boxed)
+
+  def outputs(params, x):
+    def loss(params, x):
+      y, _ = block.apply({"params": params}, x)
+      return jnp.sum(jnp.sin(y))
+    return block.apply({"params": params}, x)[0], jax.grad(
+        loss, argnums=(0, 1))(params, x)
+
+  want = jax.jit(outputs)(params, x)
+  logits = jax.random.normal(kl, (layers, batch, length, experts))
+  mask = (jnp.arange(length) < 2).astype(jnp.float32)
+  mask = jnp.broadcast_to(mask, (layers, batch, length))
+  aux = lambda l, m: moe.load_balancing_loss(l, TOP_K, experts, m)
+  load = lambda l, m: moe.expert_load(l, TOP_K, m)
+  want_aux, want_load = float(aux(logits, mask)), np.asarray(load(logits,
+                                                                   mask))
+  out = {}
+  for key, shape, rules in (
+      ("data8", (8, 1), sharding.STANDARD_RULES),
+      ("fsdp4_model2", (4, 2), sharding.FULLY_SHARDED_RULES)):
+    mesh = sharding.create_mesh(shape, ("data", "model"))
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      placed = jax.device_put(params,
+                              sharding.tree_shardings(boxed, mesh, rules))
+      x_in = jax.device_put(x, sharding.batch_sharding(mesh, rules, 3))
+      got = jax.jit(outputs)(placed, x_in)
+      rows = []
+      forward = jax.make_jaxpr(
+          lambda p, x: block.apply({"params": p}, x))(placed, x_in)
+
+      def collect(jaxpr):
+        from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
+        for eqn in jaxpr.eqns:
+          if eqn.primitive.name == "ragged_dot_general":
+            rows.append(eqn.invars[0].aval.shape[0])
+          for sub in flops.sub_jaxprs(eqn.params):
+            collect(sub)
+      collect(forward.jaxpr)
+      split = jax.sharding.NamedSharding(
+          mesh, jax.sharding.PartitionSpec(None, "data"))
+      l_in, m_in = jax.device_put(logits, split), jax.device_put(mask, split)
+      hlo = jax.jit(aux).lower(l_in, m_in).compile().as_text()
+      got_aux = float(jax.jit(aux)(l_in, m_in))
+      got_load = np.asarray(jax.jit(load)(l_in, m_in))
+    out[key] = {
+        "y_diff": float(np.max(np.abs(np.asarray(want[0])
+                                      - np.asarray(got[0])))),
+        "grad_diff": max(float(np.max(np.abs(np.asarray(a) - np.asarray(b))))
+                         for a, b in zip(jax.tree.leaves(want[1]),
+                                         jax.tree.leaves(got[1]))),
+        "rows": rows, "data": mesh.shape["data"],
+        # What each all-gather of the compiled loss computes (its op name).
+        "aux_gathers": [
+            re.search(r'op_name="([^"]*)"', line).group(1)
+            for line in hlo.splitlines()
+            if re.search(r"= \S+ all-gather\(", line)],
+        "aux_diff": abs(got_aux - want_aux),
+        "load_diff": float(np.max(np.abs(got_load - want_load)))}
+  out["copies"] = batch * length * TOP_K
+  return out
+
+
 def _errors():
   """The one-line errors of a split that cannot be made."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
@@ -244,6 +326,7 @@ def main():
   assert len(jax.devices()) == 8, jax.devices()
   result = {case: _check(case) for case in CASES}
   result["errors"] = _errors()
+  result["data_parallel"] = _data_parallel()
   result["training"] = _training()
   result["plan"] = _plan()
   print("RESULT " + json.dumps(result), flush=True)
@@ -300,6 +383,31 @@ def test_each_device_holds_and_computes_only_its_experts(result, case):
   tokens = -(-batch * length // ways) * ways
   expected = (ways - 1) / ways * 4 * tokens * (2 * EMBED + 2 * TOP_K)
   assert r["forward_bytes"] == pytest.approx(expected, rel=1e-9)
+
+
+@pytest.mark.parametrize("case", ["data8", "fsdp4_model2"])
+def test_whole_experts_compute_each_devices_own_tokens(result, case):
+  """With the batch split over D data devices and the experts whole, each
+  device sorts and multiplies only its own tokens' copies: every forward
+  grouped product has 1/D of the batch's (token, expert) copies as rows
+  (the whole batch's, gathered to every device, before); the same outputs
+  and gradients as the unsplit block."""
+  r = result["data_parallel"][case]
+  copies = result["data_parallel"]["copies"]
+  assert r["rows"] and all(n == copies // r["data"] for n in r["rows"]), r
+  assert r["y_diff"] <= 1e-5 and r["grad_diff"] <= 1e-5, r
+
+
+@pytest.mark.parametrize("case", ["data8", "fsdp4_model2"])
+def test_router_losses_keep_the_batch_split(result, case):
+  """The load-balancing loss over [layers, batch, length, experts] logits
+  split over the batch: per-device sums reduced, the softmax and its sums
+  on each device's own logits (gathered whole for them, when the token
+  axes were flattened: reduce_max, exp, ... gathers); the unsplit values.
+  (The CPU's top_k gathers its operand, the TPU's does not: it is let be.)"""
+  r = result["data_parallel"][case]
+  assert all(name.endswith("/top_k") for name in r["aux_gathers"]), r
+  assert r["aux_diff"] <= 1e-5 and r["load_diff"] <= 1e-6, r
 
 
 def test_splits_that_cannot_be_made_say_how_to_fix_them(result):

@@ -23,6 +23,14 @@ overflow them; an all-to-all sending each copy to its expert's device only
 would need ragged buffers (`jax.lax.ragged_all_to_all`) and is not done
 here. Routing is computed outside, as unsplit, so the result equals the
 unsplit block's up to the order of the float sums.
+
+Data parallelism: with the experts whole, when the current rules split the
+batch over mesh axes of D > 1 devices (`batch_mesh_axes`), the sort and the
+grouped products run per device on its own tokens (`jax.shard_map` over
+those axes, each device given every expert's weights, as any layer's are
+gathered under fully sharded rules): sorting the tokens of the whole batch
+by expert would otherwise make the compiler gather every device's token
+copies [tokens * top_k, embed] to each of them.
 """
 
 import math
@@ -176,16 +184,10 @@ def _expert_parallel(tokens: Array, weights: Array, experts: Array,
   LoRA `adapters`, as `_local_experts`) whole (split by the shard_map) ->
   y [tokens, embed]."""
   mesh = jax.sharding.get_abstract_mesh()
-  ways = _devices_over(mesh, axes)
   name = axes if len(axes) > 1 else axes[0]
   n = tokens.shape[0]
-  pad = -n % ways
-  if pad:
-    # Padding tokens routed to no expert (id -1), so that the tokens split
-    # evenly over the devices; they are computed by none and cut off after.
-    tokens = jnp.pad(tokens, ((0, pad), (0, 0)))
-    weights = jnp.pad(weights, ((0, pad), (0, 0)))
-    experts = jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1)
+  tokens, weights, experts = _pad_tokens(tokens, weights, experts,
+                                         _devices_over(mesh, axes))
 
   def local(tokens, weights, experts, wi_0, wi_1, wo, adapters):
     # Each device: its 1/D share of the tokens in, all of them here.
@@ -205,7 +207,57 @@ def _expert_parallel(tokens: Array, weights: Array, experts: Array,
       local, mesh=mesh, axis_names=set(axes), in_specs=(spec,) * 7,
       out_specs=spec)(tokens, weights, experts, wi_0, wi_1, wo,
                       adapters or {})
-  return y[:n] if pad else y
+  return y[:n]
+
+
+def batch_mesh_axes() -> Tuple[str, ...]:
+  """The mesh axes the current rules split the batch over (those of the
+  current mesh with more than one device), or () when it is not split."""
+  spec = nn.logical_to_mesh_axes(("batch",))
+  axes = spec[0] if spec is not None and len(spec) else None
+  mesh = jax.sharding.get_abstract_mesh()
+  if axes is None or mesh.empty:
+    return ()
+  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  return tuple(a for a in axes
+               if a in mesh.axis_names and mesh.shape[a] > 1)
+
+
+def _pad_tokens(tokens: Array, weights: Array, experts: Array, ways: int):
+  """tokens [n, embed], weights and experts [n, top_k] padded to a multiple
+  of `ways` rows with tokens routed to no expert (id -1), so that they split
+  evenly over the devices; those are computed by none and cut off after."""
+  pad = -tokens.shape[0] % ways
+  if not pad:
+    return tokens, weights, experts
+  return (jnp.pad(tokens, ((0, pad), (0, 0))),
+          jnp.pad(weights, ((0, pad), (0, 0))),
+          jnp.pad(experts, ((0, pad), (0, 0)), constant_values=-1))
+
+
+def _data_parallel(tokens: Array, weights: Array, experts: Array,
+                   wi_0: Array, wi_1: Array, wo: Array,
+                   axes: Tuple[str, ...], adapters=None) -> Array:
+  """The whole experts' grouped products on each device's own tokens
+  (see the module docstring): the arguments as `_expert_parallel`'s, the
+  tokens split over the batch's mesh `axes`, the expert weights (and
+  adapters) whole on each device -> y [tokens, embed]."""
+  mesh = jax.sharding.get_abstract_mesh()
+  name = axes if len(axes) > 1 else axes[0]
+  n = tokens.shape[0]
+  tokens, weights, experts = _pad_tokens(tokens, weights, experts,
+                                         _devices_over(mesh, axes))
+
+  def local(tokens, weights, experts, wi_0, wi_1, wo, adapters):
+    return _combine(_local_experts(tokens, experts, wi_0, wi_1, wo,
+                                   adapters=adapters), weights)
+
+  spec = P(name)
+  y = jax.shard_map(
+      local, mesh=mesh, axis_names=set(axes),
+      in_specs=(spec,) * 3 + (P(),) * 4, out_specs=spec)(
+          tokens, weights, experts, wi_0, wi_1, wo, adapters or {})
+  return y[:n]
 
 
 def adapter_names(name: str) -> Tuple[str, str]:
@@ -286,9 +338,13 @@ class MoeMlp(nn.Module):
                              self.norm_topk_prob, replayed)
     self.sow(INTERMEDIATES, EXPERTS, experts.reshape(batch, length, k))
     weights = weights.astype(self.dtype)
+    data_axes = () if axes else batch_mesh_axes()
     if axes:
       y = _expert_parallel(tokens, weights, experts, wi_0, wi_1, wo, axes,
                            adapters)
+    elif data_axes:
+      y = _data_parallel(tokens, weights, experts, wi_0, wi_1, wo,
+                         data_axes, adapters)
     else:
       y = _combine(_local_experts(tokens, experts, wi_0, wi_1, wo,
                                   adapters=adapters), weights)
@@ -297,15 +353,21 @@ class MoeMlp(nn.Module):
 
 
 def _token_mask(router_logits: Array, mask: Optional[Array]) -> Array:
-  """float32 [tokens] of ones, or `mask` flattened (1 counts, 0 ignored)."""
-  n = router_logits.reshape(-1, router_logits.shape[-1]).shape[0]
+  """float32 of router_logits' leading shape (one entry per token): ones, or
+  `mask` in that shape (1 counts, 0 ignored).
+
+  The token axes are kept apart, not flattened: merging a split batch axis
+  with the unsplit axes around it (layers, length) would make the compiler
+  gather every device's router logits to each of them.
+  """
+  shape = router_logits.shape[:-1]
   if mask is None:
-    return jnp.ones((n,), jnp.float32)
-  if mask.size != n:
+    return jnp.ones(shape, jnp.float32)
+  if mask.size != math.prod(shape):
     raise ValueError(f"load_balancing_loss: mask has {mask.size} entries "
-                     f"but router_logits has {n} tokens; give one mask "
-                     "entry per token (tile it over layers)")
-  return mask.reshape(-1).astype(jnp.float32)
+                     f"but router_logits has {math.prod(shape)} tokens; give "
+                     "one mask entry per token (tile it over layers)")
+  return mask.reshape(shape).astype(jnp.float32)
 
 
 def expert_load(router_logits: Array, top_k: int,
@@ -318,8 +380,9 @@ def expert_load(router_logits: Array, top_k: int,
   """
   e = router_logits.shape[-1]
   m = _token_mask(router_logits, mask)
-  _, experts = jax.lax.top_k(router_logits.reshape(-1, e), top_k)
-  counts = jnp.sum(jax.nn.one_hot(experts, e) * m[:, None, None], axis=(0, 1))
+  _, experts = jax.lax.top_k(router_logits, top_k)       # [..., top_k]
+  counts = jnp.sum(jax.nn.one_hot(experts, e) * m[..., None, None],
+                   axis=tuple(range(m.ndim + 1)))
   return counts / jnp.maximum(top_k * jnp.sum(m), 1.0)
 
 
@@ -343,13 +406,14 @@ def load_balancing_loss(router_logits: Array, top_k: int, num_experts: int,
     raise ValueError(f"load_balancing_loss: router_logits' last axis is "
                      f"{router_logits.shape[-1]}, not num_experts="
                      f"{num_experts}")
-  logits = router_logits.reshape(-1, num_experts).astype(jnp.float32)
+  logits = router_logits.astype(jnp.float32)
   m = _token_mask(router_logits, mask)
+  tokens = tuple(range(m.ndim))
   total = jnp.maximum(jnp.sum(m), 1.0)
   probs = jax.nn.softmax(logits, axis=-1)
   _, experts = jax.lax.top_k(probs, top_k)
-  # [tokens, experts]: 1 where the expert is among the token's top k.
-  chosen = jnp.sum(jax.nn.one_hot(experts, num_experts), axis=1)
-  f = jnp.sum(chosen * m[:, None], axis=0) / total
-  p = jnp.sum(probs * m[:, None], axis=0) / total
+  # [..., experts]: 1 where the expert is among the token's top k.
+  chosen = jnp.sum(jax.nn.one_hot(experts, num_experts), axis=-2)
+  f = jnp.sum(chosen * m[..., None], axis=tokens) / total
+  p = jnp.sum(probs * m[..., None], axis=tokens) / total
   return num_experts * jnp.sum(f * p)
