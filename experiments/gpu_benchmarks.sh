@@ -79,6 +79,13 @@
 #                    the continuous-batching engine's slots (refill sizes
 #                    1, 16, 64) beside the lockstep sampler: tokens/s and
 #                    the slots' utilisation;
+#   agents.txt       experiments/bench_agents.py: multi-turn episodes of a
+#                    Llama of about 21M parameters (width 512, 8 layers,
+#                    the Qwen fixture's vocabulary of 405 ids; 64 episodes x
+#                    4 turns of at most 128 tokens) against one turn of the
+#                    same total length (tokens/s), the KV cache extended
+#                    between turns against re-prefilled, and the share of
+#                    the time spent waiting on environments;
 #   online_step.txt  experiments/bench_online_step.py: a GRPO step's time
 #                    split (sampling, host rewards, scoring with and
 #                    without the reference, updates, the wait on the
@@ -132,7 +139,7 @@ while [ $# -gt 0 ]; do
   esac
   shift
 done
-BENCHMARKS="sft dpo sft_fused dpo_fused sft_fused_x4 dpo_fused_x4 attention decode_matmul sampling sampling_long rollout engine online_step"
+BENCHMARKS="sft dpo sft_fused dpo_fused sft_fused_x4 dpo_fused_x4 attention decode_matmul sampling sampling_long rollout engine agents online_step"
 for name in ${ONLY//,/ }; do
   case " $BENCHMARKS " in
     *" $name "*) ;;
@@ -188,6 +195,9 @@ if [ "$SMOKE" = 1 ]; then
   CAP_ROLLOUT=200 CAP_ATTENTION=200 CAP_FUSED_DPO=200 CAP_FUSED_X4=200
   CAP_FUSED_DPO_X4=200 CAP_DECODE_MATMUL=100 CAP_SAMPLING_LONG=200
   CAP_ENGINE=200
+  AGENTS=(--size=tiny --episodes=2 --turns=2 --turn_tokens=8 --repeats=1
+          --env_sleep_ms=1)
+  CAP_AGENTS=200
 else
   TRAIN_MODEL=(--arch=llama --size=tinyllama-1.1b --num_layers=8
                --vocab_size=32000 --dtype=bfloat16 --optimizer=adamw
@@ -215,6 +225,9 @@ else
   CAP_ROLLOUT=50 CAP_ATTENTION=90 CAP_FUSED_DPO=100 CAP_FUSED_X4=90
   CAP_FUSED_DPO_X4=120 CAP_DECODE_MATMUL=90 CAP_SAMPLING_LONG=150
   CAP_ENGINE=90
+  AGENTS=(--size=small --episodes=64 --turns=4 --turn_tokens=128
+          --eos_prob=0.02 --repeats=3)
+  CAP_AGENTS=120
 fi
 
 SUMMARY="$OUT/summary.txt"
@@ -343,6 +356,8 @@ run rollout "$CAP_ROLLOUT" '^(device:|(t5|llama) |  +responses:)' -- \
   "$PYTHON" experiments/bench_rollout.py "${ROLLOUT[@]}"
 run engine "$CAP_ENGINE" '^(device:|variant|(lockstep|engine) )' -- \
   "$PYTHON" experiments/bench_engine.py "${ENGINE[@]}"
+run agents "$CAP_AGENTS" '^(device:|single-turn|multi-turn|env wait)' -- \
+  "$PYTHON" experiments/bench_agents.py "${AGENTS[@]}"
 run online_step "$CAP_ONLINE" '^(device:|stop_when_done|sampling |host rewards |assemble(, no KL)? |updates |step \(split|fused|waiting on host)' -- \
   "$PYTHON" experiments/bench_online_step.py "${ONLINE[@]}"
 

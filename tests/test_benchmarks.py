@@ -104,7 +104,8 @@ def test_kernel_profile_busy_time_and_kinds():
 
 GPU_BENCHMARKS = ("sft", "dpo", "sft_fused", "dpo_fused", "sft_fused_x4",
                   "dpo_fused_x4", "attention", "decode_matmul", "sampling",
-                  "sampling_long", "rollout", "engine", "online_step")
+                  "sampling_long", "rollout", "engine", "agents",
+                  "online_step")
 
 
 def _close(a, b, rel, absolute):
