@@ -51,6 +51,35 @@ MODEL = {"model.arch": "qwen2", "model.size": "tiny", "model.emb_dim": 64,
          "data.files.vocabulary": str(TOKENIZER / "tokenizer.json")}
 
 
+def multiply(a: int, b: int) -> int:
+  """Multiplies.
+
+  Args:
+    a: a factor.
+    b: a factor.
+  """
+  return a * b
+
+
+class _Direct:
+  """One turn, no tools: the row's question, then the episode ends (the
+  direct-answer model's episodes; `exact_answer` scores its answer)."""
+
+  def __init__(self, row):
+    self._question = row["prompt"]
+
+  def reset(self):
+    return [{"role": "user", "content": self._question}]
+
+  def step(self, message):
+    del message
+    return [], 0.0, True
+
+
+def make_direct(row):
+  return _Direct(row)
+
+
 def exact_answer(prompts, completions, answer, **unused):
   """1.0 when the completion (stripped) is the row's answer, else 0.0."""
   del prompts, unused
@@ -70,14 +99,17 @@ def _call(a, b):
 
 
 def multiply_data(root, sft_rows, seed):
-  """(sft file, rl file, test file) of 3-digit products."""
-  import agent_envs  # pylint: disable=g-import-not-at-top
+  """(tool sft file, direct sft file, rl file, test file) of 3-digit
+  products of 6 digits (every question and every product the same length:
+  a digit is copied from a fixed distance back)."""
   from jaxrlhf.agents import tools as tools_lib  # pylint: disable=g-import-not-at-top
-  schemas = tools_lib.tool_schemas([agent_envs.multiply])
+  schemas = tools_lib.tool_schemas([multiply])
   rng = random.Random(seed)
   pairs = set()
   while len(pairs) < sft_rows + 256 + 32:
-    pairs.add((rng.randint(100, 999), rng.randint(100, 999)))
+    a, b = rng.randint(100, 999), rng.randint(100, 999)
+    if a * b >= 100000:
+      pairs.add((a, b))
   pairs = sorted(pairs)
   rng.shuffle(pairs)
   test, rl, sft = pairs[:32], pairs[32:288], pairs[288:]
@@ -87,9 +119,13 @@ def multiply_data(root, sft_rows, seed):
       {"role": "tool", "content": str(a * b)},
       {"role": "assistant", "content": str(a * b)}], "tools": schemas}
                for a, b in sft]
+  direct = [{"messages": [{"role": "user", "content": question(a, b)},
+                          {"role": "assistant", "content": str(a * b)}]}
+            for a, b in sft]
   prompts = lambda ps: [{"prompt": question(a, b), "answer": str(a * b)}
                         for a, b in ps]
   return (_write(root / "mult_sft.jsonl", sft_rows_),
+          _write(root / "mult_direct_sft.jsonl", direct),
           _write(root / "mult_rl.jsonl", prompts(rl)),
           _write(root / "mult_test.jsonl", prompts(test)))
 
@@ -120,11 +156,15 @@ def guess_data(root, sft_rows, seed):
           _write(root / "guess_test.jsonl", prompts(32)))
 
 
-def run_main(workdir, overrides, log):
-  """`python -m jaxrlhf.main` with `overrides`; its metrics.jsonl rows."""
+def run_main(workdir, overrides, log, decode_to=None):
+  """`python -m jaxrlhf.main` with `overrides`; its metrics.jsonl rows.
+  `decode_to`: a file to write the first greedy held-out episodes into
+  (`decode_main`)."""
   metrics = pathlib.Path(workdir) / "metrics.jsonl"
   if not (pathlib.Path(workdir) / "done").exists():
-    args = [sys.executable, "-m", "jaxrlhf.main",
+    how = ([__file__, "--decode_to", str(decode_to)] if decode_to
+           else ["-m", "jaxrlhf.main"])
+    args = [sys.executable, *how,
             "--config=configs/quickstart.py", f"--workdir={workdir}",
             *[f"--config.{k}={v}" for k, v in {**MODEL, **overrides}.items()]]
     env = dict(os.environ, PYTHONPATH=os.pathsep.join(
@@ -141,6 +181,35 @@ def run_main(workdir, overrides, log):
   return [json.loads(line) for line in open(metrics)]
 
 
+def decode_main(path, argv, n=8):
+  """`jaxrlhf.main` with argv, writing its first greedy held-out episodes
+  (n of them: the conversation, the model's tokens as text, the parsed
+  messages, the final answer and the row's answer) into `path` as JSON."""
+  from jaxrlhf import main as main_lib  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.algorithms.online import episode_step  # pylint: disable=g-import-not-at-top
+  play = episode_step.play
+
+  def recording_play(trainer, params, rows, key, temperature,
+                     row_names=None):
+    played, info = play(trainer, params, rows, key, temperature, row_names)
+    if temperature == 0.0 and not pathlib.Path(path).exists():
+      renderer = episode_step.agent(trainer).renderer
+      pathlib.Path(path).write_text(json.dumps([{
+          "model_and_environment_tokens": renderer.turn_text(e.tokens),
+          "messages": e.messages, "final_answer": e.final_text,
+          "row_answer": row.get("answer"),
+          "exact_answer": exact_answer(None, [e.final_text],
+                                       [row.get("answer")])[0]}
+                                                for e, row in
+                                                zip(played[:n], rows)],
+                                               indent=1) + "\n")
+    return played, info
+
+  episode_step.play = recording_play
+  sys.argv = ["jaxrlhf.main", *argv]
+  main_lib.run()
+
+
 def _evals(rows):
   return [r for r in rows if "eval/pass@1" in r]
 
@@ -150,107 +219,276 @@ def _mean(rows, key):
   return sum(values) / len(values) if values else None
 
 
+def multiply_seed(base, seed, args, log):
+  """The multiply task of one seed: its results.json entry."""
+  sft, direct_sft, rl, test = multiply_data(base, args.sft_rows, seed)
+  sft_dir, direct_dir = base / "mult_sft", base / "mult_direct_sft"
+  sft_run = {"algorithm": "sft", "seed": seed,
+             "data.files.layout": "messages", "train.batch_size": 8,
+             "train.num_steps": args.mult_sft_steps,
+             "optimizer.learning_rate": 3e-3, "optimizer.warmup_steps": 20}
+  # The longest prompt (before the answer) is 713 tokens, the longest
+  # reply (the call, nearly a token a character) 73.
+  run_main(sft_dir, dict(sft_run, **{
+      "data.task": "mult_sft", "data.files.train": sft,
+      "data.inputs_length": 720, "data.targets_length": 80}), log)
+  run_main(direct_dir, dict(sft_run, **{
+      "data.task": "mult_direct_sft", "data.files.train": direct_sft,
+      "data.inputs_length": 64, "data.targets_length": 8,
+      "train.num_steps": args.direct_sft_steps}), log)
+  eval_rl, tool_rl = multiply_rl(base, seed, rl, test)
+  rows = run_main(base / "mult_grpo", dict(
+      tool_rl, **{"train.num_steps": args.mult_rl_steps}), log)
+  before, after = _evals(rows)[0], _evals(rows)[-1]
+  decoded = None
+  if seed == args.decode_seed:
+    decoded = decode_tool_sft(base, tool_rl, log)
+  # The direct-answer model: one turn, no tools offered (its episodes
+  # are `make_direct`'s), read before its one training step.
+  alone = _evals(run_main(base / "mult_direct_eval", dict(eval_rl, **{
+      "init.policy_checkpoint": str(direct_dir),
+      "data.inputs_length": 64, "data.targets_length": 8,
+      "online.environment": "agents:make_direct", "online.max_turns": 1,
+      "online.max_new_tokens": 8, "online.max_episode_tokens": 8,
+      "train.num_steps": 1}), log))[0]
+  return {
+      "tool_sft_with_tools_pass@1": before["eval/pass@1"],
+      "grpo_with_tools_pass@1": after["eval/pass@1"],
+      "direct_sft_without_tools_pass@1": alone["eval/pass@1"],
+      "tool_sft_tool_calls_per_episode": before["eval/episode/tool_calls"],
+      "grpo_tool_calls_per_episode": after["eval/episode/tool_calls"],
+      "tool_sft_turns_per_episode": before["eval/episode/turns"],
+      "grpo_turns_per_episode": after["eval/episode/turns"],
+      "grpo_train_tool_calls_per_episode": _mean(rows, "episode/tool_calls"),
+      "grpo_train_failed_calls_per_episode": _mean(
+          rows, "episode/failed_calls"),
+      "tool_sft_final_token_accuracy": _last(base / "mult_sft",
+                                             "token_accuracy"),
+      "direct_sft_final_token_accuracy": _last(direct_dir, "token_accuracy"),
+      **({"tool_sft_decoded_held_out_episodes": decoded} if decoded else {}),
+  }
+
+
+def multiply_rl(base, seed, rl, test):
+  """(the held-out evaluation's overrides, GRPO's with the tool from the
+  tool SFT checkpoint) of the multiply task."""
+  eval_rl = {
+      "algorithm": "grpo", "seed": seed, "data.task": "mult_rl",
+      "data.files.train": rl, "data.files.test": test,
+      "data.files.column_mapping": "prompt=prompt,answer=answer",
+      "online.samples_per_prompt": 4, "online.temperature": 1.0,
+      "train.batch_size": 8, "rewards.reward_model.weight": 0.0,
+      "rewards.functions": "agents:exact_answer=1",
+      "optimizer.learning_rate": 1e-3, "optimizer.warmup_steps": 0,
+      "eval.split": "test", "eval.num_examples": 32,
+      "eval.batch_size": 32, "eval.samples_per_prompt": 0}
+  tool_rl = dict(eval_rl, **{
+      "init.policy_checkpoint": str(base / "mult_sft"),
+      "data.inputs_length": 608, "data.targets_length": 80,
+      "online.tools": "agents:multiply", "online.max_turns": 3,
+      "online.max_new_tokens": 80, "online.max_episode_tokens": 192})
+  return eval_rl, tool_rl
+
+
+def decode_tool_sft(base, tool_rl, log):
+  """What the tool SFT model does on held-out rows: its first 8 greedy
+  episodes (`decode_main`), from a run of one step that is not used."""
+  path = base / "mult_sft_decoded.json"
+  run_main(base / "mult_sft_decode", dict(tool_rl, **{
+      "train.num_steps": 1, "eval.num_examples": 8, "eval.batch_size": 8}),
+           log, decode_to=path)
+  return json.loads(path.read_text())
+
+
+def guess_seed(base, seed, args, log):
+  """The guess-the-number task of one seed: its results.json entry."""
+  sft, rl, test = guess_data(base, args.sft_rows, seed)
+  sft_dir = base / "guess_sft"
+  run_main(sft_dir, {
+      "algorithm": "sft", "seed": seed, "data.task": "guess_sft",
+      "data.files.train": sft, "data.files.layout": "messages",
+      "data.inputs_length": 256, "data.targets_length": 8,
+      "train.batch_size": 16, "train.num_steps": args.guess_sft_steps,
+      "optimizer.learning_rate": 3e-3, "optimizer.warmup_steps": 20}, log)
+  game = {
+      "algorithm": "grpo", "seed": seed, "data.task": "guess_rl",
+      "init.policy_checkpoint": str(sft_dir), "data.files.train": rl,
+      "data.files.test": test,
+      "data.files.column_mapping": "prompt=prompt,answer=answer",
+      "data.inputs_length": 64, "data.targets_length": 8,
+      "online.environment": "agent_envs:make_guess",
+      "online.max_new_tokens": 6, "online.max_episode_tokens": 96,
+      "online.samples_per_prompt": 4, "online.temperature": 1.0,
+      "train.batch_size": 8, "train.num_steps": args.guess_rl_steps,
+      "rewards.reward_model.weight": 0.0,
+      "optimizer.learning_rate": 1e-3, "optimizer.warmup_steps": 0,
+      "eval.split": "test", "eval.num_examples": 32,
+      "eval.batch_size": 32, "eval.samples_per_prompt": 0}
+  multi = _evals(run_main(base / "guess_multi_turn", dict(
+      game, **{"online.max_turns": 4}), log))
+  single = _evals(run_main(base / "guess_single_turn", dict(
+      game, **{"online.max_turns": 1}), log))
+  return {
+      "sft_4_turns_solved": multi[0]["eval/pass@1"],
+      "grpo_4_turns_solved": multi[-1]["eval/pass@1"],
+      "sft_4_turns_turns_per_episode": multi[0]["eval/episode/turns"],
+      "grpo_4_turns_turns_per_episode": multi[-1]["eval/episode/turns"],
+      "sft_1_turn_solved": single[0]["eval/pass@1"],
+      "grpo_1_turn_solved": single[-1]["eval/pass@1"],
+  }
+
+
+def _last(workdir, key):
+  rows = [json.loads(line) for line in open(pathlib.Path(workdir)
+                                             / "metrics.jsonl")]
+  return _mean([r for r in rows if key in r][-1:], key)
+
+
+def summarize(results):
+  """{task: {metric: {"mean", "per_seed"}}} over the seeds."""
+  seeds = sorted(results["seeds"])
+  out = {}
+  for task in ("multiply", "guess"):
+    done = [s for s in seeds if task in results["seeds"][s]]
+    if not done:
+      continue
+    out[task] = {"seeds": done}
+    for key in results["seeds"][done[0]][task]:
+      values = [results["seeds"][s][task].get(key, []) for s in done]
+      if any(isinstance(v, list) for v in values):
+        continue  # the decoded episodes of one seed
+      out[task][key] = {
+          "mean": round(sum(values) / len(values), 4)
+                  if None not in values else None,
+          "per_seed": [None if v is None else round(v, 4) for v in values]}
+  return out
+
+
+def write_readme(results, path):
+  """README.md from results.json alone."""
+  s, settings = results["summary"], results["settings"]
+  f = lambda m: ("" if m is None else f"{m['mean']:.3f} ("
+                 + ", ".join(f"{v:.3f}" for v in m["per_seed"]) + ")")
+  lines = [
+      "# Agents in miniature", "", "Made by:", "", "```",
+      results["command"], "```", "",
+      "(each seed was run by its own process with `--seeds=N`; the command "
+      "above gathered them, re-running nothing). Settings: "
+      + ", ".join(f"{k} {v}" for k, v in settings.items()) + ". Wall "
+      "minutes per run (3 seeds' runs shared 2 loaded CPU cores): "
+      + ", ".join(f"{k} {v}" for k, v in results["minutes"].items())
+      + f"; {results['run_minutes']} in all.", "",
+      "Tiny Qwen2-shaped decoder (width 64, 2 layers, from scratch) with the "
+      "Qwen 2.5 template (tests/fixtures/tokenizers/chat_qwen); 32 held-out "
+      "rows per task and seed, greedy episodes. Each cell: the mean over "
+      "the seeds, then the seeds' values in seed order.", ""]
+  if "multiply" in s:
+    m = s["multiply"]
+    lines += [
+        f"## multiply (seeds {m['seeds']}): 6-digit products of 3-digit "
+        "numbers", "",
+        "| | held-out pass@1 | tool calls / episode | turns / episode |",
+        "|---|---|---|---|",
+        "| tool SFT, with the `multiply` tool (up to 3 turns) | "
+        f"{f(m['tool_sft_with_tools_pass@1'])} | "
+        f"{f(m['tool_sft_tool_calls_per_episode'])} | "
+        f"{f(m['tool_sft_turns_per_episode'])} |",
+        f"| tool SFT then GRPO, with the tool | "
+        f"{f(m['grpo_with_tools_pass@1'])} | "
+        f"{f(m['grpo_tool_calls_per_episode'])} | "
+        f"{f(m['grpo_turns_per_episode'])} |",
+        "| direct-answer SFT, no tool (1 turn) | "
+        f"{f(m['direct_sft_without_tools_pass@1'])} | | |", "",
+        "GRPO's training episodes: "
+        f"{f(m['grpo_train_tool_calls_per_episode'])} tool calls and "
+        f"{f(m['grpo_train_failed_calls_per_episode'])} failed calls per "
+        "episode (mean over logged steps). SFT token accuracy at the last "
+        f"logged step: tool SFT {f(m['tool_sft_final_token_accuracy'])}, "
+        f"direct SFT {f(m['direct_sft_final_token_accuracy'])}.", ""]
+    for seed, r in results["seeds"].items():
+      decoded = r.get("multiply", {}).get(
+          "tool_sft_decoded_held_out_episodes")
+      if not decoded:
+        continue
+      lines += [
+          f"The tool SFT model's first {len(decoded)} greedy held-out "
+          f"episodes (seed {seed}; results.json has the whole text):", "",
+          "| question | its call | the tool's reply | final answer | "
+          "product | exact_answer |", "|---|---|---|---|---|---|"]
+      for e in decoded:
+        ms = e["messages"]
+        call = next((c for m in ms for c in m.get("tool_calls", ())), None)
+        reply = next((m["content"] for m in ms if m["role"] == "tool"), "")
+        args_ = (f"{call['name']}({json.dumps(call['arguments'])})"
+                 if call else "none")
+        lines.append(f"| {ms[0]['content']} | `{args_}` | {reply} | "
+                     f"{e['final_answer'][:24]!r} | {e['row_answer']} | "
+                     f"{e['exact_answer']:.0f} |")
+      lines.append("")
+  if "guess" in s:
+    g = s["guess"]
+    lines += [
+        f"## guess the number (seeds {g['seeds']}): 1 to 9, higher/lower "
+        "replies", "",
+        "| | solved (held-out pass@1) | turns / episode |",
+        "|---|---|---|",
+        f"| SFT, up to 4 turns | {f(g['sft_4_turns_solved'])} | "
+        f"{f(g['sft_4_turns_turns_per_episode'])} |",
+        f"| SFT then GRPO, up to 4 turns | {f(g['grpo_4_turns_solved'])} | "
+        f"{f(g['grpo_4_turns_turns_per_episode'])} |",
+        f"| SFT, single turn | {f(g['sft_1_turn_solved'])} | 1 |",
+        f"| SFT then GRPO, single turn (max_turns=1) | "
+        f"{f(g['grpo_1_turn_solved'])} | 1 |",
+        f"| best single-turn policy (one guess: 1/9, computed) | "
+        f"{results['best_single_turn_solved']:.3f} | 1 |", ""]
+  path.write_text("\n".join(lines))
+
+
 def main():
   parser = argparse.ArgumentParser()
   parser.add_argument("--workdir", required=True)
   parser.add_argument("--out", required=True)
-  parser.add_argument("--seeds", default="0")
+  parser.add_argument("--seeds", default="0,1,2")
+  parser.add_argument("--tasks", default="guess,multiply")
   parser.add_argument("--sft_rows", type=int, default=400)
-  parser.add_argument("--sft_steps", type=int, default=300)
-  parser.add_argument("--rl_steps", type=int, default=20)
+  parser.add_argument("--mult_sft_steps", type=int, default=400)
+  parser.add_argument("--direct_sft_steps", type=int, default=400)
+  parser.add_argument("--guess_sft_steps", type=int, default=300)
+  parser.add_argument("--mult_rl_steps", type=int, default=10)
+  parser.add_argument("--guess_rl_steps", type=int, default=20)
+  parser.add_argument("--decode_seed", type=int, default=0,
+                      help="the seed whose tool SFT episodes are decoded")
   args = parser.parse_args()
   root = pathlib.Path(args.workdir)
   root.mkdir(parents=True, exist_ok=True)
   log, results = {}, {"command": " ".join(["python", "experiments/agents.py"]
                                           + sys.argv[1:]), "seeds": {}}
   started = time.time()
+  tasks = {"guess": guess_seed, "multiply": multiply_seed}
   for seed in [int(s) for s in args.seeds.split(",")]:
-    out = results["seeds"][seed] = {}
     base = root / f"seed{seed}"
     base.mkdir(exist_ok=True)
-    # --- multiply -------------------------------------------------------
-    sft, rl, test = multiply_data(base, args.sft_rows, seed)
-    sft_dir = base / "mult_sft"
-    run_main(sft_dir, {
-        "algorithm": "sft", "seed": seed, "data.task": "mult_sft",
-        "data.files.train": sft, "data.files.layout": "messages",
-        "data.inputs_length": 768, "data.targets_length": 80,
-        "train.batch_size": 16, "train.num_steps": args.sft_steps,
-        "optimizer.learning_rate": 3e-3}, log)
-    tool_rl = {
-        "algorithm": "grpo", "seed": seed, "data.task": "mult_rl",
-        "init.policy_checkpoint": str(sft_dir), "data.files.train": rl,
-        "data.files.test": test,
-        "data.files.column_mapping": "prompt=prompt,answer=answer",
-        "data.inputs_length": 704, "data.targets_length": 80,
-        "online.tools": "agent_envs:multiply", "online.max_turns": 3,
-        "online.max_new_tokens": 80, "online.max_episode_tokens": 192,
-        "online.samples_per_prompt": 4, "online.temperature": 1.0,
-        "train.batch_size": 8, "rewards.reward_model.weight": 0.0,
-        "rewards.functions": "agents:exact_answer=1",
-        "optimizer.learning_rate": 1e-3, "optimizer.warmup_steps": 0,
-        "eval.split": "test", "eval.num_examples": 32,
-        "eval.batch_size": 32, "eval.samples_per_prompt": 0}
-    rows = run_main(base / "mult_grpo", dict(
-        tool_rl, **{"train.num_steps": args.rl_steps}), log)
-    before, after = _evals(rows)[0], _evals(rows)[-1]
-    alone = _evals(run_main(base / "mult_single_turn", dict(
-        tool_rl, **{"train.num_steps": 1, "online.max_turns": 1}), log))[0]
-    out["multiply"] = {
-        "sft_with_tools_pass@1": before["eval/pass@1"],
-        "sft_without_tools_pass@1": alone["eval/pass@1"],
-        "grpo_with_tools_pass@1": after["eval/pass@1"],
-        "sft_tool_calls_per_episode": before["eval/episode/tool_calls"],
-        "grpo_tool_calls_per_episode": after["eval/episode/tool_calls"],
-        "sft_turns_per_episode": before["eval/episode/turns"],
-        "grpo_turns_per_episode": after["eval/episode/turns"],
-        "grpo_train_failed_calls_per_episode": _mean(
-            rows, "episode/failed_calls"),
-        "grpo_train_tool_calls_per_episode": _mean(rows, "episode/tool_calls"),
-    }
-    # --- guess the number -------------------------------------------------
-    sft, rl, test = guess_data(base, args.sft_rows, seed)
-    sft_dir = base / "guess_sft"
-    run_main(sft_dir, {
-        "algorithm": "sft", "seed": seed, "data.task": "guess_sft",
-        "data.files.train": sft, "data.files.layout": "messages",
-        "data.inputs_length": 256, "data.targets_length": 8,
-        "train.batch_size": 16, "train.num_steps": args.sft_steps,
-        "optimizer.learning_rate": 3e-3}, log)
-    game = {
-        "algorithm": "grpo", "seed": seed, "data.task": "guess_rl",
-        "init.policy_checkpoint": str(sft_dir), "data.files.train": rl,
-        "data.files.test": test,
-        "data.files.column_mapping": "prompt=prompt,answer=answer",
-        "data.inputs_length": 64, "data.targets_length": 8,
-        "online.environment": "agent_envs:make_guess",
-        "online.max_new_tokens": 6, "online.max_episode_tokens": 96,
-        "online.samples_per_prompt": 4, "online.temperature": 1.0,
-        "train.batch_size": 8, "train.num_steps": args.rl_steps,
-        "rewards.reward_model.weight": 0.0,
-        "optimizer.learning_rate": 1e-3, "optimizer.warmup_steps": 0,
-        "eval.split": "test", "eval.num_examples": 32,
-        "eval.batch_size": 32, "eval.samples_per_prompt": 0}
-    multi = _evals(run_main(base / "guess_multi_turn", dict(
-        game, **{"online.max_turns": 4}), log))
-    single = _evals(run_main(base / "guess_single_turn", dict(
-        game, **{"online.max_turns": 1}), log))
-    out["guess"] = {
-        "sft_4_turns_solved": multi[0]["eval/pass@1"],
-        "grpo_4_turns_solved": multi[-1]["eval/pass@1"],
-        "grpo_4_turns_turns_per_episode": multi[-1]["eval/episode/turns"],
-        "sft_1_turn_solved": single[0]["eval/pass@1"],
-        "grpo_1_turn_solved": single[-1]["eval/pass@1"],
-    }
-  results["minutes"] = log
+    results["seeds"][seed] = {
+        task: tasks[task](base, seed, args, log)
+        for task in args.tasks.split(",")}
+  results["summary"] = summarize(results)
+  results["best_single_turn_solved"] = round(1 / 9, 4)
+  results["minutes"] = {k.replace(str(root) + "/", ""): v
+                        for k, v in log.items()}
+  results["run_minutes"] = round(sum(log.values()), 2)
   results["total_minutes"] = round((time.time() - started) / 60, 2)
   results["settings"] = {k: getattr(args, k) for k in (
-      "sft_rows", "sft_steps", "rl_steps")}
+      "sft_rows", "mult_sft_steps", "direct_sft_steps", "guess_sft_steps",
+      "mult_rl_steps", "guess_rl_steps")}
   outdir = pathlib.Path(args.out)
   outdir.mkdir(parents=True, exist_ok=True)
   (outdir / "results.json").write_text(json.dumps(results, indent=1) + "\n")
-  print(json.dumps(results, indent=1))
+  write_readme(results, outdir / "README.md")
+  print(json.dumps(results["summary"], indent=1))
 
 
 if __name__ == "__main__":
-  main()
+  if sys.argv[1:2] == ["--decode_to"]:
+    decode_main(sys.argv[2], sys.argv[3:])
+  else:
+    main()
