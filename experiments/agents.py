@@ -1,33 +1,43 @@
 r"""Agents in miniature: a tool a tiny model needs, and a game it plays
 over several turns.
 
+  # each seed in its own process (in parallel), then the same command
+  # with --seeds=0,1,2 gathers them (every finished run is reused):
+  python experiments/agents.py --workdir=/tmp/agents --out=/tmp/o --seeds=0
   python experiments/agents.py --workdir=/tmp/agents \
-      --out=experiments/results/agents
+      --out=experiments/results/agents --seeds=0,1,2
 
 Both tasks use a tiny Qwen2-shaped decoder (width 64, 2 layers, from
 scratch) with the Qwen 2.5 chat template and tokenizer of
-tests/fixtures/tokenizers/chat_qwen, trained through `python -m
-jaxrlhf.main`:
+tests/fixtures/tokenizers/chat_qwen (405 ids, nearly a token a character),
+trained through `python -m jaxrlhf.main`:
 
-1. multiply: "What is 123 times 456?" (two 3-digit factors). SFT on
+1. multiply: "What is 123 times 456?" (two 3-digit factors whose product
+   has 6 digits, so every question and every tool reply is as long and a
+   digit is always copied from the same distance back). Tool SFT on
    --sft_rows tool-using conversations (layout "messages" with a "tools"
-   column: the `multiply` schema of tests/agent_envs.py, so the prompt
-   shows the tool as the episodes of online RL show it): the assistant
-   calls `multiply` in Qwen's <tool_call> format, the tool replies, the
-   assistant says the number. Then GRPO with the stateless tool loop
-   (`online.tools=agent_envs:multiply`, up to 3 turns) and the reward
-   `exact_answer` below (1 when the final answer is the row's product).
-   Held out: 32 products no stage trains on, greedy; "with tools" is the
-   held-out episodes' pass@1 (eval/pass@1), "without" the same checkpoint
-   with `online.max_turns=1` (its first message is its answer: a tool call
-   gets no reply), tool calls per episode (eval/episode/tool_calls) and
-   failed calls per training episode (episode/failed_calls).
+   column: the schema of `multiply` below, so the prompt shows the tool as
+   online RL's episodes show it; the template's tool preamble makes the
+   prompt 600 tokens): the assistant calls `multiply` in Qwen's
+   <tool_call> format, the tool replies, the assistant says the number.
+   Then GRPO with the stateless tool loop (`online.tools=agents:multiply`,
+   up to 3 turns) and the reward `exact_answer` (1 when the final answer is
+   the row's product). The baseline without tools is a model trained to
+   answer directly: SFT on the same questions answered with the product,
+   no tools shown, evaluated in one-turn episodes (`make_direct`). Held
+   out: 32 products no stage trains on, greedy: pass@1 (eval/pass@1), tool
+   calls and turns per episode, failed calls per GRPO training episode;
+   and, for --decode_seed, the tool SFT model's first 8 held-out episodes
+   decoded (the conversation, the parsed call, the tool's reply, the final
+   answer, the product and the reward).
 2. guess: tests/agent_envs.py's guess-the-number (1 to 9, "higher" /
    "lower" after a wrong guess, reward 1 when guessed). SFT on transcripts
    whose guesses are uniform among the numbers still possible, then GRPO
    on episodes of up to 4 turns, against GRPO from the same SFT checkpoint
-   with single-turn episodes (max_turns=1: one guess). Held out: solve
-   rate (eval/pass@1) and turns per greedy episode.
+   with single-turn episodes (max_turns=1: one guess) and against the best
+   single-turn policy (every row's prompt is the same, so one guess: the
+   held-out rows' most common number). Held out: solve rate (eval/pass@1)
+   and turns per greedy episode.
 
 Writes results.json and README.md (from results.json alone) into --out.
 """
