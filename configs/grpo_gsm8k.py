@@ -80,11 +80,12 @@ GiB of a chip's 16, with splash attention (model.attention_impl 'auto' on
 TPU) and the rollout's log-probs formed a chunk of positions at a time.
 The 7-8B sizes are planned for a v5e 4x8 slice (grpo_gsm8k_<size>.json
 there); configs/grpo_gsm8k_lora.py trains them with LoRA on fewer chips.
-The mixture of experts qwen3-30b-a3b (8 of 128 experts a token; the
-experts fully sharded as every other weight, the rollout in 16 parts of 8
-prompts) fits no slice planned yet: v5e 8x8 and 8x16 (XLA's temporaries
-alone 33 and 55 GiB a chip) nor v5p 2x2x2 (116 GiB a chip of 95; the
-plans are in experiments/results/plans/options/); LoRA
+The mixture of experts qwen3-30b-a3b (8 of 128 experts a token, the
+experts fully sharded as every other weight) is planned for a v5e 8x16
+slice (128 chips, mesh 32x4: 32 data-parallel groups of 4 chips, the
+rollout in 4 parts of 32 prompts, 16 micro-batches): 13.44 GiB a chip
+(experiments/results/plans/grpo_gsm8k_qwen3_30b_a3b.json; the README
+there has the other slices and meshes tried); LoRA
 (configs/grpo_gsm8k_lora.py) fits a v5e 2x4 slice.
 """
 
@@ -189,7 +190,11 @@ def get_config(size: str = "qwen2.5-1.5b"):
   c.train.num_microbatches = 8
   c.online.rollout_microbatches = 4
   if arch == "qwen3_moe":
-    # For 8 chips (v5p 2x2x2, module docstring): the rollout in parts of 8
-    # prompts, one a chip.
-    c.online.rollout_microbatches = 16
+    # For a v5e 8x16 slice (128 chips, module docstring): 32 data-parallel
+    # groups of 4 chips, each group splitting the attention heads and the
+    # experts' mlp dimension; the rollout in 4 parts of 32 prompts and the
+    # update in micro-batches of 32 responses, one a group.
+    c.mesh.shape = (-1, 4)
+    c.online.rollout_microbatches = 4
+    c.train.num_microbatches = 16
   return c

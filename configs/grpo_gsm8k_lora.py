@@ -58,6 +58,7 @@ def get_config(size: str = "llama3.1-8b"):
   c.online.rollout_microbatches = 16
   if c.model.arch == "qwen3_moe":
     # Planned for 8 chips (module docstring): the update in micro-batches
-    # of 8 responses, one a chip.
+    # of 8 responses, one a chip, every chip data-parallel.
+    c.mesh.shape = (-1, 1)
     c.train.num_microbatches = 64
   return c

@@ -52,8 +52,10 @@ CONFIGS = {
                                     "v5e:2x2"),
     "grpo_gsm8k_lora_qwen2.5_7b": ("configs/grpo_gsm8k_lora.py:qwen2.5-7b",
                                    "v5e:2x2"),
-    # The mixture of experts Qwen3-30B-A3B (128 experts, 8 per token) with
-    # LoRA; its full fine-tuning fits no slice planned yet (the README).
+    # The mixture of experts Qwen3-30B-A3B (128 experts, 8 per token):
+    # full fine-tuning (mesh 32x4) and LoRA.
+    "grpo_gsm8k_qwen3_30b_a3b": ("configs/grpo_gsm8k.py:qwen3-30b-a3b",
+                                 "v5e:8x16"),
     "grpo_gsm8k_lora_qwen3_30b_a3b": (
         "configs/grpo_gsm8k_lora.py:qwen3-30b-a3b", "v5e:2x4"),
     # On-policy distillation: a Qwen2.5-1.5B student, a frozen 7B teacher
