@@ -429,15 +429,14 @@ def write_readme(results, path):
       lines += [
           f"The tool SFT model's first {len(decoded)} greedy held-out "
           f"episodes (seed {seed}; results.json has the whole text):", "",
-          "| question | its call | the tool's reply | final answer | "
+          "| question | its first turn, as written | the reply to it | "
+          "final answer | "
           "product | exact_answer |", "|---|---|---|---|---|---|"]
       for e in decoded:
         ms = e["messages"]
-        call = next((c for m in ms for c in m.get("tool_calls", ())), None)
+        first = e["model_and_environment_tokens"].split("<|im_start|>")[0]
         reply = next((m["content"] for m in ms if m["role"] == "tool"), "")
-        args_ = (f"{call['name']}({json.dumps(call['arguments'])})"
-                 if call else "none")
-        lines.append(f"| {ms[0]['content']} | `{args_}` | {reply} | "
+        lines.append(f"| {ms[0]['content']} | {first.strip()!r} | {reply} | "
                      f"{e['final_answer'][:24]!r} | {e['row_answer']} | "
                      f"{e['exact_answer']:.0f} |")
       lines.append("")
