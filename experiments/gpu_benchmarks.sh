@@ -354,7 +354,7 @@ run sampling_long "$CAP_SAMPLING_LONG" '^(device:|family|llama +[0-9])' "${SHARE
   "$PYTHON" experiments/bench_sampling.py "${SAMPLING_LONG[@]}"
 run rollout "$CAP_ROLLOUT" '^(device:|(t5|llama) |  +responses:)' -- \
   "$PYTHON" experiments/bench_rollout.py "${ROLLOUT[@]}"
-run engine "$CAP_ENGINE" '^(device:|variant|(lockstep|engine) )' -- \
+run engine "$CAP_ENGINE" '^(device:|variant|(lockstep|engine|paged) |  cache:)' -- \
   "$PYTHON" experiments/bench_engine.py "${ENGINE[@]}"
 run agents "$CAP_AGENTS" '^(device:|single-turn|multi-turn|env wait)' -- \
   "$PYTHON" experiments/bench_agents.py "${AGENTS[@]}"
