@@ -145,8 +145,8 @@ class OverlappedStep:
     # the run.
     # (The queue holds steps t .. : this step's own first, unless empty.)
     made = self._step + max(len(self._pending) - 1, 0)
-    ahead = range(made + 1, min(self._step + self._ahead, self._num_steps - 1)
-                  + 1) if self._ahead else range(0)
+    ahead = range(made + 1,
+                  min(self._step + self._ahead, self._num_steps - 1) + 1)
     if ahead:  # step t's parameters, copied before the update donates them
       params = jax.device_put(state.params, self._params_on_sampler,
                               may_alias=False)
@@ -157,7 +157,7 @@ class OverlappedStep:
     # own step's key (the keys' chain, `split_step_key`, run forward).
     stream = self._prompt_source.stream
     rng = state.rng  # step t + 1's
-    for step in range(self._step + 1, ahead.stop if ahead else 0):
+    for step in range(self._step + 1, ahead.stop):
       if step in ahead:
         _, key, _ = iteration.split_step_key(rng)
         self._pending.append(self._rollout(

@@ -183,11 +183,7 @@ def _expert_parallel(tokens: Array, weights: Array, experts: Array,
   tokens' dtype, experts int32 [tokens, top_k], expert weights (and their
   LoRA `adapters`, as `_local_experts`) whole (split by the shard_map) ->
   y [tokens, embed]."""
-  mesh = jax.sharding.get_abstract_mesh()
-  name = axes if len(axes) > 1 else axes[0]
-  n = tokens.shape[0]
-  tokens, weights, experts = _pad_tokens(tokens, weights, experts,
-                                         _devices_over(mesh, axes))
+  name = _axis_name(axes)
 
   def local(tokens, weights, experts, wi_0, wi_1, wo, adapters):
     # Each device: its 1/D share of the tokens in, all of them here.
@@ -202,9 +198,31 @@ def _expert_parallel(tokens: Array, weights: Array, experts: Array,
     return jax.lax.psum_scatter(partial, name, scatter_dimension=0,
                                 tiled=True)
 
-  spec = P(name)
+  return _tokens_over(axes, local, True, tokens, weights, experts, wi_0, wi_1,
+                      wo, adapters)
+
+
+def _axis_name(axes: Tuple[str, ...]):
+  """The shard_map axis name of mesh `axes`: one name, or their tuple."""
+  return axes if len(axes) > 1 else axes[0]
+
+
+def _tokens_over(axes: Tuple[str, ...], local, split_experts: bool,
+                 tokens: Array, weights: Array, experts: Array, wi_0: Array,
+                 wi_1: Array, wo: Array, adapters=None) -> Array:
+  """`local(tokens, weights, experts, wi_0, wi_1, wo, adapters)` under
+  `jax.shard_map` over mesh `axes`: the tokens (padded to split evenly,
+  `_pad_tokens`) and their routing split over them, the expert weights and
+  adapters split along their expert axis when `split_experts`, else whole
+  on each device -> y [tokens, embed], the padding cut off."""
+  mesh = jax.sharding.get_abstract_mesh()
+  n = tokens.shape[0]
+  tokens, weights, experts = _pad_tokens(tokens, weights, experts,
+                                         _devices_over(mesh, axes))
+  spec = P(_axis_name(axes))
   y = jax.shard_map(
-      local, mesh=mesh, axis_names=set(axes), in_specs=(spec,) * 7,
+      local, mesh=mesh, axis_names=set(axes),
+      in_specs=(spec,) * 3 + ((spec if split_experts else P()),) * 4,
       out_specs=spec)(tokens, weights, experts, wi_0, wi_1, wo,
                       adapters or {})
   return y[:n]
@@ -242,22 +260,12 @@ def _data_parallel(tokens: Array, weights: Array, experts: Array,
   (see the module docstring): the arguments as `_expert_parallel`'s, the
   tokens split over the batch's mesh `axes`, the expert weights (and
   adapters) whole on each device -> y [tokens, embed]."""
-  mesh = jax.sharding.get_abstract_mesh()
-  name = axes if len(axes) > 1 else axes[0]
-  n = tokens.shape[0]
-  tokens, weights, experts = _pad_tokens(tokens, weights, experts,
-                                         _devices_over(mesh, axes))
-
   def local(tokens, weights, experts, wi_0, wi_1, wo, adapters):
     return _combine(_local_experts(tokens, experts, wi_0, wi_1, wo,
                                    adapters=adapters), weights)
 
-  spec = P(name)
-  y = jax.shard_map(
-      local, mesh=mesh, axis_names=set(axes),
-      in_specs=(spec,) * 3 + (P(),) * 4, out_specs=spec)(
-          tokens, weights, experts, wi_0, wi_1, wo, adapters or {})
-  return y[:n]
+  return _tokens_over(axes, local, False, tokens, weights, experts, wi_0,
+                      wi_1, wo, adapters)
 
 
 def adapter_names(name: str) -> Tuple[str, str]:
