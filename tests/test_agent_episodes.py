@@ -150,6 +150,27 @@ def test_tool_episode_tokens_are_the_templates_and_the_models_own(
   assert policy.extended == [[env_ids]]
 
 
+def test_a_rows_conversation_opens_the_tool_loop(vocabulary, renderer):
+  """A "messages"-layout row (system and user turns) opens the episode with
+  its own messages, rendered once with the tools; without them the prompt
+  text is one user message."""
+  tools = [agent_envs.multiply]
+  make_env = lambda row: environments.ToolLoop(row, tools)
+  conversation = [{"role": "system", "content": "Use the tools."},
+                  {"role": "user", "content": "What is 12 times 34?"}]
+  rows = [{"prompt": renderer.template.render(conversation,
+                                              add_generation_prompt=True),
+           "messages": conversation},
+          {"prompt": "What is 12 times 34?"}]
+  played, _, _ = play(vocabulary, renderer, make_env, rows,
+                      [["It is 408."], ["It is 408."]])
+  schemas = tools_lib.tool_schemas(tools)
+  for e, opening in zip(played, (conversation, conversation[1:])):
+    assert e.messages[:len(opening)] == opening
+    assert e.opening == vocabulary.encode(renderer.template.render(
+        opening, add_generation_prompt=True, tools=schemas))
+
+
 def test_guessing_game_returns_discounts_and_hints(vocabulary, renderer):
   rows = [{"prompt": "", "answer": 5}, {"prompt": "", "answer": 2}]
   script = [["3", "7", "5"], ["2"]]

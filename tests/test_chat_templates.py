@@ -518,6 +518,14 @@ def test_config_gives_online_prompts_and_pairs_batches(tmp_path):
         rows[6]["prompt"], add_generation_prompt=True)
     assert prompts.texts[9] == template.render(
         rows[7]["messages"], add_generation_prompt=True)
+    # Each prompt carries the conversation it renders (an episode opens
+    # with it): the messages before the reply, or the whole prompt.
+    conversations = prompts.columns["messages"]
+    assert conversations[7] == rows[6]["prompt"]
+    assert conversations[8] == [U1] and conversations[9] == rows[7][
+        "messages"]
+    for text, messages in zip(prompts.texts, conversations):
+      assert text == template.render(messages, add_generation_prompt=True)
     for text, tokens in zip(prompts.texts, prompts.tokens):
       assert tokens[tokens != 0].tolist() == vocabulary.encode(text) + [eos]
   finally:

@@ -40,7 +40,9 @@ Twenty lines make one (guess the number, told higher or lower):
       return GuessTheNumber(row)
 
 `ToolLoop` is the environment of `online.tools` alone (TRL's `tools=`):
-the row's prompt opens the episode as a user message, each call runs and
+the row's messages open the episode (a "messages"-layout row's
+conversation, its `messages` column), or else its prompt text as one user
+message; each call runs and
 its result (or error) comes back as a `tool` message, and the episode ends
 when the model answers without a call (reward 0: `config.rewards` scores
 the final answer).
@@ -59,6 +61,7 @@ from typing import Any, Callable, Dict, List, Mapping, Optional, Sequence
 
 from jaxrlhf.agents import tool_calls as tool_calls_lib
 from jaxrlhf.agents import tools as tools_lib
+from jaxrlhf.data import alignment_kinds as kinds_lib
 from jaxrlhf.rewards import host
 
 Message = Dict[str, Any]
@@ -178,11 +181,13 @@ class ToolLoop:
   environment): module docstring."""
 
   def __init__(self, row: Mapping[str, Any], tools: Sequence[Callable]):
-    self._prompt = row["prompt"]
+    conversation = row.get(kinds_lib.CONVERSATION_COLUMN)
+    self._opening = ([dict(m) for m in conversation] if conversation else
+                     [{"role": "user", "content": row["prompt"]}])
     self.tools = list(tools)
 
   def reset(self) -> List[Message]:
-    return [{"role": "user", "content": self._prompt}]
+    return [dict(m) for m in self._opening]
 
   def step(self, message: Message):
     if not message.get("tool_calls"):

@@ -56,6 +56,11 @@ COLUMN_FEATURE_PREFIX = "column:"
 # Reward functions receive the prompts and completions under these names
 # (positionally, `jaxrlhf.rewards.host`), so no extra column may have them.
 RESERVED_COLUMN_NAMES = ("prompts", "completions")
+# The extra column of layout "messages" rows: the conversation a prompt
+# renders (its messages before the reply), so that an episode opens with
+# the row's own messages (`agents.environments.ToolLoop`) rather than with
+# their rendered text as one user message. Reward functions get it too.
+CONVERSATION_COLUMN = "messages"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -100,7 +100,10 @@ completion, which rows of "columns" and "messages" then need not have.
   conversation before each assistant
   message and, when it does not end with one, the whole conversation, each
   rendered with the generation prompt; TRL's prompt-only {"prompt": [...]}
-  gives one. Pairs: {"prompt": [...], "chosen": [assistant message],
+  gives one. Demonstrations and prompts carry the conversation they render
+  as the extra column `messages` (`alignment_kinds.CONVERSATION_COLUMN`):
+  a multi-turn episode opens with those messages, and reward functions get
+  them as `messages=`. Pairs: {"prompt": [...], "chosen": [assistant message],
   "rejected": [assistant message]} (TRL's explicit-prompt preference
   layout), or {"chosen": [...conversation], "rejected": [...conversation]}
   (HuggingFaceH4/ultrafeedback_binarized, Anthropic HH as messages), two
@@ -568,6 +571,14 @@ def _tools(record, ctx: RowContext):
   return tools or None
 
 
+def _with_conversation(extras, messages) -> Dict[str, Any]:
+  """A prompt's extra columns and the conversation it renders
+  (`alignment_kinds.CONVERSATION_COLUMN`), without null fields (Parquet
+  gives every message each field any message of the file has)."""
+  return {**extras, kinds_lib.CONVERSATION_COLUMN: [
+      {k: v for k, v in m.items() if v is not None} for m in messages]}
+
+
 def _messages_demonstrations(record, ctx: RowContext) -> RowResult:
   extras = _extra_values(record, ctx)
   if isinstance(extras, BadRow):
@@ -616,7 +627,7 @@ def _messages_demonstrations(record, ctx: RowContext) -> RowResult:
       yield split  # The conversation's other replies are still learnt.
       continue
     yield {"prompt": split[0], "completion": split[1],
-           EXTRA_COLUMNS: dict(extras)}
+           EXTRA_COLUMNS: _with_conversation(extras, context)}
 
 
 def _messages_pairs(record, ctx: RowContext) -> RowResult:
@@ -709,7 +720,8 @@ def _messages_prompts(record, ctx: RowContext) -> RowResult:
     except chat_templates.ChatTemplateError as e:
       yield _template_refused(ctx, f"{column}[:{end}]", e)
       continue
-    yield {kinds_lib.PROMPT: prompt, EXTRA_COLUMNS: dict(extras)}
+    yield {kinds_lib.PROMPT: prompt,
+           EXTRA_COLUMNS: _with_conversation(extras, messages[:end])}
 
 
 def _messages_layout(record, ctx: RowContext) -> RowResult:
@@ -762,7 +774,10 @@ LAYOUTS: Dict[str, Layout] = {
                extra_columns=("answer", "level", "type")),
         Layout("messages", _messages_layout,
                _DEMONSTRATIONS + (kinds_lib.PAIRS.name,),
-               {"turns": "all"}, maps_columns=True, own_columns=("messages", "tools"),
+               {"turns": "all"},
+               extra_columns=(kinds_lib.CONVERSATION_COLUMN,),
+               maps_columns=True,
+               own_columns=(kinds_lib.CONVERSATION_COLUMN, "tools"),
                uses_chat_template=True),
     )}
 

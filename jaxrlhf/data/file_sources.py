@@ -22,8 +22,9 @@ is skipped, counted by reason
 summarised in a log line when the split is loaded
 (`on_bad_row="skip_and_report"`).
 
-Demonstrations may carry extra columns (`extra_columns`: the GSM8K and MATH
-layouts' `answer`, or names a "columns" mapping adds) as JSON-encoded string
+Demonstrations and prompts may carry extra columns (`extra_columns`: the
+GSM8K and MATH layouts' `answer`, the "messages" layout's conversation, or
+names a "columns" mapping adds) as JSON-encoded string
 features (`alignment_kinds.column_feature`), for the reward functions of
 online RL; a value that JSON cannot hold is a `wrong_type` bad row.
 
@@ -326,8 +327,11 @@ class AlignmentFileSource(seqio.DataSource):
     self.chat_template = (
         (chat_template or chat_templates.for_vocabulary(vocabulary))
         if self.layout.uses_chat_template else None)
-    self.extra_columns = self.layout.extra_columns + tuple(
-        self._mapped_extras)
+    # Extra columns go with demonstrations and prompts only (online RL's
+    # reward functions and environments read them).
+    carries = self.kind.name in kinds_lib.WITH_EXTRA_COLUMNS
+    self.extra_columns = (self.layout.extra_columns if carries else ()) + (
+        tuple(self._mapped_extras))
     if on_bad_row not in ON_BAD_ROW:
       raise ValueError(f"on_bad_row={on_bad_row!r}; expected one of "
                        f"{ON_BAD_ROW}.")
