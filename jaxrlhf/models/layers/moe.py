@@ -142,6 +142,18 @@ def _devices_over(mesh, axes: Tuple[str, ...]) -> int:
   return math.prod(mesh.shape[a] for a in axes)
 
 
+def _first_axis_mesh_axes(logical: Tuple[str, ...]):
+  """(the mesh axes the current rules give the first of the `logical` axes
+  of one array, as a tuple; () when none or there is no mesh, the current
+  abstract mesh)."""
+  spec = nn.logical_to_mesh_axes(logical)
+  axes = spec[0] if spec is not None and len(spec) else None
+  mesh = jax.sharding.get_abstract_mesh()
+  if axes is None or mesh.empty:
+    return (), mesh
+  return (tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)), mesh
+
+
 def expert_mesh_axes(num_experts: int) -> Tuple[str, ...]:
   """The mesh axes the current rules split the expert weights' `expert`
   axis over, or () when it is not split (no rule, no mesh, or one device).
@@ -150,13 +162,8 @@ def expert_mesh_axes(num_experts: int) -> Tuple[str, ...]:
   mesh axis an earlier rule gives to `embed` or `mlp` is not counted twice.
   Raises ValueError when num_experts does not split evenly over them.
   """
-  spec = nn.logical_to_mesh_axes(("expert", "embed", "mlp"))
-  axes = spec[0] if spec is not None and len(spec) else None
-  if axes is None:
-    return ()
-  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty:
+  axes, mesh = _first_axis_mesh_axes(("expert", "embed", "mlp"))
+  if not axes:
     return ()
   missing = [a for a in axes if a not in mesh.axis_names]
   if missing:
@@ -231,12 +238,7 @@ def _tokens_over(axes: Tuple[str, ...], local, split_experts: bool,
 def batch_mesh_axes() -> Tuple[str, ...]:
   """The mesh axes the current rules split the batch over (those of the
   current mesh with more than one device), or () when it is not split."""
-  spec = nn.logical_to_mesh_axes(("batch",))
-  axes = spec[0] if spec is not None and len(spec) else None
-  mesh = jax.sharding.get_abstract_mesh()
-  if axes is None or mesh.empty:
-    return ()
-  axes = tuple(axes) if isinstance(axes, (tuple, list)) else (axes,)
+  axes, mesh = _first_axis_mesh_axes(("batch",))
   return tuple(a for a in axes
                if a in mesh.axis_names and mesh.shape[a] > 1)
 
