@@ -95,6 +95,41 @@ def ending_at_rate(module, eos_id: int, eos_prob: float):
   return EndingAtRate(module.config)
 
 
+def ending_lognormal(module, eos_id: int, prompt_length: int, mean: float,
+                     sigma: float):
+  """`module` (same config and parameters) whose responses end with
+  log-normal lengths at temperature 1: a response's length is ceil(X), X
+  log-normal with mean `mean` and log-space deviation `sigma` (a reasoning
+  run's skew: most responses short, a long tail), cut at the budget.
+
+  Its decode step draws the EOS as response token t (0-based) with the
+  hazard h(t) = P(X <= t + 1 | X > t) = 1 - S(t + 1) / S(t), S the
+  log-normal survival function, by setting the EOS logit to logsumexp(other
+  logits) + log(h / (1 - h)). t is read from the rotary position of the
+  step's last input (prompt_length - 1 at the prefill: t = 0), so the
+  prompts must be `prompt_length` real tokens, unpadded.
+  """
+  mu = float(np.log(mean) - sigma ** 2 / 2)
+
+  def log_survival(x):  # log P(X > x), x >= 0
+    z = (jnp.log(x) - mu) / sigma
+    return jax.scipy.special.log_ndtr(-z)
+
+  class EndingLogNormal(type(module)):
+
+    def decode_step(self, tokens, positions, *args, **kwargs):
+      logits = super().decode_step(tokens, positions, *args, **kwargs)
+      t = (positions[..., -1] - (prompt_length - 1)).astype(jnp.float32)
+      step = log_survival(t + 1.0) - log_survival(t)  # log(1 - h), <= 0
+      step = jnp.minimum(step, -1e-12)
+      odds = jnp.log(-jnp.expm1(step)) - step  # log(h / (1 - h))
+      others = logits.at[..., eos_id].set(-jnp.inf)
+      eos = jax.nn.logsumexp(others.astype(jnp.float32), axis=-1) + odds
+      return logits.at[..., eos_id].set(eos.astype(logits.dtype))
+
+  return EndingLogNormal(module.config)
+
+
 def sampler(family, module, num_samples, stop_when_done, new, eos_id):
   """jitted (params, prompts [P or P * k, Lp], rng) -> Samples."""
   options = dict(max_new_tokens=new, temperature=1.0, eos_id=eos_id,
