@@ -53,7 +53,7 @@ def test_attention_over_pages_equals_attention_over_each_sequence():
   rng = np.random.default_rng(0)
   page_size, max_pages, num_pages, seqs = 4, 6, 40, 5
   tables = paged_kv.init_tables(num_pages, page_size, seqs, max_pages)
-  pools = [jnp.zeros((num_pages, page_size, KV_HEADS, HEAD_DIM))] * 2
+  pools = [jnp.zeros((KV_HEADS, num_pages, page_size, HEAD_DIM))] * 2
   written = [[] for _ in range(seqs)]  # each sequence's (key, value) rows
 
   def write(tables, pools, rows, new_k, new_v, start, length):
@@ -140,7 +140,7 @@ def test_a_shared_prompt_is_read_by_each_sample():
   rng = np.random.default_rng(1)
   page_size, num_pages = 4, 12
   tables = paged_kv.init_tables(num_pages, page_size, 4, 5)
-  pool = {"k": jnp.zeros((num_pages, page_size, KV_HEADS, HEAD_DIM))}
+  pool = {"k": jnp.zeros((KV_HEADS, num_pages, page_size, HEAD_DIM))}
   prompt = rng.normal(size=(1, 10, KV_HEADS, HEAD_DIM)).astype(np.float32)
   tables = paged_kv.reserve(tables, jnp.array([10, 0, 0, 0]))  # 2.5 pages
   pool["k"] = paged_kv.write_pages(
@@ -191,7 +191,7 @@ def test_exhaustion_allocates_nothing_and_is_reported():
   with pytest.raises(RuntimeError, match="ran out"):
     paged_kv.check_not_exhausted(full)
   # A write to a page the sequence does not hold is dropped.
-  pool = jnp.zeros((4, 2, KV_HEADS, HEAD_DIM))
+  pool = jnp.zeros((KV_HEADS, 4, 2, HEAD_DIM))
   index = paged_kv.PagedIndex(full.page_table[1:], jnp.array([0], jnp.int32),
                               2)
   out = paged_kv.write_pages(pool, index,

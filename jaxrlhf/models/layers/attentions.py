@@ -35,6 +35,7 @@ import numpy as np
 from jaxrlhf.models import fused_attention
 from jaxrlhf.models.layers import kv_cache
 from jaxrlhf.models.layers import linears
+from jaxrlhf.models.layers import paged_attention
 from jaxrlhf.models.layers import paged_kv
 from jaxrlhf.models.layers import param_recording
 from jaxrlhf.models.layers import rotary
@@ -318,10 +319,20 @@ class Attention(nn.Module):
     the positions not written yet. With a `paged_kv.PagedIndex` as
     cache_index, the cache is the page pools of `paged_kv.make_pool`, read
     and written through the index's page tables (`paged_kv.update_paged`),
-    and `mask` is `paged_kv.paged_mask`'s. A prefill may instead pass
+    and the queries attend over the pages in use (`paged_attention.attend`;
+    `mask`, `paged_kv.paged_mask`'s, is read only with the index's read
+    'gather', which attends over the table's whole width). A prefill may
+    instead pass
     `CausalSegments` with their cache_length T: the cache is written the
     same way and the queries attend over their own keys.
     """
+    def project(out):  # the heads' outputs [batch, length, heads, kv]
+      out = nn.with_logical_constraint(out, ("batch", "length", "heads",
+                                             "kv"))
+      return linears.DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
+                                  num_in_axes=2, use_bias=self.out_bias,
+                                  dtype=self.dtype, name="out")(out)
+
     def projection(heads, head_axis, name):
       return linears.DenseGeneral(
           (heads, self.head_dim), ("embed", head_axis, "kv"),
@@ -358,12 +369,22 @@ class Attention(nn.Module):
     paged = isinstance(cache_index, paged_kv.PagedIndex)
     if paged:
       # A paged cache (`paged_kv`): write the new keys and values into the
-      # page pools, attend over each row's pages gathered back.
+      # page pools, then read the pages in use (or, with read 'gather',
+      # each row's whole table gathered back).
       if segments:
         raise ValueError("A paged KV-cache call takes the dense mask of "
                          "kv_cache.cache_mask, not CausalSegments.")
       key = paged_kv.update_paged(self, "cached_key", key, cache_index)
       value = paged_kv.update_paged(self, "cached_value", value, cache_index)
+      if cache_index.read != "gather":
+        out = paged_attention.attend(
+            query, key, value, cache_index,
+            scale=(self.query_scale if self.query_scale is not None
+                   else 1.0 / np.sqrt(self.head_dim)),
+            logit_softcap=self.logit_softcap, window=window)
+        return project(out)
+      key = (paged_kv.gather_pages(key, cache_index.page_table),)
+      value = (paged_kv.gather_pages(value, cache_index.page_table),)
     elif cache_index is not None:
       # A prefill described by CausalSegments (`DecoderOnly.decode_step`)
       # fills the cache and attends over its own keys, which are all the
@@ -394,10 +415,7 @@ class Attention(nn.Module):
                  scale=self.query_scale, logit_softcap=self.logit_softcap,
                  cache_layout=cache_index is not None and not segments,
                  window=window, window_choices=window_choices)
-    out = nn.with_logical_constraint(out, ("batch", "length", "heads", "kv"))
-    return linears.DenseGeneral((x.shape[-1],), ("heads", "kv", "embed"),
-                                num_in_axes=2, use_bias=self.out_bias,
-                                dtype=self.dtype, name="out")(out)
+    return project(out)
 
   def param_fusions(self, method: str):
     """The projections `fuse_projections` may join

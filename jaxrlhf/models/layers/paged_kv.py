@@ -4,8 +4,9 @@ sequence, so that cache memory follows the sequences' real lengths.
 The contiguous cache (`kv_cache`) gives every row of a batch its own
 [T, ...] of positions, T the longest a row may become. Here each layer
 holds one pool of `num_pages` pages of `page_size` positions (flax "cache"
-collection, `cached_key` / `cached_value` [num_pages, page_size, kv_heads,
-head_dim], stacked along 'layers' when scanned; `make_pool`), and a
+collection, `cached_key` / `cached_value` [kv_heads, num_pages, page_size,
+head_dim], stacked along 'layers' when scanned; `make_pool`; heads first,
+the layout of JAX's TPU paged-attention kernel), and a
 sequence's position p lives at (page_table[s, p // page_size], p %
 page_size). Pages are taken from a free list as a sequence grows
 (`reserve`) and given back when it ends (`release`); a group's samples
@@ -24,15 +25,15 @@ the table's NO-page entry and are dropped.
 The attention layer (`attentions.Attention`) reads and writes pages when a
 decode call's `cache_index` is a `PagedIndex` (the page tables and where
 each sequence's new tokens start): it writes the new keys and values into
-the pool (`write_pages`), gathers each sequence's pages back in the
-contiguous cache's layout (`gather_pages`; XLA, exact) and attends with
-`paged_mask`. A call's L tokens of sequence b sit at positions start[b] ..
-start[b] + L - 1; negative positions (a left-padded prompt's pads) are
-neither written nor attended to, so a prefill of left-padded prompts
-stores their real tokens only. The gather reads max_pages x page_size
-positions per sequence: memory follows the real lengths, a step's reads
-still follow the table's width (a kernel that reads only the pages in use
-is not written yet).
+the pool (`write_pages`) and attends over the pages in use
+(`paged_attention`: a loop over blocks of pages up to the batch's longest
+position, or JAX's Pallas kernel on TPU), or, with `PagedIndex.read`
+'gather', gathers each sequence's whole table back in the contiguous
+cache's layout (`gather_pages`) and attends with `paged_mask`. A call's L
+tokens of sequence b sit at positions start[b] .. start[b] + L - 1;
+negative positions (a left-padded prompt's pads) are neither written nor
+attended to, so a prefill of left-padded prompts stores their real tokens
+only.
 """
 
 import dataclasses
@@ -90,10 +91,15 @@ class PagedIndex:
       the call's sequences (num_pages: no page).
     start: int32 [batch] the position of each row's first token.
     page_size: static positions per page.
+    read: static, how attention reads the pages (`paged_attention.READS`):
+      'auto' (the TPU kernel where it applies, else 'pages'), 'pages' (XLA,
+      the pages in use), 'kernel' (JAX's Pallas TPU kernel; interpreted
+      off TPU) or 'gather' (XLA, the table's whole width).
   """
   page_table: Array
   start: Array
   page_size: int = dataclasses.field(metadata=dict(static=True), default=16)
+  read: str = dataclasses.field(metadata=dict(static=True), default="auto")
 
   @property
   def capacity(self) -> int:
@@ -184,14 +190,14 @@ def release(tables: PageTables, which: Array) -> PageTables:
 
 
 def copy_pages(pool: Any, source: Array, target: Array) -> Any:
-  """Every pool leaf [(layers,) num_pages, page_size, kv_heads, head_dim]
+  """Every pool leaf [(layers,) kv_heads, num_pages, page_size, head_dim]
   with page target[i] overwritten by page source[i] (a target out of range
   is dropped)."""
   def copy(leaf):
-    pages = (Ellipsis, slice(None), slice(None), slice(None))
-    return leaf.at[(Ellipsis, target) + pages[1:]].set(
-        leaf[(Ellipsis, jnp.clip(source, 0, leaf.shape[-4] - 1))
-             + pages[1:]], mode="drop")
+    rest = (slice(None), slice(None))
+    return leaf.at[(Ellipsis, target) + rest].set(
+        leaf[(Ellipsis, jnp.clip(source, 0, leaf.shape[-3] - 1)) + rest],
+        mode="drop")
   return jax.tree.map(copy, pool)
 
 
@@ -250,31 +256,31 @@ def positions_of(index: PagedIndex, length: int) -> Array:
 
 
 def write_pages(pool: Array, index: PagedIndex, new: Array) -> Array:
-  """pool [num_pages, page_size, heads, head_dim] with the call's `new`
+  """pool [heads, num_pages, page_size, head_dim] with the call's `new`
   [batch, L, heads, head_dim] written at their positions' pages and slots;
   a negative position, one past the table, or one whose page is missing
   (num_pages) is dropped."""
-  num_pages = pool.shape[0]
+  num_pages = pool.shape[1]
   position = positions_of(index, new.shape[1])
   valid = (position >= 0) & (position < index.capacity)
   column = jnp.clip(position // index.page_size, 0,
                     index.page_table.shape[1] - 1)
   page = jnp.take_along_axis(index.page_table, column, axis=1)
   page = jnp.where(valid, page, num_pages)
-  return pool.at[page, position % index.page_size].set(
-      new.astype(pool.dtype), mode="drop")
+  return pool.at[:, page, position % index.page_size].set(
+      jnp.moveaxis(new, 2, 0).astype(pool.dtype), mode="drop")
 
 
 def gather_pages(pool: Array, page_table: Array) -> Array:
   """Each row's positions 0 .. max_pages x page_size - 1, read through its
-  page table: pool [num_pages, page_size, heads, head_dim], page_table
+  page table: pool [heads, num_pages, page_size, head_dim], page_table
   [batch, max_pages] -> [batch, heads, max_pages x page_size, head_dim]
   (the contiguous cache's layout, `kv_cache.update_kv_cache`); a missing
   page reads zeros."""
-  pages = pool.at[page_table].get(mode="fill", fill_value=0)
-  batch, max_pages, size, heads, head_dim = pages.shape
-  return jnp.swapaxes(pages.reshape(batch, max_pages * size, heads,
-                                    head_dim), 1, 2)
+  pages = pool.at[:, page_table].get(mode="fill", fill_value=0)
+  heads, batch, max_pages, size, head_dim = pages.shape
+  return jnp.swapaxes(pages.reshape(heads, batch, max_pages * size,
+                                    head_dim), 0, 1)
 
 
 def paged_mask(index: PagedIndex, length: int) -> Array:
@@ -298,32 +304,32 @@ def paged_window_mask(index: PagedIndex, length: int, window) -> Array:
 
 
 def update_paged(module: nn.Module, name: str, new: Array,
-                 index: PagedIndex) -> Tuple[Array]:
+                 index: PagedIndex) -> Array:
   """The paged counterpart of `kv_cache.update_kv_cache`: writes `new`
   [batch, L, heads, head_dim] into the pool `name` of the "cache"
-  collection and returns each row's positions as one chunk (`(keys,)`,
-  [batch, heads, max_pages x page_size, head_dim]), which `attend` reads
-  with `cache_layout`."""
+  collection and returns the pool written [heads, num_pages, page_size,
+  head_dim] (read by `paged_attention.attend_pages`, or by `attend` as
+  `gather_pages`' one chunk)."""
   if not module.has_variable("cache", name):
     raise ValueError(
         f"paged KV cache: no page pool {name!r} in the 'cache' collection; "
         "pass the pools of paged_kv.make_pool as the cache.")
   var = module.variable("cache", name)
   pool = var.value
-  if pool.ndim != 4 or pool.shape[1] != index.page_size:
+  if pool.ndim != 4 or pool.shape[2] != index.page_size:
     raise ValueError(
         f"paged KV cache: the pool {name!r} has shape {pool.shape}; a pool "
-        f"of pages of {index.page_size} positions is [num_pages, "
-        f"{index.page_size}, kv_heads, head_dim] (paged_kv.make_pool).")
+        f"of pages of {index.page_size} positions is [kv_heads, num_pages, "
+        f"{index.page_size}, head_dim] (paged_kv.make_pool).")
   var.value = write_pages(pool, index, new)
-  return (gather_pages(var.value, index.page_table),)
+  return var.value
 
 
 def make_pool(model: nn.Module, params: Any, num_pages: int,
               page_size: int) -> Any:
   """The model's "cache" collection as page pools: each `cached_key` /
-  `cached_value` of its decode step as zeros [(layers,) num_pages,
-  page_size, kv_heads, head_dim] in the cache's dtype. `model` is a
+  `cached_value` of its decode step as zeros [(layers,) kv_heads,
+  num_pages, page_size, head_dim] in the cache's dtype. `model` is a
   decoder-only module with `decode_step` (`attentions.Attention` layers)."""
   one = jnp.ones((1, 1), jnp.int32)
   shapes = jax.eval_shape(
@@ -338,6 +344,6 @@ def make_pool(model: nn.Module, params: Any, num_pages: int,
                        "is not [(layers,) batch, kv_heads, length, head_dim].")
     lead = leaf.shape[:-4]
     _, heads, _, head_dim = leaf.shape[-4:]
-    return jnp.zeros(lead + (num_pages, page_size, heads, head_dim),
+    return jnp.zeros(lead + (heads, num_pages, page_size, head_dim),
                      leaf.dtype)
   return jax.tree.map(pool, shapes)

@@ -1,0 +1,206 @@
+"""Attention over a paged KV cache (`paged_kv`) that reads only the pages
+in use.
+
+`paged_kv.gather_pages` reads every row's max_pages x page_size positions
+at every call, however short the rows are. `attend_pages` (XLA, any
+backend) loops over blocks of pages from the first position any query may
+see to the batch's longest position, and combines the blocks with the
+online softmax of flash decoding (a running maximum, sum and weighted sum
+per query, in float32): a short batch in a long table reads its own pages
+only. `tpu_kernel` calls JAX's Pallas paged-attention kernel for TPU
+(`jax.experimental.pallas.ops.tpu.paged_attention`; off TPU in Pallas'
+interpret mode), which reads the same pages with its own DMA pipeline; it
+takes one query per row, no window, and reads keys and values in bfloat16
+(it rounds them to bfloat16), so `attend` picks it on TPU for a bfloat16
+pool's decode step only. `PagedIndex.read` chooses (`READS`).
+
+Both equal softmax attention over each row's keys up to its query's
+position (and its window) to float rounding (tests/test_paged_kv.py). A
+query that may see nothing (a pad, a negative position) returns zeros.
+"""
+
+import functools
+from typing import Optional
+
+import jax
+import jax.numpy as jnp
+
+from jaxrlhf.models.layers import paged_kv
+
+Array = jax.Array
+
+READS = ("auto", "pages", "kernel", "gather")
+# Positions a block of `attend_pages` covers at least: a loop step's fixed
+# cost is then small beside its reads (bench_engine.py on CPU).
+BLOCK_POSITIONS = 128
+# The TPU kernel's pages per compute block, in positions.
+KERNEL_BLOCK_POSITIONS = 512
+
+
+def block_pages(page_size: int, max_pages: int) -> int:
+  """The pages one step of `attend_pages` reads per row: BLOCK_POSITIONS
+  worth (at least one page, at most the table)."""
+  return max(1, min(max_pages, BLOCK_POSITIONS // page_size))
+
+
+def attend_pages(query: Array, key_pool: Array, value_pool: Array,
+                 index: paged_kv.PagedIndex, *, scale: float,
+                 logit_softcap: Optional[float] = None, window=None,
+                 pages_per_block: Optional[int] = None) -> Array:
+  """softmax(softcap(q k^T * scale)) v over each row's positions up to its
+  query's, read from the pages in use only.
+
+  Args:
+    query: [batch, L, heads, head_dim], row b's token j at position
+      index.start[b] + j (negative: a pad, which sees nothing).
+    key_pool, value_pool: [kv_heads, num_pages, page_size, head_dim]
+      (`paged_kv.make_pool`'s layer pool, this call's tokens written);
+      heads % kv_heads == 0, query head h reading kv head h // (heads //
+      kv_heads). A missing page (num_pages in the table) reads zeros.
+    index: the call's `paged_kv.PagedIndex`.
+    scale: the logits' multiplier.
+    logit_softcap: cap of the logits (`attentions.softcap`), or None.
+    window: None, or keys fewer than `window` positions before the query
+      (an int, or a traced int32 scalar: a scanned layer's).
+    pages_per_block: pages per loop step (None: `block_pages`).
+  Returns:
+    [batch, L, heads, head_dim] in query's dtype.
+  """
+  batch, length, heads, head_dim = query.shape
+  kv_heads, num_pages, size, _ = key_pool.shape
+  groups = heads // kv_heads
+  table = index.page_table
+  max_pages = table.shape[1]
+  per_block = pages_per_block or block_pages(size, max_pages)
+  num_blocks = -(-max_pages // per_block)
+  # Pad the table to whole blocks with missing pages (read as zeros, and
+  # past every query anyway).
+  table = jnp.pad(table, ((0, 0), (0, num_blocks * per_block - max_pages)),
+                  constant_values=num_pages)
+  span = per_block * size
+  position = paged_kv.positions_of(index, length)  # [batch, L]
+  real = position >= 0
+  # Blocks [first, last): up to the batch's longest position, from the
+  # earliest position a query's window reaches.
+  last = jnp.minimum(
+      jnp.max(jnp.where(real, position, -1)) // span + 1, num_blocks)
+  first = jnp.int32(0)
+  if window is not None:
+    earliest = jnp.maximum(position - window + 1, 0)
+    first = jnp.min(jnp.where(real, earliest, jnp.iinfo(jnp.int32).max))
+    first = jnp.minimum(first // span, last)
+  q = query.reshape(batch, length, kv_heads, groups, head_dim)
+
+  def step(block, carry):
+    top, total, mixed = carry
+    pages = jax.lax.dynamic_slice_in_dim(table, block * per_block,
+                                         per_block, axis=1)
+    read = lambda pool: pool.at[:, pages].get(
+        mode="fill", fill_value=0).reshape(kv_heads, batch, span, head_dim)
+    keys, values = read(key_pool), read(value_pool)
+    logits = jnp.einsum("btkgh,kbsh->bkgts", q, keys,
+                        preferred_element_type=jnp.float32) * scale
+    if logit_softcap is not None:
+      logits = jnp.tanh(logits / logit_softcap) * logit_softcap
+    key_position = block * span + jnp.arange(span, dtype=jnp.int32)
+    seen = ((key_position[None, None, :] <= position[:, :, None])
+            & real[:, :, None])
+    if window is not None:
+      seen &= (position[:, :, None] - key_position[None, None, :]) < window
+    seen = seen[:, None, None]  # [batch, 1, 1, L, span]
+    # Masked logits never set the maximum nor add weight: a row that has
+    # seen nothing yet keeps a finite running maximum and zero sums.
+    new_top = jnp.maximum(top, jnp.max(
+        jnp.where(seen, logits, jnp.finfo(jnp.float32).min), axis=-1))
+    weights = jnp.where(seen, jnp.exp(logits - new_top[..., None]), 0.0)
+    rescale = jnp.exp(top - new_top)
+    total = total * rescale + jnp.sum(weights, axis=-1)
+    mixed = mixed * rescale[..., None] + jnp.einsum(
+        "bkgts,kbsh->bkgth", weights, values.astype(jnp.float32))
+    return new_top, total, mixed
+
+  shape = (batch, kv_heads, groups, length)
+  carry = (jnp.full(shape, jnp.finfo(jnp.float32).min, jnp.float32),
+           jnp.zeros(shape, jnp.float32),
+           jnp.zeros(shape + (head_dim,), jnp.float32))
+  _, total, mixed = jax.lax.fori_loop(first, last, step, carry)
+  out = mixed / jnp.where(total > 0, total, 1.0)[..., None]
+  out = jnp.moveaxis(out, 3, 1)  # [batch, L, kv_heads, groups, head_dim]
+  return out.reshape(batch, length, heads, head_dim).astype(query.dtype)
+
+
+def tpu_kernel(query: Array, key_pool: Array, value_pool: Array,
+               index: paged_kv.PagedIndex, *, scale: float,
+               logit_softcap: Optional[float] = None,
+               interpret: Optional[bool] = None) -> Array:
+  """`attend_pages` for one query per row, no window, through JAX's Pallas
+  TPU kernel (`paged_attention`), which takes this module's pool layout
+  as it is. The kernel reads keys and values rounded to bfloat16.
+
+  Args:
+    query: [batch, 1, heads, head_dim]; key_pool, value_pool, index, scale,
+      logit_softcap: as `attend_pages`'s.
+    interpret: run in Pallas' TPU interpret mode (None: off TPU).
+  Returns:
+    [batch, 1, heads, head_dim] in query's dtype.
+  """
+  from jax.experimental.pallas import tpu as pltpu  # pylint: disable=g-import-not-at-top
+  from jax.experimental.pallas.ops.tpu import paged_attention  # pylint: disable=g-import-not-at-top
+  batch, length, heads, head_dim = query.shape
+  if length != 1:
+    raise ValueError(f"paged attention: the TPU kernel takes one query per "
+                     f"row, got {length}; read='pages' takes any.")
+  num_pages, size = key_pool.shape[1], key_pool.shape[2]
+  table = index.page_table
+  max_pages = table.shape[1]
+  start = index.start
+  # The kernel attends to positions 0 .. lengths - 1. A row whose query's
+  # page is missing (a slot holding no pages) gets length 0 (zeros, as
+  # `attend_pages` over missing pages gives); the kernel copies every
+  # table entry it reads, so missing ones point at page 0 (past the length).
+  own = jnp.take_along_axis(
+      table, jnp.clip(start // size, 0, max_pages - 1)[:, None], 1)[:, 0]
+  lengths = jnp.where((start >= 0) & (own < num_pages), start + 1, 0)
+  per_block = max(1, min(max_pages, KERNEL_BLOCK_POSITIONS // size))
+  table = jnp.where(table < num_pages, table, 0)
+  table = jnp.pad(table, ((0, 0), (0, -max_pages % per_block)))
+  call = functools.partial(
+      paged_attention.paged_attention,
+      (query[:, 0].astype(jnp.float32) * scale), key_pool, value_pool,
+      lengths.astype(jnp.int32), table.astype(jnp.int32),
+      attn_logits_soft_cap=logit_softcap, pages_per_compute_block=per_block)
+  if interpret is None:
+    interpret = jax.default_backend() != "tpu"
+  if interpret:
+    with pltpu.force_tpu_interpret_mode():
+      out = call()
+  else:
+    out = call()
+  return out[:, None].astype(query.dtype)
+
+
+def attend(query: Array, key_pool: Array, value_pool: Array,
+           index: paged_kv.PagedIndex, *, scale: float,
+           logit_softcap: Optional[float] = None, window=None) -> Array:
+  """Attention over the pages in use as `index.read` says: 'kernel' the
+  TPU kernel, 'pages' `attend_pages`, 'auto' the kernel on a TPU for a
+  bfloat16 pool's decode step (one query per row, no window, where its
+  bfloat16 reads are exact) and `attend_pages` otherwise. ('gather' is
+  `attentions.Attention`'s own path.) Arguments as `attend_pages`'s."""
+  read = index.read
+  if read not in READS or read == "gather":
+    raise ValueError(f"paged attention: PagedIndex.read={read!r}; "
+                     f"paged_attention.attend reads one of "
+                     f"{[r for r in READS if r != 'gather']}.")
+  if read == "auto":
+    fits = (query.shape[1] == 1 and window is None
+            and key_pool.dtype == jnp.bfloat16)
+    read = "kernel" if fits and jax.default_backend() == "tpu" else "pages"
+  if read == "kernel":
+    if window is not None:
+      raise ValueError("paged attention: the TPU kernel has no sliding "
+                       "window; use read='pages' for windowed layers.")
+    return tpu_kernel(query, key_pool, value_pool, index, scale=scale,
+                      logit_softcap=logit_softcap)
+  return attend_pages(query, key_pool, value_pool, index, scale=scale,
+                      logit_softcap=logit_softcap, window=window)
