@@ -3,13 +3,19 @@
 The truths: (1) attention over a sequence's pages, written token by token
 and prompt by prompt in any interleaving with other sequences (and with
 pages freed and reused between), equals softmax attention over that
-sequence's keys alone, computed in numpy; (2) the free list: a released
+sequence's keys alone, computed in numpy, whether it gathers the table's
+whole width or reads only the pages in use (`paged_attention`: in blocks
+of any size, with windows, soft caps, grouped heads, queries of very
+different lengths, pads and a sequence holding no page; JAX's TPU kernel
+in Pallas' interpret mode equal to it); (2) the free list: a released
 sequence's pages are the next ones handed out, a page shared by a group
 is freed with its last reader only, an allocation the pool cannot cover
 allocates nothing and is reported; (3) a tiny Llama (and a Gemma 3,
 whose local layers' windows are shorter than the sequences) decoded on
 pages (prefill of left-padded prompts, the samples of a prompt sharing
-its pages, pages released at EOS) draws the tokens and log-probs of
+its pages, pages released at EOS; a Gemma with soft-capped logits; reading
+the pages in use or gathering the whole table) draws the tokens and
+log-probs of
 `sampling.sample_decoder_only` with the same key, holding the group's
 prompt pages once; (4) `engine.generate` on pages keeps the engine's
 contract (each prompt's samples those it draws alone) in a pool smaller
@@ -26,10 +32,12 @@ import numpy as np
 import pytest
 
 from jaxrlhf.models import engine
+from jaxrlhf.models import gemma
 from jaxrlhf.models import gemma3
 from jaxrlhf.models import llama
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import attentions
+from jaxrlhf.models.layers import paged_attention
 from jaxrlhf.models.layers import paged_kv
 from jaxrlhf.models.layers import rotary
 
@@ -105,15 +113,194 @@ def test_attention_over_pages_equals_attention_over_each_sequence():
                               jnp.asarray(lengths - 1, jnp.int32), page_size)
   keys, values = (paged_kv.gather_pages(p, tables.page_table)
                   for p in pools)
-  got = attentions.attend(jnp.asarray(query, jnp.float32), (keys,),
-                          (values,), paged_kv.paged_mask(index, 1),
-                          cache_layout=True)
-  for s in range(seqs):
-    k = np.stack([kv[0] for kv in written[s]])
-    v = np.stack([kv[1] for kv in written[s]])
-    np.testing.assert_allclose(got[s, 0],
-                               reference_attention(query[s, 0], k, v),
-                               rtol=1e-5, atol=1e-5)
+  gathered = attentions.attend(jnp.asarray(query, jnp.float32), (keys,),
+                               (values,), paged_kv.paged_mask(index, 1),
+                               cache_layout=True)
+  in_use = paged_attention.attend_pages(
+      jnp.asarray(query, jnp.float32), *pools, index,
+      scale=1 / np.sqrt(HEAD_DIM), pages_per_block=2)
+  for got in (gathered, in_use):
+    for s in range(seqs):
+      k = np.stack([kv[0] for kv in written[s]])
+      v = np.stack([kv[1] for kv in written[s]])
+      np.testing.assert_allclose(got[s, 0],
+                                 reference_attention(query[s, 0], k, v),
+                                 rtol=1e-5, atol=1e-5)
+
+
+def random_pages(rng, lengths, page_size=4, max_pages=8, num_pages=40,
+                 dtype=jnp.float32):
+  """Pools [kv_heads, num_pages, page_size, d] of random keys and values
+  (every page, held or not: a read of a page not in use shows) and the
+  tables of sequences of `lengths` (0: holding no page)."""
+  tables = paged_kv.init_tables(num_pages, page_size, len(lengths),
+                                max_pages)
+  # Shuffle the free list: a sequence's pages scattered over the pool.
+  tables = dataclasses.replace(
+      tables, free=jnp.asarray(rng.permutation(num_pages), jnp.int32))
+  tables = paged_kv.reserve(tables, jnp.asarray(lengths, jnp.int32))
+  assert not bool(tables.exhausted)
+  shape = (KV_HEADS, num_pages, page_size, HEAD_DIM)
+  pools = [jnp.asarray(rng.normal(size=shape), dtype) for _ in range(2)]
+  return tables, pools
+
+
+def reference_paged(query, pools, table, start, page_size, scale, window,
+                    cap):
+  """numpy attention of query [B, L, heads, d] (row b's token j at
+  position start[b] + j) over its sequence's positions read one by one
+  through its table ({(b, j): [heads, d]}); a pad (negative position) is
+  left out, a row holding no page None."""
+  k_pool, v_pool = (np.asarray(p, np.float64) for p in pools)
+  groups = HEADS // KV_HEADS
+  out = {}
+  for b in range(query.shape[0]):
+    for j in range(query.shape[1]):
+      p = int(start[b]) + j
+      if p < 0:
+        continue
+      keys = [i for i in range(p + 1) if window is None or p - i < window]
+      pages = [int(table[b, i // page_size]) for i in keys]
+      if max(pages) >= k_pool.shape[1]:
+        out[b, j] = None
+        continue
+      slots = [i % page_size for i in keys]
+      row = np.zeros((HEADS, HEAD_DIM))
+      for h in range(HEADS):
+        k = k_pool[h // groups, pages, slots]
+        v = v_pool[h // groups, pages, slots]
+        logits = k @ query[b, j, h] * scale
+        if cap is not None:
+          logits = np.tanh(logits / cap) * cap
+        w = np.exp(logits - logits.max())
+        row[h] = (w / w.sum()) @ v
+      out[b, j] = row
+  return out
+
+
+@pytest.mark.parametrize("window,cap", [(None, None), (5, None), (None, 1.5),
+                                        (7, 2.0)])
+@pytest.mark.parametrize("length", [1, 3])
+def test_reading_pages_in_use_equals_the_gather(window, cap, length):
+  """Sequences of 1, 31, 6, 17 and 0 positions (the last holding no page)
+  in tables of 32: attend_pages, in blocks of 1, 3 and the default pages,
+  equals numpy and the gather of the whole table on every real query
+  (L queries per row, the last at the row's last held position; a row's
+  earlier ones pads where its position is negative); the row holding no
+  page reads zeros in both."""
+  rng = np.random.default_rng(2)
+  page_size, lengths = 4, np.array([1, 31, 6, 17, 0])
+  tables, pools = random_pages(rng, lengths, page_size)
+  start = np.maximum(lengths, 1) - length
+  index = paged_kv.PagedIndex(tables.page_table, jnp.asarray(start,
+                                                             jnp.int32),
+                              page_size)
+  query = rng.normal(size=(len(lengths), length, HEADS, HEAD_DIM))
+  query = jnp.asarray(query, jnp.float32)
+  scale = 0.3
+  mask = paged_kv.paged_mask(index, length)
+  if window is not None:
+    mask &= paged_kv.paged_window_mask(index, length, window)
+  gathered = attentions.attend(
+      query, (paged_kv.gather_pages(pools[0], tables.page_table),),
+      (paged_kv.gather_pages(pools[1], tables.page_table),), mask,
+      scale=scale, logit_softcap=cap, cache_layout=True)
+  want = reference_paged(np.asarray(query, np.float64), pools,
+                         np.asarray(tables.page_table), start, page_size,
+                         scale, window, cap)
+  for per_block in (1, 3, None):
+    got = paged_attention.attend_pages(query, *pools, index, scale=scale,
+                                       logit_softcap=cap, window=window,
+                                       pages_per_block=per_block)
+    for (b, j), row in want.items():
+      if row is None:
+        np.testing.assert_array_equal(got[b, j], 0.0)
+        np.testing.assert_array_equal(gathered[b, j], 0.0)
+        continue
+      np.testing.assert_allclose(got[b, j], row, rtol=1e-5, atol=1e-5)
+      np.testing.assert_allclose(got[b, j], gathered[b, j], rtol=1e-5,
+                                 atol=1e-5)
+
+
+def test_pages_past_the_longest_query_or_before_every_window_are_not_read():
+  """Two sequences holding 32 positions each, queried at positions 11 and
+  13 with a window of 4: every page outside columns 2 .. 3 (positions 8 ..
+  15, the blocks from the earliest windowed key to the latest query) is
+  NaN. Reading pages in use (one page a block) stays finite and exact; the
+  gather of the whole table reads the NaNs."""
+  rng = np.random.default_rng(6)
+  tables, pools = random_pages(rng, [32, 32])
+  table = np.asarray(tables.page_table)
+  unread = np.concatenate([table[:, :2].ravel(), table[:, 4:].ravel()])
+  pools = [p.at[:, unread].set(jnp.nan) for p in pools]
+  start = np.array([11, 13])
+  index = paged_kv.PagedIndex(tables.page_table,
+                              jnp.asarray(start, jnp.int32), 4)
+  query = jnp.asarray(rng.normal(size=(2, 1, HEADS, HEAD_DIM)), jnp.float32)
+  got = paged_attention.attend_pages(query, *pools, index, scale=0.5,
+                                     window=4, pages_per_block=1)
+  want = reference_paged(np.asarray(query, np.float64), pools, table, start,
+                         4, 0.5, 4, None)
+  for (b, j), row in want.items():
+    np.testing.assert_allclose(got[b, j], row, rtol=1e-5, atol=1e-5)
+  mask = (paged_kv.paged_mask(index, 1)
+          & paged_kv.paged_window_mask(index, 1, 4))
+  gathered = attentions.attend(
+      query, (paged_kv.gather_pages(pools[0], tables.page_table),),
+      (paged_kv.gather_pages(pools[1], tables.page_table),), mask,
+      scale=0.5, cache_layout=True)
+  assert np.isnan(np.asarray(gathered)).all()
+
+
+def test_a_traced_window_reads_as_a_static_one():
+  """A scanned stack's window is a traced scalar (NO_WINDOW: none)."""
+  rng = np.random.default_rng(3)
+  tables, pools = random_pages(rng, [9, 30, 2])
+  index = paged_kv.PagedIndex(tables.page_table,
+                              jnp.array([8, 29, 1], jnp.int32), 4)
+  query = jnp.asarray(rng.normal(size=(3, 1, HEADS, HEAD_DIM)), jnp.float32)
+  run = jax.jit(lambda w: paged_attention.attend_pages(
+      query, *pools, index, scale=0.5, window=w, pages_per_block=1))
+  for window in (3, None):
+    static = paged_attention.attend_pages(query, *pools, index, scale=0.5,
+                                          window=window, pages_per_block=1)
+    traced = run(jnp.int32(attentions.NO_WINDOW if window is None
+                           else window))
+    np.testing.assert_allclose(traced, static, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("cap", [None, 2.0])
+def test_the_tpu_kernel_interpreted_equals_reading_pages_in_use(cap):
+  """JAX's Pallas TPU paged-attention kernel, in its interpret mode on
+  this CPU, on bfloat16 pools (which it reads exactly) equals
+  attend_pages, the row holding no page included (zeros)."""
+  rng = np.random.default_rng(4)
+  lengths = np.array([1, 31, 6, 0, 17])
+  tables, pools = random_pages(rng, lengths, dtype=jnp.bfloat16)
+  index = paged_kv.PagedIndex(
+      tables.page_table, jnp.asarray(np.maximum(lengths, 1) - 1, jnp.int32),
+      4, read="kernel")
+  query = jnp.asarray(rng.normal(size=(5, 1, HEADS, HEAD_DIM)), jnp.float32)
+  got = paged_attention.attend(query, *pools, index, scale=0.4,
+                               logit_softcap=cap)
+  want = paged_attention.attend_pages(query, *pools, index, scale=0.4,
+                                      logit_softcap=cap)
+  np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
+  np.testing.assert_array_equal(got[3], 0.0)
+
+
+def test_a_bad_read_is_named():
+  rng = np.random.default_rng(5)
+  tables, pools = random_pages(rng, [3])
+  query = jnp.zeros((1, 1, HEADS, HEAD_DIM))
+  index = paged_kv.PagedIndex(tables.page_table, jnp.array([2], jnp.int32),
+                              4, read="fast")
+  with pytest.raises(ValueError, match="read='fast'"):
+    paged_attention.attend(query, *pools, index, scale=1.0)
+  with pytest.raises(ValueError, match="no sliding window"):
+    paged_attention.attend(
+        query, *pools, dataclasses.replace(index, read="kernel"), scale=1.0,
+        window=2)
 
 
 def test_released_pages_are_reused_and_counted():
@@ -210,11 +397,16 @@ PROMPTS = [[5, 9, 3, 2, 7], [7, 1, 2, 8, 4, 6], [11], [2, 3, 5, 7, 11]]
 @functools.lru_cache(maxsize=None)
 def tiny(scan_layers: bool, family: str = "llama"):
   """(model, params, tokens, mask [B, width] left-padded PROMPTS) of a tiny
-  Llama, or Gemma 3 (a window of 4 on its local layers)."""
+  Llama, Gemma (a window of 4 on its local layers, attention logits capped
+  at 1) or Gemma 3 (a window of 4 on its local layers)."""
   config, module = {"llama": (llama.LlamaConfig, llama.Llama),
+                    "gemma": (gemma.GemmaConfig, gemma.Gemma),
                     "gemma3": (gemma3.Gemma3Config, gemma3.Gemma3)}[family]
-  config = dataclasses.replace(config.preset("tiny", vocab_size=VOCAB),
-                               scan_layers=scan_layers)
+  # Gemma's attention logits capped low enough to bite.
+  extra = dict(attn_logit_softcap=1.0) if family == "gemma" else {}
+  config = dataclasses.replace(
+      config.preset("tiny", vocab_size=VOCAB, **extra),
+      scan_layers=scan_layers)
   model = module(config)
   one = jnp.ones((1, 4), jnp.int32)
   params = nn.meta.unbox(
@@ -231,11 +423,12 @@ def tiny(scan_layers: bool, family: str = "llama"):
 
 
 def paged_sample(model, params, tokens, mask, rng, num_samples, page_size,
-                 num_pages, **options):
+                 num_pages, read="auto", **options):
   """`sample_decoder_only`'s loop on pages: the prompts (sequences 0 ..
   B - 1) prefilled, forked into their samples (B + i * k + j), the prompts
   released; each step reserves a position for the live samples and feeds
-  their tokens; a sample releases its pages at its EOS. Returns (tokens,
+  their tokens; a sample releases its pages at its EOS; attention reads the
+  pages as `read` says (`PagedIndex.read`). Returns (tokens,
   logprobs [B * k, NEW], the most pages held at once, final tables)."""
   batch, length = tokens.shape
   rows = batch * num_samples
@@ -247,7 +440,7 @@ def paged_sample(model, params, tokens, mask, rng, num_samples, page_size,
   tables = paged_kv.reserve(
       tables, jnp.zeros((batch + rows,), jnp.int32).at[:batch].set(num_real))
   index = paged_kv.PagedIndex(tables.page_table[:batch], num_real - length,
-                              page_size)
+                              page_size, read)
   logits, variables = model.apply(
       {"params": params, "cache": pool}, jnp.asarray(tokens),
       rotary.positions_from_mask(jnp.asarray(mask)), None, index,
@@ -273,7 +466,8 @@ def paged_sample(model, params, tokens, mask, rng, num_samples, page_size,
     start = tables.lengths[samples]
     tables = paged_kv.reserve(
         tables, tables.lengths.at[samples].add(jnp.where(done, 0, 1)))
-    index = paged_kv.PagedIndex(tables.page_table[samples], start, page_size)
+    index = paged_kv.PagedIndex(tables.page_table[samples], start, page_size,
+                                read)
     logits, variables = model.apply(
         {"params": params, "cache": pool}, token[:, None],
         (num_real + t)[:, None], None, index, method=model.decode_step,
@@ -291,18 +485,25 @@ def paged_sample(model, params, tokens, mask, rng, num_samples, page_size,
   return (np.stack(drawn, 1), np.stack(drawn_logprobs, 1), most, tables)
 
 
-@pytest.mark.parametrize("name,options,num_samples,scan_layers,family", [
-    ("greedy", dict(greedy=True), 1, False, "llama"),
-    ("sampled", dict(temperature=1.0), 3, False, "llama"),
+@pytest.mark.parametrize("name,options,num_samples,scan_layers,family,read", [
+    ("greedy", dict(greedy=True), 1, False, "llama", "auto"),
+    ("greedy, gathered", dict(greedy=True), 1, False, "llama", "gather"),
+    ("sampled", dict(temperature=1.0), 3, False, "llama", "auto"),
     ("filtered", dict(temperature=0.7, top_k=8, top_p=0.9), 2, False,
-     "llama"),
-    ("sampled, scanned layers", dict(temperature=1.0), 3, True, "llama"),
+     "llama", "auto"),
+    ("sampled, scanned layers", dict(temperature=1.0), 3, True, "llama",
+     "auto"),
     # Windows shorter than the sequences: per layer (unrolled) and looked up
     # with the scanned layer's traced index.
-    ("gemma3 windows", dict(temperature=1.0), 2, False, "gemma3"),
-    ("gemma3 windows, scanned", dict(greedy=True), 1, True, "gemma3")])
+    ("gemma3 windows", dict(temperature=1.0), 2, False, "gemma3", "auto"),
+    ("gemma3 windows, scanned", dict(greedy=True), 1, True, "gemma3",
+     "auto"),
+    ("gemma3 windows, gathered", dict(greedy=True), 1, False, "gemma3",
+     "gather"),
+    # Soft-capped attention logits and windows.
+    ("gemma soft cap", dict(temperature=1.0), 2, False, "gemma", "auto")])
 def test_on_pages_samples_as_the_lockstep_sampler(name, options, num_samples,
-                                                  scan_layers, family):
+                                                  scan_layers, family, read):
   model, params, tokens, mask = tiny(scan_layers, family)
   rng = jax.random.PRNGKey(7)
   want = sampling.sample_decoder_only(
@@ -313,7 +514,7 @@ def test_on_pages_samples_as_the_lockstep_sampler(name, options, num_samples,
   page_size, num_pages = 2, 64
   got, logprobs, most, tables = paged_sample(
       model, params, tokens, mask, rng, num_samples, page_size, num_pages,
-      **full)
+      read, **full)
   np.testing.assert_array_equal(got, want.tokens)
   np.testing.assert_allclose(logprobs, want.logprobs, rtol=1e-4, atol=1e-5)
   assert not bool(tables.exhausted)
