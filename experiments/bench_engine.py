@@ -21,10 +21,19 @@ run, on the same prompts:
                   time (`--refills`), each slot taking the next pending
                   sequence when its own ends;
   paged S/R       the same on a paged KV cache (`--page_size`, refill
-                  sizes `--paged_refills`), followed by a line of the
-                  cache it held at most (its peak pages) against the S
+                  sizes `--paged_refills`), its attention reading the
+                  pages in use (`paged_attention`), followed by a line of
+                  the cache it held at most (its peak pages) against the S
                   slots x (prompt + budget - 1) positions of contiguous
-                  rows, in bytes.
+                  rows, in bytes;
+  gather S/R      the same paged engine, its attention gathering every
+                  sequence's whole table (`PagedIndex.read='gather'`: a
+                  step reads S x (prompt + budget - 1) positions however
+                  short the sequences are), with `--paged_reads`.
+
+Short sequences in a long budget show the difference between the two:
+
+  python experiments/bench_engine.py --prompt=16 --new=1024 --eos_prob=0.02
 
 Printed per variant (and written to `--json`): seconds per call (the
 fastest of `--repeats` after a compiling call), CPU seconds, response
@@ -51,6 +60,7 @@ import bench_sampling  # noqa: E402
 from jaxrlhf import console  # noqa: E402
 from jaxrlhf.models import engine  # noqa: E402
 from jaxrlhf.models import sampling  # noqa: E402
+from jaxrlhf.models.layers import paged_attention  # noqa: E402
 from jaxrlhf.models.layers import paged_kv  # noqa: E402
 
 
@@ -74,6 +84,10 @@ def _parse():
   p.add_argument("--paged_refills", default="",
                  help="the paged engine's refill sizes R to run (each <= S; "
                  "empty: the engine's default, S // 4)")
+  p.add_argument("--paged_reads", default="pages,gather",
+                 help="how the paged variants' attention reads the pages "
+                 "(PagedIndex.read, each a variant): pages, gather, auto "
+                 "(paged_attention.choose)")
   p.add_argument("--vocab_size", type=int, default=2048)
   p.add_argument("--dtype", default="float32")
   p.add_argument("--repeats", type=int, default=3)
@@ -176,16 +190,20 @@ def main(args):
   per_position = sum(
       x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
           lambda: paged_kv.make_pool(module, params, 1, 1))))
-  for refill in paged_refills:
-    run = jax.jit(lambda p, x, r, refill=refill: engine.generate(
-        module, p, x, ones, r, S, refill_size=refill,
+  reads = [r for r in args.paged_reads.split(",") if r]
+  for refill, read in [(f, r) for f in paged_refills for r in reads]:
+    run = jax.jit(lambda p, x, r, refill=refill, read=read: engine.generate(
+        paged_attention.reading(module, read), p, x, ones, r, S,
+        refill_size=refill,
         page_size=args.page_size, **options))
     seconds, cpu, (out, stats) = bench_rollout.fastest(
         run, params, repeated, rng, repeats=args.repeats)
     assert not bool(stats.pages_exhausted)
     steps = int(stats.decode_steps)
-    report(f"paged S/R={refill}", S, refill, seconds, cpu,
+    name = {"gather": "gather", "auto": "auto"}.get(read, "paged")
+    report(f"{name} S/R={refill}", S, refill, seconds, cpu,
            float(out.mask.sum()), steps, steps * S, out.mask.sum(1))
+    results[-1].update(read=read)
     paged = int(stats.pages_peak) * args.page_size * per_position
     rows = S * (args.prompt + new - 1) * per_position
     results[-1].update(page_size=args.page_size,

@@ -289,6 +289,21 @@ def test_the_tpu_kernel_interpreted_equals_reading_pages_in_use(cap):
   np.testing.assert_array_equal(got[3], 0.0)
 
 
+def test_auto_gathers_short_tables_and_reads_long_ones_in_use():
+  """Off TPU, 'auto' is the gather up to GATHER_POSITIONS positions a row,
+  the loop over pages in use beyond; 'kernel' only where asked for."""
+  def index(max_pages, page_size=16, read="auto"):
+    return paged_kv.PagedIndex(jnp.zeros((1, max_pages), jnp.int32),
+                               jnp.zeros((1,), jnp.int32), page_size, read)
+  short = paged_attention.GATHER_POSITIONS // 16
+  assert paged_attention.choose(index(short), 1, None,
+                                jnp.bfloat16) == "gather"
+  assert paged_attention.choose(index(short + 1), 1, None,
+                                jnp.bfloat16) == "pages"
+  assert paged_attention.choose(index(1, read="kernel"), 1, None,
+                                jnp.float32) == "kernel"
+
+
 def test_a_bad_read_is_named():
   rng = np.random.default_rng(5)
   tables, pools = random_pages(rng, [3])
@@ -486,22 +501,22 @@ def paged_sample(model, params, tokens, mask, rng, num_samples, page_size,
 
 
 @pytest.mark.parametrize("name,options,num_samples,scan_layers,family,read", [
-    ("greedy", dict(greedy=True), 1, False, "llama", "auto"),
+    ("greedy", dict(greedy=True), 1, False, "llama", "pages"),
     ("greedy, gathered", dict(greedy=True), 1, False, "llama", "gather"),
-    ("sampled", dict(temperature=1.0), 3, False, "llama", "auto"),
+    ("sampled", dict(temperature=1.0), 3, False, "llama", "pages"),
     ("filtered", dict(temperature=0.7, top_k=8, top_p=0.9), 2, False,
-     "llama", "auto"),
+     "llama", "pages"),
     ("sampled, scanned layers", dict(temperature=1.0), 3, True, "llama",
-     "auto"),
+     "pages"),
     # Windows shorter than the sequences: per layer (unrolled) and looked up
     # with the scanned layer's traced index.
-    ("gemma3 windows", dict(temperature=1.0), 2, False, "gemma3", "auto"),
+    ("gemma3 windows", dict(temperature=1.0), 2, False, "gemma3", "pages"),
     ("gemma3 windows, scanned", dict(greedy=True), 1, True, "gemma3",
-     "auto"),
+     "pages"),
     ("gemma3 windows, gathered", dict(greedy=True), 1, False, "gemma3",
      "gather"),
     # Soft-capped attention logits and windows.
-    ("gemma soft cap", dict(temperature=1.0), 2, False, "gemma", "auto")])
+    ("gemma soft cap", dict(temperature=1.0), 2, False, "gemma", "pages")])
 def test_on_pages_samples_as_the_lockstep_sampler(name, options, num_samples,
                                                   scan_layers, family, read):
   model, params, tokens, mask = tiny(scan_layers, family)
@@ -548,22 +563,25 @@ def engine_prompts():
   return tokens, mask
 
 
-@pytest.mark.parametrize("options", [dict(greedy=True),
-                                     dict(temperature=0.8, top_k=10)])
+@pytest.mark.parametrize("options,read", [
+    (dict(greedy=True), "pages"), (dict(greedy=True), "auto"),
+    (dict(temperature=0.8, top_k=10), "pages")])
 def test_engine_on_pages_samples_each_prompt_as_alone(engine_prompts,
-                                                      options):
+                                                      options, read):
   """engine.generate with pages: prompt i's tokens are
   `sample_decoder_only`'s for that prompt alone with fold_in(rng, i)
   (the engine's contract), with a pool smaller than slots x budget: any
   3 live sequences hold at most 7 + 6 + 6 pages (the 3 longest prompts,
   6, 5 and 4 tokens, with 7 tokens fed), where 3 rows of P + NEW - 1 = 13
-  positions take 3 x 7."""
+  positions take 3 x 7. Read as `read` says ('auto' gathers these short
+  tables)."""
   model, params, _, _ = tiny(False)
   tokens, mask = engine_prompts
   key = jax.random.PRNGKey(0)
   page_size, slots = 2, 3
   width = tokens.shape[1] + NEW - 1
-  got, stats = engine.generate(model, params, tokens, mask, key, slots,
+  got, stats = engine.generate(paged_attention.reading(model, read), params,
+                               tokens, mask, key, slots,
                                NEW, eos_id=EOS, refill_size=2,
                                page_size=page_size, num_pages=19,
                                **options)

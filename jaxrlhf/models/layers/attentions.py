@@ -319,10 +319,10 @@ class Attention(nn.Module):
     the positions not written yet. With a `paged_kv.PagedIndex` as
     cache_index, the cache is the page pools of `paged_kv.make_pool`, read
     and written through the index's page tables (`paged_kv.update_paged`),
-    and the queries attend over the pages in use (`paged_attention.attend`;
-    `mask`, `paged_kv.paged_mask`'s, is read only with the index's read
-    'gather', which attends over the table's whole width). A prefill may
-    instead pass
+    and the queries attend over the pages in use (`paged_attention`;
+    `mask`, `paged_kv.paged_mask`'s, is read only where it gathers each
+    row's whole table, `paged_attention.choose`). A prefill may instead
+    pass
     `CausalSegments` with their cache_length T: the cache is written the
     same way and the queries attend over their own keys.
     """
@@ -376,7 +376,8 @@ class Attention(nn.Module):
                          "kv_cache.cache_mask, not CausalSegments.")
       key = paged_kv.update_paged(self, "cached_key", key, cache_index)
       value = paged_kv.update_paged(self, "cached_value", value, cache_index)
-      if cache_index.read != "gather":
+      if paged_attention.choose(cache_index, query.shape[1], window,
+                                key.dtype) != "gather":
         out = paged_attention.attend(
             query, key, value, cache_index,
             scale=(self.query_scale if self.query_scale is not None

@@ -27,9 +27,9 @@ decode call's `cache_index` is a `PagedIndex` (the page tables and where
 each sequence's new tokens start): it writes the new keys and values into
 the pool (`write_pages`) and attends over the pages in use
 (`paged_attention`: a loop over blocks of pages up to the batch's longest
-position, or JAX's Pallas kernel on TPU), or, with `PagedIndex.read`
-'gather', gathers each sequence's whole table back in the contiguous
-cache's layout (`gather_pages`) and attends with `paged_mask`. A call's L
+position, or JAX's Pallas kernel on TPU), or gathers each sequence's whole
+table back in the contiguous cache's layout (`gather_pages`: a short
+table, or `PagedIndex.read` 'gather') and attends with `paged_mask`. A call's L
 tokens of sequence b sit at positions start[b] .. start[b] + L - 1;
 negative positions (a left-padded prompt's pads) are neither written nor
 attended to, so a prefill of left-padded prompts stores their real tokens
@@ -92,9 +92,10 @@ class PagedIndex:
     start: int32 [batch] the position of each row's first token.
     page_size: static positions per page.
     read: static, how attention reads the pages (`paged_attention.READS`):
-      'auto' (the TPU kernel where it applies, else 'pages'), 'pages' (XLA,
-      the pages in use), 'kernel' (JAX's Pallas TPU kernel; interpreted
-      off TPU) or 'gather' (XLA, the table's whole width).
+      'auto' (`paged_attention.choose`: the TPU kernel where it applies,
+      a short table gathered, else 'pages'), 'pages' (XLA, the pages in
+      use), 'kernel' (JAX's Pallas TPU kernel; interpreted off TPU) or
+      'gather' (XLA, the table's whole width).
   """
   page_table: Array
   start: Array
