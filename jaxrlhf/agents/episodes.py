@@ -234,12 +234,124 @@ class _Failures:
     episode.failure, episode.done = message, True
 
 
+@dataclasses.dataclass
+class Opened:
+  """Episodes opened (`open_episodes`): their environments and the
+  schemas of the tools each offers (by episode index; a dropped episode
+  has none), how failures are handled, and the wall time spent waiting on
+  the environments so far."""
+  episodes: List[Episode]
+  envs: Dict[int, Any]
+  schemas: Dict[int, Any]
+  fail: _Failures
+  env_seconds: float = 0.0
+
+  def check(self, i: int, turn: Optional[int], outcome, check=None
+            ) -> bool:
+    """Whether episode i's environment call `outcome` (in turn `turn`,
+    counted from 1; None: before the first) succeeded and its value passes
+    `check`; a failure raises, or drops the episode."""
+    problem = outcome.error or (check(outcome.value) if check else None)
+    if problem:
+      self.fail(self.episodes[i], turn, problem)
+    return not problem
+
+  def on_all(self, fns, live, turn, check):
+    """Runs fns[i] for the live episodes at once: {i: value} of those that
+    did not fail (`check`)."""
+    start = time.perf_counter()
+    outcomes = environments.call_all([fns[i] for i in live],
+                                     self.fail.limits.env_timeout_s)
+    self.env_seconds += time.perf_counter() - start
+    return {i: outcome.value for i, outcome in zip(live, outcomes)
+            if self.check(i, turn, outcome, check)}
+
+  def take_turn(self, i: int, ids, logprobs, ended: bool, renderer,
+                parser):
+    """Appends episode i's turn (its ids, the sampler's log-probs, whether
+    it ended at its end-of-turn id); cut to the room left in
+    max_episode_tokens. Returns the assistant's message to step the
+    environment with, or None when the turn overflowed (episode over)."""
+    e, limits = self.episodes[i], self.fail.limits
+    room = limits.max_episode_tokens - len(e.tokens)
+    if len(ids) > room:
+      ids, logprobs, ended = ids[:room], logprobs[:room], False
+    e.tokens += ids
+    e.is_model += [True] * len(ids)
+    e.logprobs += logprobs
+    e.turns += 1
+    e.final_text = renderer.answer_text(ids)
+    if not ended:
+      e.overflow = e.done = True
+      return None
+    message = parser.message(renderer.turn_text(ids), self.schemas[i])
+    calls = message.get("tool_calls", ())
+    e.tool_calls += len(calls)
+    e.failed_calls += sum(c["error"] is not None for c in calls)
+    e.messages.append(message)
+    return message
+
+  def take_answer(self, i: int, answer, renderer) -> Optional[List[int]]:
+    """Appends the environment's answer (new messages, reward, done) to
+    episode i after its latest turn: the block of ids the model reads
+    next, or None when the episode is over (done, max_turns, or no room
+    left in max_episode_tokens)."""
+    e, limits = self.episodes[i], self.fail.limits
+    new, reward, done = answer
+    e.step_rewards.append(float(reward))
+    if done or e.turns >= limits.max_turns:
+      e.done = True
+      return None
+    e.messages += [dict(m) for m in new]
+    block = renderer.block(e.messages[:_opening_length(e)], new,
+                           self.schemas[i])
+    if len(e.tokens) + len(block) >= limits.max_episode_tokens:
+      e.overflow = e.done = True  # no room left for the model to speak
+      return None
+    e.tokens += block
+    e.is_model += [False] * len(block)
+    e.logprobs += [0.0] * len(block)
+    return block
+
+
+def open_episodes(make_env: Callable, rows: Sequence[Mapping[str, Any]],
+                  renderer: Renderer, limits: Limits, name: str,
+                  row_names: Optional[Sequence[str]] = None) -> Opened:
+  """Each row's environment made and reset (in parallel threads), its
+  opening rendered (`run_episodes` step 1); an episode that failed here
+  is done with its end-of-turn id as its opening."""
+  row_names = row_names or [f"row {i}" for i in range(len(rows))]
+  opened = Opened(episodes=[Episode(row=i) for i in range(len(rows))],
+                  envs={}, schemas={},
+                  fail=_Failures(limits, name, row_names))
+  everyone = list(range(len(rows)))
+  envs = opened.on_all([lambda r=r: make_env(r) for r in rows], everyone,
+                       None, None)
+  openings = opened.on_all(
+      {i: envs[i].reset for i in envs}, list(envs), None,
+      lambda v: environments.check_messages(v, "reset()"))
+  opened.envs = envs
+  opened.schemas = {i: _schemas(env, name) for i, env in envs.items()}
+  for i, messages in openings.items():
+    e = opened.episodes[i]
+    e.messages = [dict(m) for m in messages]
+    e.opening = renderer.opening(e.messages, opened.schemas[i])
+    if len(e.opening) > limits.max_opening_tokens:
+      opened.fail(e, None, f"opens with {len(e.opening)} tokens, more than "
+                  f"the {limits.max_opening_tokens} of "
+                  "config.data.inputs_length; raise it")
+  for e in opened.episodes:
+    if not e.opening:
+      e.opening, e.done = [renderer.end_id], True
+  return opened
+
+
 def run_episodes(make_env: Callable, rows: Sequence[Mapping[str, Any]],
                  policy, renderer: Renderer, parser: Parser, limits: Limits,
                  key, *, name: str = "online.environment",
                  row_names: Optional[Sequence[str]] = None
                  ) -> Tuple[List[Episode], Dict[str, float]]:
-  """One episode per row (module docstring).
+  """One episode per row (module docstring), the turns in lockstep.
 
   Args:
     make_env: (row) -> an environment (`environments`).
@@ -254,46 +366,8 @@ def run_episodes(make_env: Callable, rows: Sequence[Mapping[str, Any]],
     environments, "decode_steps": the policy's decode steps}).
   """
   import jax  # pylint: disable=g-import-not-at-top
-  row_names = row_names or [f"row {i}" for i in range(len(rows))]
-  fail = _Failures(limits, name, row_names)
-  episodes = [Episode(row=i) for i in range(len(rows))]
-  env_seconds = 0.0
-
-  def on_all(fns, live, turn, check):
-    """Runs fns[i] for the live episodes at once (in turn `turn`, counted
-    from 1; None: before the first): {i: value} of those that did not
-    fail (a failure raises, or drops the episode)."""
-    nonlocal env_seconds
-    start = time.perf_counter()
-    outcomes = environments.call_all([fns[i] for i in live],
-                                     limits.env_timeout_s)
-    env_seconds += time.perf_counter() - start
-    values = {}
-    for i, outcome in zip(live, outcomes):
-      problem = outcome.error or (check(outcome.value) if check else None)
-      if problem:
-        fail(episodes[i], turn, problem)
-      else:
-        values[i] = outcome.value
-    return values
-
-  everyone = list(range(len(rows)))
-  envs = on_all([lambda r=r: make_env(r) for r in rows], everyone, None,
-                None)
-  openings = on_all({i: envs[i].reset for i in envs}, list(envs), None,
-                    lambda v: environments.check_messages(v, "reset()"))
-  schemas = {i: _schemas(env, name) for i, env in envs.items()}
-  for i, messages in openings.items():
-    e = episodes[i]
-    e.messages = [dict(m) for m in messages]
-    e.opening = renderer.opening(e.messages, schemas[i])
-    if len(e.opening) > limits.max_opening_tokens:
-      fail(e, None, f"opens with {len(e.opening)} tokens, more than the "
-           f"{limits.max_opening_tokens} of config.data.inputs_length; "
-           "raise it")
-  for e in episodes:
-    if not e.opening:
-      e.opening, e.done = [renderer.end_id], True
+  opened = open_episodes(make_env, rows, renderer, limits, name, row_names)
+  episodes = opened.episodes
   policy.start([e.opening for e in episodes])
 
   for turn in range(limits.max_turns):
@@ -306,46 +380,17 @@ def run_episodes(make_env: Callable, rows: Sequence[Mapping[str, Any]],
                           jax.random.fold_in(key, turn))
     stepping = {}
     for i in live:
-      e, (ids, logprobs, ended) = episodes[i], drawn[i]
-      room = limits.max_episode_tokens - len(e.tokens)
-      if len(ids) > room:
-        ids, logprobs, ended = ids[:room], logprobs[:room], False
-      e.tokens += ids
-      e.is_model += [True] * len(ids)
-      e.logprobs += logprobs
-      e.turns += 1
-      e.final_text = renderer.answer_text(ids)
-      if not ended:
-        e.overflow = e.done = True
-        continue
-      message = parser.message(renderer.turn_text(ids), schemas[i])
-      calls = message.get("tool_calls", ())
-      e.tool_calls += len(calls)
-      e.failed_calls += sum(c["error"] is not None for c in calls)
-      e.messages.append(message)
-      stepping[i] = (lambda env=envs[i], m=message: env.step(m))
-    answers = on_all(stepping, list(stepping), turn + 1,
-                     environments.check_step)
+      message = opened.take_turn(i, *drawn[i], renderer, parser)
+      if message is not None:
+        stepping[i] = (lambda env=opened.envs[i], m=message: env.step(m))
+    answers = opened.on_all(stepping, list(stepping), turn + 1,
+                            environments.check_step)
     blocks = [[] for _ in episodes]
-    for i, (new, reward, done) in answers.items():
-      e = episodes[i]
-      e.step_rewards.append(float(reward))
-      if done or turn + 1 == limits.max_turns:
-        e.done = True
-        continue
-      e.messages += [dict(m) for m in new]
-      block = renderer.block(e.messages[:_opening_length(e)], new,
-                             schemas[i])
-      if len(e.tokens) + len(block) >= limits.max_episode_tokens:
-        e.overflow = e.done = True  # no room left for the model to speak
-        continue
-      e.tokens += block
-      e.is_model += [False] * len(block)
-      e.logprobs += [0.0] * len(block)
-      blocks[i] = block
+    for i, answer in answers.items():
+      blocks[i] = opened.take_answer(i, answer, renderer) or []
     if any(blocks):
       policy.extend(blocks)
-  return episodes, {"env_seconds": env_seconds,
+  return episodes, {"env_seconds": opened.env_seconds,
                     "decode_steps": float(policy.decode_steps)}
 
 

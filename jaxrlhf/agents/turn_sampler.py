@@ -141,6 +141,22 @@ def _decode_params(model, params, context, fuse_projections):
       params, reads, fusions, fuse_projections)
 
 
+def choose(logits, key, temperature, greedy):
+  """One draw of B rows from one key, as every turn sampler draws: logits
+  [B, vocab] float32 -> (the key split once, tokens [B] int32, log-probs
+  [B] at the sampling temperature; greedy: argmax, log-probs at 1)."""
+  key, draw_key = jax.random.split(key)
+  scaled = sampling.filter_logits(logits, 1.0 if greedy else temperature)
+  if greedy:
+    token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
+  else:
+    token = jax.random.categorical(draw_key, scaled, axis=-1).astype(
+        jnp.int32)
+  logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled),
+                                token[:, None], axis=-1)[:, 0]
+  return key, token, logprob
+
+
 def _decode(model, params, context, key, active, max_tokens, end_id,
             temperature, greedy, fuse_projections):
   model = sampling._inference_module(model)  # pylint: disable=protected-access
@@ -156,15 +172,7 @@ def _decode(model, params, context, key, active, max_tokens, end_id,
   def body(carry):
     (t, logits, cache, cache_mask, num_real, done, ended, key, tokens,
      logprobs) = carry
-    key, draw_key = jax.random.split(key)
-    scaled = sampling.filter_logits(logits, 1.0 if greedy else temperature)
-    if greedy:
-      token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)
-    else:
-      token = jax.random.categorical(draw_key, scaled, axis=-1).astype(
-          jnp.int32)
-    logprob = jnp.take_along_axis(jax.nn.log_softmax(scaled),
-                                  token[:, None], axis=-1)[:, 0]
+    key, token, logprob = choose(logits, key, temperature, greedy)
     # A row still in its turn draws; the others write a masked column.
     live = ~done
     token = jnp.where(live, token, 0)
