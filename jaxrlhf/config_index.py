@@ -143,6 +143,7 @@ FIELDS = {
     'cache_segments': ('int', None),
     'clip_eps': ('float', 0.2),
     'engine': ('str', 'lockstep'),
+    'engine_page_size': ('int', None),
     'engine_slots': ('int', None),
     'env_timeout_s': ('float', 60.0),
     'environment': ('str', ''),

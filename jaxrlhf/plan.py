@@ -32,6 +32,14 @@ for the topology's chips, as it would be on them, and the plan says:
     chip and step, loops by their trip count; those XLA adds for the
     logical-axis shardings are not counted. Expert weights, like every
     parameter, count in the train state at each chip's share;
+  - for an online step decoding with the continuous engine
+    (`online.engine='continuous'`), the KV cache its engine holds per
+    rollout part: slots x (prompt + budget - 1) positions of contiguous
+    rows, or with `online.engine_page_size` the page pool (the engine's
+    default, slots x the pages of those positions), x the bytes of a
+    position (layers x kv heads x head_dim x 2 (keys, values) x the cache
+    dtype's bytes, from the policy's cache shapes); XLA's memory figures
+    hold it among the temporaries;
   - for a step that does not fit, a one-line suggestion.
 
 Topologies: `cpu:N` (N simulated CPU devices, what the tests plan on) or a
@@ -208,6 +216,44 @@ def _compile_error_figures(error: Exception) -> Dict[str, float]:
   return {}
 
 
+def engine_kv_cache(config, trainer) -> Dict[str, Any]:
+  """The KV cache of `trainer`'s continuous engine in one rollout part
+  (see the module docstring), or {} when the step does not decode with
+  the engine."""
+  import jax  # pylint: disable=g-import-not-at-top
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models.layers import paged_kv  # pylint: disable=g-import-not-at-top
+
+  if not (trainer.algorithm.online
+          and config.online.engine == "continuous"):
+    return {}
+  o = config.online
+  settings = trainer.online
+  rows = (config.train.batch_size // o.rollout_microbatches
+          * settings.samples_per_prompt)
+  # rollout.sample_responses' slots: engine_slots, else a quarter of the
+  # part's rows.
+  slots = o.engine_slots or max(1, rows // 4)
+  width = trainer.prompt_length + settings.max_new_tokens - 1
+  page_size = o.engine_page_size
+  if page_size is None:
+    positions, num_pages = slots * width, None
+  else:
+    num_pages = paged_kv.default_num_pages(slots, width, page_size)
+    positions = num_pages * page_size
+  # A position's bytes: the policy's cache as a pool of one one-position
+  # page (every layer's keys and values).
+  params = nn.meta.unbox(trainer.abstract_state.params["policy"])
+  pool = jax.eval_shape(lambda p: paged_kv.make_pool(
+      trainer.lm.module, p, 1, 1), params)
+  per_position = sum(x.size * x.dtype.itemsize
+                     for x in jax.tree.leaves(pool))
+  return {"slots": slots, "width": width, "page_size": page_size,
+          "num_pages": num_pages, "positions": positions,
+          "bytes_per_position": per_position,
+          "gib": positions * per_position / GIB}
+
+
 def suggestion(config, memory: Dict[str, float], state_gib: float,
                budget_gib: float, algorithm=None) -> str:
   """One line on what to change when the step does not fit `budget_gib`
@@ -284,6 +330,8 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
       compiled, compile_error = None, e
     compile_s = time.perf_counter() - start
 
+    engine_cache = engine_kv_cache(config, trainer)
+
   shardings = trainer.state_shardings
   abstract = trainer.abstract_state
   state_gib = {
@@ -347,6 +395,8 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
       "collective_gib_per_chip_per_step": exchange / GIB,
       "compile_seconds": round(compile_s, 1),
   }
+  if engine_cache:
+    plan["engine_kv_cache"] = engine_cache
   if compile_error is not None:
     plan["compile_error"] = str(compile_error).strip().splitlines()[0]
   if chip is not None:
@@ -423,6 +473,16 @@ def describe(plan: Dict[str, Any]) -> str:
       "(matmuls, loops by trip count"
       + (f"; XLA counts {_flop(xla)}, each loop body once" if xla else "")
       + ")")
+  cache = plan.get("engine_kv_cache")
+  if cache:
+    pool = ("contiguous rows" if cache["page_size"] is None else
+            f"a pool of {cache['num_pages']:,} pages of "
+            f"{cache['page_size']}")
+    lines.append(
+        f"  engine KV cache per rollout part: {_gib(cache['gib'])} "
+        f"({cache['slots']} slots x {cache['width']} positions as {pool}: "
+        f"{cache['positions']:,} positions x "
+        f"{cache['bytes_per_position']:,} bytes; among the temporaries)")
   exchange = plan.get("collective_gib_per_chip_per_step")
   if exchange:
     lines.append(f"  collectives per chip and step: {_gib(exchange)} (the "

@@ -146,7 +146,9 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
                      cache_segments: Optional[int] = None,
                      record_routes: bool = False,
                      engine: str = "lockstep",
-                     engine_slots: Optional[int] = None) -> sampling.Samples:
+                     engine_slots: Optional[int] = None,
+                     engine_page_size: Optional[int] = None
+                     ) -> sampling.Samples:
   """The policy's samples for the prompts, with their log-probs and stats.
 
   Args:
@@ -174,6 +176,8 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
       counts the engine's decode steps).
     engine_slots: static; continuous: the decode slots (None: a quarter of
       the batch * num_samples rows, at least 1).
+    engine_page_size: static; continuous: the slots' caches as pages of
+      this many positions (`engine.generate`'s page_size; None: contiguous).
 
   Returns:
     `sampling.Samples` of [batch * num_samples, max_new_tokens].
@@ -190,7 +194,7 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
     slots = engine_slots or max(1, tokens.shape[0] // 4)
     samples, stats = engine_lib.generate(
         lm.module, params, tokens, mask, rng, slots, max_new_tokens,
-        temperature=temperature, eos_id=eos_id)
+        temperature=temperature, eos_id=eos_id, page_size=engine_page_size)
     return samples.replace(num_steps=stats.decode_steps)
   options = dict(temperature=temperature, eos_id=eos_id,
                  num_samples=num_samples, stop_when_done=stop_when_done,

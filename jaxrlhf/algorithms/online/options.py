@@ -87,6 +87,16 @@ ONLINE = config_schema.Group(
           "engine 'continuous': the decode slots (the responses decoded at "
           "once); unset = a quarter of a rollout part's responses (at "
           "least 1), the setting measured.", type=int, bounds=">0"),
+        F("engine_page_size", None,
+          "engine 'continuous': unset = each slot a contiguous KV cache of "
+          "prompt + max_new_tokens - 1 positions; an int = the slots' "
+          "caches as pages of this many positions in one pool "
+          "(jaxrlhf/models/layers/paged_kv.py; engine.generate's page_size "
+          "and its default pool), so that a sequence holds the pages of its "
+          "own length and attention reads the pages in use, or a short "
+          "table whole (models/layers/paged_attention.py). The same "
+          "responses; python -m jaxrlhf.plan counts the pool.", type=int,
+          bounds=">0"),
         F("eos_trick", True,
           "The EOS trick (detail 23): a response with no EOS scores "
           "missing_eos_penalty instead of the reward model's output (which "
@@ -309,6 +319,11 @@ def check_engine(c) -> None:
   """engine 'continuous' decodes single-turn responses of a decoder-only
   policy on the training devices, reading the whole cache."""
   o = c.online
+  config_schema.require(
+      o.engine == "continuous" or o.engine_page_size is None,
+      "online.engine_page_size", f"{o.engine_page_size} pages the "
+      "continuous engine's cache only; set online.engine='continuous' or "
+      "unset it.")
   if o.engine != "continuous":
     return
   for ok, field, why in (

@@ -113,6 +113,13 @@ def pages_for(length, page_size: int):
   return (length + page_size - 1) // page_size
 
 
+def default_num_pages(num_seqs: int, length: int, page_size: int) -> int:
+  """A pool that can never run out: each of num_seqs sequences the pages of
+  `length` positions (`engine.generate`'s default: slots x the pages of
+  prompt + budget - 1)."""
+  return int(num_seqs) * pages_for(int(length), int(page_size))
+
+
 def init_tables(num_pages: int, page_size: int, num_seqs: int,
                 max_pages: int) -> PageTables:
   """An empty pool: every page free, no sequence holding any."""
