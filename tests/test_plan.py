@@ -307,6 +307,64 @@ def test_a_step_that_does_not_fit_gets_a_suggestion():
   assert "num_microbatches" not in tip and "remat_policy=full" in tip
 
 
+# A GRPO step whose rollout decodes with the continuous engine.
+ENGINE_GRPO = dict(**LLAMA, model__num_decoder_layers=None,
+                   model__dtype="bfloat16", algorithm="grpo",
+                   train__batch_size=4, rewards__reward_model__weight=0.0,
+                   rewards__gold_reward__weight=0.0,
+                   rewards__functions="reward_functions:word_count",
+                   online__reward_model_checkpoint="",
+                   online__samples_per_prompt=2,
+                   online__engine="continuous", online__engine_slots=3)
+
+
+@pytest.mark.parametrize("page_size", [None, 5])
+def test_the_engines_kv_cache_is_counted_by_hand(page_size):
+  """Contiguous: slots x (prompt + budget - 1) positions; paged: the
+  engine's default pool, slots x ceil(width / page_size) pages of
+  page_size; each position layers x kv heads x head_dim x 2 (keys,
+  values) x 2 bytes (bfloat16). A lockstep step has no engine cache."""
+  config = tiny_config(**ENGINE_GRPO, online__engine_page_size=page_size)
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    trainer = algorithms.build(config, mesh, shapes_only=True)
+    cache = plan_lib.engine_kv_cache(config, trainer)
+    model = trainer.model_config
+    per_position = (model.num_layers * model.num_kv_heads * model.head_dim
+                    * 2 * 2)
+    width = trainer.prompt_length + trainer.online.max_new_tokens - 1
+    if page_size is None:
+      positions = 3 * width
+    else:
+      positions = 3 * -(-width // page_size) * page_size
+      assert cache["num_pages"] == 3 * -(-width // page_size)
+    assert (cache["slots"], cache["width"]) == (3, width)
+    assert cache["bytes_per_position"] == per_position
+    assert cache["positions"] == positions
+    assert cache["gib"] * 2**30 == positions * per_position
+    config.online.engine, config.online.engine_page_size = "lockstep", None
+    assert plan_lib.engine_kv_cache(config, trainer) == {}
+
+
+def test_a_paged_engine_step_plans_and_says_its_pool():
+  """The planned step decodes on pages (online.engine_page_size reaches
+  engine.generate) and the plan prints the pool."""
+  config = tiny_config(**ENGINE_GRPO, online__engine_page_size=4)
+  plan = plan_lib.make_plan(config, jax.devices()[:1], topology="cpu:1")
+  cache = plan["engine_kv_cache"]
+  assert cache["page_size"] == 4 and cache["positions"] == (
+      cache["num_pages"] * 4)
+  assert (f"a pool of {cache['num_pages']:,} pages of 4"
+          in plan_lib.describe(plan))
+
+
+def test_a_page_size_without_the_continuous_engine_is_refused():
+  from jaxrlhf import defaults  # pylint: disable=g-import-not-at-top
+  config = tiny_config(**dict(ENGINE_GRPO, online__engine="lockstep"),
+                       online__engine_page_size=4)
+  with pytest.raises(ValueError, match="online.engine_page_size"):
+    defaults.validate(config)
+
+
 def _plan_command(tmp_path, *args):
   return subprocess.run(
       [sys.executable, "-m", "jaxrlhf.plan", "--config=configs/quickstart.py",
