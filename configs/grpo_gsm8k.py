@@ -91,7 +91,7 @@ there has the other slices and meshes tried); LoRA
 
 from jaxrlhf import defaults
 from jaxrlhf import presets
-from jaxrlhf import sharding
+from jaxrlhf import sharding_rules
 
 # Size preset prefix -> model family.
 # (Qwen3's mixture-of-experts sizes first: "qwen3-" would take them.)
@@ -185,7 +185,7 @@ def get_config(size: str = "qwen2.5-1.5b"):
   # Every chip data-parallel, the parameters and optimizer state split over
   # them; meant for a v5e 4x4 slice (module docstring).
   c.mesh.shape = (-1, 1)
-  c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+  c.sharding.logical_axis_rules = sharding_rules.FULLY_SHARDED_RULES
   presets.scanned_layers(c)
   c.train.num_microbatches = 8
   c.online.rollout_microbatches = 4

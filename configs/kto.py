@@ -11,7 +11,7 @@ slice. The other settings are the DRO-V runs' (presets.ultrafeedback_offline).
 """
 
 from jaxrlhf import presets
-from jaxrlhf import sharding
+from jaxrlhf import sharding_rules
 
 # T5 size -> (mesh, train steps), section 4 "Compute and hyperparameters".
 PAPER_RUNS = {"large": ((4, 4), 40_000), "xl": ((4, 8), 20_000)}
@@ -33,6 +33,6 @@ def get_config(size: str = "large"):
   # recomputed in the backward pass instead (about a fifth more FLOPs).
   # experiments/results/plans/ has both plans and the options compared.
   c.train.num_microbatches = 1
-  c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+  c.sharding.logical_axis_rules = sharding_rules.FULLY_SHARDED_RULES
   c.model.remat_policy = "dots_saveable" if size == "large" else "full"
   return c

@@ -16,9 +16,9 @@ reference, value network and reward model.
 Four XL networks (two trained with AdamW) do not fit 16 GiB chips when
 every data shard holds its own copy: the parameters, gradients and
 optimizer states are split over the data axis too
-(sharding.FULLY_SHARDED_RULES), each layer's activations are recomputed in
-the backward pass, and each minibatch's gradient is accumulated over 16
-micro-batches. The plan leaves 2.01 GiB per chip free (the 2 GiB it asks
+(sharding_rules.FULLY_SHARDED_RULES), each layer's activations are
+recomputed in the backward pass, and each minibatch's gradient is
+accumulated over 16 micro-batches. The plan leaves 2.01 GiB per chip free (the 2 GiB it asks
 for; 8 micro-batches left 1.98): the step's peak is not the updates'
 activations, which micro-batches split, so 8 -> 16 saves only 0.03 GiB.
 experiments/results/plans/ has this config's plan
@@ -26,13 +26,13 @@ experiments/results/plans/ has this config's plan
 """
 
 from jaxrlhf import presets
-from jaxrlhf import sharding
+from jaxrlhf import sharding_rules
 
 
 def get_config():
   c = presets.tldr_t5("ppo", "xl", mesh_shape=(4, 8))
   presets.tldr_ppo(c)
-  c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+  c.sharding.logical_axis_rules = sharding_rules.FULLY_SHARDED_RULES
   c.model.scan_layers = True
   c.model.remat_policy = "full"
   c.train.num_microbatches = 16

@@ -25,6 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from jaxrlhf import sharding  # noqa: E402
+from jaxrlhf import sharding_rules  # noqa: E402
 from jaxrlhf.models.layers import moe  # noqa: E402
 
 
@@ -69,7 +70,7 @@ def main():
         f"tokens/s ({whole * 1e3:.1f} ms per step)")
 
   mesh = sharding.create_mesh((8, 1), ("data", "model"))
-  rules = sharding.experts_over(sharding.STANDARD_RULES, "data")
+  rules = sharding.experts_over(sharding_rules.STANDARD_RULES, "data")
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     placed = jax.device_put(params,
                             sharding.tree_shardings(boxed, mesh, rules))

@@ -91,11 +91,12 @@ OPTIONS = {
 
 
 def option_overrides(name: str):
-  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding_rules  # pylint: disable=g-import-not-at-top
   rules, scan, remat, micro, mesh = OPTIONS[name]
   overrides = {"sharding.logical_axis_rules": {
-                   "standard": sharding.STANDARD_RULES,
-                   "fully_sharded": sharding.FULLY_SHARDED_RULES}[rules],
+                   "standard": sharding_rules.STANDARD_RULES,
+                   "fully_sharded": sharding_rules.FULLY_SHARDED_RULES
+               }[rules],
                "model.scan_layers": scan, "model.remat_policy": remat,
                "train.num_microbatches": micro}
   if mesh is not None:

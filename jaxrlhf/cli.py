@@ -6,10 +6,13 @@ A mistake in the command (an unknown flag or config field, a config file
 that does not load, a value out of range) is one line starting with
 "error:" on stderr and exit status `USAGE_ERROR`, never a traceback.
 
-An override naming a field the config lacks is found before the library
-(and JAX) is imported when the config file needs no more of the library
-than `defaults.base_config()`: the file is run against that config as the
-generated index `config_index.py` records it (see `early_unknown_field`).
+An override naming a field the config lacks is found before JAX is
+imported when the config file needs no more of the library than
+`defaults.base_config()` and modules that import nothing outside the
+standard library (`presets`, `config_files`, `sharding_rules`,
+`data.names`): the file is run against that config as the generated index
+`config_index.py` records it (see `early_unknown_field`). Every committed
+config takes this path.
 """
 
 import contextlib
@@ -27,6 +30,7 @@ import ml_collections
 from ml_collections import config_dict
 from ml_collections import config_flags
 
+from jaxrlhf import config_files
 from jaxrlhf import config_index
 
 # Exit status of a run refused for its command, config, workdir (held by
@@ -182,11 +186,14 @@ def no_arguments(argv) -> None:
 # group beside its code, and those modules import JAX), which is most of the
 # time a typo in an override takes to report. The generated index holds what
 # `defaults.base_config()` returns; a config file that needs nothing else of
-# the library can be run against it, and ml_collections then applies the
-# overrides exactly as the full parse does. Whatever the index cannot stand
-# in for (another module of the library, or of any package, imported by the
-# config file; another attribute of `defaults`) leaves the decision to the
-# full parse, which runs next as it always did.
+# the library, or only modules of it that need nothing outside the standard
+# library (the paper configs' `presets` and the constants it reads), can be
+# run against it, and ml_collections then applies the overrides exactly as
+# the full parse does. Whatever the index cannot stand in for (a module of
+# any other package not yet imported, JAX included, whether the config file
+# imports it or a module of the library does; another attribute of
+# `defaults`) leaves the decision to the full parse, which runs next as it
+# always did.
 
 # The types a field of the index has, by the names the index gives them.
 _TYPES = {t.__name__: t for t in (bool, int, float, str, tuple)}
@@ -247,16 +254,18 @@ def _quoted_in_the_library(names: Sequence[str]) -> bool:
 
 
 class _NothingUnloaded(importlib.abc.MetaPathFinder):
-  """Refuses to import anything outside the standard library, noting why
-  in `refused` (in case the config file catches even _Undecided)."""
+  """Refuses to import anything outside the standard library and this
+  package, noting why in `refused` (in case the config file catches even
+  _Undecided)."""
 
   def __init__(self, refused):
     self.refused = refused
 
   def find_spec(self, name, path=None, target=None):
     del path, target  # unused
-    if name.partition(".")[0] not in sys.stdlib_module_names:
-      self.refused.append(f"the config file imports {name}")
+    top = name.partition(".")[0]
+    if top not in sys.stdlib_module_names and top != __package__:
+      self.refused.append(f"the config file needs {name}")
       raise _Undecided(self.refused[-1])
     return None
 
@@ -264,19 +273,24 @@ class _NothingUnloaded(importlib.abc.MetaPathFinder):
 @contextlib.contextmanager
 def _library_from_index():
   """Within: `jaxrlhf.defaults` (unless already imported) is a stand-in
-  whose only attribute is `base_config()`, built from the index, and a
-  module not yet imported can be imported only from the standard library;
-  anything else raises _Undecided, noted in the list it yields. Every
-  change is undone on exit."""
+  whose attributes are `base_config()`, built from the index, and the
+  names it shares with `config_files`; a module not yet imported can be
+  imported only from the standard library or this package (whose modules
+  are then refused what they import from elsewhere); anything else raises
+  _Undecided, noted in the list it yields. Every change is undone on exit:
+  the modules of this package imported within, which saw the stand-in, are
+  forgotten, and the full parse imports them afresh."""
   refused = []
-  package = sys.modules["jaxrlhf"]
+  package = sys.modules[__package__]
   module_name = f"{CONFIG.name}_config"  # where ml_collections loads it
   saved = {name: sys.modules.get(name)
-           for name in ("jaxrlhf.defaults", module_name)}
-  had_attribute = hasattr(package, "defaults")
-  if saved["jaxrlhf.defaults"] is None:
-    stand_in = types.ModuleType("jaxrlhf.defaults")
+           for name in (f"{__package__}.defaults", module_name)}
+  before = set(sys.modules)
+  if saved[f"{__package__}.defaults"] is None:
+    stand_in = types.ModuleType(f"{__package__}.defaults")
     stand_in.base_config = lambda: config_from_fields(config_index.FIELDS)
+    stand_in.PLACEHOLDER = config_files.PLACEHOLDER
+    stand_in.load_config_file = config_files.load_config_file
 
     def other(name):
       if name.startswith("__"):
@@ -285,7 +299,7 @@ def _library_from_index():
       raise _Undecided(refused[-1])
 
     stand_in.__getattr__ = other
-    sys.modules["jaxrlhf.defaults"] = stand_in
+    sys.modules[stand_in.__name__] = stand_in
     package.defaults = stand_in
   finder = _NothingUnloaded(refused)
   sys.meta_path.insert(0, finder)
@@ -293,13 +307,24 @@ def _library_from_index():
     yield refused
   finally:
     sys.meta_path.remove(finder)
+    for name in set(sys.modules) - before:
+      if name.partition(".")[0] == __package__:
+        _forget(name)
     for name, module in saved.items():
       if module is None:
-        sys.modules.pop(name, None)
+        _forget(name)
       else:
         sys.modules[name] = module
-    if not had_attribute:
-      vars(package).pop("defaults", None)
+
+
+def _forget(name: str) -> None:
+  """Removes module `name` from sys.modules and from its parent package's
+  attributes (where `from package import name` would find it first)."""
+  module = sys.modules.pop(name, None)
+  parent, _, child = name.rpartition(".")
+  if module is not None and parent in sys.modules and (
+      vars(sys.modules[parent]).get(child) is module):
+    del vars(sys.modules[parent])[child]
 
 
 def early_unknown_field(argv: Sequence[str]) -> Optional[BaseException]:

@@ -10,14 +10,14 @@ declared. `docs/config.md` is rendered from the same declarations
 """
 
 import importlib.util
-import os
-from typing import Optional
 
 import ml_collections
 
 from jaxrlhf import algorithms
+from jaxrlhf import config_files
 from jaxrlhf import config_schema
 from jaxrlhf import sharding
+from jaxrlhf import sharding_rules
 from jaxrlhf.algorithms import lora_state
 from jaxrlhf.algorithms import optimizers
 from jaxrlhf.data import file_layouts
@@ -516,7 +516,7 @@ MESH = G("mesh", "The device mesh.", [
 ])
 
 SHARDING = G("sharding", "The sharding plan.", [
-    F("logical_axis_rules", sharding.STANDARD_RULES,
+    F("logical_axis_rules", sharding_rules.STANDARD_RULES,
       "Logical axis name -> mesh axis (or tuple of axes, or None = "
       "replicate).", resumable=True),
 ])
@@ -616,8 +616,12 @@ def validate(c: ml_collections.ConfigDict) -> None:
   sharding.as_rules(c.sharding.logical_axis_rules)
 
 
-# What the paper configs put where a user's own path goes.
-PLACEHOLDER = "YOUR_BUCKET"
+# What the paper configs put where a user's own path goes, and a config
+# file's config as --config gives it: declared in `config_files` (which the
+# command line gives a config file before it imports the library), named here
+# too because config files, scripts and notebooks read them from `defaults`.
+PLACEHOLDER = config_files.PLACEHOLDER
+load_config_file = config_files.load_config_file
 
 
 def check_paths(c: ml_collections.ConfigDict) -> None:
@@ -643,16 +647,3 @@ def check_paths(c: ml_collections.ConfigDict) -> None:
           "path the network and credentials.") from None
     if not found:
       raise ValueError(f"config.{field}: nothing matches {pattern!r}.")
-
-
-def load_config_file(path, arg: Optional[str] = None
-                     ) -> ml_collections.ConfigDict:
-  """`get_config(arg)` of a config file such as configs/quickstart.py, as
-  `--config=path[:arg]` would give it, for scripts and notebooks."""
-  import importlib.util  # pylint: disable=g-import-not-at-top
-  path = os.fspath(path)
-  spec = importlib.util.spec_from_file_location(
-      os.path.splitext(os.path.basename(path))[0], path)
-  module = importlib.util.module_from_spec(spec)
-  spec.loader.exec_module(module)
-  return module.get_config() if arg is None else module.get_config(arg)

@@ -1,10 +1,16 @@
-"""Shared settings of the paper-reproduction configs under configs/."""
+"""Shared settings of the paper-reproduction configs under configs/.
+
+It imports nothing that needs JAX or the data stack (only `defaults` for
+`base_config()` and `PLACEHOLDER`, and the constant-only `sharding_rules`
+and `data.names`): the command line runs a config file against the index of
+fields before it imports the library (`jaxrlhf.cli.early_unknown_field`).
+"""
 
 import ml_collections
 
 from jaxrlhf import defaults
-from jaxrlhf import sharding
-from jaxrlhf.data import file_layouts
+from jaxrlhf import sharding_rules
+from jaxrlhf.data import names
 
 # T5's public SentencePiece model (what T5 1.1 checkpoints were trained with).
 T5_VOCABULARY = "gs://t5-data/vocabs/cc_all.32000/sentencepiece.model"
@@ -59,7 +65,7 @@ def ultrafeedback_offline(algorithm: str, size: str, mesh_shape, num_steps: int)
   scanned_layers(c)
   c.train.num_microbatches = 2
   if size == "xl":
-    c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+    c.sharding.logical_axis_rules = sharding_rules.FULLY_SHARDED_RULES
   return c
 
 
@@ -168,7 +174,7 @@ def tldr_pythia(algorithm: str, size: str, *, learning_rate: float,
   # gradients and optimizer state split over them (on 16 GiB TPU chips a
   # replicated Pythia-1B with AdamW would not fit).
   c.mesh.shape = (-1, 1)
-  c.sharding.logical_axis_rules = sharding.FULLY_SHARDED_RULES
+  c.sharding.logical_axis_rules = sharding_rules.FULLY_SHARDED_RULES
   # On 8 v5e chips with 2 GiB to spare (experiments/results/plans/).
   scanned_layers(c)
   c.train.num_microbatches = 2
@@ -228,7 +234,7 @@ def tldr_ppo(c) -> None:
   c.online.reward_model_checkpoint = f"{TLDR_BUCKET}/tldr_rm"
   tldr_data(c, "sft", task="tldr_sft_prompts")
   c.online.max_new_tokens = TLDR_SFT_RESPONSE_TOKENS
-  c.online.prompt_suffix = file_layouts.TLDR_QUERY_SUFFIX
+  c.online.prompt_suffix = names.TLDR_QUERY_SUFFIX
   c.online.long_prompts = "cut_paragraph"
   c.online.temperature = 0.7
   c.online.kl_coef = 0.05

@@ -3,8 +3,9 @@
 Parameters and activations carry logical axis names (batch, length, embed,
 mlp, heads, kv, joined_kv, vocab, layers, relpos_buckets). A rule table from
 the config maps each logical name to a mesh axis, a tuple of mesh axes, or
-None (replicated), as in t5x and MaxText. Changing the plan is a config
-change; no model code changes.
+None (replicated), as in t5x and MaxText; the tables a config names are in
+`jaxrlhf.sharding_rules`. Changing the plan is a config change; no model
+code changes.
 
 Mixture-of-experts weights have an `expert` axis, whole under the standard
 rules; `experts_over` splits it over mesh axes (expert parallelism).
@@ -19,33 +20,6 @@ import jax
 import numpy as np
 from jax.sharding import Mesh, NamedSharding, PartitionSpec
 
-# t5x's standard rules for a (data, model) mesh: data parallel over batch,
-# tensor parallel over the wide dimensions.
-STANDARD_RULES = (
-    ("batch", "data"),
-    ("vocab", "model"),
-    ("mlp", "model"),
-    ("heads", "model"),
-    ("joined_kv", "model"),
-    ("kv", None),
-    ("embed", None),
-    ("length", None),
-    ("layers", None),
-    ("relpos_buckets", None),
-    ("expert", None),
-)
-
-
-# The standard rules with every parameter's embedding dimension also split
-# over the data axis (fully sharded data parallelism, ZeRO-3): a parameter,
-# its gradient and its optimizer state are held once per data-parallel group
-# instead of on every data shard, and XLA gathers each layer's weights when
-# the layer runs. Activations are unchanged: their batch dimension takes
-# the data axis first (a mesh axis splits one dimension of an array).
-FULLY_SHARDED_RULES = tuple(
-    (name, "data") if name == "embed" else (name, axes)
-    for name, axes in STANDARD_RULES)
-
 
 def experts_over(rules, mesh_axes) -> Tuple[Tuple[str, Any], ...]:
   """`rules` with the mixture-of-experts weights' `expert` axis split over
@@ -56,7 +30,7 @@ def experts_over(rules, mesh_axes) -> Tuple[Tuple[str, Any], ...]:
   dimension of an array). Each device then holds num_experts / D experts
   and `MoeMlp` computes only theirs (`jaxrlhf.models.layers.moe`). In a
   config: c.sharding.logical_axis_rules = sharding.experts_over(
-  sharding.STANDARD_RULES, "data").
+  sharding_rules.STANDARD_RULES, "data").
   """
   if isinstance(mesh_axes, list):
     mesh_axes = tuple(mesh_axes)

@@ -44,6 +44,7 @@ from jaxrlhf import algorithms  # noqa: E402
 from jaxrlhf import flops  # noqa: E402
 from jaxrlhf import plan as plan_lib  # noqa: E402
 from jaxrlhf import sharding  # noqa: E402
+from jaxrlhf import sharding_rules  # noqa: E402
 from jaxrlhf.algorithms.online import iteration  # noqa: E402
 from jaxrlhf.algorithms import state as state_lib  # noqa: E402
 from jaxrlhf.data import prompts as prompts_lib  # noqa: E402
@@ -111,7 +112,7 @@ def _model(path, make_inputs, forward, sample, mesh, rules, kernel_path):
 
 def models():
   mesh = sharding.create_mesh((4, 2), ("data", "model"))
-  rules = sharding.STANDARD_RULES
+  rules = sharding_rules.STANDARD_RULES
   results = {}
   encdec = FIXTURES / "t5x" / "encdec"
   e = np.load(encdec / "expected.npz")

@@ -22,6 +22,7 @@ import pytest
 
 from jaxrlhf import defaults
 from jaxrlhf import sharding
+from jaxrlhf import sharding_rules
 from jaxrlhf.models import fused_attention
 from jaxrlhf.models import gemma3
 from jaxrlhf.models import llama
@@ -100,7 +101,8 @@ def test_splash_window_and_soft_cap_equal_xla():
   mesh = sharding.create_mesh((1, 1), ("data", "model"), jax.devices()[:1])
   outs = []
   for impl in ("xla", "splash"):
-    with jax.set_mesh(mesh), nn.logical_axis_rules(sharding.STANDARD_RULES):
+    with jax.set_mesh(mesh), nn.logical_axis_rules(
+        sharding_rules.STANDARD_RULES):
       outs.append(jax.jit(functools.partial(
           attentions.attend, impl=impl, window=4, logit_softcap=2.0))(
               query, key, value, segments))

@@ -18,6 +18,7 @@ import pytest
 
 from jaxrlhf import defaults
 from jaxrlhf import sharding
+from jaxrlhf import sharding_rules
 from jaxrlhf.models import gpt_neox
 from jaxrlhf.models import llama
 from jaxrlhf.models import loading
@@ -211,7 +212,8 @@ def test_a_scanned_run_starts_from_an_unscanned_t5x_checkpoint(t5x_fixtures):
   boxed = jax.eval_shape(functools.partial(module.init, jax.random.PRNGKey(0)),
                          jnp.ones((1, 4), jnp.int32), jnp.ones((1, 4), jnp.int32),
                          jnp.ones((1, 4), jnp.int32))["params"]
-  shardings = sharding.tree_shardings(boxed, mesh, sharding.STANDARD_RULES)
+  shardings = sharding.tree_shardings(boxed, mesh,
+                                      sharding_rules.STANDARD_RULES)
   target = jax.tree.map(
       lambda a, s: jax.ShapeDtypeStruct(a.shape, a.dtype, sharding=s),
       nn.unbox(boxed), shardings)

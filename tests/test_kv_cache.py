@@ -896,7 +896,7 @@ def test_projections_stay_apart_under_lora_or_a_tensor_parallel_mesh():
   key/value heads need not split like the query heads); a data axis alone
   splits neither."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
-  from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding_rules  # pylint: disable=g-import-not-at-top
   model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=32))
   one = jnp.ones((1, 6), jnp.int32)
   params = random_params(model, one, one, one)
@@ -940,6 +940,6 @@ def test_projections_stay_apart_under_lora_or_a_tensor_parallel_mesh():
                           ((1, 2), [])):
     mesh = jax.sharding.AbstractMesh(shape, ("data", "model"))
     with jax.sharding.use_abstract_mesh(mesh), \
-        nn.logical_axis_rules(sharding.STANDARD_RULES):
+        nn.logical_axis_rules(sharding_rules.STANDARD_RULES):
       assert joined(param_recording.fuse_projections(params, fusions)
                    ) == expected

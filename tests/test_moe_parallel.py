@@ -66,6 +66,7 @@ def _check(case):
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxrlhf import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding_rules  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models.layers import moe  # pylint: disable=g-import-not-at-top
 
   shape, axes, experts, (batch, length) = CASES[case]
@@ -88,7 +89,7 @@ def _check(case):
 
   want = jax.jit(outputs)(params, x)
 
-  rules = sharding.experts_over(sharding.STANDARD_RULES, axes)
+  rules = sharding.experts_over(sharding_rules.STANDARD_RULES, axes)
   mesh = sharding.create_mesh(shape, ("data", "model"))
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     placed = jax.device_put(params,
@@ -147,6 +148,7 @@ def _data_parallel():
   import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding_rules  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models.layers import moe  # pylint: disable=g-import-not-at-top
 
   # (An embedding of 8: fully sharded rules split it over the data axis.)
@@ -174,8 +176,8 @@ def _data_parallel():
                                                                    mask))
   out = {}
   for key, shape, rules in (
-      ("data8", (8, 1), sharding.STANDARD_RULES),
-      ("fsdp4_model2", (4, 2), sharding.FULLY_SHARDED_RULES)):
+      ("data8", (8, 1), sharding_rules.STANDARD_RULES),
+      ("fsdp4_model2", (4, 2), sharding_rules.FULLY_SHARDED_RULES)):
     mesh = sharding.create_mesh(shape, ("data", "model"))
     with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
       placed = jax.device_put(params,
@@ -223,12 +225,13 @@ def _errors():
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   import jax  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding_rules  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models.layers import moe  # pylint: disable=g-import-not-at-top
   x = jax.numpy.ones((8, 2, EMBED))
   out = {}
   mesh = sharding.create_mesh((8, 1), ("data", "model"))
   for key, experts, axes in (("uneven", 6, "data"), ("no_axis", 8, "expert")):
-    rules = sharding.experts_over(sharding.STANDARD_RULES, axes)
+    rules = sharding.experts_over(sharding_rules.STANDARD_RULES, axes)
     try:
       with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
         moe.MoeMlp(num_experts=experts, top_k=2, mlp_dim=MLP).init(
@@ -288,9 +291,10 @@ def _training():
   import jax  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
-  one = _sft_steps((1, 1), sharding.STANDARD_RULES, jax.devices()[:1])
-  eight = _sft_steps((4, 2), sharding.experts_over(sharding.STANDARD_RULES,
-                                                   "data"), None)
+  from jaxrlhf import sharding_rules  # pylint: disable=g-import-not-at-top
+  one = _sft_steps((1, 1), sharding_rules.STANDARD_RULES, jax.devices()[:1])
+  eight = _sft_steps((4, 2), sharding.experts_over(
+      sharding_rules.STANDARD_RULES, "data"), None)
   diffs = jax.tree.map(lambda a, b: float(np.max(np.abs(a - b))), one[1],
                        eight[1])
   moved = jax.tree.map(lambda a: float(np.max(np.abs(a))), one[1])
@@ -308,11 +312,12 @@ def _plan():
   from conftest import tiny_config  # pylint: disable=g-import-not-at-top
   from jaxrlhf import plan as plan_lib  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
+  from jaxrlhf import sharding_rules  # pylint: disable=g-import-not-at-top
   config = tiny_config(algorithm="sft", model__arch="qwen3_moe",
                        model__size="tiny", model__num_encoder_layers=None,
                        mesh__shape=(4, 2), train__batch_size=8)
   config.sharding.logical_axis_rules = sharding.experts_over(
-      sharding.STANDARD_RULES, "data")
+      sharding_rules.STANDARD_RULES, "data")
   plan = plan_lib.make_plan(config, jax.devices(), topology="cpu:8")
   return {"collective_bytes": plan["collective_gib_per_chip_per_step"]
                               * plan_lib.GIB,
@@ -451,7 +456,8 @@ def test_experts_over_puts_the_expert_rule_first():
   must come first for the expert weights to split over it instead."""
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
-  rules = sharding.experts_over(sharding.FULLY_SHARDED_RULES, "data")
+  from jaxrlhf import sharding_rules  # pylint: disable=g-import-not-at-top
+  rules = sharding.experts_over(sharding_rules.FULLY_SHARDED_RULES, "data")
   assert rules[0] == ("expert", "data")
   assert [r for r in rules if r[0] == "expert"] == [("expert", "data")]
   spec = nn.logical_to_mesh_axes(("expert", "embed", "mlp"), rules)
@@ -459,8 +465,9 @@ def test_experts_over_puts_the_expert_rule_first():
   # The dense weights keep the fully sharded plan.
   assert tuple(nn.logical_to_mesh_axes(("embed", "mlp"), rules)) == (
       "data", "model")
-  assert sharding.experts_over(sharding.STANDARD_RULES, ["data", "model"])[
-      0] == ("expert", ("data", "model"))
+  assert sharding.experts_over(sharding_rules.STANDARD_RULES,
+                               ["data", "model"])[0] == ("expert",
+                                                         ("data", "model"))
 
 
 if __name__ == "__main__":

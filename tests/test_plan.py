@@ -25,6 +25,7 @@ from jaxrlhf import algorithms
 from jaxrlhf import flops
 from jaxrlhf import plan as plan_lib
 from jaxrlhf import sharding
+from jaxrlhf import sharding_rules
 from jaxrlhf.data import alignment_kinds
 from jaxrlhf.data import feature_converters
 from jaxrlhf.data import names
@@ -125,8 +126,8 @@ def test_flops_of_a_mixture_of_experts_by_hand(expert_devices):
   mesh = jax.sharding.AbstractMesh((expert_devices, 1), ("data", "model"))
   router = 2 * tokens * embed * experts
   one_projection = 2 * tokens * top_k * embed * mlp
-  with nn.logical_axis_rules(sharding.experts_over(sharding.STANDARD_RULES,
-                                                   "data")):
+  with nn.logical_axis_rules(sharding.experts_over(
+      sharding_rules.STANDARD_RULES, "data")):
     params = jax.eval_shape(lambda: layer.init(jax.random.key(0), x))
     with jax.sharding.use_abstract_mesh(mesh):
       forward = lambda p: layer.apply(p, x)[0].astype(jnp.float32).sum()

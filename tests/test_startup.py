@@ -5,9 +5,12 @@ reported without TensorFlow or seqio (most of the start-up time: a typo in
 a config field took 5.8 CPU seconds with them, 1.5 without); they load where
 a run first reads data (`jaxrlhf.algorithms.trainer.Trainer`, `train.loop`).
 An override naming a missing field is refused without even JAX when the
-config file needs no more of the library than `defaults.base_config()`
-(checked against the generated index, `jaxrlhf/config_index.py`): 0.18-0.20
-CPU seconds instead of 1.99-2.03 on 2 quiet cores.
+config file needs no more of the library than `defaults.base_config()` and
+modules that import nothing outside the standard library, as every
+committed config does (checked against the generated index,
+`jaxrlhf/config_index.py`): 0.18-0.20 CPU seconds instead of 1.99-2.03 on 2
+quiet cores for configs/quickstart.py, 0.23-0.31 for every committed config
+on 2 loaded ones.
 An ahead-of-time plan (`python -m jaxrlhf.plan`) reads no data and loads
 neither: its trainer takes the vocabulary's size and the batch layout from
 the config (`jaxrlhf.data.shapes`).
@@ -25,6 +28,8 @@ import pathlib
 import subprocess
 import sys
 import textwrap
+
+import pytest
 
 from conftest import REPO, TINY_OVERRIDES, cli_args
 
@@ -86,8 +91,9 @@ def test_configs_help_and_docs_load_no_data_stack():
   assert out["loaded"] == []
 
 
-def test_config_typo_is_one_line_without_the_data_stack(tmp_path):
-  """`python -m jaxrlhf.main --config=configs/quickstart.py
+@pytest.mark.parametrize("config", CONFIGS)
+def test_config_typo_is_one_line_without_the_data_stack(tmp_path, config):
+  """`python -m jaxrlhf.main --config=<committed config>
   --config.train.num_stepz=3`: exit status 2, one line naming the field,
   found before JAX is imported; the modules loaded by then are written at
   exit (atexit runs on sys.exit), so stderr holds only the error."""
@@ -98,7 +104,7 @@ def test_config_typo_is_one_line_without_the_data_stack(tmp_path):
           [m for m in {HEAVY + ("jax",)!r} if m in sys.modules])))
       sys.argv = ["jaxrlhf.main"] + sys.argv[1:]
       runpy.run_module("jaxrlhf.main", run_name="__main__")
-      """, "--config=configs/quickstart.py", "--config.train.num_stepz=3")
+      """, f"--config={config}", "--config.train.num_stepz=3")
   assert result.returncode == 2, result.stderr[-3000:]
   lines = result.stderr.strip().splitlines()
   assert len(lines) == 1 and lines[0].startswith("error:"), result.stderr
@@ -186,6 +192,13 @@ CHANGING_CONFIGS = {
           c.model.family_dict = {"rope_theta": 1.0}
           return c
         """,
+    # Imports JAX (and sets nothing of it).
+    "jax.py": """
+        import jax
+        from jaxrlhf import defaults
+        def get_config():
+          return defaults.base_config()
+        """,
     # Removes a field.
     "removes.py": """
         from jaxrlhf import defaults
@@ -203,14 +216,14 @@ CHANGING_CONFIGS = {
             c.train[extra] = 1
           return c
         """,
-    # Adds a field only if another module of the library imports, hiding
-    # any failure to import it.
+    # Adds a field only if a module of the library that needs JAX imports,
+    # hiding any failure to import it.
     "hides.py": """
         from jaxrlhf import defaults
         def get_config():
           c = defaults.base_config()
           try:
-            from jaxrlhf import presets
+            from jaxrlhf import sharding
             c.train.num_stepz = 1
           except BaseException:
             pass
@@ -228,8 +241,8 @@ CASES = [
     # A name the library's source quotes, as it would a field declared
     # since the index was generated: the full parse decides.
     ("configs/quickstart.py", "train.arch=t5", False, False),
-    # Imports presets, and so JAX: the full parse decides.
-    ("configs/dpo.py", "train.num_stepz=3", False, False),
+    # A config file that imports JAX: the full parse decides.
+    ("jax.py", "train.num_stepz=3", False, False),
     ("adds.py", "train.num_stepz=3", True, False),
     ("adds.py", "model.family_dict.rope_theta=2.0", True, False),
     ("adds.py", "model.family_dict.rope_thetaa=2.0", False, True),
@@ -237,14 +250,15 @@ CASES = [
     ("arg.py:num_stepz", "train.num_stepz=3", True, False),
     ("arg.py", "train.num_stepz=3", False, True),
     ("hides.py", "train.num_stepz=3", True, False),
-]
+] + [(config, "train.num_stepz=3", False, True) for config in CONFIGS]
 
 
 def test_early_check_agrees_with_the_full_parse(tmp_path):
   """`cli.early_unknown_field` (the check before the library is imported)
   refuses an override only with the full parse's own error, for config
   files that add or remove fields, take an argument, hold a dict or import
-  more of the library; it decides the typos it can without importing JAX.
+  more of the library, and every committed config; it decides the typos it
+  can (every committed config's) without importing JAX or TensorFlow.
   The full parse is ml_collections' with the library loaded, in another
   interpreter."""
   for name, text in CHANGING_CONFIGS.items():
@@ -262,7 +276,7 @@ def test_early_check_agrees_with_the_full_parse(tmp_path):
         out.append(error and cli.unknown_field_message(argv, error))
       print(json.dumps({{"messages": out, "loaded": [
           m for m in ("jax", "jaxrlhf.defaults", "jaxrlhf.algorithms")
-          if m in sys.modules]}}))
+          + {HEAVY!r} if m in sys.modules]}}))
       """)
   full = run_python(f"""
       import json, sys

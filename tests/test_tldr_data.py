@@ -19,9 +19,9 @@ from conftest import FIXTURES, REPO, tiny_config
 from jaxrlhf import defaults
 from jaxrlhf.data import alignment_kinds
 from jaxrlhf.data import feature_converters as fc
-from jaxrlhf.data import file_layouts
 from jaxrlhf.data import file_sources
 from jaxrlhf.data import file_tasks
+from jaxrlhf.data import names
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.data.hf_tokenizer import HFTokenizerVocabulary
 
@@ -144,7 +144,7 @@ def test_online_prompt_cutting_never_cuts_the_tldr_suffix(vocab):
   _register_queries(name, [long_query, query("a cat")], vocab)
   try:
     prompts = prompts_lib.load_prompts(
-        name, "train", limit, suffix=file_layouts.TLDR_QUERY_SUFFIX)
+        name, "train", limit, suffix=names.TLDR_QUERY_SUFFIX)
     assert prompts.num_cut == 1
     first = prompts.tokens[0][prompts.tokens[0] != 0].tolist()
     assert first == vocab.encode(query(kept)) + [vocab.eos_id]
@@ -157,7 +157,7 @@ def test_online_prompt_cutting_never_cuts_the_tldr_suffix(vocab):
                        match=r"row 0 .*does not end with the suffix "
                        r"'\\n\\nTL;DR:' \(config.online.prompt_suffix\)"):
       prompts_lib.load_prompts(name, "train", limit,
-                               suffix=file_layouts.TLDR_QUERY_SUFFIX)
+                               suffix=names.TLDR_QUERY_SUFFIX)
   finally:
     seqio.TaskRegistry.remove(name)
 
@@ -166,11 +166,11 @@ def test_fit_prompt_puts_the_suffix_back_after_every_cut():
   encode = lambda text: text.split() + ["</s>"]
   text = query("one two\nthree four five\nsix seven")
   tokens, cuts = prompts_lib.fit_prompt(
-      text, encode, 11, suffix=file_layouts.TLDR_QUERY_SUFFIX)
+      text, encode, 11, suffix=names.TLDR_QUERY_SUFFIX)
   assert (tokens, cuts) == (encode(query("one two")), 2)
   with pytest.raises(prompts_lib.PromptTooLongError, match="does not end"):
     prompts_lib.fit_prompt(text + " more", encode, 11,
-                           suffix=file_layouts.TLDR_QUERY_SUFFIX)
+                           suffix=names.TLDR_QUERY_SUFFIX)
 
 
 def test_tldr_configs_use_the_papers_settings():

@@ -132,6 +132,7 @@ import numpy as np
 
 from jaxrlhf.data import alignment_kinds as kinds_lib
 from jaxrlhf.data import chat_templates
+from jaxrlhf.data import names
 from jaxrlhf.data import row_checks
 from jaxrlhf import answers
 
@@ -340,15 +341,10 @@ def _hh_layout(record, ctx: RowContext) -> RowResult:
          "rejected": parts["rejected"][1]}
 
 
-# How a TL;DR query ends: no trailing space (detail 2); online RL keeps it
-# when it cuts a long query (`online.prompt_suffix`).
-TLDR_QUERY_SUFFIX = "\n\nTL;DR:"
-
-
 def format_tldr_prompt(subreddit: str, title: str, post: str) -> str:
   """The TL;DR query ("N+ implementation details", detail 2)."""
   return (f"SUBREDDIT: r/{subreddit}\n\nTITLE: {title}\n\nPOST: {post}"
-          + TLDR_QUERY_SUFFIX)
+          + names.TLDR_QUERY_SUFFIX)
 
 
 def _tldr_query(source: Mapping[str, Any], ctx: RowContext,

@@ -25,3 +25,8 @@ DECODER_SUFFIXES = ("tokens", "loss_weights", "positions", "attention_mask")
 SYNTHETIC_SUMMARIZE = "synthetic_summarize"
 SYNTHETIC_SUMMARIZE_GRADED = "synthetic_summarize_graded"
 SYNTHETIC_ARITHMETIC = "synthetic_arithmetic"
+
+# How a TL;DR query ends: no trailing space ("N+ implementation details",
+# detail 2). The TL;DR layouts write it (`file_layouts`); the TL;DR PPO
+# config keeps it when it cuts a long query (`online.prompt_suffix`).
+TLDR_QUERY_SUFFIX = "\n\nTL;DR:"

@@ -55,6 +55,7 @@ import numpy as np
 
 from jaxrlhf import checkpoint_files
 from jaxrlhf import sharding as sharding_lib
+from jaxrlhf import sharding_rules
 from jaxrlhf.models import family as family_lib
 from jaxrlhf.models import hf_io
 from jaxrlhf.models import lora
@@ -81,7 +82,7 @@ relayout_params = registry.relayout_params
 
 def param_shardings(module: nn.Module, mesh, rules=None):
   """NamedShardings of the module's parameters on `mesh` under `rules`."""
-  rules = sharding_lib.STANDARD_RULES if rules is None else rules
+  rules = sharding_rules.STANDARD_RULES if rules is None else rules
   return sharding_lib.tree_shardings(abstract_params(module), mesh,
                                      sharding_lib.as_rules(rules))
 
@@ -444,7 +445,7 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype=None,
       orbax checkpoint.
     mesh: a `jax.sharding.Mesh`; parameters are placed on it by their
       logical axis names. None: the default device.
-    rules: logical axis rules (default `jaxrlhf.sharding.STANDARD_RULES`).
+    rules: logical axis rules (default `jaxrlhf.sharding_rules.STANDARD_RULES`).
     dtype: the compute dtype to set in the model config (e.g. 'bfloat16');
       parameters stay float32 unless `param_dtype` says otherwise.
     model_config: the model config, for T5X checkpoints (else inferred from
@@ -464,7 +465,7 @@ def from_pretrained(path, *, mesh=None, rules=None, dtype=None,
   if dtype is not None:
     overrides["dtype"] = jnp.dtype(dtype).name
   if rules is None:
-    rules = sharding_lib.STANDARD_RULES
+    rules = sharding_rules.STANDARD_RULES
   rules = sharding_lib.as_rules(rules)
   kind = checkpoint_kind(path)
   if kind == HF:

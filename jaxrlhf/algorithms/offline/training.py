@@ -77,7 +77,7 @@ class Offline(base.Training):
           f"{estimated} from the whole batch; micro-batches would estimate "
           "it from each micro-batch and change the loss. Keep it at 1 and fit "
           "memory with model.remat_policy or the fully sharded rules "
-          "(jaxrlhf.sharding.FULLY_SHARDED_RULES).")
+          "(jaxrlhf.sharding_rules.FULLY_SHARDED_RULES).")
     update.check_split(batch, config.train.num_microbatches, data_parallel,
                        what=f"train.batch_size {batch}",
                        field="train.batch_size")
