@@ -9,8 +9,9 @@ config file needs no more of the library than `defaults.base_config()` and
 modules that import nothing outside the standard library, as every
 committed config does (checked against the generated index,
 `jaxrlhf/config_index.py`): 0.18-0.20 CPU seconds instead of 1.99-2.03 on 2
-quiet cores for configs/quickstart.py, 0.23-0.31 for every committed config
-on 2 loaded ones.
+quiet cores for configs/quickstart.py; 0.18-0.24 for each committed config
+(3 runs each, 2 cores at a load of 9), where those importing
+`jaxrlhf.presets` took about 2 before.
 An ahead-of-time plan (`python -m jaxrlhf.plan`) reads no data and loads
 neither: its trainer takes the vocabulary's size and the batch layout from
 the config (`jaxrlhf.data.shapes`).
