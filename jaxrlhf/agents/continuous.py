@@ -1,0 +1,419 @@
+"""Multi-turn episodes on decode slots: a turn that waits on its
+environment frees its slot.
+
+`episodes.run_episodes` decodes every live episode's turn in lockstep, then
+steps every environment, then extends every cache: a short turn's row
+idles until the longest turn ends, and the device idles while the
+environments run. Here (`run_episodes`, same arguments and results, an
+`EpisodeEngine` in place of the policy) E episodes share S decode slots:
+
+  * every episode's KV cache lives on pages of one pool (`paged_kv`), its
+    page table indexed by episode, not by slot, so an episode keeps its
+    earlier turns' pages while it has no slot;
+  * the host runs compiled chunks of at most `chunk_steps` decode steps of
+    the live slots (`EpisodeEngine.decode`); a chunk returns as soon as a
+    slot's turn ends (its end-of-turn id, or its budget);
+  * a finished turn frees its slot; its environment's step is submitted at
+    once to a thread pool, and the host goes on decoding the others;
+  * when an environment answers, its block of ids is prefilled onto the
+    episode's own pages at its length (earlier turns never recomputed) in
+    a free slot (`EpisodeEngine.prefill`, several episodes in one call);
+    new episodes (their openings) fill free slots the same way;
+  * an episode ends, and gives its pages back, as the lockstep loop's
+    rules say (the same `episodes.Opened` steps).
+
+Every drawn token is fed, as the lockstep sampler feeds it, but one step
+later: a slot's step feeds the token its episode drew last (or the last id
+of its opening or block) and draws the next, so a block is prefilled
+together with the end-of-turn id before it, and an episode's last token,
+never read, is never fed.
+
+The draws are each episode's own: episode i's turn t draws from
+fold_in(fold_in(key, i), t), split once per token as `turn_sampler.decode`
+splits its key (`turn_sampler.choose`), on the episode's logits alone; so
+an episode's ids and log-probs depend neither on the slots, the chunk size
+nor the other episodes, and are those of a lockstep `TurnPolicy` playing
+that episode alone with the key fold_in(key, i) (log-probs to float
+rounding; tests/test_engine_episodes.py). A turn's budget is the room left
+in max_episode_tokens (at most max_turn_tokens), which cuts a turn where
+the lockstep loop cuts it.
+
+The stats: decode steps (chunk iterations), slot occupancy (slot-steps
+that drew a token / decode steps x S), env_seconds (the wall time the host
+waited on environments with no slot to decode: the device idle), and
+env_hidden_seconds (the device's chunk and prefill time while at least one
+environment was running: environment time hidden behind decoding).
+"""
+
+import collections
+import concurrent.futures
+import time
+from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+
+from jaxrlhf.agents import environments
+from jaxrlhf.agents import episodes as episodes_lib
+from jaxrlhf.agents import turn_sampler
+from jaxrlhf.models import sampling
+from jaxrlhf.models.layers import paged_kv
+from jaxrlhf.models.layers import param_recording
+
+# pylint: disable=protected-access
+
+
+def _bucket(n: int, smallest: int) -> int:
+  """n rounded up to a power of two, at least `smallest` (fewer shapes)."""
+  size = smallest
+  while size < n:
+    size *= 2
+  return size
+
+
+def _rows(tables: paged_kv.PageTables, episodes: jax.Array):
+  """The page-table rows [k, max_pages] and lengths [k] of `episodes` [k]
+  (an index out of range: no pages, length 0)."""
+  return (tables.page_table.at[episodes].get(mode="fill",
+                                             fill_value=tables.num_pages),
+          tables.lengths.at[episodes].get(mode="fill", fill_value=0))
+
+
+def _write(model, params, pool, tables, episodes, tokens, real):
+  """`tokens` [k, L] of `episodes` [k] (each row's first real[k] ids,
+  then pads) written at each episode's length, its pages reserved: the
+  model's decode step over the pool -> (float32 logits [k, vocab] after
+  the last column, pool, tables). A pad sits past its row's real ids, at positions whose
+  pages are not reserved (dropped) or that the episode's next token writes
+  before any query reads them."""
+  _, start = _rows(tables, episodes)
+  tables = paged_kv.reserve(
+      tables, tables.lengths.at[episodes].set(start + real, mode="drop"))
+  page_table, _ = _rows(tables, episodes)
+  index = paged_kv.PagedIndex(page_table, start, tables.page_size)
+  positions = start[:, None] + jnp.arange(tokens.shape[1],
+                                          dtype=jnp.int32)[None, :]
+  logits, variables = model.apply(
+      {"params": params, "cache": pool}, tokens, positions, None, index,
+      method=model.decode_step, mutable=["cache"])
+  return logits.astype(jnp.float32), variables["cache"], tables
+
+
+def _prefill(model, params, pool, tables, episodes, tokens, real):
+  model = sampling._inference_module(model)
+  _, pool, tables = _write(model, params, pool, tables, episodes, tokens,
+                           real)
+  return pool, tables
+
+
+def _decode_params(model, params, pool, tables, fuse_projections):
+  """`params` as the decode steps read them (`sampling._decode_params`),
+  from the reads of one step traced (never run)."""
+  model = sampling._inference_module(model)
+  one = jnp.zeros((1,), jnp.int32)
+  with param_recording.recording_param_reads() as reads, \
+      param_recording.recording_param_fusions() as fusions:
+    jax.eval_shape(lambda p: _write(model, p, pool, tables, one,
+                                    one[:, None], one), params)
+  return sampling._decode_params(params, reads, fusions, fuse_projections)
+
+
+def _decode(model, params, pool, tables, slot_episode, pending, drawn,
+            budget, rng, live, tokens, logprobs, max_steps, end_id,
+            temperature, greedy):
+  """At most max_steps decode steps of the live slots, stopping after a
+  step in which some slot's turn ended (module docstring). Slot arrays
+  [S]: slot_episode (its episode), pending (the id to feed), drawn (this
+  turn's tokens so far), budget (this turn's most), rng [S, ...] (its
+  turn's key), live; tokens / logprobs [S, max_turn_tokens] this turn's
+  draws."""
+  model = sampling._inference_module(model)
+  slots = slot_episode.shape[0]
+  rows = jnp.arange(slots, dtype=jnp.int32)
+
+  def draw(key, logits):
+    key, token, logprob = turn_sampler.choose(logits[None], key, temperature,
+                                              greedy)
+    return key, token[0], logprob[0]
+
+  def body(carry):
+    (pool, tables, pending, drawn, rng, live, tokens, logprobs, steps,
+     useful, _) = carry
+    episode = jnp.where(live, slot_episode, tables.lengths.shape[0])
+    logits, pool, tables = _write(model, params, pool, tables, episode,
+                                  pending[:, None], live.astype(jnp.int32))
+    rng, token, logprob = jax.vmap(draw)(rng, logits)
+    at = jnp.where(live, rows, slots)  # a slot not live writes nothing
+    tokens = tokens.at[at, drawn].set(token, mode="drop")
+    logprobs = logprobs.at[at, drawn].set(logprob, mode="drop")
+    drawn = drawn + live.astype(jnp.int32)
+    ended = live & ((token == end_id) | (drawn >= budget))
+    return (pool, tables, jnp.where(live, token, pending), drawn, rng,
+            live & ~ended, tokens, logprobs, steps + 1,
+            useful + jnp.sum(live, dtype=jnp.int32), jnp.any(ended))
+
+  def going(carry):
+    live, steps, any_ended = carry[5], carry[8], carry[10]
+    return (steps < max_steps) & jnp.any(live) & ~any_ended
+
+  zero = jnp.int32(0)
+  carry = (pool, tables, pending, drawn, rng, live, tokens, logprobs, zero,
+           zero, jnp.zeros((), bool))
+  return jax.lax.while_loop(going, body, carry)[:10]
+
+
+_prefill_jit = sampling._jit_static(_prefill, ("model",))
+_decode_params_jit = sampling._jit_static(_decode_params,
+                                          ("model", "fuse_projections"))
+_decode_jit = sampling._jit_static(
+    _decode, ("model", "end_id", "temperature", "greedy"))
+_release_jit = jax.jit(paged_kv.release)
+
+
+class EpisodeEngine:
+  """E episodes' pages and S decode slots on the device (module
+  docstring); `run_episodes` drives it.
+
+  Args:
+    model, params: a decoder-only module whose attention reads pages
+      (`attentions.Attention`: Llama, Qwen, Gemma, ...) and its parameters
+      (the policy's view: LoRA adapters merged by the caller).
+    end_id: the end-of-turn id.
+    temperature: the sampling temperature (0: greedy).
+    num_slots: S, the turns decoded at once.
+    max_length: the most positions an episode holds (its opening and
+      conversation).
+    turn_tokens: a turn's most tokens.
+    page_size: positions per page.
+    chunk_steps: the most decode steps between two returns to the host
+      (None: turn_tokens); a chunk returns sooner when a turn ends.
+  """
+
+  def __init__(self, model, params, *, end_id: int, temperature: float,
+               num_slots: int, max_length: int, turn_tokens: int,
+               page_size: int = 16, chunk_steps: Optional[int] = None):
+    for field, value in (("num_slots", num_slots), ("max_length", max_length),
+                         ("turn_tokens", turn_tokens),
+                         ("page_size", page_size),
+                         ("chunk_steps", chunk_steps or 1)):
+      if not isinstance(value, (int, np.integer)) or value < 1:
+        raise ValueError(f"EpisodeEngine: {field} must be a positive int, "
+                         f"got {value!r}.")
+    self.model, self.params = model, params
+    self.end_id, self.temperature = int(end_id), float(temperature)
+    self.num_slots, self.turn_tokens = int(num_slots), int(turn_tokens)
+    self.max_length, self.page_size = int(max_length), int(page_size)
+    self.chunk_steps = int(chunk_steps or turn_tokens)
+    self.decode_steps = 0
+    self.useful_slot_steps = 0
+    self.prefills = 0
+    self.pages_peak = 0
+
+  # --- the pool, by episode --------------------------------------------------
+
+  def reset(self, num_episodes: int, key) -> None:
+    """An empty pool for `num_episodes` episodes at their longest, and S
+    free slots; `key` the episodes' sampling key."""
+    max_pages = paged_kv.pages_for(self.max_length, self.page_size)
+    num_pages = num_episodes * max_pages
+    self.key = key
+    self.pool = paged_kv.make_pool(self.model, self.params, num_pages,
+                                   self.page_size)
+    self.tables = paged_kv.init_tables(num_pages, self.page_size,
+                                       num_episodes, max_pages)
+    self._dparams = _decode_params_jit(
+        model=self.model, params=self.params, pool=self.pool,
+        tables=self.tables, fuse_projections=True)
+    s, m = self.num_slots, self.turn_tokens
+    self.slot_episode = np.full((s,), -1, np.int64)
+    # The slots' device arrays (`_decode`'s).
+    self._slots = dict(
+        pending=jnp.zeros((s,), jnp.int32), drawn=jnp.zeros((s,), jnp.int32),
+        budget=jnp.ones((s,), jnp.int32), rng=jnp.stack([key] * s),
+        tokens=jnp.zeros((s, m), jnp.int32),
+        logprobs=jnp.zeros((s, m), jnp.float32))
+    self._to_release: List[int] = []
+
+  def free_slots(self) -> List[int]:
+    return [s for s in range(self.num_slots) if self.slot_episode[s] < 0]
+
+  def release(self, episode: int) -> None:
+    """Episode `episode` is over: its pages go back (with the next call)."""
+    self._to_release.append(int(episode))
+
+  def _flush_releases(self) -> None:
+    if self._to_release:
+      which = np.zeros((self.tables.lengths.shape[0],), bool)
+      which[self._to_release] = True
+      self.tables = _release_jit(self.tables, which)
+      self._to_release = []
+
+  def prefill(self, starts: Sequence[Tuple[int, Sequence[int], int, int]]
+              ) -> None:
+    """Starts turns: per (episode, ids, turn, budget), the episode's `ids`
+    but the last written onto its pages at its length, and a free slot set
+    to feed the last and draw at most `budget` tokens with the turn's key
+    fold_in(fold_in(key, episode), turn)."""
+    self._flush_releases()
+    free = self.free_slots()
+    if not 0 < len(starts) <= len(free):
+      raise ValueError(f"EpisodeEngine.prefill: {len(starts)} turns for "
+                       f"{len(free)} free slots.")
+    longest = max(len(ids) - 1 for _, ids, _, _ in starts)
+    if longest:
+      count = _bucket(len(starts), 1)
+      tokens = np.zeros((count, _bucket(longest, 8)), np.int32)
+      real = np.zeros((count,), np.int32)
+      episodes = np.full((count,), self.tables.lengths.shape[0], np.int32)
+      for r, (i, ids, _, _) in enumerate(starts):
+        tokens[r, :len(ids) - 1] = ids[:-1]
+        real[r], episodes[r] = len(ids) - 1, i
+      self.pool, self.tables = _prefill_jit(
+          model=self.model, params=self.params, pool=self.pool,
+          tables=self.tables, episodes=episodes, tokens=tokens, real=real)
+      self.prefills += 1
+    slots = np.asarray(free[:len(starts)], np.int32)
+    for slot, (i, _, _, _) in zip(slots, starts):
+      self.slot_episode[slot] = i
+    d = self._slots
+    keys = jnp.stack([jax.random.fold_in(jax.random.fold_in(self.key, i),
+                                         turn) for i, _, turn, _ in starts])
+    d["pending"] = d["pending"].at[slots].set(
+        np.asarray([ids[-1] for _, ids, _, _ in starts], np.int32))
+    d["budget"] = d["budget"].at[slots].set(
+        np.asarray([b for _, _, _, b in starts], np.int32))
+    d["drawn"] = d["drawn"].at[slots].set(0)
+    d["rng"] = d["rng"].at[slots].set(keys)
+
+  def decode(self) -> Dict[int, Tuple[List[int], List[float], bool]]:
+    """One chunk of decode steps: {episode: (the turn's ids, their
+    log-probs, whether it ended at the end-of-turn id)} of the turns that
+    ended (their slots now free)."""
+    self._flush_releases()
+    live = self.slot_episode >= 0
+    d = self._slots
+    greedy = self.temperature <= 0
+    (self.pool, self.tables, d["pending"], d["drawn"], d["rng"], live_after,
+     d["tokens"], d["logprobs"], steps, useful) = _decode_jit(
+         model=self.model, params=self._dparams, pool=self.pool,
+         tables=self.tables,
+         slot_episode=np.maximum(self.slot_episode, 0).astype(np.int32),
+         pending=d["pending"], drawn=d["drawn"], budget=d["budget"],
+         rng=d["rng"], live=live, tokens=d["tokens"],
+         logprobs=d["logprobs"], max_steps=jnp.int32(self.chunk_steps),
+         end_id=self.end_id,
+         temperature=1.0 if greedy else self.temperature, greedy=greedy)
+    live_after, steps, useful, used = jax.device_get(
+        (live_after, steps, useful,
+         self.tables.num_pages - self.tables.num_free))
+    self.decode_steps += int(steps)
+    self.useful_slot_steps += int(useful)
+    self.pages_peak = max(self.pages_peak, int(used))
+    ended = np.flatnonzero(live & ~np.asarray(live_after))
+    if not ended.size:
+      return {}
+    tokens, logprobs, drawn = jax.device_get(
+        (d["tokens"], d["logprobs"], d["drawn"]))
+    out = {}
+    for slot in ended:
+      n = int(drawn[slot])
+      ids = [int(x) for x in tokens[slot, :n]]
+      out[int(self.slot_episode[slot])] = (
+          ids, [float(x) for x in logprobs[slot, :n]],
+          bool(ids and ids[-1] == self.end_id))
+      self.slot_episode[slot] = -1
+    return out
+
+  def occupancy(self) -> float:
+    """Slot-steps that drew a token / (decode steps x S)."""
+    steps = self.decode_steps * self.num_slots
+    return self.useful_slot_steps / steps if steps else 0.0
+
+
+def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
+                 engine: EpisodeEngine, renderer, parser, limits, key, *,
+                 name: str = "online.environment",
+                 row_names: Optional[Sequence[str]] = None
+                 ) -> Tuple[List[episodes_lib.Episode], Dict[str, float]]:
+  """One episode per row on the engine's slots (module docstring);
+  arguments and episodes as `episodes.run_episodes`' (`engine` for its
+  policy). Returns (episodes, {"env_seconds", "env_hidden_seconds",
+  "slot_occupancy", "decode_steps"})."""
+  opened = episodes_lib.open_episodes(make_env, rows, renderer, limits,
+                                      name, row_names)
+  episodes = opened.episodes
+  engine.reset(len(episodes), key)
+  timeout = limits.env_timeout_s
+  # Turns ready to start: (episode, ids to write, the last fed by a slot).
+  ready = collections.deque(
+      (i, list(e.opening)) for i, e in enumerate(episodes) if not e.done)
+  last = {}  # episode -> its last drawn id (the end-of-turn id), unfed
+  waiting = {}  # future -> episode
+  hidden = waited = 0.0
+  pool = concurrent.futures.ThreadPoolExecutor(
+      max_workers=max(1, min(32, len(episodes))),
+      thread_name_prefix="environment step")
+
+  def budget(i):
+    room = limits.max_episode_tokens - len(episodes[i].tokens)
+    return max(1, min(limits.max_turn_tokens, room))
+
+  def answered(future):
+    i = waiting.pop(future)
+    outcome = future.result()
+    if not opened.check(i, episodes[i].turns, outcome,
+                        environments.check_step):
+      engine.release(i)
+      return
+    block = opened.take_answer(i, outcome.value, renderer)
+    if block is None:
+      engine.release(i)
+    else:
+      ready.append((i, [last.pop(i)] + block))
+
+  try:
+    while True:
+      for future in [f for f in waiting if f.done()]:
+        answered(future)
+      free = engine.free_slots()
+      if ready and free:
+        starts = []
+        while ready and len(starts) < len(free):
+          i, ids = ready.popleft()
+          starts.append((i, ids, episodes[i].turns, budget(i)))
+        begun = time.perf_counter()
+        engine.prefill(starts)
+        if waiting:
+          hidden += time.perf_counter() - begun
+      if (engine.slot_episode >= 0).any():
+        begun = time.perf_counter()
+        ended = engine.decode()
+        if waiting:
+          hidden += time.perf_counter() - begun
+        for i, (ids, logprobs, end) in ended.items():
+          message = opened.take_turn(i, ids, logprobs, end, renderer, parser)
+          if message is None:
+            engine.release(i)
+            continue
+          last[i] = ids[-1]
+          env = opened.envs[i]
+          future = pool.submit(
+              lambda env=env, m=message: environments.call_all(
+                  [lambda: env.step(m)], timeout)[0])
+          waiting[future] = i
+      elif waiting:
+        begun = time.perf_counter()
+        concurrent.futures.wait(list(waiting),
+                                return_when=concurrent.futures.FIRST_COMPLETED)
+        waited += time.perf_counter() - begun
+      elif not ready:
+        break
+  finally:
+    pool.shutdown(wait=False)
+  paged_kv.check_not_exhausted(engine.tables)
+  opened.env_seconds += waited
+  return episodes, {"env_seconds": opened.env_seconds,
+                    "env_hidden_seconds": hidden,
+                    "slot_occupancy": engine.occupancy(),
+                    "decode_steps": float(engine.decode_steps)}

@@ -1,0 +1,148 @@
+"""Multi-turn episodes on decode slots (`agents.continuous`) against the
+lockstep turn sampler.
+
+The truths: (1) an episode's ids, masks, rewards and sampler log-probs do
+not depend on the slots, the chunk size or the other episodes (one slot
+against three, chunks of 2 steps against whole turns); (2) each episode is
+what a lockstep `TurnPolicy` plays for that episode alone with the key
+fold_in(key, i) (`episodes.run_episodes`: a contiguous cache extended
+between turns); (3) every drawn token is one slot-step, so the occupancy
+is the tokens drawn over steps x slots, and with one slot it is 1.
+
+A tiny random Llama (its end-of-turn id made likely, so turns have spread
+lengths) plays an environment of numbers: the ids are the numbers of the
+messages (a renderer with no chat template), each answer a block of a
+length that varies with the row and the turn.
+"""
+
+import flax.linen as nn
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from jaxrlhf.agents import continuous
+from jaxrlhf.agents import episodes
+from jaxrlhf.agents import policies
+from jaxrlhf.models import llama
+
+VOCAB = 32
+END = 3
+LIMITS = episodes.Limits(max_turns=4, max_episode_tokens=28,
+                         max_turn_tokens=5, max_opening_tokens=8)
+KEY = jax.random.PRNGKey(7)
+ROWS = [{"prompt": "", "row": r} for r in range(5)]
+
+
+class NumberRenderer:
+  """Messages of numbers as their ids (no chat template)."""
+  end_id = END
+
+  def opening(self, messages, tools=None):
+    del tools
+    return [int(x) for x in messages[0]["content"].split()]
+
+  def block(self, opening, new, tools=None):
+    del opening, tools
+    return [int(x) for m in new for x in m["content"].split()]
+
+  def turn_text(self, ids):
+    return " ".join(str(i) for i in ids if i != END)
+
+  answer_text = turn_text
+
+
+class Numbers:
+  """Answers turn t of row r with 1 + (r + 2t) % 5 numbers and the turn's
+  length as its reward; done after 2 + r % 3 turns."""
+
+  def __init__(self, row):
+    self.r, self.t = row["row"], 0
+
+  def reset(self):
+    return [{"role": "user",
+             "content": " ".join(str(4 + (self.r * 5 + j) % 27)
+                                 for j in range(2 + self.r % 4))}]
+
+  def step(self, message):
+    self.t += 1
+    said = len(message["content"].split())
+    block = " ".join(str(5 + (self.r * 3 + self.t * 7 + j) % 26)
+                     for j in range(1 + (self.r + 2 * self.t) % 5))
+    return ([{"role": "user", "content": block}], float(said),
+            self.t >= 2 + self.r % 3)
+
+
+@pytest.fixture(scope="module")
+def tiny():
+  model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=VOCAB))
+  one = jnp.ones((1, 4), jnp.int32)
+  params = nn.meta.unbox(
+      jax.jit(model.init)(jax.random.PRNGKey(3), one, one, one)["params"])
+  params = jax.tree.map(np.array, params)
+  # The end-of-turn id's logit raised: turns of a few tokens, some cut.
+  params["decoder"]["logits_dense"]["kernel"][:, END] *= 5.0
+  return model, params
+
+
+def play(tiny, rows=ROWS, key=KEY, **engine_options):
+  model, params = tiny
+  engine = continuous.EpisodeEngine(
+      model, params, end_id=END, temperature=1.0, turn_tokens=5,
+      max_length=LIMITS.max_opening_tokens + LIMITS.max_episode_tokens,
+      page_size=4, **engine_options)
+  played, stats = continuous.run_episodes(
+      Numbers, rows, engine, NumberRenderer(), episodes.Parser("qwen"),
+      LIMITS, key)
+  return played, stats, engine
+
+
+def assert_same(got, want):
+  for g, w in zip(got, want):
+    assert (g.opening, g.tokens, g.is_model) == (w.opening, w.tokens,
+                                                 w.is_model)
+    assert (g.step_rewards, g.turns, g.overflow, g.done) == (
+        w.step_rewards, w.turns, w.overflow, w.done)
+    np.testing.assert_allclose(g.logprobs, w.logprobs, atol=2e-5)
+
+
+@pytest.fixture(scope="module")
+def three_slots(tiny):
+  return play(tiny, num_slots=3)
+
+
+def test_episodes_do_not_depend_on_slots_or_chunks(tiny, three_slots):
+  played, _, _ = three_slots
+  one, _, engine = play(tiny, num_slots=1, chunk_steps=2)
+  assert_same(one, played)
+  # The episodes are not trivial: several turns, spread lengths, cuts.
+  assert sum(e.turns for e in played) > len(played)
+  assert len({len(e.tokens) for e in played}) > 2
+  # (3) one slot never idles: every step drew a token.
+  drawn = sum(sum(e.is_model) for e in one)
+  assert engine.useful_slot_steps == engine.decode_steps == drawn
+
+
+def test_each_episode_is_the_lockstep_policys_alone(tiny, three_slots):
+  model, params = tiny
+  played, stats, engine = three_slots
+  for i, row in enumerate(ROWS):
+    policy = policies.TurnPolicy(
+        model, params, end_id=END, temperature=1.0,
+        width=(LIMITS.max_opening_tokens + LIMITS.max_episode_tokens
+               + LIMITS.max_turn_tokens), turn_tokens=5)
+    (alone,), _ = episodes.run_episodes(
+        Numbers, [row], policy, NumberRenderer(), episodes.Parser("qwen"),
+        LIMITS, jax.random.fold_in(KEY, i))
+    assert_same([played[i]], [alone])
+  drawn = sum(sum(e.is_model) for e in played)
+  assert engine.useful_slot_steps == drawn
+  assert stats["slot_occupancy"] == pytest.approx(
+      drawn / (3 * engine.decode_steps))
+  assert stats["decode_steps"] == engine.decode_steps
+
+
+def test_bad_slots_are_one_line(tiny):
+  with pytest.raises(ValueError, match="num_slots must be a positive int"):
+    continuous.EpisodeEngine(*tiny, end_id=END, temperature=1.0,
+                             num_slots=0, max_length=8, turn_tokens=2)
