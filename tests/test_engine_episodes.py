@@ -12,8 +12,12 @@ is the tokens drawn over steps x slots, and with one slot it is 1.
 A tiny random Llama (its end-of-turn id made likely, so turns have spread
 lengths) plays an environment of numbers: the ids are the numbers of the
 messages (a renderer with no chat template), each answer a block of a
-length that varies with the row and the turn.
+length that varies with the row and the turn. And through the training
+loop: a GRPO step on the agents' miniature (tests/test_agent_training.py)
+is the same with one slot as with three.
 """
+
+import json
 
 import flax.linen as nn
 import jax
@@ -25,6 +29,8 @@ from jaxrlhf.agents import continuous
 from jaxrlhf.agents import episodes
 from jaxrlhf.agents import policies
 from jaxrlhf.models import llama
+from jaxrlhf.train import loop
+from test_agent_training import policy_run  # pylint: disable=unused-import
 
 VOCAB = 32
 END = 3
@@ -71,6 +77,22 @@ class Numbers:
                      for j in range(1 + (self.r + 2 * self.t) % 5))
     return ([{"role": "user", "content": block}], float(said),
             self.t >= 2 + self.r % 3)
+
+
+class Said:
+  """Rewards each turn with the length of what the model said (so that a
+  group's episodes score apart); done after two steps."""
+
+  def __init__(self, row):
+    self.t = 0
+
+  def reset(self):
+    return [{"role": "user", "content": "Say something."}]
+
+  def step(self, message):
+    self.t += 1
+    return ([{"role": "user", "content": "more"}],
+            len(message["content"]) / 10.0, self.t >= 2)
 
 
 @pytest.fixture(scope="module")
@@ -146,3 +168,31 @@ def test_bad_slots_are_one_line(tiny):
   with pytest.raises(ValueError, match="num_slots must be a positive int"):
     continuous.EpisodeEngine(*tiny, end_id=END, temperature=1.0,
                              num_slots=0, max_length=8, turn_tokens=2)
+
+
+def test_a_grpo_step_on_episodes_is_the_same_on_one_slot_as_on_three(
+    policy_run):
+  """`online.engine='continuous'` through the training loop (the agents'
+  miniature config, its biased tiny Qwen2): the step's episodes, rewards
+  and loss do not depend on `online.engine_slots`."""
+  from test_agent_training import _config  # pylint: disable=g-import-not-at-top
+  logged = {}
+  for slots in (1, 3):
+    config = _config(policy_run["root"], online__engine="continuous",
+                     online__engine_slots=slots)
+    config.train.num_steps = 1
+    config.online.environment = "test_engine_episodes:Said"
+    config.init.policy_checkpoint = policy_run["workdir"]
+    workdir = policy_run["root"] / f"continuous_{slots}"
+    loop.train(config, str(workdir), devices=jax.devices()[:1])
+    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+    (logged[slots],) = [r for r in rows if "episode/turns" in r]
+  one, three = logged[1], logged[3]
+  assert one["episode/slot_occupancy"] == 1.0
+  assert 0 < three["episode/slot_occupancy"] <= 1.0
+  # Several turns (an environment between), rewards that differ.
+  assert one["episode/turns"] > 1 and one["advantage_abs_mean"] > 0
+  timing = ("seconds", "occupancy", "decode_steps")
+  for name, value in one.items():
+    if isinstance(value, float) and not any(t in name for t in timing):
+      assert three[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name

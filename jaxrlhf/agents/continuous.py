@@ -339,7 +339,8 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
   """One episode per row on the engine's slots (module docstring);
   arguments and episodes as `episodes.run_episodes`' (`engine` for its
   policy). Returns (episodes, {"env_seconds", "env_hidden_seconds",
-  "slot_occupancy", "decode_steps"})."""
+  "slot_occupancy", "slot_steps", "useful_slot_steps", "decode_steps"}:
+  module docstring)."""
   opened = episodes_lib.open_episodes(make_env, rows, renderer, limits,
                                       name, row_names)
   episodes = opened.episodes
@@ -416,4 +417,7 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
   return episodes, {"env_seconds": opened.env_seconds,
                     "env_hidden_seconds": hidden,
                     "slot_occupancy": engine.occupancy(),
+                    "slot_steps": float(engine.decode_steps
+                                        * engine.num_slots),
+                    "useful_slot_steps": float(engine.useful_slot_steps),
                     "decode_steps": float(engine.decode_steps)}

@@ -27,7 +27,12 @@ model's tokens (GAE steps over the environment's tokens:
 `rl.advantages.generalized_advantage_estimation`). Metrics: episode/turns,
 episode/tool_calls, episode/failed_calls, episode/overflow (per episode),
 episode/skipped (dropped by rewards.on_bad_row=skip_and_report),
-episode/env_seconds (the step's wall time waiting on environments).
+episode/env_seconds (the step's wall time waiting on environments with
+nothing to decode); with online.engine='continuous' (`agents.continuous`:
+a turn waiting on its environment frees its decode slot),
+episode/env_hidden_seconds (decoding while an environment ran: its time
+hidden) and episode/slot_occupancy (slot-steps that drew a token / steps x
+slots).
 """
 
 import dataclasses
@@ -39,6 +44,7 @@ import numpy as np
 
 from jaxrlhf import run_cache
 from jaxrlhf import sharding
+from jaxrlhf.agents import continuous
 from jaxrlhf.agents import environments
 from jaxrlhf.agents import episodes as episodes_lib
 from jaxrlhf.agents import policies
@@ -50,6 +56,13 @@ from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
 from jaxrlhf.eval import pass_at_k
 
+# What `play` counts, summed as episode/<name> (the step's, not per
+# episode): the wall time the device waited on environments; with the
+# continuous engine, the device time while an environment ran (hidden
+# behind decoding), and the slot-steps run and those that drew a token
+# (`_per_episode` logs their ratio, episode/slot_occupancy).
+_TIMING = ("env_seconds", "env_hidden_seconds", "slot_steps",
+           "useful_slot_steps")
 # Per-episode means of these sums (`episodes.metrics`).
 _MEANS = ("episode/turns", "episode/tool_calls", "episode/failed_calls",
           "episode/overflow")
@@ -132,16 +145,31 @@ def play(trainer, policy_params, rows, key, temperature: float,
          row_names=None):
   """The episodes of `rows` ({"prompt", **columns}) with the policy's
   parameters (its view: LoRA merged) at `temperature` (0: greedy):
-  (episodes, {"env_seconds", "decode_steps"})."""
+  (episodes, {"env_seconds", "decode_steps", and with the continuous
+  engine "env_hidden_seconds", "slot_occupancy"}). online.engine
+  'lockstep' plays the turns in lockstep (`agents.policies.TurnPolicy`),
+  'continuous' on decode slots (`agents.continuous`)."""
   a = agent(trainer)
   lim = a.limits
+  o = trainer.config.online
+  if o.engine == "continuous":
+    engine = continuous.EpisodeEngine(
+        trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
+        temperature=temperature,
+        num_slots=o.engine_slots or max(1, len(rows) // 4),
+        max_length=lim.max_opening_tokens + lim.max_episode_tokens,
+        turn_tokens=lim.max_turn_tokens,
+        page_size=o.engine_page_size or 16)
+    return continuous.run_episodes(a.make_env, rows, engine, a.renderer,
+                                   a.parser, lim, key, name=a.name,
+                                   row_names=row_names)
   policy = policies.TurnPolicy(
       trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
       temperature=temperature,
       width=(lim.max_opening_tokens + lim.max_episode_tokens
              + lim.max_turn_tokens),
       turn_tokens=lim.max_turn_tokens,
-      extend_cache=trainer.config.online.extend_kv_cache)
+      extend_cache=o.extend_kv_cache)
   return episodes_lib.run_episodes(a.make_env, rows, policy, a.renderer,
                                    a.parser, lim, key, name=a.name,
                                    row_names=row_names)
@@ -232,7 +260,8 @@ class EpisodeStep(host_split.HostSplitStep):
         sharding.batch_sharding(self.mesh, self._rules, x.ndim), x)
     host = {"played": played, "rows": rows,
             "metrics": {**episodes_lib.metrics(played),
-                        "episode/env_seconds": timing["env_seconds"]}}
+                        **{f"episode/{name}": timing[name]
+                           for name in _TIMING if name in timing}}}
     return EpisodeSamples(
         opening=place(arrays.opening), opening_mask=place(arrays.opening_mask),
         tokens=place(arrays.tokens), present=place(arrays.present),
@@ -275,8 +304,13 @@ class EpisodeStep(host_split.HostSplitStep):
 
 def _per_episode(metrics: Dict[str, float]) -> Dict[str, float]:
   """The episode sums of every round (added over processes) as means per
-  episode; env_seconds stays the step's total."""
+  episode, and the slots' occupancy; env_seconds stays the step's
+  total."""
   metrics = dict(metrics)
+  if "episode/slot_steps" in metrics:
+    metrics["episode/slot_occupancy"] = (
+        metrics.pop("episode/useful_slot_steps")
+        / max(metrics.pop("episode/slot_steps"), 1.0))
   count = max(metrics.pop("episode/count", 0.0), 1.0)
   for name in _MEANS:
     if name in metrics:

@@ -78,15 +78,26 @@ ONLINE = config_schema.Group(
           "own ends, so that no slot waits; each response draws its own "
           "key, so the responses differ from lockstep's, from the same "
           "policy; on 2 CPU cores 16 slots for 64 responses gave 1.30x "
-          "lockstep's tokens/s, experiments/results/engine/). Continuous: "
-          "decoder-only policies, single-turn responses, sampling on the "
-          "training devices, no cache_segments, no recorded routes "
-          "(router_replay on a mixture-of-experts policy).",
+          "lockstep's tokens/s, experiments/results/engine/). With "
+          "online.environment or online.tools, episodes on slots "
+          "(jaxrlhf/agents/continuous.py): a turn that ends frees its slot "
+          "while its environment steps in a thread pool and the others "
+          "decode, and its answer is prefilled onto the episode's own "
+          "pages (of online.engine_page_size positions; unset 16) in a "
+          "free slot (episode i's turn t draws from "
+          "fold_in(fold_in(key, i), t): the episodes differ from "
+          "lockstep's, not from one slot's to many's; "
+          "experiments/bench_agents.py measures both). Continuous: "
+          "decoder-only policies, sampling on the training devices, no "
+          "cache_segments, no recorded routes (router_replay on a "
+          "mixture-of-experts policy).",
           choices=("lockstep", "continuous")),
         F("engine_slots", None,
           "engine 'continuous': the decode slots (the responses decoded at "
-          "once); unset = a quarter of a rollout part's responses (at "
-          "least 1), the setting measured.", type=int, bounds=">0"),
+          "once; with episodes, the turns); unset = a quarter of a "
+          "rollout part's responses (episodes: of the step's episodes on "
+          "this process), at least 1, the setting measured.", type=int,
+          bounds=">0"),
         F("engine_page_size", None,
           "engine 'continuous': unset = each slot a contiguous KV cache of "
           "prompt + max_new_tokens - 1 positions; an int = the slots' "
@@ -316,8 +327,8 @@ def check_sampling(c) -> None:
 
 
 def check_engine(c) -> None:
-  """engine 'continuous' decodes single-turn responses of a decoder-only
-  policy on the training devices, reading the whole cache."""
+  """engine 'continuous' decodes single-turn responses or episodes of a
+  decoder-only policy on the training devices, reading the whole cache."""
   o = c.online
   config_schema.require(
       o.engine == "continuous" or o.engine_page_size is None,
@@ -331,8 +342,6 @@ def check_engine(c) -> None:
        f"{c.model.arch!r} is an encoder-decoder"),
       (not o.sampler_devices, "online.sampler_devices",
        f"{o.sampler_devices} (sampler devices)"),
-      (not environments.episodic(o), "online.environment",
-       "multi-turn episodes (they have their own turn sampler)"),
       (o.cache_segments in (None, 1), "online.cache_segments",
        f"{o.cache_segments} (segments)")):
     config_schema.require(
