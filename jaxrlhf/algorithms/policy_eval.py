@@ -86,7 +86,7 @@ def check_eval_task(trainer) -> None:
   cfg = trainer.config
   if cfg.eval.task:
     pipeline.get_task(cfg.eval.task, field="config.eval.task")
-  _check_with_rewards(trainer)
+  _check_with_rewards(cfg)
   if cfg.eval.judge != "gold_reward":
     judges.check(trainer)
   elif scores_with_rewards(cfg):
@@ -202,10 +202,9 @@ def scores_with_rewards(config, split: str = "") -> bool:
   return no_judge and _has_split(config, split or e.split)
 
 
-def _check_with_rewards(trainer) -> None:
+def _check_with_rewards(cfg) -> None:
   """eval.with_rewards 'on' needs an online run with host rewards and the
-  split to score."""
-  cfg = trainer.config
+  split to score (`cfg`: the run's config)."""
   if cfg.eval.with_rewards != "on":
     return
   if not _host_reward_names(cfg):

@@ -333,8 +333,8 @@ def advantages(trainer, state, rollout, token_weights=None):
   rows, algorithm_state, target_metrics = trainer.algorithm.training.targets(
       trainer, trainer.view(state), rollout)
   # Distillation: the teacher's per-token advantage, before any weights.
-  rows, target_metrics = teacher.with_distill_targets(trainer, rollout, rows,
-                                                      target_metrics)
+  rows, target_metrics = teacher.with_distill_targets(
+      trainer.config, trainer.online.teacher, rollout, rows, target_metrics)
   if token_weights is not None:
     advantage = rows["advantages"]
     if advantage.ndim == 1:

@@ -222,10 +222,13 @@ class Online(base.Training):
     return rows * settings.response_length * jax.process_count()
 
   def loaded_networks(self, trainer, abstract_state):
+    token_swap = trainer.hf_options()["token_swap"]
     return {**reward_sources.loaded_networks(trainer, abstract_state,
                                              self.value_from_reward_model),
-            **reward_sources.loaded_judge(trainer, abstract_state),
-            **teacher.loaded_networks(trainer, abstract_state)}
+            **reward_sources.loaded_judge(trainer.online.rewards.judge,
+                                          abstract_state, token_swap),
+            **teacher.loaded_networks(trainer.online.teacher, abstract_state,
+                                      token_swap)}
 
   def optimizer(self, trainer, per_network, update_scales):
     """One optimizer per network with warm-up counted in updates, so that

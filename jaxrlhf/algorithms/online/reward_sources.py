@@ -645,26 +645,28 @@ def frozen_networks(trainer, rng) -> Dict[str, Any]:
   return out
 
 
-def loaded_judge(trainer, abstract_state) -> Dict[str, Any]:
-  """{"frozen/judge": its checkpoint's params} when a judge is weighted."""
-  judge = trainer.online.rewards.judge
+def loaded_judge(judge, abstract_state, token_swap) -> Dict[str, Any]:
+  """{"frozen/judge": its checkpoint's params} when a judge is weighted
+  (`judge`: the run's `RewardSources.judge`, or None); `token_swap` as in
+  `load_frozen_lm`."""
   if judge is None:
     return {}
   return {f"frozen/{JUDGE}": load_frozen_lm(
-      trainer, judge.network, abstract_state, f"frozen/{JUDGE}",
-      "config.rewards.judge.checkpoint")}
+      judge.network, abstract_state, f"frozen/{JUDGE}",
+      "config.rewards.judge.checkpoint", token_swap)}
 
 
-def load_frozen_lm(trainer, network, abstract_state, target: str,
-                   field: str):
+def load_frozen_lm(network, abstract_state, target: str, field: str,
+                   token_swap):
   """A frozen language model's params (a teacher, a judge: another run's
   latest params/policy or a Hugging Face folder), shaped and sharded as
-  `target` of `abstract_state`; errors name `field`."""
+  `target` of `abstract_state`; errors name `field`. token_swap: the ids
+  the run's vocabulary exchanges (`Trainer.hf_options()["token_swap"]`),
+  exchanged in a Hugging Face checkpoint's token rows too."""
   try:
     return pretrained.load_lm_params(
         network.path, state_lib.subtree(abstract_state, target),
-        module=network.adapter.module,
-        token_swap=trainer.hf_options()["token_swap"])
+        module=network.adapter.module, token_swap=token_swap)
   except ValueError as e:
     raise ValueError(f"{field}: {e}") from None
 

@@ -194,15 +194,15 @@ def frozen_networks(trainer, rng) -> Dict[str, Any]:
   return {TEACHER: params}
 
 
-def loaded_networks(trainer, abstract_state) -> Dict[str, Any]:
+def loaded_networks(teacher, abstract_state, token_swap) -> Dict[str, Any]:
   """{"frozen/teacher": its checkpoint's params}, shaped and sharded as in
-  `abstract_state`."""
-  teacher = trainer.online.teacher
+  `abstract_state` (`teacher`: the run's, or None); `token_swap` as in
+  `reward_sources.load_frozen_lm`."""
   if teacher is None:
     return {}
   return {f"frozen/{TEACHER}": reward_sources.load_frozen_lm(
-      trainer, teacher, abstract_state, f"frozen/{TEACHER}",
-      "config.distill.teacher_checkpoint")}
+      teacher, abstract_state, f"frozen/{TEACHER}",
+      "config.distill.teacher_checkpoint", token_swap)}
 
 
 # --- the teacher on a rollout ----------------------------------------------------
@@ -236,17 +236,17 @@ def score_with_teacher(trainer, teacher_params, prompt_tokens, rollout):
       teacher_features=None if features is rollout.features else features)
 
 
-def with_distill_targets(trainer, rollout, rows, metrics):
+def with_distill_targets(config, teacher, rollout, rows, metrics):
   """The update rows with what the teacher adds (mode 'advantage': the
   per-token advantage; 'loss': the teacher's features when they are not
   the student's), and the rollout's `distill/reverse_kl`: the sampled
-  estimate sum_t (log pi_student - log pi_teacher) / tokens."""
-  if trainer.online.teacher is None:
+  estimate sum_t (log pi_student - log pi_teacher) / tokens. Nothing
+  without a teacher (`teacher`: the run's, or None)."""
+  if teacher is None:
     return rows, metrics
   gap = (rollout.logprobs - rollout.teacher_logprobs) * rollout.mask
   tokens = jnp.maximum(jnp.sum(rollout.mask), 1.0)
   metrics = dict(metrics, **{"distill/reverse_kl": jnp.sum(gap) / tokens})
-  config = trainer.config
   if mode(config) == "advantage":
     advantages = rows["advantages"]
     if advantages.ndim == 1:
@@ -297,10 +297,10 @@ def with_distill_loss(trainer, loss_fn, frozen):
 # --- GKD's responses -----------------------------------------------------------
 
 
-def _dataset_samples(trainer, completions) -> sampling.Samples:
-  """The prompts' own completions [P * k, L] as samples: no sampler
-  log-probs (NaN, so the sampler's gap metrics are left out)."""
-  eos = trainer.vocabulary.eos_id
+def _dataset_samples(completions, eos) -> sampling.Samples:
+  """The prompts' own completions [P * k, L] (ending at the EOS id `eos`)
+  as samples: no sampler log-probs (NaN, so the sampler's gap metrics are
+  left out)."""
   mask = (jnp.cumsum(completions == eos, axis=1)
           - (completions == eos)) == 0
   mask = (mask & (completions != 0)).astype(jnp.float32)
@@ -320,7 +320,7 @@ def gkd_sample(trainer, sample_fn, params, frozen, prompts, key):
   sampled = jax.eval_shape(lambda: sample_fn(params, frozen, prompts, key))
 
   def dataset():
-    samples = _dataset_samples(trainer, completions)
+    samples = _dataset_samples(completions, trainer.vocabulary.eos_id)
     if sampled.routes is None:
       return samples
     # Router replay: no sampler routed the dataset's tokens; -1 lets the
