@@ -291,7 +291,8 @@ def test_the_tpu_kernel_interpreted_equals_reading_pages_in_use(cap):
 
 def test_auto_gathers_short_tables_and_reads_long_ones_in_use():
   """Off TPU, 'auto' is the gather up to GATHER_POSITIONS positions a row,
-  the loop over pages in use beyond; 'kernel' only where asked for."""
+  the loop over pages in use beyond; 'kernel' only where asked for, and
+  only for the calls it takes."""
   def index(max_pages, page_size=16, read="auto"):
     return paged_kv.PagedIndex(jnp.zeros((1, max_pages), jnp.int32),
                                jnp.zeros((1,), jnp.int32), page_size, read)
@@ -302,6 +303,11 @@ def test_auto_gathers_short_tables_and_reads_long_ones_in_use():
                                 jnp.bfloat16) == "pages"
   assert paged_attention.choose(index(1, read="kernel"), 1, None,
                                 jnp.float32) == "kernel"
+  # Calls the kernel does not take (a prefill, a window) read in the loop.
+  assert paged_attention.choose(index(1, read="kernel"), 3, None,
+                                jnp.float32) == "pages"
+  assert paged_attention.choose(index(1, read="kernel"), 1, 4,
+                                jnp.float32) == "pages"
 
 
 def test_a_bad_read_is_named():
@@ -312,10 +318,6 @@ def test_a_bad_read_is_named():
                               4, read="fast")
   with pytest.raises(ValueError, match="read='fast'"):
     paged_attention.attend(query, *pools, index, scale=1.0)
-  with pytest.raises(ValueError, match="no sliding window"):
-    paged_attention.attend(
-        query, *pools, dataclasses.replace(index, read="kernel"), scale=1.0,
-        window=2)
 
 
 def test_released_pages_are_reused_and_counted():

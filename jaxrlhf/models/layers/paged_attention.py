@@ -195,18 +195,22 @@ def tpu_kernel(query: Array, key_pool: Array, value_pool: Array,
 
 def choose(index: paged_kv.PagedIndex, length: int, window,
            pool_dtype) -> str:
-  """How a call of `length` queries per row reads its pages: index.read,
-  or for 'auto' the TPU kernel on a TPU for a bfloat16 pool's decode step
-  (one query per row, no window: where its bfloat16 reads are exact),
+  """How a call of `length` queries per row reads its pages: index.read
+  ('kernel' where the kernel takes the call, one query per row and no
+  window, else 'pages'), or for 'auto' the TPU kernel on a TPU for a
+  bfloat16 pool's decode step (where its bfloat16 reads are exact),
   'gather' for a table of at most GATHER_POSITIONS positions, else
   'pages'."""
   read = index.read
   if read not in READS:
     raise ValueError(f"paged attention: PagedIndex.read={read!r}; choose "
                      f"one of {list(READS)}.")
+  kernel_takes = length == 1 and window is None
+  if read == "kernel":
+    return "kernel" if kernel_takes else "pages"
   if read != "auto":
     return read
-  if (length == 1 and window is None and pool_dtype == jnp.bfloat16
+  if (kernel_takes and pool_dtype == jnp.bfloat16
       and jax.default_backend() == "tpu"):
     return "kernel"
   return "gather" if index.capacity <= GATHER_POSITIONS else "pages"
@@ -223,9 +227,6 @@ def attend(query: Array, key_pool: Array, value_pool: Array,
     raise ValueError("paged attention: read 'gather' is "
                      "attentions.Attention's path (paged_kv.gather_pages).")
   if read == "kernel":
-    if window is not None:
-      raise ValueError("paged attention: the TPU kernel has no sliding "
-                       "window; use read='pages' for windowed layers.")
     return tpu_kernel(query, key_pool, value_pool, index, scale=scale,
                       logit_softcap=logit_softcap)
   return attend_pages(query, key_pool, value_pool, index, scale=scale,

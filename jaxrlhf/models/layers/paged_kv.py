@@ -29,11 +29,11 @@ the pool (`write_pages`) and attends over the pages in use
 (`paged_attention`: a loop over blocks of pages up to the batch's longest
 position, or JAX's Pallas kernel on TPU), or gathers each sequence's whole
 table back in the contiguous cache's layout (`gather_pages`: a short
-table, or `PagedIndex.read` 'gather') and attends with `paged_mask`. A call's L
-tokens of sequence b sit at positions start[b] .. start[b] + L - 1;
-negative positions (a left-padded prompt's pads) are neither written nor
-attended to, so a prefill of left-padded prompts stores their real tokens
-only.
+table, or `PagedIndex.read` 'gather') and attends with `paged_mask`. A
+call's L tokens of sequence b sit at positions start[b] .. start[b] + L -
+1; negative positions (a left-padded prompt's pads) are neither written
+nor attended to, so a prefill of left-padded prompts stores their real
+tokens only.
 """
 
 import dataclasses
@@ -94,8 +94,9 @@ class PagedIndex:
     read: static, how attention reads the pages (`paged_attention.READS`):
       'auto' (`paged_attention.choose`: the TPU kernel where it applies,
       a short table gathered, else 'pages'), 'pages' (XLA, the pages in
-      use), 'kernel' (JAX's Pallas TPU kernel; interpreted off TPU) or
-      'gather' (XLA, the table's whole width).
+      use), 'kernel' (JAX's Pallas TPU kernel, interpreted off TPU, for
+      the calls it takes: one query per row, no window; 'pages' for the
+      rest) or 'gather' (XLA, the table's whole width).
   """
   page_table: Array
   start: Array
