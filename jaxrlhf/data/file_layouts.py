@@ -122,65 +122,29 @@ completion, which rows of "columns" and "messages" then need not have.
 """
 
 import dataclasses
-import functools
-import json
 import math
-from typing import (Any, Callable, Dict, Iterator, Mapping, Optional, Tuple,
-                    Union)
+from typing import Any, Callable, Dict, Mapping, Optional, Tuple, Union
 
 import numpy as np
 
 from jaxrlhf.data import alignment_kinds as kinds_lib
-from jaxrlhf.data import chat_templates
+from jaxrlhf.data import chat_layouts
+from jaxrlhf.data import layout_rows
 from jaxrlhf.data import names
 from jaxrlhf.data import row_checks
 from jaxrlhf import answers
 
 BadRow = row_checks.BadRow
 as_number = row_checks.as_number
-# The key of an example's extra columns ({name: value}), beside its fields.
-EXTRA_COLUMNS = "extra_columns"
-
-
-@dataclasses.dataclass
-class RowContext:
-  """What a layout may use to turn one row into examples."""
-  kind: kinds_lib.DataKind
-  column_mapping: Mapping[str, str]
-  options: Mapping[str, Any]
-  # Tokens of a prompt as the task will hold it (EOS included if appended);
-  # None when no vocabulary was given.
-  prompt_tokens: Optional[Callable[[str], int]]
-  max_prompt_tokens: Optional[int]
-  rng_factory: Callable[[], np.random.Generator]
-  # Layout "columns", demonstrations: extra column name -> file column.
-  extra_columns: Mapping[str, str] = dataclasses.field(default_factory=dict)
-  # Layout "messages": the template conversations are rendered with.
-  chat_template: Optional[chat_templates.ChatTemplate] = None
-
-  @functools.cached_property
-  def rng(self) -> np.random.Generator:
-    return self.rng_factory()
-
-
-RowResult = Iterator[Union[dict, BadRow]]
-
-
-def _get_path(record: Mapping[str, Any], column: str):
-  """record[column], following dots into nested objects; None if absent."""
-  value = record
-  for part in column.split("."):
-    if not isinstance(value, Mapping) or part not in value:
-      return None
-    value = value[part]
-  return value
+RowContext = layout_rows.RowContext
+RowResult = layout_rows.RowResult
 
 
 def _columns_layout(record, ctx: RowContext) -> RowResult:
   example = {}
   for field in ctx.kind.fields:
     column = ctx.column_mapping.get(field, field)
-    value = _get_path(record, column)
+    value = layout_rows.get_path(record, column)
     if value is None:
       if field in ctx.kind.scalar_fields:
         continue  # Validation fills the default or reports a required one.
@@ -195,24 +159,12 @@ def _columns_layout(record, ctx: RowContext) -> RowResult:
                    "missing or null.")
       return
   if ctx.extra_columns:
-    extras = _extra_values(record, ctx)
+    extras = layout_rows.extra_values(record, ctx)
     if isinstance(extras, BadRow):
       yield extras
       return
-    example[EXTRA_COLUMNS] = extras
+    example[layout_rows.EXTRA_COLUMNS] = extras
   yield example
-
-
-def _extra_values(record, ctx: RowContext) -> Union[Dict[str, Any], BadRow]:
-  """The row's values of the extra columns a column mapping names."""
-  extras = {}
-  for name, column in ctx.extra_columns.items():
-    value = _get_path(record, column)
-    if value is None:
-      return BadRow("missing_field", f"column {column!r} (extra column "
-                    f"{name!r}) is missing or null.")
-    extras[name] = value
-  return extras
 
 
 def _ultrafeedback_aspect_mean(annotations, what: str) -> Union[float, BadRow]:
@@ -475,7 +427,7 @@ def _worked_answer(record, fields, final_answer, missing: str,
     yield BadRow("no_final_answer", missing)
     return
   yield {"prompt": problem, "completion": solution,
-         EXTRA_COLUMNS: {"answer": final,
+         layout_rows.EXTRA_COLUMNS: {"answer": final,
                          **{name: record.get(name) for name in columns}}}
 
 
@@ -494,238 +446,6 @@ def _math_layout(record, ctx: RowContext) -> RowResult:
 
 
 # --- conversations (layout "messages") -----------------------------------------
-
-
-def _column(ctx: RowContext, name: str) -> str:
-  return ctx.column_mapping.get(name, name)
-
-
-def _messages(value, column: str, single_reply: bool = False
-              ) -> Union[list, BadRow]:
-  """A column's list of messages (one message object counts as a list of
-  one where a reply is expected), or why it is not one."""
-  if single_reply and isinstance(value, Mapping):
-    value = [value]
-  if not isinstance(value, (list, tuple)) or not value:
-    return BadRow("wrong_type", f"column {column!r} must be a non-empty list "
-                  "of messages, objects with a 'role' and a 'content'.")
-  for i, message in enumerate(value):
-    if not isinstance(message, Mapping) or not isinstance(
-        message.get("role"), str):
-      return BadRow("wrong_type", f"{column}[{i}] is not a message: an "
-                    "object with a string 'role' (and its 'content').")
-  return list(value)
-
-
-def _single_reply(value, column: str) -> Union[Mapping[str, Any], BadRow]:
-  """The one assistant message of a reply column."""
-  messages = _messages(value, column, single_reply=True)
-  if isinstance(messages, BadRow):
-    return messages
-  roles = [m["role"] for m in messages]
-  if roles != [chat_templates.ASSISTANT]:
-    return BadRow("wrong_type", f"column {column!r} must hold one assistant "
-                  f"message (the reply), got roles {roles}.")
-  return messages[0]
-
-
-def _split(ctx: RowContext, context, reply, where: str, tools=None
-           ) -> Union[Tuple[str, str], BadRow]:
-  """(prompt, completion) texts of a reply after its context (`tools`: the
-  template's tool schemas, or None)."""
-  try:
-    return chat_templates.split_reply(ctx.chat_template, context, reply,
-                                      tools=tools)
-  except chat_templates.NotAPrefixError as e:
-    return BadRow("template_not_prefix", f"{where}: {e}")
-  except chat_templates.ChatTemplateError as e:
-    return _template_refused(ctx, where, e)
-
-
-def _template_refused(ctx: RowContext, where: str, error) -> BadRow:
-  """The row whose conversation at `where` the chat template refused."""
-  return BadRow("chat_template_error", f"{where}: the chat template "
-                f"({ctx.chat_template.origin}) refused the conversation: "
-                f"{error}")
-
-
-def _tools(record, ctx: RowContext):
-  """A row's tool schemas (column "tools"; None where absent), or why the
-  column is not a list of them."""
-  column = _column(ctx, "tools")
-  tools = _get_path(record, column)
-  if isinstance(tools, str):
-    try:
-      tools = json.loads(tools)
-    except ValueError:
-      tools = ""
-  if tools is not None and not (
-      isinstance(tools, (list, tuple))
-      and all(isinstance(t, Mapping) for t in tools)):
-    return BadRow("wrong_type", f"column {column!r} must be a list of tool "
-                  "JSON schemas (objects), or that list as a JSON string.")
-  return tools or None
-
-
-def _with_conversation(extras, messages) -> Dict[str, Any]:
-  """A prompt's extra columns and the conversation it renders
-  (`alignment_kinds.CONVERSATION_COLUMN`), without null fields (Parquet
-  gives every message each field any message of the file has)."""
-  return {**extras, kinds_lib.CONVERSATION_COLUMN: [
-      {k: v for k, v in m.items() if v is not None} for m in messages]}
-
-
-def _messages_demonstrations(record, ctx: RowContext) -> RowResult:
-  extras = _extra_values(record, ctx)
-  if isinstance(extras, BadRow):
-    yield extras
-    return
-  tools = _tools(record, ctx)
-  if isinstance(tools, BadRow):
-    yield tools
-    return
-  column = _column(ctx, "messages")
-  conversation = _get_path(record, column)
-  if conversation is not None:
-    messages = _messages(conversation, column)
-    if isinstance(messages, BadRow):
-      yield messages
-      return
-    turns = chat_templates.assistant_turns(messages)
-    if not turns:
-      yield BadRow("no_assistant_turn", f"column {column!r} has no "
-                   "assistant message to learn from (roles "
-                   f"{[m['role'] for m in messages]}).")
-      return
-    if ctx.options["turns"] == "last":
-      turns = turns[-1:]
-    pairs = [(messages[:i], messages[i], f"{column}[{i}]") for i in turns]
-  else:
-    prompt_column = _column(ctx, kinds_lib.PROMPT)
-    completion_column = _column(ctx, "completion")
-    prompt = _get_path(record, prompt_column)
-    completion = _get_path(record, completion_column)
-    if prompt is None or completion is None:
-      yield BadRow("missing_field", f"no conversation: neither column "
-                   f"{column!r} nor both {prompt_column!r} and "
-                   f"{completion_column!r}.")
-      return
-    context = _messages(prompt, prompt_column)
-    reply = _single_reply(completion, completion_column)
-    for value in (context, reply):
-      if isinstance(value, BadRow):
-        yield value
-        return
-    pairs = [(context, reply, completion_column)]
-  for context, reply, where in pairs:
-    split = _split(ctx, context, reply, where, tools)
-    if isinstance(split, BadRow):
-      yield split  # The conversation's other replies are still learnt.
-      continue
-    yield {"prompt": split[0], "completion": split[1],
-           EXTRA_COLUMNS: _with_conversation(extras, context)}
-
-
-def _messages_pairs(record, ctx: RowContext) -> RowResult:
-  columns = {f: _column(ctx, f) for f in ("prompt", "chosen", "rejected")}
-  values = {f: _get_path(record, c) for f, c in columns.items()}
-  for field in ("chosen", "rejected"):
-    if values[field] is None:
-      yield BadRow("missing_field", f"column {columns[field]!r} is missing "
-                   "or null.")
-      return
-  replies = {}
-  if isinstance(values["prompt"], (list, tuple)):
-    # TRL's explicit prompt: the shared turns, then one reply each.
-    context = _messages(values["prompt"], columns["prompt"])
-    if isinstance(context, BadRow):
-      yield context
-      return
-    for field in ("chosen", "rejected"):
-      replies[field] = _single_reply(values[field], columns[field])
-  else:
-    # Two whole conversations that differ in their last (assistant) turn.
-    conversations = {}
-    for field in ("chosen", "rejected"):
-      messages = _messages(values[field], columns[field])
-      if isinstance(messages, BadRow):
-        yield messages
-        return
-      conversations[field] = messages
-      replies[field] = messages[-1]
-      if messages[-1]["role"] != chat_templates.ASSISTANT:
-        yield BadRow("unparsable_dialogue", f"column {columns[field]!r} "
-                     "must end with the assistant reply being compared, not "
-                     f"a {messages[-1]['role']!r} message.")
-        return
-    context = conversations["chosen"][:-1]
-    if ([chat_templates.message_for_template(m) for m in context] !=
-        [chat_templates.message_for_template(m)
-         for m in conversations["rejected"][:-1]]):
-      yield BadRow("prompts_differ", "the chosen and rejected conversations "
-                   "differ before their last message.")
-      return
-  example = {}
-  for field in ("chosen", "rejected"):
-    if isinstance(replies[field], BadRow):
-      yield replies[field]
-      return
-    split = _split(ctx, context, replies[field], columns[field])
-    if isinstance(split, BadRow):
-      yield split
-      return
-    example[kinds_lib.PROMPT], example[field] = split
-  for field in ctx.kind.scalar_fields:
-    value = _get_path(record, _column(ctx, field))
-    if value is not None:
-      example[field] = value
-  yield example
-
-
-def _messages_prompts(record, ctx: RowContext) -> RowResult:
-  """Online RL's prompts of a conversation (column "messages", or TRL's
-  prompt-only {"prompt": [messages]}): the conversation before each
-  assistant reply and, when it does not end with one, the whole of it, each
-  rendered with the generation prompt."""
-  extras = _extra_values(record, ctx)
-  if isinstance(extras, BadRow):
-    yield extras
-    return
-  column = _column(ctx, "messages")
-  conversation = _get_path(record, column)
-  if conversation is None:
-    column = _column(ctx, kinds_lib.PROMPT)
-    conversation = _get_path(record, column)
-  if conversation is None:
-    yield BadRow("missing_field", f"no conversation: neither column "
-                 f"{_column(ctx, 'messages')!r} nor {column!r}.")
-    return
-  messages = _messages(conversation, column)
-  if isinstance(messages, BadRow):
-    yield messages
-    return
-  ends = chat_templates.assistant_turns(messages)
-  if not ends or ends[-1] != len(messages) - 1:
-    ends.append(len(messages))
-  if ctx.options["turns"] == "last":
-    ends = ends[-1:]
-  for end in ends:
-    try:
-      prompt = ctx.chat_template.render(messages[:end],
-                                        add_generation_prompt=True)
-    except chat_templates.ChatTemplateError as e:
-      yield _template_refused(ctx, f"{column}[:{end}]", e)
-      continue
-    yield {kinds_lib.PROMPT: prompt,
-           EXTRA_COLUMNS: _with_conversation(extras, messages[:end])}
-
-
-def _messages_layout(record, ctx: RowContext) -> RowResult:
-  if ctx.kind.name == kinds_lib.DEMONSTRATIONS.name:
-    return _messages_demonstrations(record, ctx)
-  if ctx.kind.name == kinds_lib.PROMPTS.name:
-    return _messages_prompts(record, ctx)
-  return _messages_pairs(record, ctx)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -768,7 +488,7 @@ LAYOUTS: Dict[str, Layout] = {
                extra_columns=("answer",)),
         Layout("math", _math_layout, _DEMONSTRATIONS, {},
                extra_columns=("answer", "level", "type")),
-        Layout("messages", _messages_layout,
+        Layout("messages", chat_layouts.messages_layout,
                _DEMONSTRATIONS + (kinds_lib.PAIRS.name,),
                {"turns": "all"},
                extra_columns=(kinds_lib.CONVERSATION_COLUMN,),

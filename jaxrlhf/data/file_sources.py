@@ -48,6 +48,7 @@ from jaxrlhf import console
 from jaxrlhf.data import alignment_kinds as kinds_lib
 from jaxrlhf.data import chat_templates
 from jaxrlhf.data import file_layouts
+from jaxrlhf.data import layout_rows
 from jaxrlhf.data import names
 from jaxrlhf.data import row_checks
 
@@ -399,7 +400,7 @@ class AlignmentFileSource(seqio.DataSource):
         if isinstance(record, BadRow):
           results = [record]
         else:
-          ctx = file_layouts.RowContext(
+          ctx = layout_rows.RowContext(
               kind=self.kind, column_mapping=self.column_mapping,
               options=self.layout_options,
               prompt_tokens=self._limits.prompt_tokens,
@@ -441,7 +442,7 @@ class AlignmentFileSource(seqio.DataSource):
 
   def _check(self, example: dict) -> Union[dict, BadRow]:
     """The checked example with its extra columns, or a BadRow."""
-    extras = example.pop(file_layouts.EXTRA_COLUMNS, {})
+    extras = example.pop(layout_rows.EXTRA_COLUMNS, {})
     checked = row_checks.check_example(example, self.kind, self._limits)
     if isinstance(checked, BadRow):
       return checked
