@@ -8,8 +8,14 @@ The workload is bench_rollout.py's: `--prompts` (P) random prompts of
 `--prompt` tokens, `--group` (k) responses each (N = P * k sequences), at
 most `--new` tokens, at temperature 1, from a randomly initialised Llama
 whose every decode step draws the EOS with probability `--eos_prob`
-(`bench_rollout.ending_at_rate`: geometric lengths, a mild spread). In one
-run, on the same prompts:
+(`bench_rollout.ending_at_rate`: geometric lengths, a mild spread), or
+with `--lengths=lognormal` whose responses have log-normal lengths
+(`--mean_length`, `--sigma`; `bench_rollout.ending_lognormal`: a
+reasoning run's skew, most responses short and a long tail):
+
+  python experiments/bench_engine.py --lengths=lognormal --new=4096
+
+In one run, on the same prompts:
 
   lockstep N      today's online step: `sample_decoder_only` on all N rows
                   at once (`num_samples=k`, `stop_when_done`): N slots,
@@ -74,7 +80,17 @@ def _parse():
   p.add_argument("--new", type=int, default=128,
                  help="max_new_tokens, the response budget")
   p.add_argument("--eos_prob", type=float, default=0.1,
-                 help="probability that a step ends a response")
+                 help="probability that a step ends a response (--lengths "
+                 "geometric)")
+  p.add_argument("--lengths", default="geometric",
+                 choices=("geometric", "lognormal"),
+                 help="the responses' lengths: geometric (--eos_prob) or "
+                 "log-normal (--mean_length, --sigma; "
+                 "bench_rollout.ending_lognormal), cut at --new")
+  p.add_argument("--mean_length", type=float, default=300.0,
+                 help="--lengths lognormal: the lengths' mean before the cut")
+  p.add_argument("--sigma", type=float, default=1.0,
+                 help="--lengths lognormal: the deviation of log length")
   p.add_argument("--slots", type=int, default=16,
                  help="S, the engine's slots (and lockstep S's batch)")
   p.add_argument("--refills", default="1,4,16",
@@ -117,7 +133,14 @@ def main(args):
   config = bench_sampling.model_config("llama", args.vocab_size, args.dtype,
                                        args.size)
   module, params = bench_sampling.init_params(config)
-  module = bench_rollout.ending_at_rate(module, eos_id, args.eos_prob)
+  if args.lengths == "lognormal":
+    module = bench_rollout.ending_lognormal(module, eos_id, args.prompt,
+                                            args.mean_length, args.sigma)
+    ending = (f"log-normal lengths (mean {args.mean_length:g}, sigma "
+              f"{args.sigma:g})")
+  else:
+    module = bench_rollout.ending_at_rate(module, eos_id, args.eos_prob)
+    ending = f"EOS with probability {args.eos_prob} per step"
   prompts = bench_sampling.prompts("llama", P, args.prompt, args.vocab_size)
   repeated = np.repeat(prompts, k, axis=0)
   ones = np.ones_like(repeated)
@@ -125,7 +148,7 @@ def main(args):
   print(f"device: {jax.devices()[0].device_kind}; {args.size} Llama, vocab "
         f"{args.vocab_size}, {args.dtype}; {P} prompts x {k} samples = {n} "
         f"sequences, prompt {args.prompt} tokens, budget {new} new tokens, "
-        f"temperature 1, EOS with probability {args.eos_prob} per step")
+        f"temperature 1, {ending}")
   options = dict(max_new_tokens=new, temperature=1.0, eos_id=eos_id)
 
   all_rows = jax.jit(lambda p, x, r: sampling.sample_decoder_only(
