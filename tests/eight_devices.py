@@ -20,11 +20,11 @@ and one compilation of each single-device step for all the checks):
            the same 4, and one step ahead with the decoupled correction on
            those same 4;
   loop     a 12-step SFT run through the training loop (checkpoints,
-           metrics, restore);
-  plan     `jaxrlhf.plan` of a DRO-V step on the 4x2 mesh: the memory XLA
-           plans for its arguments against the bytes the real state and
-           batch take on one device, and the plan with micro-batches and
-           with scanned layers.
+           metrics, restore; no evaluation);
+  plan     `jaxrlhf.plan` of offline's DRO-V step on the 4x2 mesh: the
+           memory XLA plans for its arguments against the bytes the real
+           state and batch take on one device, the plan with micro-batches,
+           and the FLOPs counted with 2 layers scanned and unrolled.
 Prints one line "RESULT <json>".
 """
 
@@ -39,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 sys.path.insert(0, os.path.dirname(__file__))
-from conftest import FIXTURES, from_scratch, tiny_config, trainer_of  # noqa: E402
+from conftest import (FIXTURES, evaluated_by, from_scratch, tiny_config,  # noqa: E402
+                      trainer_of)
 from jaxrlhf import algorithms  # noqa: E402
 from jaxrlhf import flops  # noqa: E402
 from jaxrlhf import plan as plan_lib  # noqa: E402
@@ -168,25 +169,36 @@ def _steps(config, shape, algorithm, devices, metric_keys):
           "kernel_shards": len({s.device for s in kernel.addressable_shards})}
 
 
+FEEDBACK = {"dpo": "pairs", "dro_v": "trajectory"}
+
+
+def _offline_config(algorithm, shape, workdir, **overrides):
+  """The tiny model on the feedback `offline` wrote for `algorithm`, 16
+  rows a step. DRO-V's on 4x2 is also the step `plans` plans: the same
+  program, so the suite's persistent compilation cache compiles its step
+  and its initialisation once for both; 16 rows let 4 micro-batches split
+  over the 4 data shards."""
+  config = tiny_config(algorithm=algorithm, data__task=f"sharded_{algorithm}",
+                       mesh__shape=shape, train__batch_size=16, **overrides)
+  config.data.files.train = str(workdir / f"{FEEDBACK[algorithm]}.jsonl")
+  return config
+
+
 def offline(workdir):
   """DPO and DRO-V: three steps on one device and on 4x2."""
   results = {}
   examples = synthetic.make_examples("train", 64)
-  for algorithm, kind in (("dpo", "pairs"), ("dro_v", "trajectory")):
-    path = str(workdir / f"{kind}.jsonl")
+  for algorithm, kind in FEEDBACK.items():
     synthetic_feedback.write_synthetic_feedback(
-        path, kind, [e["inputs"] for e in examples],
+        str(workdir / f"{kind}.jsonl"), kind, [e["inputs"] for e in examples],
         [[e["targets"], e["ideal"]] for e in examples],
         synthetic.gold_reward, beta=10.0)
     value = from_scratch(algorithms.get(algorithm))
     runs = {}
     for name, shape, devices in (("one", (1, 1), ONE),
                                  ("eight", (4, 2), None)):
-      config = tiny_config(algorithm=algorithm,
-                           data__task=f"sharded_{algorithm}",
-                           mesh__shape=shape, train__batch_size=8)
-      config.data.files.train = path
-      runs[name] = _steps(config, shape, value, devices, ("loss",))
+      runs[name] = _steps(_offline_config(algorithm, shape, workdir), shape,
+                          value, devices, ("loss",))
     results[algorithm] = runs
     one, eight = (runs[k].pop("params")["policy"] for k in ("one", "eight"))
     initial = runs["one"].pop("initial")["policy"]
@@ -318,6 +330,10 @@ def training_loop(workdir):
   """12 SFT steps through the loop on one device and on 4x2; the 4x2 run's
   final checkpoint restored the way the loop restores it."""
   results = {}
+  # Without the evaluations before and after training (its greedy decodes
+  # compile on each mesh; training is the same either way).
+  sft = algorithms.REGISTRY["sft"]
+  algorithms.REGISTRY["sft"] = evaluated_by(sft)
   for name, shape, devices in (("one", (1, 1), ONE),
                                ("eight", (4, 2), None)):
     config = tiny_config(train__num_steps=12, checkpoint__every_steps=3,
@@ -339,6 +355,7 @@ def training_loop(workdir):
         "wi_0_spec": [str(a) for a in kernel.sharding.spec],
         "wi_0_global_shape": list(kernel.shape),
         "wi_0_shard_shape": list(kernel.addressable_shards[0].data.shape)}
+  algorithms.REGISTRY["sft"] = sft
   return results
 
 
@@ -350,31 +367,36 @@ def _bytes_on(tree, device) -> int:
              for s in leaf.addressable_shards if s.device == device)
 
 
+def _planned_flops_per_chip(config):
+  """The FLOPs a plan counts (the step's jaxpr, `flops.function_flops`; no
+  compile needed) per chip of the 4x2 mesh."""
+  with sharding.activate(config) as mesh:
+    trainer = algorithms.build(config, mesh, shapes_only=True)
+    state = state_lib.abstract_with_shardings(trainer.abstract_state,
+                                              trainer.state_shardings)
+    return flops.function_flops(trainer.train_step, state,
+                                trainer.batch_spec()) / jax.device_count()
+
+
 def plans(workdir):
-  """DRO-V on 4x2 (the trajectories `offline` wrote): the plan, and what a
-  real state and batch take on device 0; the plan with 4 micro-batches, and
-  the FLOPs the plan counts (`flops.function_flops`, no compile needed) of
-  the step with scanned layers."""
+  """DRO-V on 4x2 (`offline`'s step): the plan, and what a real state and
+  batch take on device 0; the plan with 4 micro-batches; and the FLOPs the
+  plan counts, counted the plan's way without a compile, of that step and
+  of the step with 2 layers scanned and unrolled (2, so that a count of the
+  scan's body once would differ)."""
   def config(**overrides):
-    c = tiny_config(algorithm="dro_v", data__task="sharded_dro_v",
-                    mesh__shape=(4, 2), train__batch_size=16,
-                    model__num_encoder_layers=2, model__num_decoder_layers=2,
-                    **overrides)
-    c.data.files.train = str(workdir / "trajectory.jsonl")
-    return c
+    return _offline_config("dro_v", (4, 2), workdir, **overrides)
 
   results = {}
   for name, overrides in (("whole", {}),
                           ("microbatches", {"train__num_microbatches": 4})):
     results[name] = plan_lib.make_plan(config(**overrides), jax.devices(),
                                        topology="cpu:8")
-  scanned = config(model__scan_layers=True)
-  with sharding.activate(scanned) as mesh:
-    trainer = algorithms.build(scanned, mesh, shapes_only=True)
-    state = state_lib.abstract_with_shardings(trainer.abstract_state,
-                                              trainer.state_shardings)
-    results["scanned_flops_per_chip"] = flops.function_flops(
-        trainer.train_step, state, trainer.batch_spec()) / jax.device_count()
+  results["whole_flops_per_chip"] = _planned_flops_per_chip(config())
+  two_layers = dict(model__num_encoder_layers=2, model__num_decoder_layers=2)
+  for name, scan in (("unrolled", False), ("scanned", True)):
+    results[f"{name}_flops_per_chip"] = _planned_flops_per_chip(
+        config(model__scan_layers=scan, **two_layers))
   base = config()
   with sharding.activate(base) as mesh:
     trainer = algorithms.build(base, mesh)

@@ -146,12 +146,18 @@ def test_micro_batches_lower_the_planned_memory_not_the_flops(result):
 
 def test_scanned_layers_plan_the_same_flops(result):
   """The plan's FLOP count (the jaxpr's matmuls, loops by trip count) of
-  the step with scanned layers equals the unrolled step's."""
-  whole = result["plan"]["whole"]
+  the step with 2 scanned layers equals the unrolled step's; the plan's
+  figure is that count."""
+  plan = result["plan"]
+  whole = plan["whole"]
   assert not whole["model"]["scan_layers"]
-  assert result["plan"]["scanned_flops_per_chip"] == pytest.approx(
-      whole["flops_per_chip_per_step"], rel=1e-9)
-  assert whole["flops_per_chip_per_step"] > 0
+  assert whole["flops_per_chip_per_step"] == pytest.approx(
+      plan["whole_flops_per_chip"], rel=1e-9)
+  assert plan["scanned_flops_per_chip"] == pytest.approx(
+      plan["unrolled_flops_per_chip"], rel=1e-9)
+  # The second layer's matmuls are counted (the scan's body twice).
+  assert (plan["unrolled_flops_per_chip"]
+          > 1.2 * whole["flops_per_chip_per_step"] > 0)
 
 
 def test_rollouts_on_sampler_devices_overlapped_with_the_update(result):
