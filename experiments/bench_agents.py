@@ -24,7 +24,16 @@ drawn with probability `--eos_prob` at temperature 1 (bench_rollout.py's
                draw the same tokens);
   env wait     the multi-turn run with an environment whose step sleeps
                `--env_sleep_ms`: `env_seconds / total` (steps of all
-               episodes in parallel threads).
+               episodes in parallel threads);
+  continuous   the same slow environment, the episodes on `--slots` decode
+               slots (`agents.continuous`, each count of slots in turn): a
+               turn that ends frees its slot while its environment sleeps
+               and the other slots decode; tokens/s, slot occupancy (the
+               lockstep's: its model tokens / decode steps x B), the time
+               the device waited on environments and the time hidden
+               behind decoding, and the wall time against the lockstep
+               run of section env wait (its episodes draw other keys, so
+               its tokens differ: compare the rates).
 
 Each figure is the fastest of `--repeats` runs after a first, compiling one
 (reported apart as compile seconds: the first run less the fastest).
@@ -44,6 +53,7 @@ import numpy as np  # noqa: E402
 import bench_rollout  # noqa: E402
 import bench_sampling  # noqa: E402
 from jaxrlhf import console  # noqa: E402
+from jaxrlhf.agents import continuous  # noqa: E402
 from jaxrlhf.agents import episodes  # noqa: E402
 from jaxrlhf.agents import policies  # noqa: E402
 from jaxrlhf.data import chat_templates  # noqa: E402
@@ -65,6 +75,9 @@ def _parse():
                  help="probability that a step ends a turn")
   p.add_argument("--env_sleep_ms", type=float, default=5.0,
                  help="how long the slow environment's step sleeps")
+  p.add_argument("--slots", default="2,8",
+                 help="comma-separated decode slots of the continuous "
+                 "engine's runs")
   p.add_argument("--size", default="tiny", choices=("tiny", "small"))
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default="", help="where to write the figures")
@@ -215,6 +228,45 @@ def main(args):
                          "env_calls": sum(e.turns for e in played)}
   print(f"env wait ({args.env_sleep_ms:g} ms a step, {B} in parallel): "
         f"{stats['env_seconds']:.3f} of {seconds:.3f} s = {share:.1%}")
+  lockstep = figures["env_wait"]
+  lockstep["tokens"] = sum(len(e.tokens) for e in played)
+  lockstep["tokens_per_s"] = lockstep["tokens"] / seconds
+  lockstep["slot_occupancy"] = (sum(sum(e.is_model) for e in played)
+                                / (stats["decode_steps"] * B))
+  print(f"lockstep     {seconds:8.3f} s  {lockstep['tokens_per_s']:9,.0f} "
+        f"tok/s  occupancy {lockstep['slot_occupancy']:.2f}  env wait "
+        f"{stats['env_seconds']:.3f} s")
+
+  # 4. The same slow environment on decode slots.
+  figures["continuous"] = {}
+  for slots in [int(x) for x in args.slots.split(",") if x]:
+    def run(slots=slots):
+      engine = continuous.EpisodeEngine(
+          module, params, end_id=end_id, temperature=1.0, num_slots=slots,
+          max_length=width_in + budget, turn_tokens=args.turn_tokens)
+      return continuous.run_episodes(
+          lambda row: FixedReply(row, sleep_s), rows, engine, renderer,
+          episodes.Parser("qwen"), limits, key)
+    first, seconds, (played, stats) = timed(run, args.repeats)
+    n_tokens = sum(len(e.tokens) for e in played)
+    figures["continuous"][slots] = {
+        "seconds": seconds, "compile_seconds": first - seconds,
+        "tokens": n_tokens, "tokens_per_s": n_tokens / seconds,
+        "slot_occupancy": stats["slot_occupancy"],
+        "env_wait_seconds": stats["env_seconds"],
+        "env_hidden_seconds": stats["env_hidden_seconds"],
+        "decode_steps": stats["decode_steps"],
+        "tokens_per_s_over_lockstep": (n_tokens / seconds
+                                       / lockstep["tokens_per_s"]),
+        "seconds_over_lockstep": seconds / lockstep["seconds"]}
+    f = figures["continuous"][slots]
+    print(f"continuous {slots:2d} slots {seconds:8.3f} s  "
+          f"{f['tokens_per_s']:9,.0f} tok/s "
+          f"({f['tokens_per_s_over_lockstep']:.2f}x lockstep)  occupancy {f['slot_occupancy']:.2f}  env wait "
+          f"{f['env_wait_seconds']:.3f} s, hidden "
+          f"{f['env_hidden_seconds']:.3f} s; wall "
+          f"{f['seconds_over_lockstep']:.2f}x lockstep; compile "
+          f"{first - seconds:.1f} s")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(figures, f, indent=2)

@@ -47,6 +47,7 @@ environment was running: environment time hidden behind decoding).
 
 import collections
 import concurrent.futures
+import functools
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -98,6 +99,28 @@ def _write(model, params, pool, tables, episodes, tokens, real):
       {"params": params, "cache": pool}, tokens, positions, None, index,
       method=model.decode_step, mutable=["cache"])
   return logits.astype(jnp.float32), variables["cache"], tables
+
+
+@functools.lru_cache(maxsize=4)
+def _pool_shapes(model, params_shapes, num_pages, page_size):
+  """`paged_kv.make_pool`'s shapes (traced once per model and size)."""
+  params = jax.tree.unflatten(params_shapes[0], params_shapes[1])
+  return jax.eval_shape(lambda p: paged_kv.make_pool(model, p, num_pages,
+                                                     page_size), params)
+
+
+def _pool(model, params, num_pages, page_size):
+  """Zero page pools for `model` (`paged_kv.make_pool`)."""
+  leaves, tree = jax.tree.flatten(params)
+  shapes = (tree, tuple(jax.ShapeDtypeStruct(np.shape(x), x.dtype)
+                        for x in leaves))
+  try:
+    hash(shapes)
+    hash(model)
+  except TypeError:
+    return paged_kv.make_pool(model, params, num_pages, page_size)
+  return jax.tree.map(lambda x: jnp.zeros(x.shape, x.dtype),
+                      _pool_shapes(model, shapes, num_pages, page_size))
 
 
 def _prefill(model, params, pool, tables, episodes, tokens, real):
@@ -163,7 +186,23 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
   return jax.lax.while_loop(going, body, carry)[:10]
 
 
+def _assign(slots, key, slot, episode, turn, pending, budget):
+  """The slots' arrays (`_decode`'s) with slot[k] starting episode[k]'s
+  turn turn[k]: its key fold_in(fold_in(key, episode), turn), the id to
+  feed, the turn's budget, none drawn (all [k]; a slot index S is
+  dropped)."""
+  keys = jax.vmap(lambda i, t: jax.random.fold_in(
+      jax.random.fold_in(key, i), t))(episode, turn)
+  put = lambda old, new: old.at[slot].set(new.astype(old.dtype),
+                                          mode="drop")
+  return dict(slots, pending=put(slots["pending"], pending),
+              budget=put(slots["budget"], budget),
+              drawn=put(slots["drawn"], jnp.zeros_like(slot)),
+              rng=slots["rng"].at[slot].set(keys, mode="drop"))
+
+
 _prefill_jit = sampling._jit_static(_prefill, ("model",))
+_assign_jit = jax.jit(_assign)
 _decode_params_jit = sampling._jit_static(_decode_params,
                                           ("model", "fuse_projections"))
 _decode_jit = sampling._jit_static(
@@ -218,8 +257,11 @@ class EpisodeEngine:
     max_pages = paged_kv.pages_for(self.max_length, self.page_size)
     num_pages = num_episodes * max_pages
     self.key = key
-    self.pool = paged_kv.make_pool(self.model, self.params, num_pages,
-                                   self.page_size)
+    # A pool of the right size is reused as it is: every position is
+    # written before any query reads it.
+    if getattr(self, "pool", None) is None or self._num_pages != num_pages:
+      self.pool = _pool(self.model, self.params, num_pages, self.page_size)
+      self._num_pages = num_pages
     self.tables = paged_kv.init_tables(num_pages, self.page_size,
                                        num_episodes, max_pages)
     self._dparams = _decode_params_jit(
@@ -273,18 +315,17 @@ class EpisodeEngine:
           model=self.model, params=self.params, pool=self.pool,
           tables=self.tables, episodes=episodes, tokens=tokens, real=real)
       self.prefills += 1
-    slots = np.asarray(free[:len(starts)], np.int32)
-    for slot, (i, _, _, _) in zip(slots, starts):
-      self.slot_episode[slot] = i
-    d = self._slots
-    keys = jnp.stack([jax.random.fold_in(jax.random.fold_in(self.key, i),
-                                         turn) for i, _, turn, _ in starts])
-    d["pending"] = d["pending"].at[slots].set(
-        np.asarray([ids[-1] for _, ids, _, _ in starts], np.int32))
-    d["budget"] = d["budget"].at[slots].set(
-        np.asarray([b for _, _, _, b in starts], np.int32))
-    d["drawn"] = d["drawn"].at[slots].set(0)
-    d["rng"] = d["rng"].at[slots].set(keys)
+    # The slots' new turns, padded to a bucket (slot S: dropped).
+    count = _bucket(len(starts), 1)
+    slot = np.full((count,), self.num_slots, np.int32)
+    episode, turn, last, budget = (np.zeros((count,), np.int32)
+                                   for _ in range(4))
+    for r, (free_slot, (i, ids, t, most)) in enumerate(zip(free, starts)):
+      self.slot_episode[free_slot] = i
+      slot[r], episode[r], turn[r], last[r], budget[r] = (free_slot, i, t,
+                                                          ids[-1], most)
+    self._slots = _assign_jit(self._slots, self.key, slot, episode, turn,
+                              last, budget)
 
   def decode(self) -> Dict[int, Tuple[List[int], List[float], bool]]:
     """One chunk of decode steps: {episode: (the turn's ids, their
@@ -301,7 +342,7 @@ class EpisodeEngine:
          slot_episode=np.maximum(self.slot_episode, 0).astype(np.int32),
          pending=d["pending"], drawn=d["drawn"], budget=d["budget"],
          rng=d["rng"], live=live, tokens=d["tokens"],
-         logprobs=d["logprobs"], max_steps=jnp.int32(self.chunk_steps),
+         logprobs=d["logprobs"], max_steps=np.int32(self.chunk_steps),
          end_id=self.end_id,
          temperature=1.0 if greedy else self.temperature, greedy=greedy)
     live_after, steps, useful, used = jax.device_get(
