@@ -26,9 +26,10 @@ drawn with probability `--eos_prob` at temperature 1 (bench_rollout.py's
                `--env_sleep_ms`: `env_seconds / total` (steps of all
                episodes in parallel threads);
   continuous   the same slow environment, the episodes on `--slots` decode
-               slots (`agents.continuous`, each count of slots in turn): a
-               turn that ends frees its slot while its environment sleeps
-               and the other slots decode; tokens/s, slot occupancy (the
+               slots (`agents.continuous`, each count of slots in turn,
+               chunks returning on a turn's end, then chunks of
+               `--chunk_steps`): a turn that ends frees its slot while its
+               environment sleeps and the other slots decode; tokens/s, slot occupancy (the
                lockstep's: its model tokens / decode steps x B), the time
                the device waited on environments and the time hidden
                behind decoding, and the wall time against the lockstep
@@ -78,6 +79,9 @@ def _parse():
   p.add_argument("--slots", default="2,8",
                  help="comma-separated decode slots of the continuous "
                  "engine's runs")
+  p.add_argument("--chunk_steps", type=int, default=8,
+                 help="the continuous runs' chunk when they do not return "
+                 "on a turn's end")
   p.add_argument("--size", default="tiny", choices=("tiny", "small"))
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default="", help="where to write the figures")
@@ -239,17 +243,23 @@ def main(args):
 
   # 4. The same slow environment on decode slots.
   figures["continuous"] = {}
-  for slots in [int(x) for x in args.slots.split(",") if x]:
-    def run(slots=slots):
+  runs = [(int(x), True) for x in args.slots.split(",") if x]
+  runs += [(slots, False) for slots, _ in runs]
+  for slots, on_end in runs:
+    def run(slots=slots, on_end=on_end):
       engine = continuous.EpisodeEngine(
           module, params, end_id=end_id, temperature=1.0, num_slots=slots,
-          max_length=width_in + budget, turn_tokens=args.turn_tokens)
+          max_length=width_in + budget, turn_tokens=args.turn_tokens,
+          return_on_end=on_end,
+          chunk_steps=None if on_end else args.chunk_steps)
       return continuous.run_episodes(
           lambda row: FixedReply(row, sleep_s), rows, engine, renderer,
           episodes.Parser("qwen"), limits, key)
     first, seconds, (played, stats) = timed(run, args.repeats)
     n_tokens = sum(len(e.tokens) for e in played)
-    figures["continuous"][slots] = {
+    name = f"{slots}_slots" + ("" if on_end else
+                                f"_chunks_of_{args.chunk_steps}")
+    figures["continuous"][name] = {
         "seconds": seconds, "compile_seconds": first - seconds,
         "tokens": n_tokens, "tokens_per_s": n_tokens / seconds,
         "slot_occupancy": stats["slot_occupancy"],
@@ -259,8 +269,8 @@ def main(args):
         "tokens_per_s_over_lockstep": (n_tokens / seconds
                                        / lockstep["tokens_per_s"]),
         "seconds_over_lockstep": seconds / lockstep["seconds"]}
-    f = figures["continuous"][slots]
-    print(f"continuous {slots:2d} slots {seconds:8.3f} s  "
+    f = figures["continuous"][name]
+    print(f"continuous {name:18} {seconds:8.3f} s  "
           f"{f['tokens_per_s']:9,.0f} tok/s "
           f"({f['tokens_per_s_over_lockstep']:.2f}x lockstep)  occupancy {f['slot_occupancy']:.2f}  env wait "
           f"{f['env_wait_seconds']:.3f} s, hidden "

@@ -12,7 +12,10 @@ environments run. Here (`run_episodes`, same arguments and results, an
     earlier turns' pages while it has no slot;
   * the host runs compiled chunks of at most `chunk_steps` decode steps of
     the live slots (`EpisodeEngine.decode`); a chunk returns as soon as a
-    slot's turn ends (its end-of-turn id, or its budget);
+    slot's turn ends (its end-of-turn id, or its budget), or with
+    `return_on_end=False` after its steps (fewer returns to the host, the
+    slots of ended turns idle until then: experiments/bench_agents.py
+    measures both);
   * a finished turn frees its slot; its environment's step is submitted at
     once to a thread pool, and the host goes on decoding the others;
   * when an environment answers, its block of ids is prefilled onto the
@@ -144,9 +147,9 @@ def _decode_params(model, params, pool, tables, fuse_projections):
 
 def _decode(model, params, pool, tables, slot_episode, pending, drawn,
             budget, rng, live, tokens, logprobs, max_steps, end_id,
-            temperature, greedy):
-  """At most max_steps decode steps of the live slots, stopping after a
-  step in which some slot's turn ended (module docstring). Slot arrays
+            temperature, greedy, return_on_end):
+  """At most max_steps decode steps of the live slots, with return_on_end
+  stopping after a step in which some slot's turn ended. Slot arrays
   [S]: slot_episode (its episode), pending (the id to feed), drawn (this
   turn's tokens so far), budget (this turn's most), rng [S, ...] (its
   turn's key), live; tokens / logprobs [S, max_turn_tokens] this turn's
@@ -178,7 +181,8 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
 
   def going(carry):
     live, steps, any_ended = carry[5], carry[8], carry[10]
-    return (steps < max_steps) & jnp.any(live) & ~any_ended
+    going = (steps < max_steps) & jnp.any(live)
+    return going & ~any_ended if return_on_end else going
 
   zero = jnp.int32(0)
   carry = (pool, tables, pending, drawn, rng, live, tokens, logprobs, zero,
@@ -206,7 +210,7 @@ _assign_jit = jax.jit(_assign)
 _decode_params_jit = sampling._jit_static(_decode_params,
                                           ("model", "fuse_projections"))
 _decode_jit = sampling._jit_static(
-    _decode, ("model", "end_id", "temperature", "greedy"))
+    _decode, ("model", "end_id", "temperature", "greedy", "return_on_end"))
 _release_jit = jax.jit(paged_kv.release)
 
 
@@ -226,12 +230,16 @@ class EpisodeEngine:
     turn_tokens: a turn's most tokens.
     page_size: positions per page.
     chunk_steps: the most decode steps between two returns to the host
-      (None: turn_tokens); a chunk returns sooner when a turn ends.
+      (None: turn_tokens).
+    return_on_end: a chunk returns as soon as a turn ends (its slot free
+      at once, its environment stepped at once); False: after chunk_steps
+      steps (or none live), fewer returns but slots idle until then.
   """
 
   def __init__(self, model, params, *, end_id: int, temperature: float,
                num_slots: int, max_length: int, turn_tokens: int,
-               page_size: int = 16, chunk_steps: Optional[int] = None):
+               page_size: int = 16, chunk_steps: Optional[int] = None,
+               return_on_end: bool = True):
     for field, value in (("num_slots", num_slots), ("max_length", max_length),
                          ("turn_tokens", turn_tokens),
                          ("page_size", page_size),
@@ -244,6 +252,7 @@ class EpisodeEngine:
     self.num_slots, self.turn_tokens = int(num_slots), int(turn_tokens)
     self.max_length, self.page_size = int(max_length), int(page_size)
     self.chunk_steps = int(chunk_steps or turn_tokens)
+    self.return_on_end = bool(return_on_end)
     self.decode_steps = 0
     self.useful_slot_steps = 0
     self.prefills = 0
@@ -344,7 +353,8 @@ class EpisodeEngine:
          rng=d["rng"], live=live, tokens=d["tokens"],
          logprobs=d["logprobs"], max_steps=np.int32(self.chunk_steps),
          end_id=self.end_id,
-         temperature=1.0 if greedy else self.temperature, greedy=greedy)
+         temperature=1.0 if greedy else self.temperature, greedy=greedy,
+         return_on_end=self.return_on_end)
     live_after, steps, useful, used = jax.device_get(
         (live_after, steps, useful,
          self.tables.num_pages - self.tables.num_free))
