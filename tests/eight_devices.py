@@ -19,6 +19,8 @@ and one compilation of each single-device step for all the checks):
            (on-policy and one step ahead) against sampling and training on
            the same 4, and one step ahead with the decoupled correction on
            those same 4;
+  engine   two GRPO steps of a tiny Llama decoded by the continuous
+           engine on a paged KV cache, on one device and on the 4x2 mesh;
   loop     a 12-step SFT run through the training loop (checkpoints,
            metrics, restore; no evaluation);
   plan     `jaxrlhf.plan` of offline's DRO-V step on the 4x2 mesh: the
@@ -318,6 +320,38 @@ def overlap():
           online__off_policy_correction="decoupled"), jax.devices()[4:])}
 
 
+def engine():
+  """Two GRPO steps of a tiny Llama whose responses the continuous engine
+  decodes on a paged KV cache, on one device and on the 4x2 mesh."""
+  keys = ("loss", "score", "kl", "response_length")
+  config = lambda shape: tiny_config(
+      algorithm="grpo", mesh__shape=shape, model__arch="llama",
+      model__num_encoder_layers=None, train__batch_size=8,
+      init__policy_checkpoint="unused", rewards__reward_model__weight=0.0,
+      rewards__functions="reward_functions:word_count",
+      online__samples_per_prompt=2, online__max_new_tokens=8,
+      online__engine="continuous", online__engine_page_size=4,
+      optimizer__warmup_steps=0)
+  grpo = from_scratch(algorithms.get("grpo"))
+  out = {}
+  for name, shape, devices in (("one", (1, 1), ONE), ("eight", (4, 2), None)):
+    c = config(shape)
+    mesh = sharding.create_mesh(shape, c.mesh.axis_names, devices)
+    rules = sharding.as_rules(c.sharding.logical_axis_rules)
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      trainer = trainer_of(grpo, c, mesh)
+      state = trainer._init(jax.random.PRNGKey(c.seed))  # pylint: disable=protected-access
+      batches = trainer.train_batches(0)
+      steps = []
+      for _ in range(2):
+        batch = sharding.global_batch(next(batches), mesh, rules)
+        state, metrics = trainer.train_step(state, batch)
+        steps.append({k: float(metrics[k]) for k in keys})
+    out[name] = {"steps": steps, "params_sum": _sum(state.params),
+                 "devices": len(jax.tree.leaves(state.params)[0].devices())}
+  return out
+
+
 # --- the training loop ----------------------------------------------------------
 
 
@@ -417,7 +451,7 @@ def main():
   assert jax.device_count() == 8, jax.devices()
   results = {"devices": jax.device_count(), "models": models(),
              "offline": offline(workdir), "online": online(),
-             "overlap": overlap(),
+             "overlap": overlap(), "engine": engine(),
              "loop": training_loop(workdir), "plan": plans(workdir)}
   print("RESULT " + json.dumps(results))
 

@@ -160,6 +160,20 @@ def test_scanned_layers_plan_the_same_flops(result):
           > 1.2 * whole["flops_per_chip_per_step"] > 0)
 
 
+def test_the_continuous_engine_on_pages_trains_alike_on_4x2(result):
+  """The continuous engine's slots and page pool under the 4x2 mesh's
+  sharding: each response draws from its own key, whatever the layout, so
+  two GRPO steps give one device's numbers to float rounding."""
+  r = result["engine"]
+  assert r["eight"]["devices"] == 8 and r["one"]["devices"] == 1
+  for a, b in zip(r["one"]["steps"], r["eight"]["steps"]):
+    for key in a:
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-5,
+                                 err_msg=key)
+  np.testing.assert_allclose(r["eight"]["params_sum"],
+                             r["one"]["params_sum"], rtol=1e-6)
+
+
 def test_rollouts_on_sampler_devices_overlapped_with_the_update(result):
   """GRPO with rollouts on 4 sampler devices and updates on the other 4
   (online_overlap): on-policy it trains exactly as sampling and training on
