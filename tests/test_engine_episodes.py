@@ -159,9 +159,49 @@ def test_each_episode_is_the_lockstep_policys_alone(tiny, three_slots):
     assert_same([played[i]], [alone])
   drawn = sum(sum(e.is_model) for e in played)
   assert engine.useful_slot_steps == drawn
+  # Every episode gave its pages back when it ended.
+  assert int(engine.tables.num_free) == engine.tables.num_pages
+  assert 0 < engine.pages_peak < engine.tables.num_pages
   assert stats["slot_occupancy"] == pytest.approx(
       drawn / (3 * engine.decode_steps))
   assert stats["decode_steps"] == engine.decode_steps
+
+
+class Failing(Numbers):
+  """Row 1's environment raises at its second step."""
+
+  def step(self, message):
+    if self.r == 1 and self.t == 1:
+      raise KeyError("no such room")
+    return super().step(message)
+
+
+def test_a_failing_environment_drops_its_episode_alone(tiny, three_slots):
+  limits = LIMITS
+  try:
+    globals()["LIMITS"] = episodes.Limits(**{
+        **LIMITS.__dict__, "on_bad_row": "skip_and_report"})
+    model, params = tiny
+    engine = continuous.EpisodeEngine(
+        model, params, end_id=END, temperature=1.0, turn_tokens=5,
+        max_length=36, page_size=4, num_slots=2)
+    played, _ = continuous.run_episodes(
+        Failing, ROWS, engine, NumberRenderer(), episodes.Parser("qwen"),
+        LIMITS, KEY)
+  finally:
+    globals()["LIMITS"] = limits
+  assert "raised KeyError" in played[1].failure
+  assert "row 1, turn 2" in played[1].failure
+  assert played[1].turns == 2 and played[1].tokens == (
+      three_slots[0][1].tokens[:len(played[1].tokens)])
+  others = [e for i, e in enumerate(played) if i != 1]
+  assert_same(others, [e for i, e in enumerate(three_slots[0]) if i != 1])
+  assert int(engine.tables.num_free) == engine.tables.num_pages
+  with pytest.raises(episodes.environments.EnvironmentFailure,
+                     match="raised KeyError"):
+    continuous.run_episodes(
+        Failing, ROWS, engine, NumberRenderer(), episodes.Parser("qwen"),
+        LIMITS, KEY)
 
 
 def test_bad_slots_are_one_line(tiny):

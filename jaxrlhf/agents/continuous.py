@@ -463,6 +463,7 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
         break
   finally:
     pool.shutdown(wait=False)
+  engine._flush_releases()  # the last episodes' pages back to the pool
   paged_kv.check_not_exhausted(engine.tables)
   opened.env_seconds += waited
   return episodes, {"env_seconds": opened.env_seconds,
