@@ -10,7 +10,9 @@ and the host rewards work as they do there) and three parts of its own:
                 `samples_per_prompt` per row (adjacent, so group baselines
                 compare the episodes of one row), played on the host with
                 turns sampled on the device (`agents.policies.TurnPolicy`:
-                the KV cache extended between turns)
+                the KV cache extended between turns; with
+                online.engine='continuous', `agents.continuous`: decode
+                slots, a turn waiting on its environment freeing its own)
   score         the episodes' log-probs (the policy's and the reference's,
                 over the model's tokens; the environment's tokens are read
                 by the model but carry no loss) and the device rewards
