@@ -29,8 +29,9 @@ drawn with probability `--eos_prob` at temperature 1 (bench_rollout.py's
                slots (`agents.continuous`, each count of slots in turn,
                chunks returning on a turn's end, then chunks of
                `--chunk_steps`): a turn that ends frees its slot while its
-               environment sleeps and the other slots decode; tokens/s, slot occupancy (the
-               lockstep's: its model tokens / decode steps x B), the time
+               environment sleeps and the other slots decode; tokens/s,
+               slot occupancy (the lockstep's: its model tokens / decode
+               steps x B), the time
                the device waited on environments and the time hidden
                behind decoding, and the wall time against the lockstep
                run of section env wait (its episodes draw other keys, so
@@ -272,7 +273,8 @@ def main(args):
     f = figures["continuous"][name]
     print(f"continuous {name:18} {seconds:8.3f} s  "
           f"{f['tokens_per_s']:9,.0f} tok/s "
-          f"({f['tokens_per_s_over_lockstep']:.2f}x lockstep)  occupancy {f['slot_occupancy']:.2f}  env wait "
+          f"({f['tokens_per_s_over_lockstep']:.2f}x lockstep)  occupancy "
+          f"{f['slot_occupancy']:.2f}  env wait "
           f"{f['env_wait_seconds']:.3f} s, hidden "
           f"{f['env_hidden_seconds']:.3f} s; wall "
           f"{f['seconds_over_lockstep']:.2f}x lockstep; compile "

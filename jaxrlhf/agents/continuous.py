@@ -88,9 +88,9 @@ def _write(model, params, pool, tables, episodes, tokens, real):
   """`tokens` [k, L] of `episodes` [k] (each row's first real[k] ids,
   then pads) written at each episode's length, its pages reserved: the
   model's decode step over the pool -> (float32 logits [k, vocab] after
-  the last column, pool, tables). A pad sits past its row's real ids, at positions whose
-  pages are not reserved (dropped) or that the episode's next token writes
-  before any query reads them."""
+  the last column, pool, tables). A pad sits past its row's real ids, at
+  positions whose pages are not reserved (dropped) or that the episode's
+  next token writes before any query reads them."""
   _, start = _rows(tables, episodes)
   tables = paged_kv.reserve(
       tables, tables.lengths.at[episodes].set(start + real, mode="drop"))
@@ -404,7 +404,7 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
   waiting = {}  # future -> episode
   hidden = waited = 0.0
   pool = concurrent.futures.ThreadPoolExecutor(
-      max_workers=max(1, min(32, len(episodes))),
+      max_workers=max(1, len(episodes)),  # every step at once if need be
       thread_name_prefix="environment step")
 
   def budget(i):
