@@ -222,6 +222,7 @@ def engine_kv_cache(config, trainer) -> Dict[str, Any]:
   the engine."""
   import jax  # pylint: disable=g-import-not-at-top
   import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import engine  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models.layers import paged_kv  # pylint: disable=g-import-not-at-top
 
   if not (trainer.algorithm.online
@@ -231,9 +232,7 @@ def engine_kv_cache(config, trainer) -> Dict[str, Any]:
   settings = trainer.online
   rows = (config.train.batch_size // o.rollout_microbatches
           * settings.samples_per_prompt)
-  # rollout.sample_responses' slots: engine_slots, else a quarter of the
-  # part's rows.
-  slots = o.engine_slots or max(1, rows // 4)
+  slots = o.engine_slots or engine.default_slots(rows)  # as the rollout
   width = trainer.prompt_length + settings.max_new_tokens - 1
   page_size = o.engine_page_size
   if page_size is None:

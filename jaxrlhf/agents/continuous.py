@@ -68,14 +68,6 @@ from jaxrlhf.models.layers import param_recording
 # pylint: disable=protected-access
 
 
-def _bucket(n: int, smallest: int) -> int:
-  """n rounded up to a power of two, at least `smallest` (fewer shapes)."""
-  size = smallest
-  while size < n:
-    size *= 2
-  return size
-
-
 def _rows(tables: paged_kv.PageTables, episodes: jax.Array):
   """The page-table rows [k, max_pages] and lengths [k] of `episodes` [k]
   (an index out of range: no pages, length 0)."""
@@ -313,8 +305,8 @@ class EpisodeEngine:
                        f"{len(free)} free slots.")
     longest = max(len(ids) - 1 for _, ids, _, _ in starts)
     if longest:
-      count = _bucket(len(starts), 1)
-      tokens = np.zeros((count, _bucket(longest, 8)), np.int32)
+      count = turn_sampler.bucket(len(starts), 1)
+      tokens = np.zeros((count, turn_sampler.bucket(longest, 8)), np.int32)
       real = np.zeros((count,), np.int32)
       episodes = np.full((count,), self.tables.lengths.shape[0], np.int32)
       for r, (i, ids, _, _) in enumerate(starts):
@@ -325,7 +317,7 @@ class EpisodeEngine:
           tables=self.tables, episodes=episodes, tokens=tokens, real=real)
       self.prefills += 1
     # The slots' new turns, padded to a bucket (slot S: dropped).
-    count = _bucket(len(starts), 1)
+    count = turn_sampler.bucket(len(starts), 1)
     slot = np.full((count,), self.num_slots, np.int32)
     episode, turn, last, budget = (np.zeros((count,), np.int32)
                                    for _ in range(4))

@@ -18,14 +18,6 @@ import numpy as np
 from jaxrlhf.agents import turn_sampler
 
 
-def _bucket(n: int, smallest: int = 16) -> int:
-  """n rounded up to a power of two (fewer distinct compiled shapes)."""
-  size = smallest
-  while size < n:
-    size *= 2
-  return size
-
-
 class TurnPolicy:
   """Samples turns of B conversations (`episodes.run_episodes`' policy).
 
@@ -64,7 +56,7 @@ class TurnPolicy:
   def _prefill(self) -> None:
     """All conversations prefilled afresh from their ids."""
     longest = max(len(s) for s in self.sequences)
-    length = max(longest, min(_bucket(longest),
+    length = max(longest, min(turn_sampler.bucket(longest, 16),
                               self.width - self.turn_tokens))
     if longest + self.turn_tokens > self.width:
       raise ValueError(f"TurnPolicy: a conversation of {longest} ids and a "
@@ -114,7 +106,7 @@ class TurnPolicy:
     longest = max(len(b) for b in blocks)
     if not longest:
       return
-    size = _bucket(longest, 8)
+    size = turn_sampler.bucket(longest, 8)
     if (not self.extend_cache or self._stale
         or turn_sampler.room(self.context) < size):
       self._stale = True  # prefilled afresh before the next turn

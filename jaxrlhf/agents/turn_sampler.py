@@ -69,6 +69,15 @@ class Turn:
   ended: jax.Array     # [B] bool: drew end_id
 
 
+def bucket(n: int, smallest: int) -> int:
+  """n rounded up to a power of two, at least `smallest` (fewer distinct
+  compiled shapes across calls)."""
+  size = smallest
+  while size < n:
+    size *= 2
+  return size
+
+
 def room(context: Context) -> int:
   """The cache columns left: width - column (a host int)."""
   return int(context.cache_mask.shape[1]) - int(context.column)

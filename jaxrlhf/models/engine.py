@@ -346,6 +346,13 @@ _STATIC = ("model", "num_slots", "refill_size", "max_new_tokens",
 _generate_jit = sampling._jit_static(_generate, _STATIC)
 
 
+def default_slots(num_sequences: int) -> int:
+  """The slots an online step's engine takes when `online.engine_slots` is
+  unset: a quarter of a rollout part's sequences (at least 1), the setting
+  bench_engine.py measured."""
+  return max(1, num_sequences // 4)
+
+
 def default_refill_size(num_slots: int) -> int:
   """`refill_size` when unset: a quarter of the slots (at least 1)."""
   return max(1, num_slots // 4)
@@ -412,7 +419,7 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
                        f"pages), got {page_size!r}.")
     width = np.shape(prompt_tokens)[1] + int(max_new_tokens) - 1
     if num_pages is None:
-      num_pages = int(num_slots) * -(-width // int(page_size))
+      num_pages = paged_kv.default_num_pages(num_slots, width, page_size)
     if not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
       raise ValueError(f"num_pages must be a positive int, got "
                        f"{num_pages!r}.")

@@ -191,7 +191,7 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
     tokens, mask = left_pad_prompts(prompt_tokens, eos_id)
     tokens, mask = (jnp.repeat(x, num_samples, axis=0)
                     for x in (tokens, mask))
-    slots = engine_slots or max(1, tokens.shape[0] // 4)
+    slots = engine_slots or engine_lib.default_slots(tokens.shape[0])
     samples, stats = engine_lib.generate(
         lm.module, params, tokens, mask, rng, slots, max_new_tokens,
         temperature=temperature, eos_id=eos_id, page_size=engine_page_size)
