@@ -111,6 +111,22 @@ def quiet_env(optimised_xla=False, **extra):
   return env
 
 
+def tiny_llama(vocab_size: int, scale: float = 1.0):
+  """(module, params) of the "tiny" Llama preset with `vocab_size` ids,
+  seeded with key 3, its weights (numpy) times `scale` (2: peakier
+  next-token distributions, clear greedy margins): the decode tests' model."""
+  import flax.linen as nn  # pylint: disable=g-import-not-at-top
+  import jax  # pylint: disable=g-import-not-at-top
+  import jax.numpy as jnp  # pylint: disable=g-import-not-at-top
+  import numpy as np  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models import llama  # pylint: disable=g-import-not-at-top
+  model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=vocab_size))
+  one = jnp.ones((1, 4), jnp.int32)
+  params = nn.meta.unbox(
+      jax.jit(model.init)(jax.random.PRNGKey(3), one, one, one)["params"])
+  return model, jax.tree.map(lambda x: np.array(x * scale), params)
+
+
 def from_scratch(algorithm):
   """`algorithm` whose networks start from their seeded initialisation: no
   checkpoint is read."""

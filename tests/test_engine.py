@@ -8,16 +8,15 @@ drawn token is one useful slot-step, and with one slot (or with every
 sequence running to the budget) the steps follow in closed form.
 """
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrlhf.models import engine
-from jaxrlhf.models import llama
 from jaxrlhf.models import sampling
 from jaxrlhf.models import t5
+
+from conftest import tiny_llama
 
 VOCAB = 32
 NEVER = VOCAB  # an EOS id no draw can match
@@ -29,13 +28,7 @@ PROMPTS = [[5, 9, 3], [7, 1, 2, 8, 4, 6], [11], [2, 3, 5, 7, 11], [4, 4, 4],
 
 @pytest.fixture(scope="module")
 def tiny():
-  model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=VOCAB))
-  one = jnp.ones((1, 4), jnp.int32)
-  params = nn.meta.unbox(
-      jax.jit(model.init)(jax.random.PRNGKey(3), one, one, one)["params"])
-  # Larger weights: peakier next-token distributions (clear greedy margins).
-  params = jax.tree.map(lambda x: x * 2.0, params)
-  return model, params
+  return tiny_llama(VOCAB, scale=2.0)
 
 
 @pytest.fixture(scope="module")

@@ -19,17 +19,16 @@ is the same with one slot as with three.
 
 import json
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrlhf.agents import continuous
 from jaxrlhf.agents import episodes
 from jaxrlhf.agents import policies
-from jaxrlhf.models import llama
 from jaxrlhf.train import loop
+
+from conftest import tiny_llama
 from test_agent_training import policy_run  # pylint: disable=unused-import
 
 VOCAB = 32
@@ -97,11 +96,7 @@ class Said:
 
 @pytest.fixture(scope="module")
 def tiny():
-  model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=VOCAB))
-  one = jnp.ones((1, 4), jnp.int32)
-  params = nn.meta.unbox(
-      jax.jit(model.init)(jax.random.PRNGKey(3), one, one, one)["params"])
-  params = jax.tree.map(np.array, params)
+  model, params = tiny_llama(VOCAB)
   # The end-of-turn id's logit raised: turns of a few tokens, some cut.
   params["decoder"]["logits_dense"]["kernel"][:, END] *= 5.0
   return model, params

@@ -11,16 +11,15 @@ is drawn).
 
 import dataclasses
 
-import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
 from jaxrlhf.agents import turn_sampler
 from jaxrlhf.models import gemma3
-from jaxrlhf.models import llama
 from jaxrlhf.models.layers import rotary
+
+from conftest import tiny_llama
 
 VOCAB = 32
 NEVER = VOCAB  # an end id no draw can match
@@ -28,13 +27,7 @@ NEVER = VOCAB  # an end id no draw can match
 
 @pytest.fixture(scope="module")
 def tiny():
-  model = llama.Llama(llama.LlamaConfig.preset("tiny", vocab_size=VOCAB))
-  one = jnp.ones((1, 4), jnp.int32)
-  params = nn.meta.unbox(
-      jax.jit(model.init)(jax.random.PRNGKey(3), one, one, one)["params"])
-  # Larger weights: peakier next-token distributions (clear greedy margins).
-  params = jax.tree.map(lambda x: x * 2.0, params)
-  return model, params
+  return tiny_llama(VOCAB, scale=2.0)
 
 
 def left_padded(rows):
