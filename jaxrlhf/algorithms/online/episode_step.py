@@ -57,6 +57,7 @@ from jaxrlhf.data import chat_templates
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
 from jaxrlhf.eval import pass_at_k
+from jaxrlhf.models import engine as engine_lib
 
 # What `play` counts, summed as episode/<name> (the step's, not per
 # episode): the wall time the device waited on environments; with the
@@ -158,7 +159,7 @@ def play(trainer, policy_params, rows, key, temperature: float,
     engine = continuous.EpisodeEngine(
         trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
         temperature=temperature,
-        num_slots=o.engine_slots or max(1, len(rows) // 4),
+        num_slots=o.engine_slots or engine_lib.default_slots(len(rows)),
         max_length=lim.max_opening_tokens + lim.max_episode_tokens,
         turn_tokens=lim.max_turn_tokens,
         page_size=o.engine_page_size or 16)
