@@ -232,9 +232,10 @@ def engine_kv_cache(config, trainer) -> Dict[str, Any]:
   settings = trainer.online
   rows = (config.train.batch_size // o.rollout_microbatches
           * settings.samples_per_prompt)
-  slots = o.engine_slots or engine.default_slots(rows)  # as the rollout
-  width = trainer.prompt_length + settings.max_new_tokens - 1
   page_size = o.engine_page_size
+  slots = o.engine_slots or engine.default_slots(  # as the rollout's
+      rows, settings.samples_per_prompt if page_size else 1)
+  width = trainer.prompt_length + settings.max_new_tokens - 1
   if page_size is None:
     positions, num_pages = slots * width, None
   else:

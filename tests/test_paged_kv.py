@@ -605,3 +605,31 @@ def test_engine_on_a_pool_too_small_raises(engine_prompts):
   with pytest.raises(RuntimeError, match="ran out"):
     engine.generate(model, params, tokens, mask, jax.random.PRNGKey(0), 3,
                     NEW, eos_id=EOS, page_size=2, num_pages=6)
+
+
+def test_engine_groups_share_their_prompts_pages(engine_prompts):
+  """group_size k: each prompt's k samples (its rows repeated) prefilled
+  once and its full pages shared (`paged_kv.fork`). The samples are those
+  of the same rows decoded one prompt copy each (each row its own key);
+  the pool holds fewer pages at its peak and the prefills take fewer
+  rows."""
+  model, params, _, _ = tiny(False)
+  tokens, mask = engine_prompts
+  k = 3
+  rows = np.repeat(tokens[:4], k, axis=0), np.repeat(mask[:4], k, axis=0)
+  key = jax.random.PRNGKey(1)
+  run = lambda **o: engine.generate(
+      model, params, *rows, key, 6, NEW, eos_id=EOS, temperature=0.9,
+      refill_size=3, page_size=2, **o)
+  alone, alone_stats = run()
+  grouped, grouped_stats = run(group_size=k)
+  np.testing.assert_array_equal(grouped.tokens, alone.tokens)
+  np.testing.assert_allclose(grouped.logprobs, alone.logprobs, rtol=1e-4,
+                             atol=1e-5)
+  assert not bool(grouped_stats.pages_exhausted)
+  assert int(grouped_stats.pages_peak) < int(alone_stats.pages_peak)
+  with pytest.raises(ValueError, match="needs page_size"):
+    engine.generate(model, params, *rows, key, 6, NEW, group_size=k)
+  with pytest.raises(ValueError, match="must divide"):
+    engine.generate(model, params, *rows, key, 4, NEW, page_size=2,
+                    group_size=k)

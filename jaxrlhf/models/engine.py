@@ -45,13 +45,18 @@ vmap); the draws and the samples are the same (tests/test_paged_kv.py). A
 pool of `num_pages` too small for what is live is an error after the call
 (nothing is preempted yet: the default pool, S x the pages of P + M - 1
 positions, is never too small). Only `attentions.Attention` reads pages.
+With `group_size` k (the k samples of each prompt, its rows repeated),
+a group enters the slots whole and its prompt is prefilled once: the k
+sequences share its full pages and each gets a copy of its partial last
+page (`paged_kv.fork`), so the prefill's work and the prompt's pages are
+divided by k, and the samples are unchanged (tests/test_paged_kv.py).
 
 Not supported (refused with a message): T5 (an encoder-decoder; use
 `sampling.sample_encoder_decoder`), a prefix-LM prompt, cache segments
 (every slot holds P + max_new_tokens - 1 columns), `num_samples` (repeat
-the prompts: each copy then draws its own key). Sharding is untested: the
-slots are meant to run on one device (a mesh's batch axis would split the
-slots).
+the prompts: each copy then draws its own key; with pages, `group_size`
+shares their prefill). On a mesh the slots are split like a batch
+(tests/test_eight_devices.py: a GRPO step on 4x2 equals one device's).
 """
 
 import functools
@@ -202,7 +207,7 @@ def _put(old, rows, new):
 def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
               num_slots, refill_size, max_new_tokens, temperature, top_k,
               top_p, greedy, eos_id, fuse_projections, page_size,
-              num_pages):
+              num_pages, group_size):
   model = sampling._inference_module(model)
   tokens_in = jnp.asarray(prompt_tokens, jnp.int32)
   mask_in = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
@@ -218,16 +223,37 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
   keys = jax.vmap(jax.random.fold_in, (None, 0))
 
   paged = page_size is not None
+  k = group_size
   first = jnp.arange(slots, dtype=jnp.int32)
+  # The first fill: whole groups only (all S slots when k = 1).
+  filled = min(n, slots - slots % k)
+
+  def admit_pages(pages, tokens, mask, target):
+    """Sequences `tokens`, `mask` [m, P] (m a multiple of k; groups of k
+    adjacent rows share their prompt) into the pages of slots `target`
+    [m] (S: dropped, a whole group at once): each group's prompt
+    prefilled once, into its first sequence's slot, the others forked
+    from it (`paged_kv.fork`: its full pages shared, its partial last
+    page copied). -> (logits [m, vocab], pages, num_real [m])."""
+    logits, (pool, tables), num_real = _prefill_pages(
+        model, params, pages, tokens[::k], mask[::k], target[::k])
+    if k > 1:
+      groups = target.reshape(-1, k)
+      tables, pool = paged_kv.fork(
+          tables, pool, jnp.repeat(groups[:, 0], k - 1),
+          groups[:, 1:].reshape(-1))
+    return (jnp.repeat(logits, k, axis=0), (pool, tables),
+            jnp.repeat(num_real, k))
+
   with param_recording.recording_param_reads() as reads, \
       param_recording.recording_param_fusions() as fusions:
     if paged:
       pages = (paged_kv.make_pool(model, params, num_pages, page_size),
                paged_kv.init_tables(num_pages, page_size, slots,
                                     paged_kv.pages_for(width, page_size)))
-      logits, cache, num_real = _prefill_pages(
-          model, params, pages, queue_tokens[:slots], queue_mask[:slots],
-          first)
+      logits, cache, num_real = admit_pages(
+          pages, queue_tokens[:slots], queue_mask[:slots],
+          jnp.where(first < filled, first, slots))
       cache_mask = jnp.zeros((slots, 0), jnp.int32)
     else:
       logits, cache, cache_mask, num_real = _prefill(
@@ -237,7 +263,8 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
   state = _Slots(cache=cache, cache_mask=cache_mask, num_real=num_real,
                  logits=logits, rng=keys(rng, first),
                  t=jnp.zeros((slots,), jnp.int32),
-                 seq=jnp.where(first < n, first, n), active=first < n)
+                 seq=jnp.where(first < filled, first, n),
+                 active=first < filled)
   out = (jnp.zeros((n, new), jnp.int32), jnp.zeros((n, new), jnp.float32),
          jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool))
   zero = jnp.int32(0)
@@ -247,7 +274,8 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     """The next R pending prompts prefilled into the first free slots."""
     free = ~state.active
     pending = n - next_prompt
-    taken = jnp.minimum(jnp.minimum(pending, refill), jnp.sum(free))
+    taken = jnp.minimum(jnp.minimum(pending, refill),
+                        jnp.sum(free) // k * k)  # whole groups
     # New prompt j goes to the j-th free slot (slot index `slots`, dropped,
     # when j >= taken).
     rank = jnp.where(free, jnp.cumsum(free) - 1, refill)
@@ -258,8 +286,7 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
         jax.lax.dynamic_slice_in_dim(queue_tokens, next_prompt, refill),
         jax.lax.dynamic_slice_in_dim(queue_mask, next_prompt, refill))
     if paged:
-      logits, cache, num_real = _prefill_pages(model, params, state.cache,
-                                               *prompts, target)
+      logits, cache, num_real = admit_pages(state.cache, *prompts, target)
     else:
       logits, cache, cache_mask, num_real = _prefill(model, params,
                                                      *prompts, width)
@@ -324,7 +351,7 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
 
   if paged:
     counts = counts[:3] + (num_pages - state.cache[1].num_free,)
-  carry = (state, jnp.int32(min(slots, n)), out, counts)
+  carry = (state, jnp.int32(filled), out, counts)
   state, _, (tokens, logprobs, lengths, has_eos), counts = (
       jax.lax.while_loop(lambda carry: jnp.any(carry[0].active), body,
                          carry))
@@ -342,15 +369,16 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
 
 _STATIC = ("model", "num_slots", "refill_size", "max_new_tokens",
            "temperature", "top_k", "top_p", "greedy", "eos_id",
-           "fuse_projections", "page_size", "num_pages")
+           "fuse_projections", "page_size", "num_pages", "group_size")
 _generate_jit = sampling._jit_static(_generate, _STATIC)
 
 
-def default_slots(num_sequences: int) -> int:
+def default_slots(num_sequences: int, group_size: int = 1) -> int:
   """The slots an online step's engine takes when `online.engine_slots` is
-  unset: a quarter of a rollout part's sequences (at least 1), the setting
-  bench_engine.py measured."""
-  return max(1, num_sequences // 4)
+  unset: a quarter of a rollout part's sequences (the setting
+  bench_engine.py measured), rounded down to whole groups of `group_size`
+  (at least one group)."""
+  return max(group_size, num_sequences // 4 // group_size * group_size)
 
 
 def default_refill_size(num_slots: int) -> int:
@@ -363,7 +391,7 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
              top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
              eos_id: int = 1, refill_size: int = None,
              fuse_projections: bool = True, page_size: Optional[int] = None,
-             num_pages: Optional[int] = None
+             num_pages: Optional[int] = None, group_size: int = 1
              ) -> Tuple[sampling.Samples, EngineStats]:
   """Samples a continuation of each prompt with `num_slots` decode slots.
 
@@ -393,6 +421,11 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
       ceil((P + M - 1) / page_size), enough for any lengths). A pool too
       small for the live sequences raises after the call (when the call
       is not traced).
+    group_size: static k, with page_size: each k adjacent rows repeat one
+      prompt (a group's samples, `jnp.repeat(prompts, k, axis=0)`), which
+      is then prefilled once and its pages shared by the k (`paged_kv.fork`);
+      a group enters the slots whole, so k divides N, S and refill_size.
+      The samples are those of group_size 1 (each row its own key).
   Returns:
     (Samples of the new tokens, [N, max_new_tokens] in prompt order, EOS
     kept, then 0; num_steps the longest sequence's tokens; EngineStats).
@@ -405,8 +438,21 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
   sampling._check_left_padded(prompt_attention_mask)
   if not isinstance(num_slots, (int, np.integer)) or num_slots < 1:
     raise ValueError(f"num_slots must be a positive int, got {num_slots!r}.")
+  if not isinstance(group_size, (int, np.integer)) or group_size < 1:
+    raise ValueError(f"group_size must be a positive int, got "
+                     f"{group_size!r}.")
+  k = int(group_size)
+  if k > 1 and page_size is None:
+    raise ValueError("group_size > 1 shares a group's prompt pages: it "
+                     "needs page_size (or pass group_size=1).")
   if refill_size is None:
-    refill_size = default_refill_size(int(num_slots))
+    refill_size = max(k, default_refill_size(int(num_slots)) // k * k)
+  if k > 1 and (np.shape(prompt_tokens)[0] % k or num_slots % k
+                or refill_size % k):
+    raise ValueError(f"group_size={k} must divide the prompts' rows "
+                     f"({np.shape(prompt_tokens)[0]}), num_slots "
+                     f"({num_slots}) and refill_size ({refill_size}): a "
+                     "group enters the slots whole.")
   if (not isinstance(refill_size, (int, np.integer))
       or not 1 <= refill_size <= num_slots):
     raise ValueError(f"refill_size must be an int in 1 .. num_slots="
@@ -433,7 +479,7 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
       temperature=float(temperature) if not greedy else 1.0,
       top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
       eos_id=int(eos_id), fuse_projections=bool(fuse_projections),
-      page_size=page_size, num_pages=num_pages)
+      page_size=page_size, num_pages=num_pages, group_size=k)
   exhausted = stats.pages_exhausted
   if not isinstance(exhausted, jax.core.Tracer) and bool(exhausted):
     raise RuntimeError(

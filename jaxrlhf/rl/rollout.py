@@ -174,10 +174,12 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
       row r drawing from fold_in(rng, r); decoder-only, no routes;
       stop_when_done and cache_segments do not apply, and `num_steps`
       counts the engine's decode steps).
-    engine_slots: static; continuous: the decode slots (None: a quarter of
-      the batch * num_samples rows, at least 1).
+    engine_slots: static; continuous: the decode slots (None:
+      `engine.default_slots`, a quarter of the batch * num_samples rows).
     engine_page_size: static; continuous: the slots' caches as pages of
-      this many positions (`engine.generate`'s page_size; None: contiguous).
+      this many positions (`engine.generate`'s page_size; None:
+      contiguous); a prompt's num_samples samples then share its prefill
+      and pages (`group_size`) when they divide the slots.
 
   Returns:
     `sampling.Samples` of [batch * num_samples, max_new_tokens].
@@ -191,10 +193,12 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
     tokens, mask = left_pad_prompts(prompt_tokens, eos_id)
     tokens, mask = (jnp.repeat(x, num_samples, axis=0)
                     for x in (tokens, mask))
-    slots = engine_slots or engine_lib.default_slots(tokens.shape[0])
+    group = num_samples if engine_page_size else 1
+    slots = engine_slots or engine_lib.default_slots(tokens.shape[0], group)
     samples, stats = engine_lib.generate(
         lm.module, params, tokens, mask, rng, slots, max_new_tokens,
-        temperature=temperature, eos_id=eos_id, page_size=engine_page_size)
+        temperature=temperature, eos_id=eos_id, page_size=engine_page_size,
+        group_size=group if slots % group == 0 else 1)
     return samples.replace(num_steps=stats.decode_steps)
   options = dict(temperature=temperature, eos_id=eos_id,
                  num_samples=num_samples, stop_when_done=stop_when_done,

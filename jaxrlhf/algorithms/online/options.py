@@ -105,7 +105,9 @@ ONLINE = config_schema.Group(
           "(jaxrlhf/models/layers/paged_kv.py; engine.generate's page_size "
           "and its default pool), so that a sequence holds the pages of its "
           "own length and attention reads the pages in use, or a short "
-          "table whole (models/layers/paged_attention.py). The same "
+          "table whole (models/layers/paged_attention.py); a prompt's "
+          "samples_per_prompt responses share its prefill and its pages "
+          "when they divide engine_slots (unset: they do). The same "
           "responses; python -m jaxrlhf.plan counts the pool.", type=int,
           bounds=">0"),
         F("eos_trick", True,

@@ -222,7 +222,8 @@ def fork(tables: PageTables, pool: Any, source: Array, target: Array
     tables: the pool's state; each target must hold nothing (released or
       never used) and appear once.
     pool: the model's "cache" collection of pools (`make_pool`).
-    source, target: int [k] sequence indices.
+    source, target: int [k] sequence indices; a target out of range
+      (num_seqs: none) forks nothing.
   Returns:
     (tables, pool). When the free pages do not cover the partial pages,
     `exhausted` is set and the targets hold the shared full pages only.
@@ -230,7 +231,8 @@ def fork(tables: PageTables, pool: Any, source: Array, target: Array
   size = tables.page_size
   source = jnp.asarray(source, jnp.int32)
   target = jnp.asarray(target, jnp.int32)
-  length = tables.lengths[source]
+  valid = (target >= 0) & (target < tables.lengths.shape[0])
+  length = jnp.where(valid, tables.lengths[source], 0)
   full = length // size
   column = jnp.arange(tables.page_table.shape[1])[None, :]
   shared = column < full[:, None]
@@ -241,7 +243,8 @@ def fork(tables: PageTables, pool: Any, source: Array, target: Array
   tables = dataclasses.replace(tables, page_table=page_table,
                                lengths=lengths, refs=refs)
   tables = reserve(tables, tables.lengths.at[target].set(length))
-  partial = (length % size > 0) & (tables.lengths[target] == length)
+  partial = (valid & (length % size > 0)
+             & (tables.lengths[target] == length))
   pick = lambda table: jnp.take_along_axis(table, full[:, None], 1)[:, 0]
   pool = copy_pages(
       pool, pick(tables.page_table[source]),
