@@ -7,7 +7,10 @@ the best K of the whole batch ("top_k_overall", 10.2.2.2), and fine-tune on
 the kept ones with the SFT loss. Here that happens inside every train step:
 sampling from the current policy iterates it (each step is a new round on
 fresh prompts); `rejection_sampling.sample_from = "reference"` samples from
-the frozen SFT model instead, one round as a dataset from it.
+the frozen SFT model instead, one round as a dataset from it. A
+mixture-of-experts policy's SFT loss routes the kept samples afresh (no
+router replay): replay keeps the sampler's and the trainer's log-probs of
+one token equal for an importance ratio, and the SFT loss has none.
 
 Best-of-N (10.3) changes no weights: the SFT policy's best of N samples by
 the reward model. `best_of_n_evaluation` judges it like the trained
