@@ -149,8 +149,10 @@ def models():
 # --- train steps ------------------------------------------------------------------
 
 
-def _steps(config, shape, algorithm, devices, metric_keys):
-  """Three train steps of `algorithm` from its seeded initialisation."""
+def _train(config, shape, algorithm, devices, metric_keys, num_steps):
+  """(the initial parameters, [{metric: value}] of `num_steps` train steps
+  of `algorithm` from its seeded initialisation, the final state) on a
+  mesh of `shape` over `devices`."""
   mesh = sharding.create_mesh(shape, config.mesh.axis_names, devices)
   rules = sharding.as_rules(config.sharding.logical_axis_rules)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
@@ -159,10 +161,17 @@ def _steps(config, shape, algorithm, devices, metric_keys):
     initial = jax.device_get(state.params)
     batches = trainer.train_batches(0)
     steps = []
-    for _ in range(3):
+    for _ in range(num_steps):
       batch = sharding.global_batch(next(batches), mesh, rules)
       state, metrics = trainer.train_step(state, batch)
       steps.append({k: float(metrics[k]) for k in metric_keys})
+  return initial, steps, state
+
+
+def _steps(config, shape, algorithm, devices, metric_keys):
+  """Three train steps of `algorithm` from its seeded initialisation."""
+  initial, steps, state = _train(config, shape, algorithm, devices,
+                                 metric_keys, 3)
   kernel = state.params["policy"]["encoder"]["layers_0"]["mlp"]["wi_0"][
       "kernel"]
   return {"steps": steps, "initial": initial,
@@ -335,18 +344,7 @@ def engine():
   grpo = from_scratch(algorithms.get("grpo"))
   out = {}
   for name, shape, devices in (("one", (1, 1), ONE), ("eight", (4, 2), None)):
-    c = config(shape)
-    mesh = sharding.create_mesh(shape, c.mesh.axis_names, devices)
-    rules = sharding.as_rules(c.sharding.logical_axis_rules)
-    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
-      trainer = trainer_of(grpo, c, mesh)
-      state = trainer._init(jax.random.PRNGKey(c.seed))  # pylint: disable=protected-access
-      batches = trainer.train_batches(0)
-      steps = []
-      for _ in range(2):
-        batch = sharding.global_batch(next(batches), mesh, rules)
-        state, metrics = trainer.train_step(state, batch)
-        steps.append({k: float(metrics[k]) for k in keys})
+    _, steps, state = _train(config(shape), shape, grpo, devices, keys, 2)
     out[name] = {"steps": steps, "params_sum": _sum(state.params),
                  "devices": len(jax.tree.leaves(state.params)[0].devices())}
   return out
