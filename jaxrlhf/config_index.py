@@ -144,6 +144,7 @@ FIELDS = {
     'clip_eps': ('float', 0.2),
     'engine': ('str', 'lockstep'),
     'engine_page_size': ('int', None),
+    'engine_pages': ('int', None),
     'engine_slots': ('int', None),
     'env_timeout_s': ('float', 60.0),
     'environment': ('str', ''),

@@ -110,6 +110,20 @@ ONLINE = config_schema.Group(
           "when they divide engine_slots (unset: they do). The same "
           "responses; python -m jaxrlhf.plan counts the pool.", type=int,
           bounds=">0"),
+        F("engine_pages", None,
+          "engine 'continuous' on pages (online.engine_page_size, or "
+          "episodes): the pool's pages. Unset = enough for every slot's "
+          "longest sequence (single-turn: slots x the pages of prompt + "
+          "max_new_tokens - 1; episodes: the step's episodes x the pages "
+          "of the longest episode), so that nothing is ever preempted. "
+          "Fewer: the pool follows the real lengths, and when a sequence "
+          "needs a page and none is free the most recently admitted one "
+          "is preempted (its pages freed, it waits again and is prefilled "
+          "with its tokens so far when a slot and pages free up), drawing "
+          "the same tokens as without preemption; engine/preemptions "
+          "counts them. A pool too small for one longest sequence is an "
+          "error. python -m jaxrlhf.plan counts the pool.", type=int,
+          bounds=">0"),
         F("eos_trick", True,
           "The EOS trick (detail 23): a response with no EOS scores "
           "missing_eos_penalty instead of the reward model's output (which "
@@ -337,6 +351,12 @@ def check_engine(c) -> None:
       "online.engine_page_size", f"{o.engine_page_size} pages the "
       "continuous engine's cache only; set online.engine='continuous' or "
       "unset it.")
+  config_schema.require(
+      o.engine_pages is None or (o.engine == "continuous" and (
+          o.engine_page_size or o.environment or o.tools)),
+      "online.engine_pages", f"{o.engine_pages} pages the continuous "
+      "engine's pool only; set online.engine='continuous' with "
+      "online.engine_page_size (or episodes), or unset it.")
   if o.engine != "continuous":
     return
   for ok, field, why in (
