@@ -20,7 +20,9 @@ and one compilation of each single-device step for all the checks):
            the same 4, and one step ahead with the decoupled correction on
            those same 4;
   engine   two GRPO steps of a tiny Llama decoded by the continuous
-           engine on a paged KV cache, on one device and on the 4x2 mesh;
+           engine on a paged KV cache, on one device and on the 4x2 mesh,
+           and sampled on 4 sampler devices and trained on the other 4
+           (on-policy and one step ahead);
   loop     a 12-step SFT run through the training loop (checkpoints,
            metrics, restore; no evaluation);
   plan     `jaxrlhf.plan` of offline's DRO-V step on the 4x2 mesh: the
@@ -331,22 +333,28 @@ def overlap():
 
 def engine():
   """Two GRPO steps of a tiny Llama whose responses the continuous engine
-  decodes on a paged KV cache, on one device and on the 4x2 mesh."""
+  decodes on a paged KV cache, on one device and on the 4x2 mesh; and
+  (`_overlap_run`) sampled on 4 sampler devices and trained on the other
+  4, on-policy and one step ahead."""
   keys = ("loss", "score", "kl", "response_length")
-  config = lambda shape: tiny_config(
+  config = lambda shape, **overrides: tiny_config(
       algorithm="grpo", mesh__shape=shape, model__arch="llama",
       model__num_encoder_layers=None, train__batch_size=8,
-      init__policy_checkpoint="unused", rewards__reward_model__weight=0.0,
+      train__num_steps=2, init__policy_checkpoint="unused",
+      rewards__reward_model__weight=0.0,
       rewards__functions="reward_functions:word_count",
       online__samples_per_prompt=2, online__max_new_tokens=8,
       online__engine="continuous", online__engine_page_size=4,
-      optimizer__warmup_steps=0)
+      optimizer__warmup_steps=0, **overrides)
   grpo = from_scratch(algorithms.get("grpo"))
   out = {}
   for name, shape, devices in (("one", (1, 1), ONE), ("eight", (4, 2), None)):
     _, steps, state = _train(config(shape), shape, grpo, devices, keys, 2)
     out[name] = {"steps": steps, "params_sum": _sum(state.params),
                  "devices": len(jax.tree.leaves(state.params)[0].devices())}
+  for name, ahead in (("split", 0), ("ahead", 1)):
+    out[name] = _overlap_run(config((-1, 1), online__sampler_devices=4,
+                                    online__off_policy_steps=ahead))
   return out
 
 

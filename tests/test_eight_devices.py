@@ -174,6 +174,28 @@ def test_the_continuous_engine_on_pages_trains_alike_on_4x2(result):
                              r["one"]["params_sum"], rtol=1e-6)
 
 
+def test_the_continuous_engine_samples_on_sampler_devices(result):
+  """The engine on 4 sampler devices, the update on the other 4: on-policy
+  it trains as one device does (the same responses, whatever the
+  devices); one step ahead, step 1 is on-policy and step 2's ratios are
+  against the initial policy that sampled its responses."""
+  r = result["engine"]
+  split, ahead = r["split"], r["ahead"]
+  assert split["policy_devices"] == ahead["policy_devices"] == [4, 5, 6, 7]
+  for a, b in zip(r["one"]["steps"], split["steps"]):
+    for key in ("loss", "score", "kl"):
+      np.testing.assert_allclose(b[key], a[key], rtol=1e-4, atol=1e-5,
+                                 err_msg=key)
+  assert abs(split["steps"][1]["approx_kl_k1"]) < 1e-6
+  for key in ("loss", "score", "kl"):
+    np.testing.assert_allclose(ahead["steps"][0][key],
+                               split["steps"][0][key], rtol=1e-5, atol=1e-7)
+  truth = ahead["stale"]["approx_kl_k1"]
+  assert abs(truth) > 1e-4
+  np.testing.assert_allclose(ahead["steps"][1]["approx_kl_k1"], truth,
+                             rtol=1e-3)
+
+
 def test_rollouts_on_sampler_devices_overlapped_with_the_update(result):
   """GRPO with rollouts on 4 sampler devices and updates on the other 4
   (online_overlap): on-policy it trains exactly as sampling and training on

@@ -78,10 +78,11 @@ def test_the_samplers_log_probs_are_the_trainers(steps):
 
 @pytest.mark.parametrize("overrides,field", [
     (dict(model__arch="t5"), "model.arch"),
-    (dict(model__arch="llama", online__sampler_devices=1),
-     "online.sampler_devices"),
     (dict(model__arch="llama", online__cache_segments=2),
      "online.cache_segments"),
+    # A pool size without pages (online.engine_page_size or episodes).
+    (dict(model__arch="llama", online__engine_pages=8),
+     "online.engine_pages"),
 ])
 def test_unsupported_settings_are_refused(overrides, field):
   config = tiny_config(online__engine="continuous", algorithm="grpo",

@@ -88,9 +88,10 @@ ONLINE = config_schema.Group(
           "fold_in(fold_in(key, i), t): the episodes differ from "
           "lockstep's, not from one slot's to many's; "
           "experiments/bench_agents.py measures both). Continuous: "
-          "decoder-only policies, sampling on the training devices, no "
-          "cache_segments, no recorded routes (router_replay on a "
-          "mixture-of-experts policy).",
+          "decoder-only policies, no cache_segments, no recorded routes "
+          "(router_replay on a mixture-of-experts policy); single-turn "
+          "responses are also decoded on online.sampler_devices, one or "
+          "more steps ahead (tests/eight_devices.py).",
           choices=("lockstep", "continuous")),
         F("engine_slots", None,
           "engine 'continuous': the decode slots (the responses decoded at "
@@ -344,7 +345,7 @@ def check_sampling(c) -> None:
 
 def check_engine(c) -> None:
   """engine 'continuous' decodes single-turn responses or episodes of a
-  decoder-only policy on the training devices, reading the whole cache."""
+  decoder-only policy, reading the whole cache."""
   o = c.online
   config_schema.require(
       o.engine == "continuous" or o.engine_page_size is None,
@@ -362,8 +363,6 @@ def check_engine(c) -> None:
   for ok, field, why in (
       (not registry.get_family(c.model.arch).encoder_decoder, "model.arch",
        f"{c.model.arch!r} is an encoder-decoder"),
-      (not o.sampler_devices, "online.sampler_devices",
-       f"{o.sampler_devices} (sampler devices)"),
       (o.cache_segments in (None, 1), "online.cache_segments",
        f"{o.cache_segments} (segments)")):
     config_schema.require(
