@@ -5,6 +5,8 @@ updates; and what overlapping generation with training saves.
   python experiments/bench_online_step.py --arch=t5 --size=small \
       --prompts=32 --group=8 --new=256 --eos_prob=0.02
   python experiments/bench_online_step.py --overlap        # 8 CPU devices
+  python experiments/bench_online_step.py --overlap --engine=continuous \
+      --page_size=16    # the responses decoded by the continuous engine
 
 Both parts run GRPO (`jaxrlhf.algorithms.online.grpo`, its defaults) with a
 randomly initialised policy and reference (`--arch`, `--size`: the model
@@ -118,6 +120,13 @@ def _parse():
   p.add_argument("--stop", default="on,off",
                  help="stop_when_done settings to run, of on,off")
   p.add_argument("--repeats", type=int, default=3)
+  p.add_argument("--engine", default="lockstep",
+                 choices=("lockstep", "continuous"), help="online.engine")
+  p.add_argument("--page_size", type=int, default=None,
+                 help="online.engine_page_size (--engine=continuous)")
+  p.add_argument("--slots", type=int, default=None,
+                 help="online.engine_slots (--engine=continuous; unset: "
+                 "the default)")
   p.add_argument("--overlap", action="store_true",
                  help="part (b): sampler and trainer devices")
   p.add_argument("--steps", type=int, default=4,
@@ -182,7 +191,9 @@ def make_config(args, stop_when_done: bool, **overrides):
   else:
     rewards["rewards.functions"] = args.host_reward
   online = {"online.num_epochs": args.epochs,
-            "online.num_minibatches": args.minibatches}
+            "online.num_minibatches": args.minibatches,
+            "online.engine_page_size": args.page_size,
+            "online.engine_slots": args.slots}
   defaults.apply_overrides(c, {
       "algorithm": "grpo",
       "data.task": TASK,
@@ -198,6 +209,7 @@ def make_config(args, stop_when_done: bool, **overrides):
       "online.max_new_tokens": args.new,
       "online.temperature": 1.0,
       "online.stop_when_done": stop_when_done,
+      "online.engine": args.engine,
       **({} if args.kl_coef is None else {"grpo.kl_coef": args.kl_coef}),
       # Only the shapes matter: the networks start from their random
       # initialisation (`Trainer._init`), no checkpoint is read.
@@ -263,6 +275,17 @@ def _millions(n):
   return f"{n / 1e6:.1f}M" if n >= 1e6 else f"{n / 1e6:.3f}M"
 
 
+def _engine(args, o) -> str:
+  """How the responses are decoded."""
+  if args.engine == "lockstep":
+    return "decoded in lockstep"
+  slots = (f"{args.slots} slots" if args.slots
+           else "the default slots (online.engine_slots unset)")
+  pages = (f", pages of {args.page_size}" if args.page_size
+           else ", contiguous caches")
+  return f"continuous engine, {slots}{pages}"
+
+
 def describe(args, trainer, devices: str):
   o = trainer.online
   params = sum(x.size for x in jax.tree.leaves(
@@ -276,7 +299,7 @@ def describe(args, trainer, devices: str):
           f"tokens, temperature 1, EOS with probability {args.eos_prob} per "
           f"step; host reward {args.host_reward}{rm}; updates: "
           f"{o.num_epochs} epoch(s) x {o.num_minibatches} minibatch(es), "
-          f"{args.optimizer}; load average {os.getloadavg()[0]:.1f} on "
+          f"{args.optimizer}; {_engine(args, o)}; load average {os.getloadavg()[0]:.1f} on "
           f"{os.cpu_count()} cores")
 
 
