@@ -23,7 +23,15 @@ environments run. Here (`run_episodes`, same arguments and results, an
     a free slot (`EpisodeEngine.prefill`, several episodes in one call);
     new episodes (their openings) fill free slots the same way;
   * an episode ends, and gives its pages back, as the lockstep loop's
-    rules say (the same `episodes.Opened` steps).
+    rules say (the same `episodes.Opened` steps);
+  * the pool (`EpisodeEngine` num_pages, online.engine_pages) may be
+    smaller than every episode at its longest: a chunk stops before a
+    step its free pages do not cover, and a turn that needs a page when
+    none is free preempts an episode (`run_episodes` says which): its
+    pages go back, and when it next gets a slot its whole sequence so far
+    (opening, turns, answers, the preempted turn's draws) is prefilled
+    again onto fresh pages and its turn goes on with the key it had. A
+    preempted episode draws what it draws without preemption.
 
 Every drawn token is fed, as the lockstep sampler feeds it, but one step
 later: a slot's step feeds the token its episode drew last (or the last id
@@ -42,7 +50,7 @@ in max_episode_tokens (at most max_turn_tokens), which cuts a turn where
 the lockstep loop cuts it.
 
 The stats: decode steps (chunk iterations), slot occupancy (slot-steps
-that drew a token / decode steps x S), env_seconds (the wall time the host
+that drew a token / decode steps x S), preemptions, env_seconds (the wall time the host
 waited on environments with no slot to decode: the device idle), and
 env_hidden_seconds (the device's chunk and prefill time while at least one
 environment was running: environment time hidden behind decoding).
@@ -172,8 +180,13 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
             useful + jnp.sum(live, dtype=jnp.int32), jnp.any(ended))
 
   def going(carry):
-    live, steps, any_ended = carry[5], carry[8], carry[10]
-    going = (steps < max_steps) & jnp.any(live)
+    tables, live, steps, any_ended = carry[1], carry[5], carry[8], carry[10]
+    # A step that would need more fresh pages than are free is not taken:
+    # the host preempts an episode first (`run_episodes`).
+    held = tables.lengths[jnp.where(live, slot_episode, 0)]
+    need = jnp.sum(live & (held % tables.page_size == 0), dtype=jnp.int32)
+    going = ((steps < max_steps) & jnp.any(live)
+             & (need <= tables.num_free))
     return going & ~any_ended if return_on_end else going
 
   zero = jnp.int32(0)
@@ -182,19 +195,26 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
   return jax.lax.while_loop(going, body, carry)[:10]
 
 
-def _assign(slots, key, slot, episode, turn, pending, budget):
+def _assign(slots, key, slot, episode, turn, pending, budget, resume,
+            saved_rng, drawn, tokens, logprobs):
   """The slots' arrays (`_decode`'s) with slot[k] starting episode[k]'s
   turn turn[k]: its key fold_in(fold_in(key, episode), turn), the id to
-  feed, the turn's budget, none drawn (all [k]; a slot index S is
-  dropped)."""
+  feed, the turn's budget, none drawn; or, where resume[k], going on with
+  a preempted turn: its key as it was (saved_rng[k]), its drawn[k] tokens
+  and log-probs (tokens / logprobs [k, max_turn_tokens]). All [k]; a slot
+  index S is dropped."""
   keys = jax.vmap(lambda i, t: jax.random.fold_in(
       jax.random.fold_in(key, i), t))(episode, turn)
   put = lambda old, new: old.at[slot].set(new.astype(old.dtype),
                                           mode="drop")
   return dict(slots, pending=put(slots["pending"], pending),
               budget=put(slots["budget"], budget),
-              drawn=put(slots["drawn"], jnp.zeros_like(slot)),
-              rng=slots["rng"].at[slot].set(keys, mode="drop"))
+              drawn=put(slots["drawn"], drawn),
+              tokens=put(slots["tokens"], tokens),
+              logprobs=put(slots["logprobs"], logprobs),
+              rng=slots["rng"].at[slot].set(keys, mode="drop").at[
+                  jnp.where(resume, slot, slots["pending"].shape[0])].set(
+                      saved_rng, mode="drop"))
 
 
 _prefill_jit = sampling._jit_static(_prefill, ("model",))
@@ -208,7 +228,8 @@ _release_jit = jax.jit(paged_kv.release)
 
 class EpisodeEngine:
   """E episodes' pages and S decode slots on the device (module
-  docstring); `run_episodes` drives it.
+  docstring); `run_episodes` drives it, and chooses which episode to
+  preempt when the pool runs short.
 
   Args:
     model, params: a decoder-only module whose attention reads pages
@@ -226,16 +247,21 @@ class EpisodeEngine:
     return_on_end: a chunk returns as soon as a turn ends (its slot free
       at once, its environment stepped at once); False: after chunk_steps
       steps (or none live), fewer returns but slots idle until then.
+    num_pages: the pool's pages (online.engine_pages); None: E x the pages
+      of max_length, never short. Fewer: episodes are preempted when a
+      turn needs a page and none is free (`run_episodes`); at least the
+      pages of one max_length episode.
   """
 
   def __init__(self, model, params, *, end_id: int, temperature: float,
                num_slots: int, max_length: int, turn_tokens: int,
                page_size: int = 16, chunk_steps: Optional[int] = None,
-               return_on_end: bool = True):
+               return_on_end: bool = True, num_pages: Optional[int] = None):
     for field, value in (("num_slots", num_slots), ("max_length", max_length),
                          ("turn_tokens", turn_tokens),
                          ("page_size", page_size),
-                         ("chunk_steps", chunk_steps or 1)):
+                         ("chunk_steps", chunk_steps or 1),
+                         ("num_pages", num_pages or 1)):
       if not isinstance(value, (int, np.integer)) or value < 1:
         raise ValueError(f"EpisodeEngine: {field} must be a positive int, "
                          f"got {value!r}.")
@@ -243,20 +269,28 @@ class EpisodeEngine:
     self.end_id, self.temperature = int(end_id), float(temperature)
     self.num_slots, self.turn_tokens = int(num_slots), int(turn_tokens)
     self.max_length, self.page_size = int(max_length), int(page_size)
+    self.max_pages = paged_kv.pages_for(self.max_length, self.page_size)
+    if num_pages is not None and num_pages < self.max_pages:
+      raise ValueError(
+          f"online.engine_pages: {num_pages} pages of {self.page_size} "
+          f"positions cannot hold one longest episode ({self.max_length} "
+          f"positions: {self.max_pages} pages); set it to at least "
+          f"{self.max_pages}, or unset it.")
+    self.num_pages = None if num_pages is None else int(num_pages)
     self.chunk_steps = int(chunk_steps or turn_tokens)
     self.return_on_end = bool(return_on_end)
     self.decode_steps = 0
     self.useful_slot_steps = 0
     self.prefills = 0
     self.pages_peak = 0
+    self.preemptions = 0
 
   # --- the pool, by episode --------------------------------------------------
 
   def reset(self, num_episodes: int, key) -> None:
-    """An empty pool for `num_episodes` episodes at their longest, and S
-    free slots; `key` the episodes' sampling key."""
-    max_pages = paged_kv.pages_for(self.max_length, self.page_size)
-    num_pages = num_episodes * max_pages
+    """An empty pool (`num_pages`, or `num_episodes` episodes at their
+    longest) and S free slots; `key` the episodes' sampling key."""
+    num_pages = self.num_pages or num_episodes * self.max_pages
     self.key = key
     # A pool of the right size is reused as it is: every position is
     # written before any query reads it.
@@ -264,7 +298,7 @@ class EpisodeEngine:
       self.pool = _pool(self.model, self.params, num_pages, self.page_size)
       self._num_pages = num_pages
     self.tables = paged_kv.init_tables(num_pages, self.page_size,
-                                       num_episodes, max_pages)
+                                       num_episodes, self.max_pages)
     self._dparams = _decode_params_jit(
         model=self.model, params=self.params, pool=self.pool,
         tables=self.tables, fuse_projections=True)
@@ -277,13 +311,65 @@ class EpisodeEngine:
         tokens=jnp.zeros((s, m), jnp.int32),
         logprobs=jnp.zeros((s, m), jnp.float32))
     self._to_release: List[int] = []
+    # The host's copy of the positions each episode holds pages for (the
+    # device's `tables.lengths` after every call), and the turns preempted
+    # mid-decode: episode -> (ids, log-probs, key, budget).
+    self.lengths = np.zeros((num_episodes,), np.int64)
+    self._paused: Dict[int, Tuple[List[int], List[float], Any, int]] = {}
 
   def free_slots(self) -> List[int]:
     return [s for s in range(self.num_slots) if self.slot_episode[s] < 0]
 
+  def free_pages(self) -> int:
+    """The pool's free pages (with the releases not yet flushed)."""
+    return self.tables.num_pages - int(np.sum(paged_kv.pages_for(
+        self.lengths, self.page_size)))
+
+  def pages_to_start(self, episode: int, sequence: Sequence[int]) -> int:
+    """The fresh pages `prefill` takes to start `episode` with its
+    `sequence` so far (its preempted turn's ids added), through the first
+    position its slot feeds."""
+    total = len(sequence) + len(self._paused.get(episode, ((),))[0])
+    return (paged_kv.pages_for(total, self.page_size)
+            - paged_kv.pages_for(int(self.lengths[episode]), self.page_size))
+
+  def pages_short(self) -> int:
+    """The fresh pages the live slots' next decode step takes beyond the
+    free ones (> 0: the step cannot be taken; preempt an episode)."""
+    live = self.slot_episode[self.slot_episode >= 0]
+    need = int(np.sum(self.lengths[live] % self.page_size == 0))
+    return need - self.free_pages()
+
+  def holders(self) -> List[int]:
+    """The episodes that hold pages or a slot (those `preempt` frees)."""
+    return sorted(set(np.flatnonzero(self.lengths > 0).tolist())
+                  | set(self.slot_episode[self.slot_episode >= 0].tolist()))
+
+  def live(self, episode: int) -> bool:
+    return bool(np.any(self.slot_episode == episode))
+
   def release(self, episode: int) -> None:
     """Episode `episode` is over: its pages go back (with the next call)."""
     self._to_release.append(int(episode))
+    self.lengths[episode] = 0
+
+  def preempt(self, episode: int) -> None:
+    """Episode `episode`'s pages go back to the free list (with the next
+    call) and its slot, if it has one, is freed, its turn's draws and key
+    kept: its next `prefill` writes its whole sequence again onto fresh
+    pages and goes on with the turn where it stopped."""
+    for slot in np.flatnonzero(self.slot_episode == episode):
+      d = self._slots
+      tokens, logprobs, drawn, budget = jax.device_get(
+          (d["tokens"][slot], d["logprobs"][slot], d["drawn"][slot],
+           d["budget"][slot]))
+      n = int(drawn)
+      self._paused[int(episode)] = (
+          [int(x) for x in tokens[:n]], [float(x) for x in logprobs[:n]],
+          d["rng"][slot], int(budget))
+      self.slot_episode[slot] = -1
+    self.release(episode)
+    self.preemptions += 1
 
   def _flush_releases(self) -> None:
     if self._to_release:
@@ -294,44 +380,64 @@ class EpisodeEngine:
 
   def prefill(self, starts: Sequence[Tuple[int, Sequence[int], int, int]]
               ) -> None:
-    """Starts turns: per (episode, ids, turn, budget), the episode's `ids`
-    but the last written onto its pages at its length, and a free slot set
-    to feed the last and draw at most `budget` tokens with the turn's key
-    fold_in(fold_in(key, episode), turn)."""
+    """Starts turns: per (episode, sequence, turn, budget), the episode's
+    `sequence` so far (its opening and conversation; a preempted turn's
+    draws are added here) but the last id written onto its pages from
+    what they hold on, and a free slot set to feed the last and draw at
+    most `budget` tokens with the turn's key fold_in(fold_in(key,
+    episode), turn); a preempted turn goes on with its own key, draws and
+    budget. The caller checks the pages (`pages_to_start`)."""
     self._flush_releases()
     free = self.free_slots()
     if not 0 < len(starts) <= len(free):
       raise ValueError(f"EpisodeEngine.prefill: {len(starts)} turns for "
                        f"{len(free)} free slots.")
-    longest = max(len(ids) - 1 for _, ids, _, _ in starts)
+    count = turn_sampler.bucket(len(starts), 1)
+    rows = []
+    for i, sequence, turn, most in starts:
+      ids, logprobs, rng, most = self._paused.pop(
+          i, ([], [], self.key, most))
+      held = int(self.lengths[i])
+      rows.append((i, list(sequence[held:]) + ids, turn, most, ids,
+                   logprobs, rng))
+    longest = max(len(r[1]) - 1 for r in rows)
     if longest:
-      count = turn_sampler.bucket(len(starts), 1)
       tokens = np.zeros((count, turn_sampler.bucket(longest, 8)), np.int32)
       real = np.zeros((count,), np.int32)
       episodes = np.full((count,), self.tables.lengths.shape[0], np.int32)
-      for r, (i, ids, _, _) in enumerate(starts):
+      for r, (i, ids, *_) in enumerate(rows):
         tokens[r, :len(ids) - 1] = ids[:-1]
         real[r], episodes[r] = len(ids) - 1, i
+        self.lengths[i] += len(ids) - 1
       self.pool, self.tables = _prefill_jit(
           model=self.model, params=self.params, pool=self.pool,
           tables=self.tables, episodes=episodes, tokens=tokens, real=real)
       self.prefills += 1
     # The slots' new turns, padded to a bucket (slot S: dropped).
-    count = turn_sampler.bucket(len(starts), 1)
+    m = self.turn_tokens
     slot = np.full((count,), self.num_slots, np.int32)
-    episode, turn, last, budget = (np.zeros((count,), np.int32)
-                                   for _ in range(4))
-    for r, (free_slot, (i, ids, t, most)) in enumerate(zip(free, starts)):
+    episode, turn, last, budget, drawn = (np.zeros((count,), np.int32)
+                                          for _ in range(5))
+    resume = np.zeros((count,), bool)
+    tokens, logprobs = np.zeros((count, m), np.int32), np.zeros(
+        (count, m), np.float32)
+    keys = [self.key] * count
+    for r, (free_slot, (i, ids, t, most, drew, logs, rng)) in enumerate(
+        zip(free, rows)):
       self.slot_episode[free_slot] = i
       slot[r], episode[r], turn[r], last[r], budget[r] = (free_slot, i, t,
                                                           ids[-1], most)
+      resume[r], drawn[r], keys[r] = bool(drew), len(drew), rng
+      tokens[r, :len(drew)], logprobs[r, :len(drew)] = drew, logs
     self._slots = _assign_jit(self._slots, self.key, slot, episode, turn,
-                              last, budget)
+                              last, budget, resume, jnp.stack(keys), drawn,
+                              tokens, logprobs)
 
   def decode(self) -> Dict[int, Tuple[List[int], List[float], bool]]:
-    """One chunk of decode steps: {episode: (the turn's ids, their
-    log-probs, whether it ended at the end-of-turn id)} of the turns that
-    ended (their slots now free)."""
+    """One chunk of decode steps (stopping before a step the free pages do
+    not cover): {episode: (the turn's ids, their log-probs, whether it
+    ended at the end-of-turn id)} of the turns that ended (their slots
+    now free)."""
     self._flush_releases()
     live = self.slot_episode >= 0
     d = self._slots
@@ -347,9 +453,10 @@ class EpisodeEngine:
          end_id=self.end_id,
          temperature=1.0 if greedy else self.temperature, greedy=greedy,
          return_on_end=self.return_on_end)
-    live_after, steps, useful, used = jax.device_get(
+    live_after, steps, useful, used, lengths = jax.device_get(
         (live_after, steps, useful,
-         self.tables.num_pages - self.tables.num_free))
+         self.tables.num_pages - self.tables.num_free, self.tables.lengths))
+    self.lengths = np.asarray(lengths, np.int64).copy()
     self.decode_steps += int(steps)
     self.useful_slot_steps += int(useful)
     self.pages_peak = max(self.pages_peak, int(used))
@@ -382,17 +489,31 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
   """One episode per row on the engine's slots (module docstring);
   arguments and episodes as `episodes.run_episodes`' (`engine` for its
   policy). Returns (episodes, {"env_seconds", "env_hidden_seconds",
-  "slot_occupancy", "slot_steps", "useful_slot_steps", "decode_steps"}:
-  module docstring)."""
+  "slot_occupancy", "slot_steps", "useful_slot_steps", "decode_steps",
+  "preemptions"}: module docstring).
+
+  On a pool smaller than every episode at its longest (`EpisodeEngine`'s
+  num_pages), a turn that needs a page when none is free (a decode step,
+  or an answer's or a preempted episode's prefill) preempts an episode:
+  first one waiting on its environment (it needs no page until it is
+  answered, and may wait long), the most recently admitted of those; else
+  the most recently admitted episode holding pages, and for a prefill
+  only one admitted after the one starting. The oldest episode is thus
+  never preempted for a younger one while it decodes: it always goes on,
+  so the episodes all end (no two preempting each other in turn), and
+  the episodes preempted are the ones that hold the least work to redo.
+  A new episode's opening preempts nothing: it waits for free pages (and
+  starts only with its pages through its first decode step), else
+  admitting it would preempt the episodes it then waits behind."""
   opened = episodes_lib.open_episodes(make_env, rows, renderer, limits,
                                       name, row_names)
   episodes = opened.episodes
   engine.reset(len(episodes), key)
   timeout = limits.env_timeout_s
-  # Turns ready to start: (episode, ids to write, the last fed by a slot).
-  ready = collections.deque(
-      (i, list(e.opening)) for i, e in enumerate(episodes) if not e.done)
-  last = {}  # episode -> its last drawn id (the end-of-turn id), unfed
+  # Episodes ready to start a turn (an opening, an answer, or a turn
+  # preempted), the admitted ones first, oldest first.
+  ready = [i for i, e in enumerate(episodes) if not e.done]
+  admitted = {}  # episode -> the order it first started a turn in
   waiting = {}  # future -> episode
   hidden = waited = 0.0
   pool = concurrent.futures.ThreadPoolExecutor(
@@ -403,6 +524,25 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
     room = limits.max_episode_tokens - len(episodes[i].tokens)
     return max(1, min(limits.max_turn_tokens, room))
 
+  def sequence(i):
+    return list(episodes[i].opening) + episodes[i].tokens
+
+  def preempt_until(short, younger_than=-1, spare=()):
+    """Preempts episodes (the docstring's order; not `spare`) while
+    short() > 0; whether it then is not."""
+    while short() > 0:
+      on_env = set(waiting.values())
+      holders = [j for j in engine.holders() if j not in spare]
+      victims = ([j for j in holders if j in on_env]
+                 or [j for j in holders if admitted[j] > younger_than])
+      if not victims:
+        return False
+      victim = max(victims, key=admitted.get)
+      if engine.live(victim):
+        ready.append(victim)
+      engine.preempt(victim)
+    return True
+
   def answered(future):
     i = waiting.pop(future)
     outcome = future.result()
@@ -410,26 +550,38 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
                         environments.check_step):
       engine.release(i)
       return
-    block = opened.take_answer(i, outcome.value, renderer)
-    if block is None:
+    if opened.take_answer(i, outcome.value, renderer) is None:
       engine.release(i)
     else:
-      ready.append((i, [last.pop(i)] + block))
+      ready.append(i)
 
   try:
     while True:
       for future in [f for f in waiting if f.done()]:
         answered(future)
       free = engine.free_slots()
-      if ready and free:
-        starts = []
-        while ready and len(starts) < len(free):
-          i, ids = ready.popleft()
-          starts.append((i, ids, episodes[i].turns, budget(i)))
+      starts, taken = [], 0
+      ready.sort(key=lambda i: (admitted.get(i, len(episodes)), i))
+      while ready and len(starts) < len(free):
+        i = ready[0]
+        need = taken + engine.pages_to_start(i, sequence(i))
+        short = lambda need=need: need - engine.free_pages()
+        if i in admitted:
+          preempt_until(short, admitted[i], {i, *(s[0] for s in starts)})
+        if short() > 0:
+          break  # the oldest waits for pages, and the others behind it
+        taken = need
+        admitted.setdefault(ready.pop(0), len(admitted))
+        starts.append((i, sequence(i), episodes[i].turns, budget(i)))
+      if starts:
         begun = time.perf_counter()
         engine.prefill(starts)
         if waiting:
           hidden += time.perf_counter() - begun
+      if (engine.slot_episode >= 0).any():
+        if not preempt_until(engine.pages_short):
+          raise RuntimeError("EpisodeEngine: no episode to preempt for a "
+                             "decode step (a pool under one episode?).")
       if (engine.slot_episode >= 0).any():
         begun = time.perf_counter()
         ended = engine.decode()
@@ -440,7 +592,6 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
           if message is None:
             engine.release(i)
             continue
-          last[i] = ids[-1]
           env = opened.envs[i]
           future = pool.submit(
               lambda env=env, m=message: environments.call_all(
@@ -453,6 +604,9 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
         waited += time.perf_counter() - begun
       elif not ready:
         break
+      elif not starts:
+        raise RuntimeError(f"EpisodeEngine: episodes {ready} cannot start "
+                           "on an empty pool (a pool under one episode?).")
   finally:
     pool.shutdown(wait=False)
   engine._flush_releases()  # the last episodes' pages back to the pool
@@ -464,4 +618,5 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
                     "slot_steps": float(engine.decode_steps
                                         * engine.num_slots),
                     "useful_slot_steps": float(engine.useful_slot_steps),
-                    "decode_steps": float(engine.decode_steps)}
+                    "decode_steps": float(engine.decode_steps),
+                    "preemptions": float(engine.preemptions)}
