@@ -33,8 +33,10 @@ episode/env_seconds (the step's wall time waiting on environments with
 nothing to decode); with online.engine='continuous' (`agents.continuous`:
 a turn waiting on its environment frees its decode slot),
 episode/env_hidden_seconds (decoding while an environment ran: its time
-hidden) and episode/slot_occupancy (slot-steps that drew a token / steps x
-slots).
+hidden), episode/slot_occupancy (slot-steps that drew a token / steps x
+slots) and episode/preemptions (episodes preempted when a turn needed a
+page and none was free: a pool of online.engine_pages under every episode
+at its longest; each is prefilled again later, drawing the same tokens).
 """
 
 import dataclasses
@@ -63,9 +65,10 @@ from jaxrlhf.models import engine as engine_lib
 # episode): the wall time the device waited on environments; with the
 # continuous engine, the device time while an environment ran (hidden
 # behind decoding), and the slot-steps run and those that drew a token
-# (`_per_episode` logs their ratio, episode/slot_occupancy).
+# (`_per_episode` logs their ratio, episode/slot_occupancy), and the
+# episodes preempted for pages (online.engine_pages).
 _TIMING = ("env_seconds", "env_hidden_seconds", "slot_steps",
-           "useful_slot_steps")
+           "useful_slot_steps", "preemptions")
 # Per-episode means of these sums (`episodes.metrics`).
 _MEANS = ("episode/turns", "episode/tool_calls", "episode/failed_calls",
           "episode/overflow")
@@ -149,9 +152,11 @@ def play(trainer, policy_params, rows, key, temperature: float,
   """The episodes of `rows` ({"prompt", **columns}) with the policy's
   parameters (its view: LoRA merged) at `temperature` (0: greedy):
   (episodes, {"env_seconds", "decode_steps", and with the continuous
-  engine "env_hidden_seconds", "slot_occupancy"}). online.engine
-  'lockstep' plays the turns in lockstep (`agents.policies.TurnPolicy`),
-  'continuous' on decode slots (`agents.continuous`)."""
+  engine "env_hidden_seconds", "slot_occupancy", "preemptions"}).
+  online.engine 'lockstep' plays the turns in lockstep
+  (`agents.policies.TurnPolicy`), 'continuous' on decode slots
+  (`agents.continuous`), its pages' pool online.engine_pages (unset:
+  every episode at its longest, none preempted)."""
   a = agent(trainer)
   lim = a.limits
   o = trainer.config.online
@@ -162,7 +167,7 @@ def play(trainer, policy_params, rows, key, temperature: float,
         num_slots=o.engine_slots or engine_lib.default_slots(len(rows)),
         max_length=lim.max_opening_tokens + lim.max_episode_tokens,
         turn_tokens=lim.max_turn_tokens,
-        page_size=o.engine_page_size or 16)
+        page_size=o.engine_page_size or 16, num_pages=o.engine_pages)
     return continuous.run_episodes(a.make_env, rows, engine, a.renderer,
                                    a.parser, lim, key, name=a.name,
                                    row_names=row_names)
@@ -307,8 +312,8 @@ class EpisodeStep(host_split.HostSplitStep):
 
 def _per_episode(metrics: Dict[str, float]) -> Dict[str, float]:
   """The episode sums of every round (added over processes) as means per
-  episode, and the slots' occupancy; env_seconds stays the step's
-  total."""
+  episode, and the slots' occupancy; env_seconds and preemptions stay
+  the step's totals."""
   metrics = dict(metrics)
   if "episode/slot_steps" in metrics:
     metrics["episode/slot_occupancy"] = (

@@ -122,7 +122,10 @@ ONLINE = config_schema.Group(
           "is preempted (its pages freed, it waits again and is prefilled "
           "with its tokens so far when a slot and pages free up), drawing "
           "the same tokens as without preemption; engine/preemptions "
-          "counts them. A pool too small for one longest sequence is an "
+          "counts them (episodes: one waiting on its environment goes "
+          "first, its whole conversation prefilled again when answered; "
+          "episode/preemptions). A pool too small for one longest "
+          "sequence is an "
           "error. python -m jaxrlhf.plan counts the pool.", type=int,
           bounds=">0"),
         F("eos_trick", True,
