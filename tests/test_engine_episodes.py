@@ -7,14 +7,17 @@ against three, chunks of 2 steps against whole turns); (2) each episode is
 what a lockstep `TurnPolicy` plays for that episode alone with the key
 fold_in(key, i) (`episodes.run_episodes`: a contiguous cache extended
 between turns); (3) every drawn token is one slot-step, so the occupancy
-is the tokens drawn over steps x slots, and with one slot it is 1.
+is the tokens drawn over steps x slots, and with one slot it is 1; (4) a
+pool too small for every episode at once (online.engine_pages) preempts
+episodes, some mid-turn, and plays exactly the same episodes, every page
+given back at the end.
 
 A tiny random Llama (its end-of-turn id made likely, so turns have spread
 lengths) plays an environment of numbers: the ids are the numbers of the
 messages (a renderer with no chat template), each answer a block of a
 length that varies with the row and the turn. And through the training
 loop: a GRPO step on the agents' miniature (tests/test_agent_training.py)
-is the same with one slot as with three.
+is the same with one slot as with three, and on a pool that preempts.
 """
 
 import json
@@ -154,6 +157,7 @@ def test_each_episode_is_the_lockstep_policys_alone(tiny, three_slots):
     assert_same([played[i]], [alone])
   drawn = sum(sum(e.is_model) for e in played)
   assert engine.useful_slot_steps == drawn
+  assert stats["preemptions"] == 0  # a pool for every episode at once
   # Every episode gave its pages back when it ended.
   assert int(engine.tables.num_free) == engine.tables.num_pages
   assert 0 < engine.pages_peak < engine.tables.num_pages
@@ -199,35 +203,100 @@ def test_a_failing_environment_drops_its_episode_alone(tiny, three_slots):
         LIMITS, KEY)
 
 
+def test_a_small_pool_preempts_and_plays_the_same_episodes(tiny):
+  """(4): eight episodes on four slots and a pool of 9 pages of 4 (one
+  longest episode: 36 positions) against a pool for all of them."""
+  rows = [{"prompt": "", "row": r} for r in range(8)]
+  want, _, _ = play(tiny, rows, num_slots=4)
+  got, stats, engine = play(tiny, rows, num_slots=4, num_pages=9)
+  assert_same(got, want)
+  assert stats["preemptions"] == engine.preemptions > 0
+  assert engine.tables.num_pages == 9 and engine.pages_peak <= 9
+  # Every page given back, none lost to a preempted episode.
+  assert int(engine.tables.num_free) == 9
+  assert not engine.lengths.any() and not bool(engine.tables.exhausted)
+
+
+def test_turns_preempted_mid_decode_go_on_with_their_draws(tiny):
+  """Which episodes `run_episodes` preempts, and when, follows the
+  environments' timing; here the engine alone: the five openings, one
+  decode step, every turn still under way preempted (its first draw
+  made) and started again on fresh pages. Each turn is the one drawn
+  without preemption."""
+  n = len(ROWS)
+  openings = [NumberRenderer().opening(Numbers(row).reset()) for row in ROWS]
+
+  def turns(preempt):
+    engine = continuous.EpisodeEngine(
+        *tiny, end_id=END, temperature=1.0, num_slots=n, max_length=36,
+        turn_tokens=5, page_size=4, chunk_steps=1)
+    engine.reset(n, KEY)
+    engine.prefill([(i, openings[i], 0, 5) for i in range(n)])
+    out = engine.decode()
+    going = [i for i in range(n) if i not in out] if preempt else []
+    for i in going:
+      engine.preempt(i)
+      assert len(engine._paused[i][0]) == 1  # pylint: disable=protected-access
+    if going:
+      engine.decode()  # nothing live: the pages go back
+      lengths = np.asarray(engine.tables.lengths)
+      assert not lengths[going].any()
+      assert int(engine.tables.num_free) == engine.tables.num_pages - sum(
+          -(-lengths // 4))  # the turns that ended keep theirs
+      engine.prefill([(i, openings[i], 0, 5) for i in going])
+    while (engine.slot_episode >= 0).any():
+      out.update(engine.decode())
+    return out, engine, going
+
+  want, _, _ = turns(False)
+  got, engine, going = turns(True)
+  assert going and engine.preemptions == len(going)
+  assert sorted(got) == list(range(n))
+  for i in range(n):
+    assert got[i][0] == want[i][0] and got[i][2] == want[i][2]
+    np.testing.assert_allclose(got[i][1], want[i][1], atol=2e-5)
+
+
 def test_bad_slots_are_one_line(tiny):
   with pytest.raises(ValueError, match="num_slots must be a positive int"):
     continuous.EpisodeEngine(*tiny, end_id=END, temperature=1.0,
                              num_slots=0, max_length=8, turn_tokens=2)
+  # One episode of 36 positions takes 9 pages of 4.
+  with pytest.raises(ValueError, match=r"online.engine_pages: 8 pages .* "
+                     r"at least 9"):
+    continuous.EpisodeEngine(*tiny, end_id=END, temperature=1.0,
+                             num_slots=2, max_length=36, turn_tokens=5,
+                             page_size=4, num_pages=8)
 
 
 def test_a_grpo_step_on_episodes_is_the_same_on_one_slot_as_on_three(
     policy_run):
   """`online.engine='continuous'` through the training loop (the agents'
   miniature config, its biased tiny Qwen2): the step's episodes, rewards
-  and loss do not depend on `online.engine_slots`."""
+  and loss do not depend on `online.engine_slots`, nor on a pool of
+  `online.engine_pages` that preempts (8 pages of 16: one episode of 64 +
+  60 positions)."""
   from test_agent_training import _config  # pylint: disable=g-import-not-at-top
   logged = {}
-  for slots in (1, 3):
+  for slots, pages in ((1, None), (3, None), (3, 8)):
     config = _config(policy_run["root"], online__engine="continuous",
-                     online__engine_slots=slots)
+                     online__engine_slots=slots, online__engine_pages=pages)
     config.train.num_steps = 1
     config.online.environment = "test_engine_episodes:Said"
     config.init.policy_checkpoint = policy_run["workdir"]
-    workdir = policy_run["root"] / f"continuous_{slots}"
+    workdir = policy_run["root"] / f"continuous_{slots}_{pages}"
     loop.train(config, str(workdir), devices=jax.devices()[:1])
     rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    (logged[slots],) = [r for r in rows if "episode/turns" in r]
-  one, three = logged[1], logged[3]
+    (logged[slots, pages],) = [r for r in rows if "episode/turns" in r]
+  one, three, small = logged[1, None], logged[3, None], logged[3, 8]
   assert one["episode/slot_occupancy"] == 1.0
   assert 0 < three["episode/slot_occupancy"] <= 1.0
+  assert one["episode/preemptions"] == three["episode/preemptions"] == 0
+  assert small["episode/preemptions"] > 0
   # Several turns (an environment between), rewards that differ.
   assert one["episode/turns"] > 1 and one["advantage_abs_mean"] > 0
-  timing = ("seconds", "occupancy", "decode_steps")
+  timing = ("seconds", "occupancy", "decode_steps", "preemptions")
   for name, value in one.items():
     if isinstance(value, float) and not any(t in name for t in timing):
-      assert three[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name
+      for other in (three, small):
+        assert other[name] == pytest.approx(value, rel=1e-5, abs=1e-6), name

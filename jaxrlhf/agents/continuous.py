@@ -50,13 +50,12 @@ in max_episode_tokens (at most max_turn_tokens), which cuts a turn where
 the lockstep loop cuts it.
 
 The stats: decode steps (chunk iterations), slot occupancy (slot-steps
-that drew a token / decode steps x S), preemptions, env_seconds (the wall time the host
-waited on environments with no slot to decode: the device idle), and
-env_hidden_seconds (the device's chunk and prefill time while at least one
+that drew a token / decode steps x S), preemptions, env_seconds (the
+wall time the host waited on environments with no slot to decode: the
+device idle), and env_hidden_seconds (the device's chunk and prefill time while at least one
 environment was running: environment time hidden behind decoding).
 """
 
-import collections
 import concurrent.futures
 import functools
 import time
