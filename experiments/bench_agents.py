@@ -35,7 +35,12 @@ drawn with probability `--eos_prob` at temperature 1 (bench_rollout.py's
                the device waited on environments and the time hidden
                behind decoding, and the wall time against the lockstep
                run of section env wait (its episodes draw other keys, so
-               its tokens differ: compare the rates).
+               its tokens differ: compare the rates); with
+               `--engine_pages`, a pool of that many pages (of 16
+               positions) instead of every episode at its longest:
+               episodes are preempted and prefilled again when it runs
+               short (the count reported; the episodes checked to be the
+               unpreempted ones of the first continuous run).
 
 Each figure is the fastest of `--repeats` runs after a first, compiling one
 (reported apart as compile seconds: the first run less the fastest).
@@ -83,6 +88,9 @@ def _parse():
   p.add_argument("--chunk_steps", type=int, default=8,
                  help="the continuous runs' chunk when they do not return "
                  "on a turn's end")
+  p.add_argument("--engine_pages", type=int, default=0,
+                 help="the continuous runs' pool (0: every episode at its "
+                 "longest; fewer preempts)")
   p.add_argument("--size", default="tiny", choices=("tiny", "small"))
   p.add_argument("--repeats", type=int, default=3)
   p.add_argument("--json", default="", help="where to write the figures")
@@ -246,13 +254,15 @@ def main(args):
   figures["continuous"] = {}
   runs = [(int(x), True) for x in args.slots.split(",") if x]
   runs += [(slots, False) for slots, _ in runs]
+  roomy = None  # the episodes on a pool for every one (--engine_pages)
   for slots, on_end in runs:
     def run(slots=slots, on_end=on_end):
       engine = continuous.EpisodeEngine(
           module, params, end_id=end_id, temperature=1.0, num_slots=slots,
           max_length=width_in + budget, turn_tokens=args.turn_tokens,
           return_on_end=on_end,
-          chunk_steps=None if on_end else args.chunk_steps)
+          chunk_steps=None if on_end else args.chunk_steps,
+          num_pages=args.engine_pages or None)
       return continuous.run_episodes(
           lambda row: FixedReply(row, sleep_s), rows, engine, renderer,
           episodes.Parser("qwen"), limits, key)
@@ -267,6 +277,7 @@ def main(args):
         "env_wait_seconds": stats["env_seconds"],
         "env_hidden_seconds": stats["env_hidden_seconds"],
         "decode_steps": stats["decode_steps"],
+        "preemptions": stats["preemptions"],
         "tokens_per_s_over_lockstep": (n_tokens / seconds
                                        / lockstep["tokens_per_s"]),
         "seconds_over_lockstep": seconds / lockstep["seconds"]}
@@ -278,7 +289,20 @@ def main(args):
           f"{f['env_wait_seconds']:.3f} s, hidden "
           f"{f['env_hidden_seconds']:.3f} s; wall "
           f"{f['seconds_over_lockstep']:.2f}x lockstep; compile "
-          f"{first - seconds:.1f} s")
+          f"{first - seconds:.1f} s; {int(stats['preemptions'])} "
+          "preemptions")
+    if args.engine_pages:
+      if roomy is None:
+        engine = continuous.EpisodeEngine(
+            module, params, end_id=end_id, temperature=1.0,
+            num_slots=slots, max_length=width_in + budget,
+            turn_tokens=args.turn_tokens)
+        roomy = [e.tokens for e in continuous.run_episodes(
+            lambda row: FixedReply(row, 0.0), rows, engine, renderer,
+            episodes.Parser("qwen"), limits, key)[0]]
+      f["same_tokens_as_unpreempted"] = roomy == [e.tokens for e in played]
+      print(f"  same episodes as on a pool for all: "
+            f"{f['same_tokens_as_unpreempted']}")
   if args.json:
     with open(args.json, "w") as f:
       json.dump(figures, f, indent=2)
