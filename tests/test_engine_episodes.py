@@ -34,6 +34,9 @@ from jaxrlhf.train import loop
 from conftest import tiny_llama
 from test_agent_training import policy_run  # pylint: disable=unused-import
 
+# The tests read the engine's preempted turns (`_paused`).
+# pylint: disable=protected-access
+
 VOCAB = 32
 END = 3
 LIMITS = episodes.Limits(max_turns=4, max_episode_tokens=28,
@@ -236,7 +239,7 @@ def test_turns_preempted_mid_decode_go_on_with_their_draws(tiny):
     going = [i for i in range(n) if i not in out] if preempt else []
     for i in going:
       engine.preempt(i)
-      assert len(engine._paused[i][0]) == 1  # pylint: disable=protected-access
+      assert len(engine._paused[i][0]) == 1
     if going:
       engine.decode()  # nothing live: the pages go back
       lengths = np.asarray(engine.tables.lengths)
@@ -255,6 +258,88 @@ def test_turns_preempted_mid_decode_go_on_with_their_draws(tiny):
   for i in range(n):
     assert got[i][0] == want[i][0] and got[i][2] == want[i][2]
     np.testing.assert_allclose(got[i][1], want[i][1], atol=2e-5)
+
+
+def test_new_parameters_between_chunks(tiny):
+  """Partial rollouts: the five openings' first turns on parameters A for
+  one chunk of 2 steps, then on B (`update_params`, the cache recomputed).
+  The ids drawn before the update are A's alone (a run on A throughout);
+  every log-prob is that of the policy that drew its token: A's before,
+  B's after, each against a full forward pass over the episode's ids."""
+  model, a = tiny
+  b = jax.tree.map(np.array, a)
+  b["decoder"]["logits_dense"]["kernel"] *= -0.5  # another policy
+  n = len(ROWS)
+  openings = [NumberRenderer().opening(Numbers(row).reset()) for row in ROWS]
+
+  def first_turns(update):
+    engine = continuous.EpisodeEngine(
+        model, a, end_id=END, temperature=1.0, num_slots=n, max_length=36,
+        turn_tokens=5, page_size=4, chunk_steps=2, return_on_end=False)
+    engine.reset(n, KEY)
+    engine.prefill([(i, openings[i], 0, 5) for i in range(n)])
+    out = engine.decode()
+    drawn_by_a = {i: len(ids) for i, (ids, _, _) in out.items()}
+    if update:
+      engine.update_params(b)
+      under_way = engine.take_params()
+      for i in under_way:
+        drawn_by_a[i] = len(engine._paused[i][0])
+      engine.prefill([(i, openings[i], 0, 5) for i in under_way])
+    while (engine.slot_episode >= 0).any():
+      out.update(engine.decode())
+    return out, drawn_by_a, engine
+
+  on_a, _, _ = first_turns(False)
+  got, drawn_by_a, engine = first_turns(True)
+  assert engine.param_updates == 1 and engine.preemptions == 0
+  after = 0
+  for i in range(n):
+    ids, logprobs, _ = got[i]
+    k = drawn_by_a[i]
+    assert ids[:k] == on_a[i][0][:k]
+    sequence = np.asarray(openings[i] + ids, np.int32)[None]
+    for params, part in ((a, slice(0, k)), (b, slice(k, len(ids)))):
+      logits = model.apply(
+          {"params": params}, sequence,
+          np.arange(sequence.shape[1], dtype=np.int32)[None],
+          np.ones_like(sequence))
+      # Turn token j is predicted at the column before it.
+      full = np.asarray(jax.nn.log_softmax(logits[0].astype(np.float32)))
+      columns = len(openings[i]) - 1 + np.arange(len(ids))[part]
+      np.testing.assert_allclose(
+          logprobs[part], full[columns, sequence[0, columns + 1]],
+          atol=1e-4)
+    after += len(ids) - k
+  # Some turns went on after the update, some drew on A first.
+  assert after > 0 and any(drawn_by_a.values())
+
+
+class UpdatedAfterThreeChunks(continuous.EpisodeEngine):
+  """Hands itself its own parameters again during its fourth chunk."""
+  chunks = 0
+
+  def decode(self):
+    self.chunks += 1
+    if self.chunks == 4:
+      self.update_params(jax.tree.map(np.array, self.params))
+    return super().decode()
+
+
+def test_run_episodes_takes_new_parameters_between_chunks(tiny,
+                                                          three_slots):
+  """The same parameters handed over mid-run: every episode's cache is
+  recomputed and the episodes are the ones played without."""
+  model, params = tiny
+  engine = UpdatedAfterThreeChunks(
+      model, params, end_id=END, temperature=1.0, turn_tokens=5,
+      max_length=36, page_size=4, num_slots=3)
+  played, stats = continuous.run_episodes(
+      Numbers, ROWS, engine, NumberRenderer(), episodes.Parser("qwen"),
+      LIMITS, KEY)
+  assert engine.param_updates == 1 and stats["preemptions"] == 0
+  assert_same(played, three_slots[0])
+  assert int(engine.tables.num_free) == engine.tables.num_pages
 
 
 def test_bad_slots_are_one_line(tiny):

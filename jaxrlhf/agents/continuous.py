@@ -31,7 +31,12 @@ environments run. Here (`run_episodes`, same arguments and results, an
     pages go back, and when it next gets a slot its whole sequence so far
     (opening, turns, answers, the preempted turn's draws) is prefilled
     again onto fresh pages and its turn goes on with the key it had. A
-    preempted episode draws what it draws without preemption.
+    preempted episode draws what it draws without preemption;
+  * new parameters handed over (`EpisodeEngine.update_params`, partial
+    rollouts) are taken between two chunks: the tokens drawn before keep
+    the old policy's log-probs, and every episode's cache is recomputed
+    with the new (the same preemption, its whole sequence prefilled
+    again).
 
 Every drawn token is fed, as the lockstep sampler feeds it, but one step
 later: a slot's step feeds the token its episode drew last (or the last id
@@ -52,12 +57,14 @@ the lockstep loop cuts it.
 The stats: decode steps (chunk iterations), slot occupancy (slot-steps
 that drew a token / decode steps x S), preemptions, env_seconds (the
 wall time the host waited on environments with no slot to decode: the
-device idle), and env_hidden_seconds (the device's chunk and prefill time while at least one
-environment was running: environment time hidden behind decoding).
+device idle), and env_hidden_seconds (the device's chunk and prefill
+time while at least one environment was running: environment time hidden
+behind decoding).
 """
 
 import concurrent.futures
 import functools
+import threading
 import time
 from typing import Any, Dict, List, Mapping, Optional, Sequence, Tuple
 
@@ -283,6 +290,8 @@ class EpisodeEngine:
     self.prefills = 0
     self.pages_peak = 0
     self.preemptions = 0
+    self.param_updates = 0
+    self._next_params, self._lock = None, threading.Lock()
 
   # --- the pool, by episode --------------------------------------------------
 
@@ -352,11 +361,12 @@ class EpisodeEngine:
     self._to_release.append(int(episode))
     self.lengths[episode] = 0
 
-  def preempt(self, episode: int) -> None:
+  def preempt(self, episode: int, count: bool = True) -> None:
     """Episode `episode`'s pages go back to the free list (with the next
     call) and its slot, if it has one, is freed, its turn's draws and key
     kept: its next `prefill` writes its whole sequence again onto fresh
-    pages and goes on with the turn where it stopped."""
+    pages and goes on with the turn where it stopped (`count`: one more
+    of `preemptions`)."""
     for slot in np.flatnonzero(self.slot_episode == episode):
       d = self._slots
       tokens, logprobs, drawn, budget = jax.device_get(
@@ -368,7 +378,47 @@ class EpisodeEngine:
           d["rng"][slot], int(budget))
       self.slot_episode[slot] = -1
     self.release(episode)
-    self.preemptions += 1
+    self.preemptions += int(count)
+
+  # --- new parameters between chunks (partial rollouts) ---------------------
+
+  def update_params(self, params) -> None:
+    """Hands the engine new parameters (same structure), from any thread:
+    `take_params` takes them between two chunks (`run_episodes` does
+    before each), so a turn under way draws its next tokens with them.
+
+    Each model token's log-prob is that of the parameters that drew it
+    (the chunk's). The KV cache is recomputed with the new parameters:
+    every episode holding pages is preempted (not counted in
+    `preemptions`) and prefilled again with its whole sequence, so the
+    tokens after the update are exactly the new policy's continuing the
+    same prefix, and the trainer's recomputed log-probs match the
+    sampler's up to rounding. AReaL and PipelineRL keep the old
+    parameters' keys and values instead (no recompute; the new policy
+    reads a stale cache, so its tokens are drawn from neither policy
+    exactly); the recompute costs one prefill of the held positions per
+    update, which is small against a rollout's decode."""
+    with self._lock:
+      self._next_params = params
+
+  def take_params(self) -> List[int]:
+    """Takes the parameters handed over by `update_params`, if any (their
+    decode view rebuilt, every episode's pages given back): the episodes
+    whose turns were under way, now without a slot, to start again (their
+    draws and keys kept). Nothing handed over: []."""
+    with self._lock:
+      params, self._next_params = self._next_params, None
+    if params is None:
+      return []
+    self.params = params
+    self.param_updates += 1
+    under_way = [int(i) for i in self.slot_episode if i >= 0]
+    for i in self.holders():
+      self.preempt(i, count=False)
+    self._dparams = _decode_params_jit(
+        model=self.model, params=self.params, pool=self.pool,
+        tables=self.tables, fuse_projections=True)
+    return under_way
 
   def _flush_releases(self) -> None:
     if self._to_release:
@@ -556,6 +606,7 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
 
   try:
     while True:
+      ready += engine.take_params()  # new parameters between chunks
       for future in [f for f in waiting if f.done()]:
         answered(future)
       free = engine.free_slots()
