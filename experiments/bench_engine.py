@@ -31,7 +31,8 @@ In one run, on the same prompts:
                   pages in use (`paged_attention`), followed by a line of
                   the cache it held at most (its peak pages) against the S
                   slots x (prompt + budget - 1) positions of contiguous
-                  rows, in bytes;
+                  rows, in bytes, and for each pool of `--num_pages`
+                  below that, the preemptions it took;
   gather S/R      the same paged engine, its attention gathering every
                   sequence's whole table (`PagedIndex.read='gather'`: a
                   step reads S x (prompt + budget - 1) positions however
@@ -97,6 +98,11 @@ def _parse():
                  help="the engine's refill sizes R to run (each <= S)")
   p.add_argument("--page_size", type=int, default=16,
                  help="positions per page of the paged variants (0: none)")
+  p.add_argument("--num_pages", default="0",
+                 help="the paged variants' pools, each a variant (0: the "
+                 "engine's default, enough for every slot's longest "
+                 "sequence; fewer preempt the youngest sequences, counted "
+                 "on the cache line)")
   p.add_argument("--paged_refills", default="",
                  help="the paged engine's refill sizes R to run (each <= S; "
                  "empty: the engine's default, S // 4)")
@@ -174,13 +180,13 @@ def main(args):
                longest=int(np.max(lengths)))
     results.append(row)
     base = results[0]["tokens_per_s"]
-    print(f"{name:14} {slots:>5} {seconds:>8.3f} {cpu:>6.2f} "
+    print(f"{name:22} {slots:>5} {seconds:>8.3f} {cpu:>6.2f} "
           f"{int(tokens):>7} {row['tokens_per_s']:>8,.0f} "
           f"{row['tokens_per_s'] / base:>6.2f}x {steps:>6} {slot_steps:>7} "
           f"{row['utilisation']:>6.1%} {row['mean_length']:>6.1f} "
           f"{row['longest']:>5}")
 
-  header = (f"{'variant':14} {'slots':>5} {'seconds':>8} {'CPU s':>6} "
+  header = (f"{'variant':22} {'slots':>5} {'seconds':>8} {'CPU s':>6} "
             f"{'tokens':>7} {'tok/s':>8} {'ratio':>7} {'steps':>6} "
             f"{'slot-st':>7} {'util':>6} {'mean':>6} {'max':>5}")
   print(header)
@@ -214,28 +220,36 @@ def main(args):
       x.size * x.dtype.itemsize for x in jax.tree.leaves(jax.eval_shape(
           lambda: paged_kv.make_pool(module, params, 1, 1))))
   reads = [r for r in args.paged_reads.split(",") if r]
-  for refill, read in [(f, r) for f in paged_refills for r in reads]:
-    run = jax.jit(lambda p, x, r, refill=refill, read=read: engine.generate(
-        paged_attention.reading(module, read), p, x, ones, r, S,
-        refill_size=refill,
-        page_size=args.page_size, **options))
+  pools = [int(x) or None for x in args.num_pages.split(",")]
+  for refill, read, pool in [(f, r, q) for f in paged_refills
+                             for r in reads for q in pools]:
+    run = jax.jit(lambda p, x, r, refill=refill, read=read, pool=pool:
+                  engine.generate(
+                      paged_attention.reading(module, read), p, x, ones, r,
+                      S, refill_size=refill, page_size=args.page_size,
+                      num_pages=pool, **options))
     seconds, cpu, (out, stats) = bench_rollout.fastest(
         run, params, repeated, rng, repeats=args.repeats)
     assert not bool(stats.pages_exhausted)
     steps = int(stats.decode_steps)
     name = {"gather": "gather", "auto": "auto"}.get(read, "paged")
-    report(f"{name} S/R={refill}", S, refill, seconds, cpu,
+    report(f"{name} S/R={refill}" + (f" pool={pool}" if pool else ""), S,
+           refill, seconds, cpu,
            float(out.mask.sum()), steps, steps * S, out.mask.sum(1))
     results[-1].update(read=read)
     paged = int(stats.pages_peak) * args.page_size * per_position
     rows = S * (args.prompt + new - 1) * per_position
     results[-1].update(page_size=args.page_size,
                        pages_peak=int(stats.pages_peak),
-                       cache_bytes_peak=paged, cache_bytes_slots=rows)
+                       cache_bytes_peak=paged, cache_bytes_slots=rows,
+                       num_pages=pool,
+                       preemptions=int(stats.preemptions))
     print(f"  cache: {int(stats.pages_peak)} pages of {args.page_size} at "
           f"most = {paged:,} bytes against {S} slots x "
           f"{args.prompt + new - 1} positions = {rows:,} bytes "
-          f"({paged / rows:.1%})")
+          f"({paged / rows:.1%})"
+          + (f"; a pool of {pool} pages: {int(stats.preemptions)} "
+             "preemptions" if pool else ""))
   sys.stdout.flush()
   if args.json:
     with open(args.json, "w") as f:

@@ -35,11 +35,14 @@ for the topology's chips, as it would be on them, and the plan says:
   - for an online step decoding with the continuous engine
     (`online.engine='continuous'`), the KV cache its engine holds per
     rollout part: slots x (prompt + budget - 1) positions of contiguous
-    rows, or with `online.engine_page_size` the page pool (the engine's
-    default, slots x the pages of those positions), x the bytes of a
-    position (layers x kv heads x head_dim x 2 (keys, values) x the cache
-    dtype's bytes, from the policy's cache shapes); XLA's memory figures
-    hold it among the temporaries;
+    rows, or with `online.engine_page_size` the page pool
+    (`online.engine_pages`, or the engine's default, slots x the pages of
+    those positions; episodes: always pages, by default the step's
+    episodes x the pages of the longest episode, held outside the compiled
+    step), x the bytes of a position (layers x kv heads x head_dim x 2
+    (keys, values) x the cache dtype's bytes, from the policy's cache
+    shapes); XLA's memory figures hold a single-turn step's among the
+    temporaries;
   - for a step that does not fit, a one-line suggestion.
 
 Topologies: `cpu:N` (N simulated CPU devices, what the tests plan on) or a
@@ -232,14 +235,26 @@ def engine_kv_cache(config, trainer) -> Dict[str, Any]:
   settings = trainer.online
   rows = (config.train.batch_size // o.rollout_microbatches
           * settings.samples_per_prompt)
-  page_size = o.engine_page_size
-  slots = o.engine_slots or engine.default_slots(  # as the rollout's
-      rows, settings.samples_per_prompt if page_size else 1)
-  width = trainer.prompt_length + settings.max_new_tokens - 1
+  episodes = bool(o.environment or o.tools)
+  if episodes:  # agents.continuous: always on pages, the step's episodes
+    from jaxrlhf.algorithms.online import episode_step  # pylint: disable=g-import-not-at-top
+    lim = episode_step.limits(config, trainer.prompt_length,
+                              settings.max_new_tokens)
+    page_size = o.engine_page_size or 16
+    slots = o.engine_slots or engine.default_slots(rows)
+    width = lim.max_opening_tokens + lim.max_episode_tokens
+    default = paged_kv.default_num_pages(rows, width, page_size)
+  else:
+    page_size = o.engine_page_size
+    slots = o.engine_slots or engine.default_slots(  # as the rollout's
+        rows, settings.samples_per_prompt if page_size else 1)
+    width = trainer.prompt_length + settings.max_new_tokens - 1
+    default = (None if page_size is None else
+               paged_kv.default_num_pages(slots, width, page_size))
   if page_size is None:
     positions, num_pages = slots * width, None
   else:
-    num_pages = paged_kv.default_num_pages(slots, width, page_size)
+    num_pages = o.engine_pages or default
     positions = num_pages * page_size
   # A position's bytes: the policy's cache as a pool of one one-position
   # page (every layer's keys and values).
@@ -250,6 +265,7 @@ def engine_kv_cache(config, trainer) -> Dict[str, Any]:
                      for x in jax.tree.leaves(pool))
   return {"slots": slots, "width": width, "page_size": page_size,
           "num_pages": num_pages, "positions": positions,
+          "episodes": episodes,
           "bytes_per_position": per_position,
           "gib": positions * per_position / GIB}
 
@@ -478,11 +494,13 @@ def describe(plan: Dict[str, Any]) -> str:
     pool = ("contiguous rows" if cache["page_size"] is None else
             f"a pool of {cache['num_pages']:,} pages of "
             f"{cache['page_size']}")
+    where = ("held beside the step, which the episodes' turns run "
+             "outside" if cache["episodes"] else "among the temporaries")
     lines.append(
         f"  engine KV cache per rollout part: {_gib(cache['gib'])} "
         f"({cache['slots']} slots x {cache['width']} positions as {pool}: "
         f"{cache['positions']:,} positions x "
-        f"{cache['bytes_per_position']:,} bytes; among the temporaries)")
+        f"{cache['bytes_per_position']:,} bytes; {where})")
   exchange = plan.get("collective_gib_per_chip_per_step")
   if exchange:
     lines.append(f"  collectives per chip and step: {_gib(exchange)} (the "

@@ -18,6 +18,7 @@ from conftest import from_scratch, one_device_mesh, tiny_config, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
 from jaxrlhf.algorithms.online import options
+from jaxrlhf.models import engine
 
 GRPO = dict(model__arch="llama", model__size="tiny",
             model__num_encoder_layers=None, model__num_decoder_layers=None,
@@ -31,13 +32,17 @@ GRPO = dict(model__arch="llama", model__size="tiny",
             online__samples_per_prompt=2, online__engine="continuous")
 
 
-def _step(slots):
+def _step(slots, page_size=None, pool=None):
   """(metrics, updated policy params) of one GRPO step from the seeded
-  start, sampling with `slots` engine slots."""
-  config = tiny_config(**GRPO, online__engine_slots=slots)
+  start, sampling with `slots` engine slots; with `page_size`, on pages,
+  and `pool(trainer)` the pool's pages (online.engine_pages) when given."""
+  config = tiny_config(**GRPO, online__engine_slots=slots,
+                       online__engine_page_size=page_size)
   mesh, rules = one_device_mesh(config)
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     trainer = trainer_of(from_scratch(algorithms.get("grpo")), config, mesh)
+    if pool:
+      trainer.config.online.engine_pages = pool(trainer)
     state = trainer.init_state()
     batch = next(trainer.train_batches(0))
     state, metrics = trainer.train_step(
@@ -45,13 +50,25 @@ def _step(slots):
     return jax.device_get(metrics), jax.device_get(state.params["policy"])
 
 
+def _least(trainer, fewer=0):
+  """The smallest pool of pages of 2 the step's engine takes (one longest
+  sequence), less `fewer`."""
+  return engine.least_pages(trainer.prompt_length,
+                            trainer.online.max_new_tokens, 2, 2) - fewer
+
+
 @pytest.fixture(scope="module")
 def steps():
-  return {slots: _step(slots) for slots in (1, 8)}
+  """One slot; a slot per response; a slot per response on pages of 2 in
+  the smallest pool, where sequences are preempted (8 slots want 8 x
+  that pool)."""
+  return {**{slots: _step(slots) for slots in (1, 8)},
+          "pool": _step(8, page_size=2, pool=_least)}
 
 
-def test_a_grpo_step_does_not_depend_on_the_slots(steps):
-  (one, params_one), (eight, params_eight) = steps[1], steps[8]
+@pytest.mark.parametrize("other", [8, "pool"])
+def test_a_grpo_step_does_not_depend_on_the_slots(steps, other):
+  (one, params_one), (eight, params_eight) = steps[1], steps[other]
   assert set(one) == set(eight)
   for name in one:
     if name == "decode_steps" or "time" in name or name.endswith("_s"):
@@ -70,6 +87,12 @@ def test_a_grpo_step_does_not_depend_on_the_slots(steps):
   assert int(one["decode_steps"]) > int(eight["decode_steps"])
 
 
+def test_a_pool_below_one_longest_sequence_is_refused_naming_the_least():
+  with pytest.raises(ValueError, match=r"online.engine_pages=\d+: .*needs "
+                     r"at least \d+ pages of 2"):
+    _step(8, page_size=2, pool=lambda t: _least(t, fewer=1))
+
+
 def test_the_samplers_log_probs_are_the_trainers(steps):
   metrics, _ = steps[1]
   assert abs(float(metrics["gap/k1"])) < 1e-4
@@ -83,6 +106,8 @@ def test_the_samplers_log_probs_are_the_trainers(steps):
     # A pool size without pages (online.engine_page_size or episodes).
     (dict(model__arch="llama", online__engine_pages=8),
      "online.engine_pages"),
+    # A mixture-of-experts policy on the contiguous cache (vmapped slots).
+    (dict(model__arch="qwen3_moe"), "online.engine_page_size"),
 ])
 def test_unsupported_settings_are_refused(overrides, field):
   config = tiny_config(online__engine="continuous", algorithm="grpo",

@@ -19,7 +19,9 @@ log-probs of
 `sampling.sample_decoder_only` with the same key, holding the group's
 prompt pages once; (4) `engine.generate` on pages keeps the engine's
 contract (each prompt's samples those it draws alone) in a pool smaller
-than slots x budget, and a pool too small raises.
+than slots x budget, also where that pool runs short and sequences are
+preempted and resumed (alone and in groups), and a pool below one
+longest sequence is refused.
 """
 
 import dataclasses
@@ -599,12 +601,39 @@ def test_engine_on_pages_samples_each_prompt_as_alone(engine_prompts,
   assert 0 < int(stats.pages_peak) <= 19 < slots * -(-width // page_size)
 
 
-def test_engine_on_a_pool_too_small_raises(engine_prompts):
+@pytest.mark.parametrize("group", [1, 2])
+def test_engine_on_a_small_pool_preempts_and_samples_the_same(
+    engine_prompts, group):
+  """A pool of `least_pages` (one longest sequence: 7 pages of 2 positions
+  for 6 + 8 - 1; with groups of 2 sharing prompts, as many) under 4 slots
+  that want up to 4 x 7: sequences are preempted (the youngest, resumed
+  later from their prompt and tokens so far) and every row's tokens are
+  those of the pool for all (itself each prompt alone: the tests above);
+  one page fewer is refused up front, naming the least pool."""
   model, params, _, _ = tiny(False)
   tokens, mask = engine_prompts
-  with pytest.raises(RuntimeError, match="ran out"):
-    engine.generate(model, params, tokens, mask, jax.random.PRNGKey(0), 3,
-                    NEW, eos_id=EOS, page_size=2, num_pages=6)
+  rows = np.repeat(tokens, group, axis=0), np.repeat(mask, group, axis=0)
+  key = jax.random.PRNGKey(2)
+  run = lambda **o: engine.generate(
+      model, params, *rows, key, 4, NEW, eos_id=EOS, temperature=0.9,
+      refill_size=2, page_size=2, group_size=group, **o)
+  full, full_stats = run()
+  least = engine.least_pages(tokens.shape[1], NEW, 2, group)
+  assert least == 7
+  small, small_stats = run(num_pages=least)
+  np.testing.assert_array_equal(small.tokens, full.tokens)
+  np.testing.assert_array_equal(small.mask, full.mask)
+  np.testing.assert_allclose(small.logprobs, full.logprobs, rtol=1e-4,
+                             atol=1e-5)
+  assert int(full_stats.preemptions) == 0
+  assert int(small_stats.preemptions) > 0
+  assert not bool(small_stats.pages_exhausted)
+  assert int(small_stats.pages_peak) <= least < int(full_stats.pages_peak)
+  # Each resumption is a prefill of its own.
+  assert (int(small_stats.prefills) - int(small_stats.preemptions)
+          >= int(full_stats.prefills))
+  with pytest.raises(ValueError, match=f"at least {least} pages"):
+    run(num_pages=least - 1)
 
 
 def test_engine_groups_share_their_prompts_pages(engine_prompts):

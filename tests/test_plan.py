@@ -346,6 +346,31 @@ def test_the_engines_kv_cache_is_counted_by_hand(page_size):
     assert plan_lib.engine_kv_cache(config, trainer) == {}
 
 
+def test_the_engines_pool_is_online_engine_pages_and_episodes_own():
+  """online.engine_pages is the pool counted; episodes (online.tools) are
+  always on pages (16 positions unset), by default each of the step's
+  batch x samples episodes at its longest: its opening (the prompt) and
+  max_turns x max_new_tokens."""
+  config = tiny_config(**ENGINE_GRPO, online__engine_page_size=5,
+                       online__engine_pages=9)
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    trainer = algorithms.build(config, mesh, shapes_only=True)
+    cache = plan_lib.engine_kv_cache(config, trainer)
+    assert (cache["num_pages"], cache["positions"]) == (9, 45)
+    assert not cache["episodes"]
+    # The same step's rollout as episodes of the stateless tool loop
+    # (the count reads the config: the trainer's shapes are the same).
+    config.online.tools, config.online.max_turns = "agent_envs:multiply", 3
+    config.online.engine_page_size = config.online.engine_pages = None
+    cache = plan_lib.engine_kv_cache(config, trainer)
+    width = trainer.prompt_length + 3 * trainer.online.max_new_tokens
+    assert cache["episodes"] and cache["page_size"] == 16
+    assert cache["width"] == width
+    assert cache["num_pages"] == 4 * 2 * -(-width // 16)
+    config.online.engine_pages = 50
+    assert plan_lib.engine_kv_cache(config, trainer)["num_pages"] == 50
+
+
 def test_a_paged_engine_step_plans_and_says_its_pool():
   """The planned step decodes on pages (online.engine_page_size reaches
   engine.generate) and the plan prints the pool."""

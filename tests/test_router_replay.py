@@ -33,6 +33,8 @@ from conftest import from_scratch, one_device_mesh, tiny_config, trainer_of
 from jaxrlhf import algorithms
 from jaxrlhf import sharding
 from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.data import prompts as prompts_lib
+from jaxrlhf.models import engine
 from jaxrlhf.models import moe_decoder
 from jaxrlhf.models import qwen3_moe
 from jaxrlhf.models import sampling
@@ -295,3 +297,69 @@ def test_a_grpo_step_logs_the_gap_with_and_without_replay(grpo_run):
   # The sampler and the trainer compute alike here: both gaps near 0.
   for name in ("gap/k1", f"{iteration.UNREPLAYED_GAP}/k1"):
     assert abs(metrics[name]) < 1e-3, (name, metrics[name])
+
+
+@pytest.mark.parametrize("paged", [True])
+def test_the_engine_records_the_experts_of_every_token_it_fed(paged):
+  """engine.generate(record_routes=True): 4 sequences in 2 slots (refilled
+  one at a time), contiguous or on pages in the smallest pool (sequences
+  preempted and resumed): the recorded experts of every token fed are
+  those the teacher-forced sequence routes to; the last token, never fed,
+  has -1."""
+  module, params, prompt, prompt_mask = _tiny(False)
+  new = 6
+  rows = jnp.tile(prompt, (2, 1)), jnp.tile(prompt_mask, (2, 1))
+  options = dict(page_size=2, num_pages=engine.least_pages(
+      prompt.shape[1], new, 2)) if paged else {}
+  samples, stats = engine.generate(module, params, *rows,
+                                   jax.random.PRNGKey(3), 2, new, eos_id=-1,
+                                   refill_size=1, record_routes=True,
+                                   **options)
+  assert int(stats.preemptions) > 0 if paged else True
+  layers = sum(module.config.sparse_layers)
+  assert samples.routes.shape == (4, prompt.shape[1] + new, layers, TOP_K)
+  tokens, positions, mask = _whole(*rows, samples, 1)
+  _, state = module.apply({"params": params}, tokens, positions, mask,
+                          mutable=[moe_decoder.INTERMEDIATES])
+  forced = np.sort(np.asarray(moe_decoder.routes(
+      state[moe_decoder.INTERMEDIATES])), axis=-1)
+  recorded = np.sort(np.asarray(samples.routes), axis=-1)
+  fed = np.asarray(mask, bool).copy()
+  fed[:, -1] = False
+  np.testing.assert_array_equal(recorded[fed], forced[fed])
+  assert np.all(recorded[:, -1] == -1)
+  if not paged:
+    return
+  with pytest.raises(ValueError, match="decodes on pages"):
+    engine.generate(module, params, *rows, jax.random.PRNGKey(3), 2, new)
+
+
+def test_a_moe_rollout_on_the_engine_carries_its_routes(grpo_run):
+  """online.engine='continuous' on pages: the rollout carries the routes
+  the engine recorded, an expert for every token it fed (the prompt's
+  real tokens, each response's tokens but its last), and the trainer's
+  scoring replaying them gives the sampler's own log-probs."""
+  trainer, state, batch, mesh, rules = grpo_run
+  o = trainer.config.online
+  o.engine, o.engine_page_size = "continuous", 4
+  try:
+    with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+      _, key, _ = iteration.split_step_key(state.rng)
+      tokens = batch[prompts_lib.PROMPT_FEATURE]
+      samples = iteration.sample(trainer, state.params, state.frozen,
+                                 tokens, key)
+      rollout = iteration.score(trainer, state.params, state.frozen, tokens,
+                                samples)
+  finally:
+    o.engine, o.engine_page_size = "lockstep", None
+  mask = np.asarray(rollout.mask, bool)
+  routes = np.asarray(rollout.routes)
+  prompt = routes.shape[1] - mask.shape[1]
+  fed = np.concatenate(
+      [np.asarray(rollout.features["attention_mask"])[:, :prompt] > 0,
+       mask[:, 1:], np.zeros_like(mask[:, :1])], axis=1)
+  assert np.all(routes[fed] >= 0)
+  assert np.all(routes[:, prompt:][~fed[:, prompt:]] == -1)
+  np.testing.assert_allclose(
+      np.asarray(rollout.logprobs)[mask],
+      np.asarray(samples.logprobs)[mask], atol=1e-4)

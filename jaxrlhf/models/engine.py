@@ -42,20 +42,36 @@ free list when it ends, so the cache held follows the live sequences'
 lengths; `EngineStats.pages_peak` counts the most pages held at once. All
 S slots then decode in one batched `decode_step` over the pool (not under
 vmap); the draws and the samples are the same (tests/test_paged_kv.py). A
-pool of `num_pages` too small for what is live is an error after the call
-(nothing is preempted yet: the default pool, S x the pages of P + M - 1
-positions, is never too small). Only `attentions.Attention` reads pages.
+pool of `num_pages` below the default (S x the pages of P + M - 1
+positions, never too small) can run short: before a decode step whose live
+sequences need more new pages than are free, the youngest live sequence
+(the highest prompt index) is preempted, until they fit: its pages go back,
+and it waits with its tokens and its key; a waiting sequence resumes, the
+oldest first and before any new prompt, into a free slot when the pages of
+its prompt and tokens so far are free, prefilled again with them, and
+draws on with its key: the same samples (the prefill's logits to float
+rounding; tests/test_paged_kv.py). New prompts are admitted only when
+their pages are free. The oldest live sequence is never preempted, so a
+pool of `least_pages` (one longest sequence) always finishes. Only
+`attentions.Attention` reads pages.
 With `group_size` k (the k samples of each prompt, its rows repeated),
 a group enters the slots whole and its prompt is prefilled once: the k
 sequences share its full pages and each gets a copy of its partial last
 page (`paged_kv.fork`), so the prefill's work and the prompt's pages are
 divided by k, and the samples are unchanged (tests/test_paged_kv.py).
 
+With `record_routes` a mixture-of-experts model records the experts each
+token it feeds is routed to (router replay), in `sample_decoder_only`'s
+layout: the prompt's at its prefill, each new token's as it is fed (a
+preempted sequence's unfed token at its resumption).
+
 Not supported (refused with a message): T5 (an encoder-decoder; use
 `sampling.sample_encoder_decoder`), a prefix-LM prompt, cache segments
 (every slot holds P + max_new_tokens - 1 columns), `num_samples` (repeat
 the prompts: each copy then draws its own key; with pages, `group_size`
-shares their prefill). On a mesh the slots are split like a batch
+shares their prefill), a mixture-of-experts model without pages (the
+contiguous cache's slots decode under vmap, which its grouped expert
+matmul does not take). On a mesh the slots are split like a batch
 (tests/test_eight_devices.py: a GRPO step on 4x2 equals one device's).
 """
 
@@ -67,6 +83,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.models import moe_decoder
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import paged_kv
 from jaxrlhf.models.layers import param_recording
@@ -90,6 +107,9 @@ class EngineStats:
   # pool ran out (the samples are then wrong; `generate` raises).
   pages_peak: jax.Array
   pages_exhausted: jax.Array
+  # With a pool below the worst case: sequences preempted for pages (each
+  # resumed later, its tokens so far prefilled again).
+  preemptions: jax.Array
 
   def utilisation(self, num_slots: int) -> float:
     """useful slot-steps / (decode steps x num_slots), a host float."""
@@ -113,6 +133,16 @@ class _Slots:
   active: jax.Array      # [S] bool: it holds a sequence still drawing
 
 
+@flax.struct.dataclass
+class _Parked:
+  """Sequences preempted for pages, waiting to resume (leading axis N:
+  the prompts' order, which is also the order they were first admitted
+  in, so a lower index is the older sequence)."""
+  waiting: jax.Array  # [N] bool
+  t: jax.Array        # [N] int32 tokens it had drawn
+  rng: jax.Array      # [N, ...] its key after its last draw
+
+
 def _slot_rows(x: jax.Array) -> jax.Array:
   """A cache leaf [(layers,) n, heads, T, head_dim] as n one-row caches
   [n, (layers,) 1, heads, T, head_dim] (the layout `jax.vmap` maps)."""
@@ -123,38 +153,54 @@ def _slot_rows(x: jax.Array) -> jax.Array:
   return jnp.expand_dims(jnp.moveaxis(x, lead, 0), lead + 1)
 
 
-def _prefill(model, params, tokens, mask, width):
+def _apply(model, variables, *args, routes: bool):
+  """`model.decode_step(*args)` with the cache mutable: (logits, cache, the
+  experts each token was routed to [n, length, moe layers, top_k] when
+  `routes`, else None)."""
+  mutable = ["cache"] + ([moe_decoder.INTERMEDIATES] if routes else [])
+  logits, out = model.apply(variables, *args, method=model.decode_step,
+                            mutable=mutable)
+  return (logits, out["cache"],
+          moe_decoder.routes(out[moe_decoder.INTERMEDIATES]) if routes
+          else None)
+
+
+def _prefill(model, params, tokens, mask, width, routes):
   """Prefills n left-padded prompts [n, P] into caches of `width` columns:
   (logits [n, vocab] float32, cache in slot rows (`_slot_rows`), cache_mask
-  [n, width], num_real [n]), as `sample_decoder_only`'s prefill."""
+  [n, width], num_real [n], routes [n, P, ...] or None), as
+  `sample_decoder_only`'s prefill."""
   n, length = tokens.shape
   cache_mask = jnp.concatenate(
       [mask, jnp.ones((n, width - length), jnp.int32)], axis=1)
-  logits, variables = model.apply(
-      {"params": params}, tokens, rotary.positions_from_mask(mask),
-      cache_mask, 0, method=model.decode_step, mutable=["cache"])
-  cache = jax.tree.map(_slot_rows, variables["cache"])
+  logits, cache, routed = _apply(
+      model, {"params": params}, tokens, rotary.positions_from_mask(mask),
+      cache_mask, 0, routes=routes)
+  cache = jax.tree.map(_slot_rows, cache)
   return (logits.astype(jnp.float32), cache, cache_mask,
-          jnp.sum(mask, axis=-1).astype(jnp.int32))
+          jnp.sum(mask, axis=-1).astype(jnp.int32), routed)
 
 
-def _feed(model, params, cache, tokens, positions, cache_mask, index):
+def _feed(model, params, cache, tokens, positions, cache_mask, index,
+          routes):
   """One decode step of every slot, each a one-row `decode_step` at its own
   cache column: tokens, positions, index [S], cache_mask [S, T] ->
-  (logits [S, vocab] float32, cache)."""
+  (logits [S, vocab] float32, cache, routes [S, ...] of the tokens fed or
+  None)."""
   def one(cache, token, position, mask, index):
-    logits, variables = model.apply(
-        {"params": params, "cache": cache}, token[None, None],
-        position[None, None], mask[None], index, method=model.decode_step,
-        mutable=["cache"])
-    return logits[0].astype(jnp.float32), variables["cache"]
+    logits, cache, routed = _apply(
+        model, {"params": params, "cache": cache}, token[None, None],
+        position[None, None], mask[None], index, routes=routes)
+    return (logits[0].astype(jnp.float32), cache,
+            None if routed is None else routed[0, 0])
   return jax.vmap(one)(cache, tokens, positions, cache_mask, index)
 
 
-def _prefill_pages(model, params, pages, tokens, mask, rows):
+def _prefill_pages(model, params, pages, tokens, mask, rows, routes):
   """Prefills n left-padded prompts [n, P] into the pages of slots `rows`
   [n] (a row out of range is dropped), taking the pages of their real
-  tokens: (logits [n, vocab] float32, pages, num_real [n])."""
+  tokens: (logits [n, vocab] float32, pages, num_real [n], routes
+  [n, P, ...] or None)."""
   pool, tables = pages
   length = tokens.shape[1]
   num_real = jnp.sum(mask, axis=-1).astype(jnp.int32)
@@ -164,27 +210,26 @@ def _prefill_pages(model, params, pages, tokens, mask, rows):
       tables.page_table.at[rows].get(mode="fill",
                                      fill_value=tables.num_pages),
       num_real - length, tables.page_size)
-  logits, variables = model.apply(
-      {"params": params, "cache": pool}, tokens,
-      rotary.positions_from_mask(mask), None, index,
-      method=model.decode_step, mutable=["cache"])
-  return (logits.astype(jnp.float32), (variables["cache"], tables),
-          num_real)
+  logits, pool, routed = _apply(
+      model, {"params": params, "cache": pool}, tokens,
+      rotary.positions_from_mask(mask), None, index, routes=routes)
+  return logits.astype(jnp.float32), (pool, tables), num_real, routed
 
 
-def _feed_pages(model, params, pages, tokens, live):
+def _feed_pages(model, params, pages, tokens, live, routes):
   """One decode step of every slot on pages: each live slot's token [S]
   at its sequence's next position (a new page where it starts one); a
   slot not live holds no pages and writes nothing. -> (logits [S, vocab]
-  float32, pages)."""
+  float32, pages, routes [S, ...] of the tokens fed or None)."""
   pool, tables = pages
   start = tables.lengths  # prompt + tokens fed: the token's position
   tables = paged_kv.reserve(tables, start + live.astype(jnp.int32))
   index = paged_kv.PagedIndex(tables.page_table, start, tables.page_size)
-  logits, variables = model.apply(
-      {"params": params, "cache": pool}, tokens[:, None], start[:, None],
-      None, index, method=model.decode_step, mutable=["cache"])
-  return logits.astype(jnp.float32), (variables["cache"], tables)
+  logits, pool, routed = _apply(
+      model, {"params": params, "cache": pool}, tokens[:, None],
+      start[:, None], None, index, routes=routes)
+  return (logits.astype(jnp.float32), (pool, tables),
+          None if routed is None else routed[:, 0])
 
 
 def _draw(rng, logits, temperature, top_k, top_p, greedy):
@@ -199,16 +244,20 @@ def _draw(rng, logits, temperature, top_k, top_p, greedy):
   return jax.vmap(one)(rng, logits)
 
 
-def _put(old, rows, new):
-  """old with old[rows[j]] = new[j]; a row index out of range is dropped."""
-  return old.at[rows].set(new.astype(old.dtype), mode="drop")
+def _put(old, rows, new, columns=None):
+  """old with old[rows[j]] = new[j] (with `columns` C: old[rows[j], :C]);
+  a row index out of range is dropped."""
+  where = rows if columns is None else (rows, slice(0, columns))
+  return old.at[where].set(new.astype(old.dtype), mode="drop")
 
 
 def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
               num_slots, refill_size, max_new_tokens, temperature, top_k,
               top_p, greedy, eos_id, fuse_projections, page_size,
-              num_pages, group_size):
+              num_pages, group_size, record_routes):
   model = sampling._inference_module(model)
+  # Router replay: the experts each fed token was routed to.
+  record = record_routes and isinstance(model, moe_decoder.MoeCausalLM)
   tokens_in = jnp.asarray(prompt_tokens, jnp.int32)
   mask_in = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
   n, length = tokens_in.shape
@@ -224,9 +273,23 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
 
   paged = page_size is not None
   k = group_size
+  # A pool below the worst case can run short: before a decode step whose
+  # new pages are not free, the youngest live sequences are preempted.
+  preemptible = (paged and new > 1 and num_pages
+                 < paged_kv.default_num_pages(slots, width, page_size))
   first = jnp.arange(slots, dtype=jnp.int32)
   # The first fill: whole groups only (all S slots when k = 1).
   filled = min(n, slots - slots % k)
+
+  def prompt_pages(real):
+    """The new pages a group of k prompts of `real` tokens takes: its
+    pages, and a copy of a partial last page for each other member."""
+    return (paged_kv.pages_for(real, page_size)
+            + (k - 1) * (real % page_size != 0).astype(jnp.int32))
+
+  if preemptible:  # the first groups whose prompts' pages fit the pool
+    need = jnp.cumsum(prompt_pages(jnp.sum(queue_mask[:filled:k], axis=-1)))
+    filled = jnp.minimum(filled, jnp.sum(need <= num_pages) * k)
 
   def admit_pages(pages, tokens, mask, target):
     """Sequences `tokens`, `mask` [m, P] (m a multiple of k; groups of k
@@ -234,16 +297,18 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     [m] (S: dropped, a whole group at once): each group's prompt
     prefilled once, into its first sequence's slot, the others forked
     from it (`paged_kv.fork`: its full pages shared, its partial last
-    page copied). -> (logits [m, vocab], pages, num_real [m])."""
-    logits, (pool, tables), num_real = _prefill_pages(
-        model, params, pages, tokens[::k], mask[::k], target[::k])
+    page copied). -> (logits [m, vocab], pages, num_real [m], routes
+    [m, P, ...] or None)."""
+    logits, (pool, tables), num_real, routed = _prefill_pages(
+        model, params, pages, tokens[::k], mask[::k], target[::k], record)
     if k > 1:
       groups = target.reshape(-1, k)
       tables, pool = paged_kv.fork(
           tables, pool, jnp.repeat(groups[:, 0], k - 1),
           groups[:, 1:].reshape(-1))
     return (jnp.repeat(logits, k, axis=0), (pool, tables),
-            jnp.repeat(num_real, k))
+            jnp.repeat(num_real, k),
+            None if routed is None else jnp.repeat(routed, k, axis=0))
 
   with param_recording.recording_param_reads() as reads, \
       param_recording.recording_param_fusions() as fusions:
@@ -251,13 +316,14 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
       pages = (paged_kv.make_pool(model, params, num_pages, page_size),
                paged_kv.init_tables(num_pages, page_size, slots,
                                     paged_kv.pages_for(width, page_size)))
-      logits, cache, num_real = admit_pages(
+      logits, cache, num_real, routed = admit_pages(
           pages, queue_tokens[:slots], queue_mask[:slots],
           jnp.where(first < filled, first, slots))
       cache_mask = jnp.zeros((slots, 0), jnp.int32)
     else:
-      logits, cache, cache_mask, num_real = _prefill(
-          model, params, queue_tokens[:slots], queue_mask[:slots], width)
+      logits, cache, cache_mask, num_real, routed = _prefill(
+          model, params, queue_tokens[:slots], queue_mask[:slots], width,
+          record)
   decode_params = sampling._decode_params(params, reads, fusions,
                                           fuse_projections)
   state = _Slots(cache=cache, cache_mask=cache_mask, num_real=num_real,
@@ -265,32 +331,104 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
                  t=jnp.zeros((slots,), jnp.int32),
                  seq=jnp.where(first < filled, first, n),
                  active=first < filled)
+  # Routes: [N, P + M, moe layers, top_k], as `sample_decoder_only`
+  # records them (-1 where no token was fed: the last one drawn).
+  routes = None
+  if record:
+    routes = _put(jnp.full((n, length + new) + routed.shape[2:], -1,
+                           jnp.int32),
+                  jnp.where(first < filled, first, n), routed, length)
   out = (jnp.zeros((n, new), jnp.int32), jnp.zeros((n, new), jnp.float32),
-         jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool))
+         jnp.zeros((n,), jnp.int32), jnp.zeros((n,), bool), routes)
   zero = jnp.int32(0)
-  counts = (zero, zero, jnp.int32(1), zero)  # steps, useful, prefills, peak
+  # steps, useful, prefills, peak, preemptions
+  counts = (zero, zero, jnp.int32(1), zero, zero)
+  parked = _Parked(waiting=jnp.zeros((n,), bool),
+                   t=jnp.zeros((n,), jnp.int32),
+                   rng=keys(rng, jnp.arange(n, dtype=jnp.int32)))
 
-  def refill_slots(state, next_prompt, prefills):
+  def preempt(state, parked, preemptions):
+    """While the live slots' next tokens need more new pages than are
+    free, the youngest live sequence (the highest prompt index, never the
+    last one live) gives its pages back and waits, with its tokens so far
+    and its key, to be resumed (`resume`)."""
+    def short(carry):
+      state = carry[0]
+      tables = state.cache[1]
+      need = jnp.sum(state.active & (tables.lengths % page_size == 0),
+                     dtype=jnp.int32)
+      return (need > tables.num_free) & (jnp.sum(state.active) > 1)
+
+    def one(carry):
+      state, parked, preemptions = carry
+      victim = jnp.argmax(jnp.where(state.active, state.seq, -1))
+      which = jnp.arange(slots) == victim
+      seq = state.seq[victim]
+      parked = _Parked(waiting=parked.waiting.at[seq].set(True),
+                       t=parked.t.at[seq].set(state.t[victim]),
+                       rng=parked.rng.at[seq].set(state.rng[victim]))
+      pool, tables = state.cache
+      state = state.replace(cache=(pool, paged_kv.release(tables, which)),
+                            active=state.active & ~which)
+      return state, parked, preemptions + 1
+    return jax.lax.while_loop(short, one, (state, parked, preemptions))
+
+  def resume_one(state, parked, tokens, routes, prefills):
+    """The oldest waiting sequence into the first free slot: its prompt
+    and the tokens it had drawn prefilled again (the logits of its next
+    draw; the routes of the one token not fed before), its key where it
+    stopped."""
+    seq = jnp.argmax(parked.waiting)
+    slot = jnp.argmin(state.active)
+    t = parked.t[seq]
+    row = jnp.concatenate([queue_tokens[seq], tokens[seq, :new - 1]])
+    row_mask = jnp.concatenate(
+        [queue_mask[seq], (jnp.arange(new - 1) < t).astype(jnp.int32)])
+    # Left-padded: the columns not drawn yet rolled to the front.
+    row, row_mask = (jnp.roll(x, new - 1 - t)[None] for x in (row, row_mask))
+    logits, cache, _, routed = _prefill_pages(
+        model, params, state.cache, row, row_mask, slot[None], record)
+    if record:
+      routes = routes.at[seq, length + t - 1].set(routed[0, -1])
+    put = functools.partial(_put, rows=slot[None])
+    state = state.replace(
+        cache=cache, logits=put(state.logits, new=logits),
+        num_real=put(state.num_real, new=jnp.sum(queue_mask[seq])[None]),
+        rng=put(state.rng, new=parked.rng[seq][None]),
+        t=put(state.t, new=t[None]), seq=put(state.seq, new=seq[None]),
+        active=put(state.active, new=jnp.ones((1,), bool)))
+    return (state, parked.replace(waiting=parked.waiting.at[seq].set(False)),
+            routes, prefills + 1)
+
+  def refill_slots(state, next_prompt, routes, prefills):
     """The next R pending prompts prefilled into the first free slots."""
     free = ~state.active
     pending = n - next_prompt
     taken = jnp.minimum(jnp.minimum(pending, refill),
                         jnp.sum(free) // k * k)  # whole groups
+    prompts = (
+        jax.lax.dynamic_slice_in_dim(queue_tokens, next_prompt, refill),
+        jax.lax.dynamic_slice_in_dim(queue_mask, next_prompt, refill))
+    if preemptible:  # the groups whose prompts' pages are free
+      need = jnp.cumsum(prompt_pages(jnp.sum(prompts[1][::k], axis=-1)))
+      taken = jnp.minimum(
+          taken, jnp.sum(need <= state.cache[1].num_free) * k)
     # New prompt j goes to the j-th free slot (slot index `slots`, dropped,
     # when j >= taken).
     rank = jnp.where(free, jnp.cumsum(free) - 1, refill)
     target = jnp.full((refill,), slots, jnp.int32).at[rank].set(
         jnp.arange(slots, dtype=jnp.int32), mode="drop")
     target = jnp.where(jnp.arange(refill) < taken, target, slots)
-    prompts = (
-        jax.lax.dynamic_slice_in_dim(queue_tokens, next_prompt, refill),
-        jax.lax.dynamic_slice_in_dim(queue_mask, next_prompt, refill))
     if paged:
-      logits, cache, num_real = admit_pages(state.cache, *prompts, target)
+      logits, cache, num_real, routed = admit_pages(state.cache, *prompts,
+                                                    target)
     else:
-      logits, cache, cache_mask, num_real = _prefill(model, params,
-                                                     *prompts, width)
+      logits, cache, cache_mask, num_real, routed = _prefill(
+          model, params, *prompts, width, record)
     ids = next_prompt + jnp.arange(refill, dtype=jnp.int32)
+    if record:
+      routes = _put(routes, jnp.where(jnp.arange(refill) < taken, ids, n),
+                    routed, length)
     put = functools.partial(_put, rows=target)
     state = _Slots(
         cache=cache if paged else jax.tree.map(
@@ -303,11 +441,12 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
         t=put(state.t, new=jnp.zeros_like(ids)),
         seq=put(state.seq, new=ids),
         active=put(state.active, new=jnp.ones((refill,), bool)))
-    return state, next_prompt + taken, prefills + 1
+    return state, next_prompt + taken, routes, prefills + 1
 
   def body(carry):
-    state, next_prompt, (tokens, logprobs, lengths, has_eos), counts = carry
-    steps, useful, prefills, peak = counts
+    (state, parked, next_prompt,
+     (tokens, logprobs, lengths, has_eos, routes), counts) = carry
+    steps, useful, prefills, peak, preemptions = counts
     rng_s, token, logprob = _draw(state.rng, state.logits, temperature,
                                   top_k, top_p, greedy)
     live = state.active
@@ -323,9 +462,11 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     if paged:  # an ended sequence's pages go back to the free list
       pool, tables = state.cache
       state = state.replace(cache=(pool, paged_kv.release(tables, ended)))
+    if preemptible:
+      state, parked, preemptions = preempt(state, parked, preemptions)
     if new > 1 and paged:
-      logits, cache = _feed_pages(model, decode_params, state.cache, token,
-                                  state.active)
+      logits, cache, routed = _feed_pages(model, decode_params, state.cache,
+                                          token, state.active, record)
       state = state.replace(logits=logits, cache=cache)
     elif new > 1:  # a budget of 1 never feeds its token
       # Token t sits at rotary position num_real + t and cache column
@@ -333,35 +474,56 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
       # the last column, which its next prompt's steps write before they
       # read it).
       column = jnp.minimum(state.t - 1, new - 2)
-      logits, cache = _feed(model, decode_params, state.cache, token,
-                            state.num_real + column, state.cache_mask,
-                            length + column)
+      logits, cache, routed = _feed(model, decode_params, state.cache,
+                                    token, state.num_real + column,
+                                    state.cache_mask, length + column,
+                                    record)
       state = state.replace(logits=logits, cache=cache)
+    if new > 1 and record:  # a live slot fed its token t - 1
+      routes = routes.at[jnp.where(state.active, state.seq, n),
+                         length + state.t - 1].set(routed, mode="drop")
+    go = jnp.bool_(True)
+    if preemptible:  # the oldest waiting one first, then new prompts
+      tables = state.cache[1]
+      oldest = jnp.argmax(parked.waiting)
+      waiting = jnp.any(parked.waiting)
+      state, parked, routes, prefills = jax.lax.cond(
+          waiting & ~jnp.all(state.active)
+          & (paged_kv.pages_for(jnp.sum(queue_mask[oldest])
+                                + parked.t[oldest], page_size)
+             <= tables.num_free),
+          resume_one, lambda s, p, _, r, f: (s, p, r, f), state, parked,
+          tokens, routes, prefills)
+      head = jnp.sum(jax.lax.dynamic_index_in_dim(queue_mask, next_prompt,
+                                                  keepdims=False))
+      go = ~jnp.any(parked.waiting) & (prompt_pages(head)
+                                        <= state.cache[1].num_free)
     pending = n - next_prompt
     free = jnp.sum(~state.active)
-    state, next_prompt, prefills = jax.lax.cond(
-        (pending > 0) & (free >= jnp.minimum(refill, pending)),
-        refill_slots, lambda *a: a, state, next_prompt, prefills)
+    state, next_prompt, routes, prefills = jax.lax.cond(
+        go & (pending > 0) & (free >= jnp.minimum(refill, pending)),
+        refill_slots, lambda *a: a, state, next_prompt, routes, prefills)
     if paged:
       tables = state.cache[1]
       peak = jnp.maximum(peak, tables.num_pages - tables.num_free)
-    return (state, next_prompt, (tokens, logprobs, lengths, has_eos),
+    return (state, parked, next_prompt,
+            (tokens, logprobs, lengths, has_eos, routes),
             (steps + 1, useful + jnp.sum(live, dtype=jnp.int32), prefills,
-             peak))
+             peak, preemptions))
 
   if paged:
-    counts = counts[:3] + (num_pages - state.cache[1].num_free,)
-  carry = (state, jnp.int32(filled), out, counts)
-  state, _, (tokens, logprobs, lengths, has_eos), counts = (
+    counts = counts[:3] + (num_pages - state.cache[1].num_free, zero)
+  carry = (state, parked, jnp.int32(filled), out, counts)
+  state, _, _, (tokens, logprobs, lengths, has_eos, routes), counts = (
       jax.lax.while_loop(lambda carry: jnp.any(carry[0].active), body,
                          carry))
   mask = (jnp.arange(new)[None, :] < lengths[:, None]).astype(jnp.float32)
   samples = sampling.Samples(tokens=tokens, logprobs=logprobs * mask,
                              mask=mask, has_eos=has_eos,
-                             num_steps=jnp.max(lengths))
+                             num_steps=jnp.max(lengths), routes=routes)
   stats = EngineStats(
       decode_steps=counts[0], useful_slot_steps=counts[1],
-      prefills=counts[2], pages_peak=counts[3],
+      prefills=counts[2], pages_peak=counts[3], preemptions=counts[4],
       pages_exhausted=state.cache[1].exhausted if paged
       else jnp.zeros((), bool))
   return samples, stats
@@ -369,7 +531,8 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
 
 _STATIC = ("model", "num_slots", "refill_size", "max_new_tokens",
            "temperature", "top_k", "top_p", "greedy", "eos_id",
-           "fuse_projections", "page_size", "num_pages", "group_size")
+           "fuse_projections", "page_size", "num_pages", "group_size",
+           "record_routes")
 _generate_jit = sampling._jit_static(_generate, _STATIC)
 
 
@@ -391,7 +554,8 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
              top_k: int = 0, top_p: float = 1.0, greedy: bool = False,
              eos_id: int = 1, refill_size: int = None,
              fuse_projections: bool = True, page_size: Optional[int] = None,
-             num_pages: Optional[int] = None, group_size: int = 1
+             num_pages: Optional[int] = None, group_size: int = 1,
+             record_routes: bool = False
              ) -> Tuple[sampling.Samples, EngineStats]:
   """Samples a continuation of each prompt with `num_slots` decode slots.
 
@@ -418,14 +582,20 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
       columns; an int: the slots' caches in pages of that many positions
       (`paged_kv`).
     num_pages: static, with page_size: the pool's pages (None: S x
-      ceil((P + M - 1) / page_size), enough for any lengths). A pool too
-      small for the live sequences raises after the call (when the call
-      is not traced).
+      ceil((P + M - 1) / page_size), enough for any lengths). Fewer: when
+      the live sequences' next tokens need more new pages than are free,
+      the youngest are preempted (`EngineStats.preemptions`); at least
+      `least_pages` (else ValueError).
     group_size: static k, with page_size: each k adjacent rows repeat one
       prompt (a group's samples, `jnp.repeat(prompts, k, axis=0)`), which
       is then prefilled once and its pages shared by the k (`paged_kv.fork`);
       a group enters the slots whole, so k divides N, S and refill_size.
       The samples are those of group_size 1 (each row its own key).
+    record_routes: static; a mixture-of-experts model (`MoeCausalLM`)
+      records the experts each token it feeds is routed to, as
+      `sample_decoder_only(record_routes=True)` does (`Samples.routes`
+      [N, P + M, moe layers, top_k], -1 where no token was fed: the last
+      one drawn); other models ignore it.
   Returns:
     (Samples of the new tokens, [N, max_new_tokens] in prompt order, EOS
     kept, then 0; num_steps the longest sequence's tokens; EngineStats).
@@ -436,6 +606,11 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
                      "encoder-decoder (T5) use "
                      "sampling.sample_encoder_decoder.")
   sampling._check_left_padded(prompt_attention_mask)
+  if isinstance(model, moe_decoder.MoeCausalLM) and page_size is None:
+    raise ValueError(
+        "engine.generate: a mixture-of-experts model decodes on pages "
+        "(page_size): the contiguous cache's slots decode under vmap, which "
+        "the experts' grouped matmul (ragged_dot) does not take.")
   if not isinstance(num_slots, (int, np.integer)) or num_slots < 1:
     raise ValueError(f"num_slots must be a positive int, got {num_slots!r}.")
   if not isinstance(group_size, (int, np.integer)) or group_size < 1:
@@ -466,9 +641,16 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
     width = np.shape(prompt_tokens)[1] + int(max_new_tokens) - 1
     if num_pages is None:
       num_pages = paged_kv.default_num_pages(num_slots, width, page_size)
-    if not isinstance(num_pages, (int, np.integer)) or num_pages < 1:
-      raise ValueError(f"num_pages must be a positive int, got "
-                       f"{num_pages!r}.")
+    least = least_pages(np.shape(prompt_tokens)[1], max_new_tokens,
+                        page_size, k)
+    if not isinstance(num_pages, (int, np.integer)) or num_pages < least:
+      raise ValueError(
+          f"num_pages={num_pages!r}: a pool of pages of {page_size} "
+          f"positions needs at least {least} pages here (one longest "
+          f"sequence, prompt {np.shape(prompt_tokens)[1]} + "
+          f"{max_new_tokens} - 1 positions, or one group's prompt), for "
+          "the oldest sequence to go on when all the others are "
+          "preempted; give it more pages (None: enough for any lengths).")
     page_size, num_pages = int(page_size), int(num_pages)
   greedy = greedy or temperature == 0
   samples, stats = _generate_jit(
@@ -479,11 +661,24 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
       temperature=float(temperature) if not greedy else 1.0,
       top_k=int(top_k), top_p=float(top_p), greedy=bool(greedy),
       eos_id=int(eos_id), fuse_projections=bool(fuse_projections),
-      page_size=page_size, num_pages=num_pages, group_size=k)
+      page_size=page_size, num_pages=num_pages, group_size=k,
+      record_routes=bool(record_routes))
   exhausted = stats.pages_exhausted
   if not isinstance(exhausted, jax.core.Tracer) and bool(exhausted):
-    raise RuntimeError(
+    raise RuntimeError(  # preemption keeps a pool of `least` from it
         f"engine.generate: the pool of {num_pages} pages of {page_size} "
-        "positions ran out (nothing is preempted); give num_pages more "
-        "(None: enough for any lengths) or fewer num_slots.")
+        "positions ran out; this is a bug in the engine, please report "
+        "it (num_pages=None avoids it).")
   return samples, stats
+
+
+def least_pages(prompt_length: int, max_new_tokens: int, page_size: int,
+                group_size: int = 1) -> int:
+  """The smallest pool `generate` takes: the pages of one longest sequence
+  (prompt_length + max_new_tokens - 1 positions), or of one group's prompt
+  (its pages and a copy of its partial last page per other member) when
+  that is more."""
+  width = int(prompt_length) + int(max_new_tokens) - 1
+  return max(paged_kv.pages_for(width, page_size),
+             paged_kv.pages_for(prompt_length, page_size)
+             + int(group_size) - 1)

@@ -147,7 +147,8 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
                      record_routes: bool = False,
                      engine: str = "lockstep",
                      engine_slots: Optional[int] = None,
-                     engine_page_size: Optional[int] = None
+                     engine_page_size: Optional[int] = None,
+                     engine_pages: Optional[int] = None
                      ) -> sampling.Samples:
   """The policy's samples for the prompts, with their log-probs and stats.
 
@@ -171,7 +172,8 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
       columns of `response_features`' rows.
     engine: static; 'lockstep' (`sampling`) or 'continuous'
       (`engine.generate` over the prompts repeated num_samples times,
-      row r drawing from fold_in(rng, r); decoder-only, no routes;
+      row r drawing from fold_in(rng, r); decoder-only, routes recorded
+      as lockstep's, a mixture-of-experts policy on pages only;
       stop_when_done and cache_segments do not apply, and `num_steps`
       counts the engine's decode steps).
     engine_slots: static; continuous: the decode slots (None:
@@ -180,25 +182,40 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
       this many positions (`engine.generate`'s page_size; None:
       contiguous); a prompt's num_samples samples then share its prefill
       and pages (`group_size`) when they divide the slots.
+    engine_pages: static; continuous on pages: the pool's pages
+      (`engine.generate`'s num_pages; None: enough for every slot's
+      longest sequence); fewer preempt the youngest sequences.
 
   Returns:
     `sampling.Samples` of [batch * num_samples, max_new_tokens].
   """
   if engine == "continuous":
-    if lm.is_encoder_decoder or record_routes:
+    if lm.is_encoder_decoder:
       raise ValueError(
-          "online.engine='continuous' decodes decoder-only policies without "
-          "recording routes; set online.engine='lockstep' (or "
-          "online.router_replay=False for a mixture-of-experts policy).")
+          "online.engine='continuous' decodes decoder-only policies; set "
+          "online.engine='lockstep'.")
     tokens, mask = left_pad_prompts(prompt_tokens, eos_id)
     tokens, mask = (jnp.repeat(x, num_samples, axis=0)
                     for x in (tokens, mask))
     group = num_samples if engine_page_size else 1
     slots = engine_slots or engine_lib.default_slots(tokens.shape[0], group)
+    group = group if slots % group == 0 else 1
+    if engine_pages is not None:
+      least = engine_lib.least_pages(tokens.shape[1], max_new_tokens,
+                                     engine_page_size, group)
+      if engine_pages < least:
+        raise ValueError(
+            f"online.engine_pages={engine_pages}: the continuous engine's "
+            f"pool needs at least {least} pages of {engine_page_size} "
+            f"positions for a prompt of {tokens.shape[1]} tokens and "
+            f"{max_new_tokens} new ones (one longest sequence, which goes "
+            "on when every other is preempted); give it that many or "
+            "more, or unset it.")
     samples, stats = engine_lib.generate(
         lm.module, params, tokens, mask, rng, slots, max_new_tokens,
         temperature=temperature, eos_id=eos_id, page_size=engine_page_size,
-        group_size=group if slots % group == 0 else 1)
+        num_pages=engine_pages, group_size=group,
+        record_routes=record_routes)
     return samples.replace(num_steps=stats.decode_steps)
   options = dict(temperature=temperature, eos_id=eos_id,
                  num_samples=num_samples, stop_when_done=stop_when_done,

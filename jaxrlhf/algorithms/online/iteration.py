@@ -201,7 +201,8 @@ def sample(trainer, params, frozen, prompt_tokens, key):
         num_samples=settings.samples_per_prompt,
         stop_when_done=o.stop_when_done, cache_segments=o.cache_segments,
         record_routes=settings.router_replay, engine=o.engine,
-        engine_slots=o.engine_slots, engine_page_size=o.engine_page_size)
+        engine_slots=o.engine_slots, engine_page_size=o.engine_page_size,
+        engine_pages=o.engine_pages)
   return _by_parts(o.rollout_microbatches, settings.samples_per_prompt, part,
                    prompt_tokens, key=key)
 

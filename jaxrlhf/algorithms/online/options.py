@@ -88,8 +88,9 @@ ONLINE = config_schema.Group(
           "fold_in(fold_in(key, i), t): the episodes differ from "
           "lockstep's, not from one slot's to many's; "
           "experiments/bench_agents.py measures both). Continuous: "
-          "decoder-only policies, no cache_segments, no recorded routes "
-          "(router_replay on a mixture-of-experts policy); single-turn "
+          "decoder-only policies, no cache_segments; a mixture-of-experts "
+          "policy on pages (online.engine_page_size), its routes recorded "
+          "for router_replay as lockstep's are (single-turn); single-turn "
           "responses are also decoded on online.sampler_devices, one or "
           "more steps ahead (tests/eight_devices.py).",
           choices=("lockstep", "continuous")),
@@ -120,13 +121,14 @@ ONLINE = config_schema.Group(
           "Fewer: the pool follows the real lengths, and when a sequence "
           "needs a page and none is free the most recently admitted one "
           "is preempted (its pages freed, it waits again and is prefilled "
-          "with its tokens so far when a slot and pages free up), drawing "
-          "the same tokens as without preemption; engine/preemptions "
-          "counts them (episodes: one waiting on its environment goes "
-          "first, its whole conversation prefilled again when answered; "
-          "episode/preemptions). A pool too small for one longest "
-          "sequence is an "
-          "error. python -m jaxrlhf.plan counts the pool.", type=int,
+          "with its tokens so far when a slot and pages free up, before "
+          "any new prompt), drawing the same tokens as without "
+          "preemption (single-turn: engine.generate's stats count them, "
+          "bench_engine.py --num_pages prints them; episodes: one waiting "
+          "on its environment goes first, its whole conversation "
+          "prefilled again when answered; episode/preemptions). A pool "
+          "too small for one longest sequence is an error naming the "
+          "least. python -m jaxrlhf.plan counts the pool.", type=int,
           bounds=">0"),
         F("eos_trick", True,
           "The EOS trick (detail 23): a response with no EOS scores "
@@ -363,8 +365,16 @@ def check_engine(c) -> None:
       "online.engine_page_size (or episodes), or unset it.")
   if o.engine != "continuous":
     return
+  arch = registry.get_family(c.model.arch)
+  config_schema.require(
+      not issubclass(arch.module_cls, moe_decoder.MoeCausalLM)
+      or o.engine_page_size or environments.episodic(o),
+      "online.engine_page_size", f"unset with a mixture-of-experts policy "
+      f"({c.model.arch!r}): the continuous engine's contiguous cache "
+      "decodes each slot under vmap, which the experts' grouped matmul "
+      "(ragged_dot) does not take; set online.engine_page_size (e.g. 16).")
   for ok, field, why in (
-      (not registry.get_family(c.model.arch).encoder_decoder, "model.arch",
+      (not arch.encoder_decoder, "model.arch",
        f"{c.model.arch!r} is an encoder-decoder"),
       (o.cache_segments in (None, 1), "online.cache_segments",
        f"{o.cache_segments} (segments)")):
