@@ -85,6 +85,9 @@ class Samples:
   # where no token was fed (the last new token, and the columns a
   # `stop_when_done` loop never ran); None when not recorded.
   routes: jax.Array = None
+  # int32 []: sequences the continuous engine preempted for pages (a pool
+  # below slots x budget, `engine.generate(num_pages=)`); None otherwise.
+  preemptions: jax.Array = None
 
 
 def filter_logits(logits, temperature=1.0, top_k=0, top_p=1.0):

@@ -77,6 +77,9 @@ class Rollout:
   # int32 [] decode steps the sampler ran (fewer than the response length
   # when it stopped once every response had ended); None = not recorded.
   decode_steps: jax.Array = None
+  # int32 [] sequences the continuous engine preempted for pages
+  # (`Samples.preemptions`); None = not counted.
+  preemptions: jax.Array = None
   # [batch, L] the sampler's own log-probs of the tokens it drew (at the
   # sampling temperature, 0 where `mask` is 0), beside `logprobs`, the
   # trainer's scoring of the same tokens: their gap is what importance
@@ -138,6 +141,13 @@ def left_pad_prompts(prompt_tokens, eos_id: int = 1, pad_id: int = 0):
   gathered = jnp.take_along_axis(tokens, jnp.maximum(source, 0), axis=-1)
   return (jnp.where(real, gathered, jnp.int32(pad_id)),
           real.astype(jnp.int32))
+
+
+def counts_preemptions(engine: str, engine_pages: Optional[int]) -> bool:
+  """Whether `sample_responses` returns `Samples.preemptions`: the
+  continuous engine on a pool of `engine_pages` (below the default pool
+  it may preempt)."""
+  return engine == "continuous" and engine_pages is not None
 
 
 def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
@@ -216,7 +226,10 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
         temperature=temperature, eos_id=eos_id, page_size=engine_page_size,
         num_pages=engine_pages, group_size=group,
         record_routes=record_routes)
-    return samples.replace(num_steps=stats.decode_steps)
+    return samples.replace(
+        num_steps=stats.decode_steps,
+        preemptions=(stats.preemptions if counts_preemptions(
+            engine, engine_pages) else None))
   options = dict(temperature=temperature, eos_id=eos_id,
                  num_samples=num_samples, stop_when_done=stop_when_done,
                  cache_segments=cache_segments)
@@ -483,6 +496,8 @@ def rollout_metrics(rollout: Rollout, kl_coef=None, kl_estimator="k1",
   lengths = jnp.sum(rollout.mask, axis=-1)
   metrics = {} if rollout.decode_steps is None else {
       "decode_steps": rollout.decode_steps.astype(jnp.float32)}
+  if rollout.preemptions is not None:
+    metrics["engine/preemptions"] = rollout.preemptions.astype(jnp.float32)
   metrics.update({
       "score": jnp.mean(rollout.scores),
       "raw_score": jnp.mean(rollout.raw_scores),

@@ -39,6 +39,7 @@ from jaxrlhf.algorithms.online import iteration
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import sampling
+from jaxrlhf.rl import rollout as rollout_lib
 
 
 def dynamic_sampling_rounds(algorithm, config):
@@ -78,7 +79,9 @@ class HostSplitStep:
     samples = sampling.Samples(
         tokens=rows, logprobs=rows, mask=rows, has_eos=rows,
         num_steps=replicated,
-        routes=rows if t.online.router_replay else None)
+        routes=rows if t.online.router_replay else None,
+        preemptions=replicated if rollout_lib.counts_preemptions(
+            t.config.online.engine, t.config.online.engine_pages) else None)
     parts = iteration.step_parts(t)
     self._add_host = jax.jit(self._rewards.with_host_rewards)
     self._scores = jax.jit(lambda rollout: rollout.scores,
@@ -172,12 +175,14 @@ class HostSplitStep:
 
 def _select_rows(rollouts, rows):
   """The rollout of `rows` of the rollouts' rows laid end to end; its decode
-  steps are all the rounds'."""
-  steps = sum(r.decode_steps for r in rollouts)
+  steps (and preemptions) are all the rounds'."""
+  total = lambda name: (None if getattr(rollouts[0], name) is None
+                        else sum(getattr(r, name) for r in rollouts))
+  steps, preemptions = total("decode_steps"), total("preemptions")
   joined = jax.tree.map(lambda *xs: jnp.concatenate(xs), *[
-      r.replace(decode_steps=None) for r in rollouts])
+      r.replace(decode_steps=None, preemptions=None) for r in rollouts])
   return jax.tree.map(lambda x: jnp.take(x, rows, axis=0), joined).replace(
-      decode_steps=steps)
+      decode_steps=steps, preemptions=preemptions)
 
 
 def summed_over_processes(metrics: Dict[str, float]) -> Dict[str, float]:

@@ -227,7 +227,8 @@ def score(trainer, params, frozen, prompt_tokens, samples, references=None):
   rollout = _by_parts(o.rollout_microbatches, k, part,
                       (prompt_tokens, references),
                       (samples.tokens, samples.routes))
-  return with_sampler_stats(rollout, samples.num_steps, samples.logprobs)
+  return with_sampler_stats(rollout, samples.num_steps, samples.logprobs,
+                            samples.preemptions)
 
 
 def score_rows(trainer, params, frozen, prompts, tokens, references=None, *,
@@ -270,12 +271,15 @@ def score_rows(trainer, params, frozen, prompts, tokens, references=None, *,
   return rewards.with_device_rewards(rollout, judged)
 
 
-def with_sampler_stats(rollout, decode_steps, sample_logprobs):
+def with_sampler_stats(rollout, decode_steps, sample_logprobs,
+                       preemptions=None):
   """The scored rollout with what the sampler knew: its decode steps
-  (int32 []) and its own log-probs of the tokens it drew ([rows, L], kept
-  where the rollout's mask is 1)."""
+  (int32 []), its own log-probs of the tokens it drew ([rows, L], kept
+  where the rollout's mask is 1) and the engine's preemptions (int32 [] or
+  None)."""
   return rollout.replace(decode_steps=decode_steps,
-                         sample_logprobs=sample_logprobs * rollout.mask)
+                         sample_logprobs=sample_logprobs * rollout.mask,
+                         preemptions=preemptions)
 
 
 def correct(config, state, rollout):
