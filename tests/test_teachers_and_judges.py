@@ -180,6 +180,30 @@ def test_gkd_lambda_chooses_samples_or_the_dataset_completions(llama_pair):
              for row, t in zip(sampled, targets))
 
 
+def test_gkd_on_the_engines_pool_takes_the_dataset_completions_too(
+    llama_pair):
+  """With the continuous engine on a pool (online.engine_pages: the
+  samples count preemptions), lambda 0's dataset branch is laid out as the
+  sampler's: the step's responses are the targets, none preempted."""
+  config = _config(llama_pair, "gkd", gkd__lmbda=0.0,
+                   online__engine="continuous", online__engine_page_size=4,
+                   online__engine_pages=1000)
+  with sharding.activate(config, jax.devices()[:1]) as mesh:
+    trainer = algorithms.build(config, mesh)
+    state = trainer.init_state()
+    batch = next(iter(trainer.algorithm.training.batches(trainer, 0)))
+    samples = jax.jit(iteration.step_parts(trainer).sample)(
+        state.params, state.frozen, jax.tree.map(jnp.asarray, batch),
+        jax.random.PRNGKey(3))
+    source = trainer.online.prompt_source.prompts
+    targets = [source.completions[i] for i in batch[
+        prompts_lib.PROMPT_INDEX]]
+  assert int(samples.preemptions) == 0
+  for row, target in zip(np.asarray(samples.tokens), targets):
+    n = min(len(target), MAX_NEW)
+    np.testing.assert_array_equal(row[:n], target[:n])
+
+
 def test_a_teacher_of_another_vocabulary_is_refused(llama_pair, tmp_path):
   """A Hugging Face teacher whose vocabulary has another size: one line
   naming the teacher and both sizes."""

@@ -321,6 +321,8 @@ def gkd_sample(trainer, sample_fn, params, frozen, prompts, key):
 
   def dataset():
     samples = _dataset_samples(completions, trainer.vocabulary.eos_id)
+    if sampled.preemptions is not None:  # no engine ran: none preempted
+      samples = samples.replace(preemptions=jnp.int32(0))
     if sampled.routes is None:
       return samples
     # Router replay: no sampler routed the dataset's tokens; -1 lets the
