@@ -138,6 +138,18 @@ def _whole(prompt_tokens, prompt_mask, samples, k):
   return tokens, jnp.maximum(jnp.cumsum(mask, axis=1) - 1, 0), mask
 
 
+def _forced_and_recorded(module, params, prompt_tokens, prompt_mask,
+                         samples, k):
+  """(the experts the teacher-forced rows [prompt | new tokens] route to,
+  the experts `samples` recorded, each sorted per token; the rows' mask)."""
+  tokens, positions, mask = _whole(prompt_tokens, prompt_mask, samples, k)
+  _, state = module.apply({"params": params}, tokens, positions, mask,
+                          mutable=[moe_decoder.INTERMEDIATES])
+  forced = np.sort(np.asarray(moe_decoder.routes(
+      state[moe_decoder.INTERMEDIATES])), axis=-1)
+  return forced, np.sort(np.asarray(samples.routes), axis=-1), mask
+
+
 @pytest.mark.parametrize("scan_layers", [False, True])
 @pytest.mark.parametrize("stop_when_done", [False, True])
 def test_the_sampler_records_the_experts_of_every_token_it_fed(
@@ -160,12 +172,8 @@ def test_the_sampler_records_the_experts_of_every_token_it_fed(
       record_routes=True, **options)
   layers = sum(module.config.sparse_layers)
   assert samples.routes.shape == (4, prompt.shape[1] + new, layers, TOP_K)
-  tokens, positions, mask = _whole(prompt, prompt_mask, samples, k)
-  _, state = module.apply({"params": params}, tokens, positions, mask,
-                          mutable=[moe_decoder.INTERMEDIATES])
-  forced = np.sort(np.asarray(moe_decoder.routes(
-      state[moe_decoder.INTERMEDIATES])), axis=-1)
-  recorded = np.sort(np.asarray(samples.routes), axis=-1)
+  forced, recorded, mask = _forced_and_recorded(
+      module, params, prompt, prompt_mask, samples, k)
   # Fed: every real prompt token, and new tokens 0 .. steps - 2.
   fed = np.asarray(mask, bool).copy()
   steps = int(samples.num_steps)
@@ -318,12 +326,8 @@ def test_the_engine_records_the_experts_of_every_token_it_fed(paged):
   assert int(stats.preemptions) > 0 if paged else True
   layers = sum(module.config.sparse_layers)
   assert samples.routes.shape == (4, prompt.shape[1] + new, layers, TOP_K)
-  tokens, positions, mask = _whole(*rows, samples, 1)
-  _, state = module.apply({"params": params}, tokens, positions, mask,
-                          mutable=[moe_decoder.INTERMEDIATES])
-  forced = np.sort(np.asarray(moe_decoder.routes(
-      state[moe_decoder.INTERMEDIATES])), axis=-1)
-  recorded = np.sort(np.asarray(samples.routes), axis=-1)
+  forced, recorded, mask = _forced_and_recorded(module, params, *rows,
+                                                samples, 1)
   fed = np.asarray(mask, bool).copy()
   fed[:, -1] = False
   np.testing.assert_array_equal(recorded[fed], forced[fed])

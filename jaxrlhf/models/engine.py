@@ -351,7 +351,7 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     """While the live slots' next tokens need more new pages than are
     free, the youngest live sequence (the highest prompt index, never the
     last one live) gives its pages back and waits, with its tokens so far
-    and its key, to be resumed (`resume`)."""
+    and its key, to be resumed (`resume_one`)."""
     def short(carry):
       state = carry[0]
       tables = state.cache[1]
