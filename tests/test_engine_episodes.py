@@ -220,6 +220,25 @@ def test_a_small_pool_preempts_and_plays_the_same_episodes(tiny):
   assert not engine.lengths.any() and not bool(engine.tables.exhausted)
 
 
+def _first_chunk(model, params, openings, **options):
+  """An engine of a slot per opening (episodes of up to 36 positions,
+  turns of 5 tokens, pages of 4) with the openings prefilled and one
+  chunk decoded: (engine, the turns that chunk ended)."""
+  engine = continuous.EpisodeEngine(
+      model, params, end_id=END, temperature=1.0, num_slots=len(openings),
+      max_length=36, turn_tokens=5, page_size=4, **options)
+  engine.reset(len(openings), KEY)
+  engine.prefill([(i, o, 0, 5) for i, o in enumerate(openings)])
+  return engine, engine.decode()
+
+
+def _drain(engine, out):
+  """`out` with every turn still under way decoded to its end."""
+  while (engine.slot_episode >= 0).any():
+    out.update(engine.decode())
+  return out
+
+
 def test_turns_preempted_mid_decode_go_on_with_their_draws(tiny):
   """Which episodes `run_episodes` preempts, and when, follows the
   environments' timing; here the engine alone: the five openings, one
@@ -230,12 +249,7 @@ def test_turns_preempted_mid_decode_go_on_with_their_draws(tiny):
   openings = [NumberRenderer().opening(Numbers(row).reset()) for row in ROWS]
 
   def turns(preempt):
-    engine = continuous.EpisodeEngine(
-        *tiny, end_id=END, temperature=1.0, num_slots=n, max_length=36,
-        turn_tokens=5, page_size=4, chunk_steps=1)
-    engine.reset(n, KEY)
-    engine.prefill([(i, openings[i], 0, 5) for i in range(n)])
-    out = engine.decode()
+    engine, out = _first_chunk(*tiny, openings, chunk_steps=1)
     going = [i for i in range(n) if i not in out] if preempt else []
     for i in going:
       engine.preempt(i)
@@ -247,9 +261,7 @@ def test_turns_preempted_mid_decode_go_on_with_their_draws(tiny):
       assert int(engine.tables.num_free) == engine.tables.num_pages - sum(
           -(-lengths // 4))  # the turns that ended keep theirs
       engine.prefill([(i, openings[i], 0, 5) for i in going])
-    while (engine.slot_episode >= 0).any():
-      out.update(engine.decode())
-    return out, engine, going
+    return _drain(engine, out), engine, going
 
   want, _, _ = turns(False)
   got, engine, going = turns(True)
@@ -273,12 +285,8 @@ def test_new_parameters_between_chunks(tiny):
   openings = [NumberRenderer().opening(Numbers(row).reset()) for row in ROWS]
 
   def first_turns(update):
-    engine = continuous.EpisodeEngine(
-        model, a, end_id=END, temperature=1.0, num_slots=n, max_length=36,
-        turn_tokens=5, page_size=4, chunk_steps=2, return_on_end=False)
-    engine.reset(n, KEY)
-    engine.prefill([(i, openings[i], 0, 5) for i in range(n)])
-    out = engine.decode()
+    engine, out = _first_chunk(model, a, openings, chunk_steps=2,
+                               return_on_end=False)
     drawn_by_a = {i: len(ids) for i, (ids, _, _) in out.items()}
     if update:
       engine.update_params(b)
@@ -286,9 +294,7 @@ def test_new_parameters_between_chunks(tiny):
       for i in under_way:
         drawn_by_a[i] = len(engine._paused[i][0])
       engine.prefill([(i, openings[i], 0, 5) for i in under_way])
-    while (engine.slot_episode >= 0).any():
-      out.update(engine.decode())
-    return out, drawn_by_a, engine
+    return _drain(engine, out), drawn_by_a, engine
 
   on_a, _, _ = first_turns(False)
   got, drawn_by_a, engine = first_turns(True)

@@ -10,7 +10,6 @@ metrics near 0); (3) what it does not support is refused from the config.
 
 import flax.linen as nn
 import jax
-import jax.numpy as jnp
 import numpy as np
 import pytest
 
