@@ -34,8 +34,8 @@ drawn with probability `--eos_prob` at temperature 1 (bench_rollout.py's
                steps x B), the time
                the device waited on environments and the time hidden
                behind decoding, and the wall time against the lockstep
-               run of section env wait (its episodes draw other keys, so
-               its tokens differ: compare the rates); with
+               run of section env wait (the same episodes, drawn as the
+               lockstep loop draws them: `same_tokens_as_lockstep`); with
                `--engine_pages`, a pool of that many pages (of 16
                positions) instead of every episode at its longest:
                episodes are preempted and prefilled again when it runs
@@ -242,6 +242,7 @@ def main(args):
   print(f"env wait ({args.env_sleep_ms:g} ms a step, {B} in parallel): "
         f"{stats['env_seconds']:.3f} of {seconds:.3f} s = {share:.1%}")
   lockstep = figures["env_wait"]
+  lockstep_tokens = [e.tokens for e in played]
   lockstep["tokens"] = sum(len(e.tokens) for e in played)
   lockstep["tokens_per_s"] = lockstep["tokens"] / seconds
   lockstep["slot_occupancy"] = (sum(sum(e.is_model) for e in played)
@@ -280,7 +281,9 @@ def main(args):
         "preemptions": stats["preemptions"],
         "tokens_per_s_over_lockstep": (n_tokens / seconds
                                        / lockstep["tokens_per_s"]),
-        "seconds_over_lockstep": seconds / lockstep["seconds"]}
+        "seconds_over_lockstep": seconds / lockstep["seconds"],
+        "same_tokens_as_lockstep": ([e.tokens for e in played]
+                                    == lockstep_tokens)}
     f = figures["continuous"][name]
     print(f"continuous {name:18} {seconds:8.3f} s  "
           f"{f['tokens_per_s']:9,.0f} tok/s "
@@ -290,7 +293,8 @@ def main(args):
           f"{f['env_hidden_seconds']:.3f} s; wall "
           f"{f['seconds_over_lockstep']:.2f}x lockstep; compile "
           f"{first - seconds:.1f} s; {int(stats['preemptions'])} "
-          "preemptions")
+          f"preemptions; same tokens as lockstep: "
+          f"{f['same_tokens_as_lockstep']}")
     if args.engine_pages:
       if roomy is None:
         engine = continuous.EpisodeEngine(

@@ -47,9 +47,10 @@ fastest of `--repeats` after a compiling call), CPU seconds, response
 tokens (up to and including the EOS) and tokens/s, decode steps (draws of
 a token column: the lockstep sampler's `num_steps`, the engine's loop
 iterations), slot-steps (steps x slots) and the useful ones (tokens
-drawn), and their ratio, the slots' utilisation. The variants draw from
-different keys (the engine one per sequence), so their responses differ
-and so, a little, do their token counts: compare tokens/s.
+drawn), and their ratio, the slots' utilisation. The engine's variants
+draw lockstep N's responses (each sequence its row of the lockstep
+sampler's draws, `models/row_draws.py`), so their token counts match it;
+lockstep S's batches draw others.
 """
 
 import argparse

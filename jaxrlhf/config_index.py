@@ -142,7 +142,7 @@ FIELDS = {
     'adaptive_kl': ('bool', False),
     'cache_segments': ('int', None),
     'clip_eps': ('float', 0.2),
-    'engine': ('str', 'lockstep'),
+    'engine': ('str', 'auto'),
     'engine_page_size': ('int', None),
     'engine_pages': ('int', None),
     'engine_slots': ('int', None),

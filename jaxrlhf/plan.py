@@ -33,9 +33,10 @@ for the topology's chips, as it would be on them, and the plan says:
     logical-axis shardings are not counted. Expert weights, like every
     parameter, count in the train state at each chip's share;
   - for an online step decoding with the continuous engine
-    (`online.engine='continuous'`), the KV cache its engine holds per
+    (`online.engine` 'continuous', or 'auto' where it resolves to it,
+    `online.options.decoding`), the KV cache its engine holds per
     rollout part: slots x (prompt + budget - 1) positions of contiguous
-    rows, or with `online.engine_page_size` the page pool
+    rows, or on pages (`online.engine_page_size`; 'auto': 16) the page pool
     (`online.engine_pages`, or the engine's default, slots x the pages of
     those positions; episodes: always pages, by default the step's
     episodes x the pages of the longest episode, held outside the compiled
@@ -228,8 +229,12 @@ def engine_kv_cache(config, trainer) -> Dict[str, Any]:
   from jaxrlhf.models import engine  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models.layers import paged_kv  # pylint: disable=g-import-not-at-top
 
-  if not (trainer.algorithm.online
-          and config.online.engine == "continuous"):
+  from jaxrlhf.algorithms.online import options  # pylint: disable=g-import-not-at-top
+
+  if not trainer.algorithm.online:
+    return {}
+  decoder, page_size = options.decoding(config)
+  if decoder != "continuous":
     return {}
   o = config.online
   settings = trainer.online
@@ -240,12 +245,10 @@ def engine_kv_cache(config, trainer) -> Dict[str, Any]:
     from jaxrlhf.algorithms.online import episode_step  # pylint: disable=g-import-not-at-top
     lim = episode_step.limits(config, trainer.prompt_length,
                               settings.max_new_tokens)
-    page_size = o.engine_page_size or 16
     slots = o.engine_slots or engine.default_slots(rows)
     width = lim.max_opening_tokens + lim.max_episode_tokens
     default = paged_kv.default_num_pages(rows, width, page_size)
   else:
-    page_size = o.engine_page_size
     slots = o.engine_slots or engine.default_slots(  # as the rollout's
         rows, settings.samples_per_prompt if page_size else 1)
     width = trainer.prompt_length + settings.max_new_tokens - 1

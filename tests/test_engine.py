@@ -1,8 +1,8 @@
 """engine.generate against the lockstep sampler.
 
-The truths: (1) each prompt's sequence is what `sample_decoder_only` draws
-for that prompt alone with the key fold_in(rng, i), whatever the slots,
-the refill size and the other prompts; (2) greedy decoding of a batch
+The truths: (1) each prompt's sequence is its row of what
+`sample_decoder_only` draws for the whole batch with the same key, whatever
+the slots and the refill size; (2) greedy decoding of a batch
 equals the lockstep sampler's on the same batch; (3) the counts: every
 drawn token is one useful slot-step, and with one slot (or with every
 sequence running to the budget) the steps follow in closed form.
@@ -49,22 +49,18 @@ OPTIONS = {"plain": dict(temperature=1.0),
 
 
 @pytest.fixture(scope="module")
-def alone(tiny, prompts):
-  """{(options name, eos): each prompt sampled alone by the lockstep
-  sampler with fold_in(KEY, i): Samples [N, NEW]} (computed once)."""
+def lockstep(tiny, prompts):
+  """{(options name, eos): the batch sampled by the lockstep sampler with
+  KEY: Samples [N, NEW]} (computed once)."""
   model, params = tiny
   tokens, mask = prompts
   cache = {}
 
   def get(name, eos):
     if (name, eos) not in cache:
-      rows = [sampling.sample_decoder_only(
-          model, params, tokens[i:i + 1], mask[i:i + 1],
-          jax.random.fold_in(KEY, i), NEW, eos_id=eos, **OPTIONS[name])
-              for i in range(len(tokens))]
-      cache[name, eos] = jax.tree.map(
-          lambda *x: np.concatenate([np.asarray(a) for a in x]),
-          *[r.replace(num_steps=None) for r in rows])
+      cache[name, eos] = jax.device_get(sampling.sample_decoder_only(
+          model, params, tokens, mask, KEY, NEW, eos_id=eos,
+          **OPTIONS[name]).replace(num_steps=None))
     return cache[name, eos]
   return get
 
@@ -80,12 +76,13 @@ def assert_same_samples(got, want):
 @pytest.mark.parametrize("options", list(OPTIONS))
 @pytest.mark.parametrize("num_slots,refill_size",
                          [(3, 1), (3, 3), (1, 1), (16, 4)])
-def test_each_sequence_is_its_lockstep_sample_alone(tiny, prompts, alone,
-                                                    options, num_slots,
-                                                    refill_size):
+def test_each_sequence_is_its_row_of_the_lockstep_batch(tiny, prompts,
+                                                       lockstep, options,
+                                                       num_slots,
+                                                       refill_size):
   model, params = tiny
   tokens, mask = prompts
-  want = alone(options, EOS)
+  want = lockstep(options, EOS)
   # The prompts end both ways, and at several lengths: the refills happen
   # at different steps.
   assert want.has_eos.any() and not want.has_eos.all()
@@ -112,15 +109,15 @@ def test_greedy_equals_lockstep_greedy_of_the_batch(tiny, prompts):
   assert_same_samples(got, jax.device_get(want))
 
 
-def test_budget_without_eos(tiny, prompts, alone):
-  """Every sequence runs to the budget: the lockstep sample alone, full
+def test_budget_without_eos(tiny, prompts, lockstep):
+  """Every sequence runs to the budget: the lockstep batch's rows, full
   masks, no EOS; with R = S the slots refill together, ceil(N / S) rounds
   of NEW steps each."""
   model, params = tiny
   tokens, mask = prompts
   got, stats = engine.generate(model, params, tokens, mask, KEY, 3, NEW,
                                eos_id=NEVER, refill_size=3)
-  assert_same_samples(got, alone("plain", NEVER))
+  assert_same_samples(got, lockstep("plain", NEVER))
   assert np.all(np.asarray(got.mask) == 1) and not np.any(got.has_eos)
   n = len(PROMPTS)
   assert int(stats.decode_steps) == -(-n // 3) * NEW
@@ -128,14 +125,14 @@ def test_budget_without_eos(tiny, prompts, alone):
   assert int(stats.useful_slot_steps) == n * NEW
 
 
-def test_one_slot_never_idles(tiny, prompts, alone):
+def test_one_slot_never_idles(tiny, prompts, lockstep):
   """One slot runs the prompts one after the other, refilled right after
   each end: one step per drawn token, one prefill per prompt."""
   model, params = tiny
   tokens, mask = prompts
   got, stats = engine.generate(model, params, tokens, mask, KEY, 1, NEW,
                                eos_id=EOS)
-  want = alone("plain", EOS)
+  want = lockstep("plain", EOS)
   assert_same_samples(got, want)
   assert int(stats.decode_steps) == int(want.mask.sum())
   assert int(stats.prefills) == len(PROMPTS)
@@ -144,18 +141,15 @@ def test_one_slot_never_idles(tiny, prompts, alone):
 
 def test_budget_of_one(tiny, prompts):
   """max_new_tokens 1: a draw from each prompt's prefill, no decode step
-  fed; the lockstep sampler's alone."""
+  fed; the lockstep sampler's."""
   model, params = tiny
   tokens, mask = prompts
   got, _ = engine.generate(model, params, tokens[:3], mask[:3], KEY, 2, 1,
                            eos_id=EOS)
-  for i in range(3):
-    want = sampling.sample_decoder_only(model, params, tokens[i:i + 1],
-                                        mask[i:i + 1],
-                                        jax.random.fold_in(KEY, i), 1,
-                                        eos_id=EOS)
-    np.testing.assert_array_equal(got.tokens[i], want.tokens[0])
-    np.testing.assert_allclose(got.logprobs[i], want.logprobs[0], atol=1e-5)
+  want = sampling.sample_decoder_only(model, params, tokens[:3], mask[:3],
+                                      KEY, 1, eos_id=EOS)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, atol=1e-5)
 
 
 @pytest.mark.parametrize("kwargs,match", [

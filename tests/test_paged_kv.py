@@ -15,13 +15,12 @@ whose local layers' windows are shorter than the sequences) decoded on
 pages (prefill of left-padded prompts, the samples of a prompt sharing
 its pages, pages released at EOS; a Gemma with soft-capped logits; reading
 the pages in use or gathering the whole table) draws the tokens and
-log-probs of
-`sampling.sample_decoder_only` with the same key, holding the group's
-prompt pages once; (4) `engine.generate` on pages keeps the engine's
-contract (each prompt's samples those it draws alone) in a pool smaller
-than slots x budget, also where that pool runs short and sequences are
-preempted and resumed (alone and in groups), and a pool below one
-longest sequence is refused.
+log-probs of `sampling.sample_decoder_only` with the same key, holding
+the group's prompt pages once; (4) `engine.generate` on pages keeps the
+engine's contract (each prompt's samples its row of the lockstep batch)
+in a pool smaller than slots x budget, also where that pool runs short
+and sequences are preempted and resumed (alone and in groups), and a
+pool below one longest sequence is refused.
 """
 
 import dataclasses
@@ -570,11 +569,11 @@ def engine_prompts():
 @pytest.mark.parametrize("options,read", [
     (dict(greedy=True), "pages"), (dict(greedy=True), "auto"),
     (dict(temperature=0.8, top_k=10), "pages")])
-def test_engine_on_pages_samples_each_prompt_as_alone(engine_prompts,
-                                                      options, read):
-  """engine.generate with pages: prompt i's tokens are
-  `sample_decoder_only`'s for that prompt alone with fold_in(rng, i)
-  (the engine's contract), with a pool smaller than slots x budget: any
+def test_engine_on_pages_samples_the_lockstep_batch(engine_prompts,
+                                                    options, read):
+  """engine.generate with pages: prompt i's tokens are row i of
+  `sample_decoder_only`'s batch with the same key (the engine's
+  contract), with a pool smaller than slots x budget: any
   3 live sequences hold at most 7 + 6 + 6 pages (the 3 longest prompts,
   6, 5 and 4 tokens, with 7 tokens fed), where 3 rows of P + NEW - 1 = 13
   positions take 3 x 7. Read as `read` says ('auto' gathers these short
@@ -589,13 +588,11 @@ def test_engine_on_pages_samples_each_prompt_as_alone(engine_prompts,
                                NEW, eos_id=EOS, refill_size=2,
                                page_size=page_size, num_pages=19,
                                **options)
-  for i in range(len(tokens)):
-    want = sampling.sample_decoder_only(
-        model, params, tokens[i:i + 1], mask[i:i + 1],
-        jax.random.fold_in(key, i), NEW, eos_id=EOS, **options)
-    np.testing.assert_array_equal(got.tokens[i], want.tokens[0])
-    np.testing.assert_allclose(got.logprobs[i], want.logprobs[0],
-                               rtol=1e-4, atol=1e-5)
+  want = sampling.sample_decoder_only(model, params, tokens, mask, key, NEW,
+                                      eos_id=EOS, **options)
+  np.testing.assert_array_equal(got.tokens, want.tokens)
+  np.testing.assert_allclose(got.logprobs, want.logprobs, rtol=1e-4,
+                             atol=1e-5)
   assert int(stats.useful_slot_steps) == int(np.sum(got.mask))
   assert not bool(stats.pages_exhausted)
   assert 0 < int(stats.pages_peak) <= 19 < slots * -(-width // page_size)
@@ -608,7 +605,7 @@ def test_engine_on_a_small_pool_preempts_and_samples_the_same(
   for 6 + 8 - 1; with groups of 2 sharing prompts, as many) under 4 slots
   that want up to 4 x 7: sequences are preempted (the youngest, resumed
   later from their prompt and tokens so far) and every row's tokens are
-  those of the pool for all (itself each prompt alone: the tests above);
+  those of the pool for all (itself the lockstep batch: the test above);
   one page fewer is refused up front, naming the least pool."""
   model, params, _, _ = tiny(False)
   tokens, mask = engine_prompts
@@ -639,7 +636,8 @@ def test_engine_on_a_small_pool_preempts_and_samples_the_same(
 def test_engine_groups_share_their_prompts_pages(engine_prompts):
   """group_size k: each prompt's k samples (its rows repeated) prefilled
   once and its full pages shared (`paged_kv.fork`). The samples are those
-  of the same rows decoded one prompt copy each (each row its own key);
+  of the same rows decoded one prompt copy each (each row the lockstep
+  batch's);
   the pool holds fewer pages at its peak and the prefills take fewer
   rows."""
   model, params, _, _ = tiny(False)

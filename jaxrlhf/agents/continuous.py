@@ -44,13 +44,15 @@ of its opening or block) and draws the next, so a block is prefilled
 together with the end-of-turn id before it, and an episode's last token,
 never read, is never fed.
 
-The draws are each episode's own: episode i's turn t draws from
-fold_in(fold_in(key, i), t), split once per token as `turn_sampler.decode`
-splits its key (`turn_sampler.choose`), on the episode's logits alone; so
-an episode's ids and log-probs depend neither on the slots, the chunk size
-nor the other episodes, and are those of a lockstep `TurnPolicy` playing
-that episode alone with the key fold_in(key, i) (log-probs to float
-rounding; tests/test_engine_episodes.py). A turn's budget is the room left
+The draws are the lockstep loop's: episode i's turn t draws from
+fold_in(key, t), split once per token as `turn_sampler.decode` splits its
+key (`turn_sampler.choose`), each draw row i of that key's draw over all
+the episodes (`row_draws`), on the episode's logits alone; so an
+episode's ids and log-probs depend neither on the slots, the chunk size
+nor when its environment answers, and are those the lockstep loop
+(`episodes.run_episodes` with a `TurnPolicy`) plays with the same key
+(log-probs to float rounding, and so a token where two candidates' noisy
+logits tie to that rounding; tests/test_engine_episodes.py). A turn's budget is the room left
 in max_episode_tokens (at most max_turn_tokens), which cuts a turn where
 the lockstep loop cuts it.
 
@@ -75,6 +77,7 @@ import numpy as np
 from jaxrlhf.agents import environments
 from jaxrlhf.agents import episodes as episodes_lib
 from jaxrlhf.agents import turn_sampler
+from jaxrlhf.models import row_draws
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import paged_kv
 from jaxrlhf.models.layers import param_recording
@@ -164,9 +167,9 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
   slots = slot_episode.shape[0]
   rows = jnp.arange(slots, dtype=jnp.int32)
 
-  def draw(key, logits):
+  def draw(key, logits, episode):
     key, token, logprob = turn_sampler.choose(logits[None], key, temperature,
-                                              greedy)
+                                              greedy, row=episode)
     return key, token[0], logprob[0]
 
   def body(carry):
@@ -175,7 +178,8 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
     episode = jnp.where(live, slot_episode, tables.lengths.shape[0])
     logits, pool, tables = _write(model, params, pool, tables, episode,
                                   pending[:, None], live.astype(jnp.int32))
-    rng, token, logprob = jax.vmap(draw)(rng, logits)
+    row_draws.check_rows(tables.lengths.shape[0], logits.shape[-1])
+    rng, token, logprob = jax.vmap(draw)(rng, logits, slot_episode)
     at = jnp.where(live, rows, slots)  # a slot not live writes nothing
     tokens = tokens.at[at, drawn].set(token, mode="drop")
     logprobs = logprobs.at[at, drawn].set(logprob, mode="drop")
@@ -204,13 +208,12 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
 def _assign(slots, key, slot, episode, turn, pending, budget, resume,
             saved_rng, drawn, tokens, logprobs):
   """The slots' arrays (`_decode`'s) with slot[k] starting episode[k]'s
-  turn turn[k]: its key fold_in(fold_in(key, episode), turn), the id to
+  turn turn[k]: its key fold_in(key, turn), the id to
   feed, the turn's budget, none drawn; or, where resume[k], going on with
   a preempted turn: its key as it was (saved_rng[k]), its drawn[k] tokens
   and log-probs (tokens / logprobs [k, max_turn_tokens]). All [k]; a slot
   index S is dropped."""
-  keys = jax.vmap(lambda i, t: jax.random.fold_in(
-      jax.random.fold_in(key, i), t))(episode, turn)
+  keys = jax.vmap(lambda t: jax.random.fold_in(key, t))(turn)
   put = lambda old, new: old.at[slot].set(new.astype(old.dtype),
                                           mode="drop")
   return dict(slots, pending=put(slots["pending"], pending),
@@ -298,6 +301,8 @@ class EpisodeEngine:
   def reset(self, num_episodes: int, key) -> None:
     """An empty pool (`num_pages`, or `num_episodes` episodes at their
     longest) and S free slots; `key` the episodes' sampling key."""
+    if self.temperature > 0:
+      row_draws.check_key(key)
     num_pages = self.num_pages or num_episodes * self.max_pages
     self.key = key
     # A pool of the right size is reused as it is: every position is
@@ -433,8 +438,8 @@ class EpisodeEngine:
     `sequence` so far (its opening and conversation; a preempted turn's
     draws are added here) but the last id written onto its pages from
     what they hold on, and a free slot set to feed the last and draw at
-    most `budget` tokens with the turn's key fold_in(fold_in(key,
-    episode), turn); a preempted turn goes on with its own key, draws and
+    most `budget` tokens with the turn's key fold_in(key, turn), as the
+    episode's row of the lockstep batch draws; a preempted turn goes on with its own key, draws and
     budget. The caller checks the pages (`pages_to_start`)."""
     self._flush_releases()
     free = self.free_slots()

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.models import row_draws
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import attentions
 from jaxrlhf.models.layers import param_recording
@@ -150,11 +151,15 @@ def _decode_params(model, params, context, fuse_projections):
       params, reads, fusions, fuse_projections)
 
 
-def choose(logits, key, temperature, greedy):
+def choose(logits, key, temperature, greedy, row=None):
   """One draw of B rows from one key, as every turn sampler draws: logits
   [B, vocab] float32 -> (the key split once, tokens [B] int32, log-probs
-  [B] at the sampling temperature; greedy: argmax, log-probs at 1)."""
+  [B] at the sampling temperature; greedy: argmax, log-probs at 1). With
+  `row` (B = 1): the draw of row `row` of a batch drawn with the same key
+  (`row_draws.row_key`)."""
   key, draw_key = jax.random.split(key)
+  if row is not None:
+    draw_key = row_draws.row_key(draw_key, row, logits.shape[-1])
   scaled = sampling.filter_logits(logits, 1.0 if greedy else temperature)
   if greedy:
     token = jnp.argmax(scaled, axis=-1).astype(jnp.int32)

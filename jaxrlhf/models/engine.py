@@ -24,13 +24,14 @@ Each slot keeps its own cache row laid out exactly as a one-prompt run of
 new token t in column P + t): the decode step is the model's own
 `decode_step` mapped over the slots (`jax.vmap` of a one-row call), so each
 slot writes its own column and attends with its own causal mask. Its
-randomness is its own too: prompt i draws from the key
-`jax.random.fold_in(rng, i)`, split once per token as the lockstep sampler
-splits its key. So prompt i's tokens and log-probs are those of
-`sample_decoder_only(model, params, tokens[i:i+1], mask[i:i+1],
-fold_in(rng, i), max_new_tokens, ...)` whatever the slots, the refill size
-or the other prompts (tests/test_engine.py; the log-probs to float
-rounding: a slot's products run in a batch of S rows, not 1). The decode
+draws are the lockstep sampler's: token t of prompt i is drawn with the
+noise row i of `sample_decoder_only`'s draw t over all N rows
+(`row_draws`). So prompt i's tokens and log-probs are row i of
+`sample_decoder_only(model, params, tokens, mask, rng, max_new_tokens,
+...)` whatever the slots, the refill size, the pool or the order the
+sequences end in (tests/test_engine.py; the log-probs to float rounding,
+and so a token where two candidates' noisy logits tie to that rounding: a
+slot's products run in a batch of S rows, not N). The decode
 steps read the weights cast once and joined as the lockstep sampler's do
 (`sampling._decode_params`); the prefills read them as they are.
 
@@ -49,7 +50,7 @@ sequences need more new pages than are free, the youngest live sequence
 and it waits with its tokens and its key; a waiting sequence resumes, the
 oldest first and before any new prompt, into a free slot when the pages of
 its prompt and tokens so far are free, prefilled again with them, and
-draws on with its key: the same samples (the prefill's logits to float
+draws on from its next draw: the same samples (the prefill's logits to float
 rounding; tests/test_paged_kv.py). New prompts are admitted only when
 their pages are free. The oldest live sequence is never preempted, so a
 pool of `least_pages` (one longest sequence) always finishes. Only
@@ -68,8 +69,9 @@ preempted sequence's unfed token at its resumption).
 Not supported (refused with a message): T5 (an encoder-decoder; use
 `sampling.sample_encoder_decoder`), a prefix-LM prompt, cache segments
 (every slot holds P + max_new_tokens - 1 columns), `num_samples` (repeat
-the prompts: each copy then draws its own key; with pages, `group_size`
-shares their prefill), a mixture-of-experts model without pages (the
+the prompts, as `sample_decoder_only` lays out its samples' rows; with
+pages, `group_size` shares their prefill), a PRNG other than JAX's default
+(`row_draws.check_key`), a mixture-of-experts model without pages (the
 contiguous cache's slots decode under vmap, which its grouped expert
 matmul does not take). On a mesh the slots are split like a batch
 (tests/test_eight_devices.py: a GRPO step on 4x2 equals one device's).
@@ -84,6 +86,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from jaxrlhf.models import moe_decoder
+from jaxrlhf.models import row_draws
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import paged_kv
 from jaxrlhf.models.layers import param_recording
@@ -127,7 +130,6 @@ class _Slots:
   #                        (paged: [S, 0], unused)
   num_real: jax.Array    # [S] int32 the prompt's real tokens
   logits: jax.Array      # [S, vocab] float32 logits of the next draw
-  rng: jax.Array         # [S, ...] each sequence's key, split per draw
   t: jax.Array           # [S] int32 tokens its sequence has drawn
   seq: jax.Array         # [S] int32 the prompt it holds (N: none)
   active: jax.Array      # [S] bool: it holds a sequence still drawing
@@ -140,7 +142,6 @@ class _Parked:
   in, so a lower index is the older sequence)."""
   waiting: jax.Array  # [N] bool
   t: jax.Array        # [N] int32 tokens it had drawn
-  rng: jax.Array      # [N, ...] its key after its last draw
 
 
 def _slot_rows(x: jax.Array) -> jax.Array:
@@ -232,16 +233,17 @@ def _feed_pages(model, params, pages, tokens, live, routes):
           None if routed is None else routed[:, 0])
 
 
-def _draw(rng, logits, temperature, top_k, top_p, greedy):
-  """Each slot's draw with its own key: rng [S, ...], logits [S, vocab] ->
-  (rng split once, tokens [S], log-probs [S]); a slot draws as a one-row
-  `sampling._decode_loop` does."""
-  def one(rng, logits):
-    rng, key = jax.random.split(rng)
+def _draw(keys, seq, t, logits, temperature, top_k, top_p, greedy):
+  """Each slot's draw as the lockstep sampler draws its sequence's row:
+  keys [M] (`row_draws.step_keys`; None when greedy), seq, t [S] (the row,
+  the draw), logits [S, vocab] -> (tokens [S], log-probs [S])."""
+  vocab = logits.shape[-1]
+  def one(seq, t, logits):
+    key = None if greedy else row_draws.row_key(keys[t], seq, vocab)
     token, logprob = sampling.choose_tokens(logits[None], key, temperature,
                                             top_k, top_p, greedy)
-    return rng, token[0], logprob[0]
-  return jax.vmap(one)(rng, logits)
+    return token[0], logprob[0]
+  return jax.vmap(one)(seq, t, logits)
 
 
 def _put(old, rows, new, columns=None):
@@ -269,7 +271,8 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
   queue_tokens = jnp.concatenate(
       [tokens_in, jnp.zeros((pad, length), jnp.int32)])
   queue_mask = jnp.concatenate([mask_in, jnp.ones((pad, length), jnp.int32)])
-  keys = jax.vmap(jax.random.fold_in, (None, 0))
+  # Draw t of every sequence: a row of the lockstep sampler's draw t.
+  keys = None if greedy else row_draws.step_keys(rng, new)
 
   paged = page_size is not None
   k = group_size
@@ -326,9 +329,9 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
           record)
   decode_params = sampling._decode_params(params, reads, fusions,
                                           fuse_projections)
+  row_draws.check_rows(n, logits.shape[-1])
   state = _Slots(cache=cache, cache_mask=cache_mask, num_real=num_real,
-                 logits=logits, rng=keys(rng, first),
-                 t=jnp.zeros((slots,), jnp.int32),
+                 logits=logits, t=jnp.zeros((slots,), jnp.int32),
                  seq=jnp.where(first < filled, first, n),
                  active=first < filled)
   # Routes: [N, P + M, moe layers, top_k], as `sample_decoder_only`
@@ -344,14 +347,13 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
   # steps, useful, prefills, peak, preemptions
   counts = (zero, zero, jnp.int32(1), zero, zero)
   parked = _Parked(waiting=jnp.zeros((n,), bool),
-                   t=jnp.zeros((n,), jnp.int32),
-                   rng=keys(rng, jnp.arange(n, dtype=jnp.int32)))
+                   t=jnp.zeros((n,), jnp.int32))
 
   def preempt(state, parked, preemptions):
     """While the live slots' next tokens need more new pages than are
     free, the youngest live sequence (the highest prompt index, never the
-    last one live) gives its pages back and waits, with its tokens so far
-    and its key, to be resumed (`resume_one`)."""
+    last one live) gives its pages back and waits, with its tokens so far,
+    to be resumed (`resume_one`)."""
     def short(carry):
       state = carry[0]
       tables = state.cache[1]
@@ -365,8 +367,7 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
       which = jnp.arange(slots) == victim
       seq = state.seq[victim]
       parked = _Parked(waiting=parked.waiting.at[seq].set(True),
-                       t=parked.t.at[seq].set(state.t[victim]),
-                       rng=parked.rng.at[seq].set(state.rng[victim]))
+                       t=parked.t.at[seq].set(state.t[victim]))
       pool, tables = state.cache
       state = state.replace(cache=(pool, paged_kv.release(tables, which)),
                             active=state.active & ~which)
@@ -376,8 +377,8 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
   def resume_one(state, parked, tokens, routes, prefills):
     """The oldest waiting sequence into the first free slot: its prompt
     and the tokens it had drawn prefilled again (the logits of its next
-    draw; the routes of the one token not fed before), its key where it
-    stopped."""
+    draw; the routes of the one token not fed before), drawing on where
+    it stopped."""
     seq = jnp.argmax(parked.waiting)
     slot = jnp.argmin(state.active)
     t = parked.t[seq]
@@ -394,7 +395,6 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     state = state.replace(
         cache=cache, logits=put(state.logits, new=logits),
         num_real=put(state.num_real, new=jnp.sum(queue_mask[seq])[None]),
-        rng=put(state.rng, new=parked.rng[seq][None]),
         t=put(state.t, new=t[None]), seq=put(state.seq, new=seq[None]),
         active=put(state.active, new=jnp.ones((1,), bool)))
     return (state, parked.replace(waiting=parked.waiting.at[seq].set(False)),
@@ -437,7 +437,6 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
                     else put(state.cache_mask, new=cache_mask)),
         num_real=put(state.num_real, new=num_real),
         logits=put(state.logits, new=logits),
-        rng=put(state.rng, new=keys(rng, ids)),
         t=put(state.t, new=jnp.zeros_like(ids)),
         seq=put(state.seq, new=ids),
         active=put(state.active, new=jnp.ones((refill,), bool)))
@@ -447,8 +446,8 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     (state, parked, next_prompt,
      (tokens, logprobs, lengths, has_eos, routes), counts) = carry
     steps, useful, prefills, peak, preemptions = counts
-    rng_s, token, logprob = _draw(state.rng, state.logits, temperature,
-                                  top_k, top_p, greedy)
+    token, logprob = _draw(keys, state.seq, state.t, state.logits,
+                           temperature, top_k, top_p, greedy)
     live = state.active
     row = jnp.where(live, state.seq, n)  # n: dropped
     tokens = tokens.at[row, state.t].set(token, mode="drop")
@@ -458,7 +457,7 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
     ended_row = jnp.where(ended, state.seq, n)
     lengths = lengths.at[ended_row].set(state.t + 1, mode="drop")
     has_eos = has_eos.at[ended_row].set(is_eos, mode="drop")
-    state = state.replace(rng=rng_s, t=state.t + 1, active=live & ~ended)
+    state = state.replace(t=state.t + 1, active=live & ~ended)
     if paged:  # an ended sequence's pages go back to the free list
       pool, tables = state.cache
       state = state.replace(cache=(pool, paged_kv.release(tables, ended)))
@@ -567,8 +566,9 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
     prompt_tokens: int [N, prompt_len], LEFT-padded (each row's last column
       is its last prompt token), as `sampling.sample_decoder_only` takes.
     prompt_attention_mask: [N, prompt_len], 1 = real token, 0 = pad.
-    rng: a PRNG key; prompt i draws from `jax.random.fold_in(rng, i)`
-      (unused when greedy).
+    rng: a PRNG key (JAX's default threefry, `row_draws.check_key`); row i
+      draws as row i of `sampling.sample_decoder_only(..., rng)` over all
+      N rows (unused when greedy).
     num_slots: static S, the sequences decoded at once (any N >= 1 works:
       S < N queues the rest, S > N leaves slots empty).
     max_new_tokens: static budget of new tokens per prompt.
@@ -590,7 +590,7 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
       prompt (a group's samples, `jnp.repeat(prompts, k, axis=0)`), which
       is then prefilled once and its pages shared by the k (`paged_kv.fork`);
       a group enters the slots whole, so k divides N, S and refill_size.
-      The samples are those of group_size 1 (each row its own key).
+      The samples are those of group_size 1.
     record_routes: static; a mixture-of-experts model (`MoeCausalLM`)
       records the experts each token it feeds is routed to, as
       `sample_decoder_only(record_routes=True)` does (`Samples.routes`
@@ -653,6 +653,8 @@ def generate(model, params, prompt_tokens, prompt_attention_mask, rng,
           "preempted; give it more pages (None: enough for any lengths).")
     page_size, num_pages = int(page_size), int(num_pages)
   greedy = greedy or temperature == 0
+  if not greedy:
+    row_draws.check_key(rng)
   samples, stats = _generate_jit(
       model=model, params=params, prompt_tokens=prompt_tokens,
       prompt_attention_mask=prompt_attention_mask, rng=rng,

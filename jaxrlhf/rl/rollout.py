@@ -181,8 +181,8 @@ def sample_responses(lm, params, prompt_tokens, rng, *, max_new_tokens: int,
       records its routing (`sampling.sample_decoder_only`), over the
       columns of `response_features`' rows.
     engine: static; 'lockstep' (`sampling`) or 'continuous'
-      (`engine.generate` over the prompts repeated num_samples times,
-      row r drawing from fold_in(rng, r); decoder-only, routes recorded
+      (`engine.generate` over the prompts repeated num_samples times, the
+      same draws as lockstep's; decoder-only, routes recorded
       as lockstep's, a mixture-of-experts policy on pages only;
       stop_when_done and cache_segments do not apply, and `num_steps`
       counts the engine's decode steps).

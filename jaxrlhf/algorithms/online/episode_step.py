@@ -10,9 +10,10 @@ and the host rewards work as they do there) and three parts of its own:
                 `samples_per_prompt` per row (adjacent, so group baselines
                 compare the episodes of one row), played on the host with
                 turns sampled on the device (`agents.policies.TurnPolicy`:
-                the KV cache extended between turns; with
-                online.engine='continuous', `agents.continuous`: decode
-                slots, a turn waiting on its environment freeing its own)
+                the KV cache extended between turns; with the
+                continuous engine, online.engine 'continuous' or 'auto',
+                `agents.continuous`: decode slots, a turn waiting on its
+                environment freeing its own)
   score         the episodes' log-probs (the policy's and the reference's,
                 over the model's tokens; the environment's tokens are read
                 by the model but carry no loss) and the device rewards
@@ -30,7 +31,7 @@ model's tokens (GAE steps over the environment's tokens:
 episode/tool_calls, episode/failed_calls, episode/overflow (per episode),
 episode/skipped (dropped by rewards.on_bad_row=skip_and_report),
 episode/env_seconds (the step's wall time waiting on environments with
-nothing to decode); with online.engine='continuous' (`agents.continuous`:
+nothing to decode); with the continuous engine (`agents.continuous`:
 a turn waiting on its environment frees its decode slot),
 episode/env_hidden_seconds (decoding while an environment ran: its time
 hidden), episode/slot_occupancy (slot-steps that drew a token / steps x
@@ -54,6 +55,7 @@ from jaxrlhf.agents import episodes as episodes_lib
 from jaxrlhf.agents import policies
 from jaxrlhf.algorithms.online import host_split
 from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.algorithms.online import options
 from jaxrlhf.algorithms.online import reward_sources
 from jaxrlhf.data import chat_templates
 from jaxrlhf.data import prompts as prompts_lib
@@ -154,20 +156,21 @@ def play(trainer, policy_params, rows, key, temperature: float,
   (episodes, {"env_seconds", "decode_steps", and with the continuous
   engine "env_hidden_seconds", "slot_occupancy", "preemptions"}).
   online.engine 'lockstep' plays the turns in lockstep
-  (`agents.policies.TurnPolicy`), 'continuous' on decode slots
-  (`agents.continuous`), its pages' pool online.engine_pages (unset:
-  every episode at its longest, none preempted)."""
+  (`agents.policies.TurnPolicy`), 'continuous' (and 'auto') on decode
+  slots (`agents.continuous`), its pages' pool online.engine_pages (unset:
+  every episode at its longest, none preempted): the same episodes."""
   a = agent(trainer)
   lim = a.limits
   o = trainer.config.online
-  if o.engine == "continuous":
+  engine, page_size = options.decoding(trainer.config)
+  if engine == "continuous":
     engine = continuous.EpisodeEngine(
         trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
         temperature=temperature,
         num_slots=o.engine_slots or engine_lib.default_slots(len(rows)),
         max_length=lim.max_opening_tokens + lim.max_episode_tokens,
         turn_tokens=lim.max_turn_tokens,
-        page_size=o.engine_page_size or 16, num_pages=o.engine_pages)
+        page_size=page_size, num_pages=o.engine_pages)
     return continuous.run_episodes(a.make_env, rows, engine, a.renderer,
                                    a.parser, lim, key, name=a.name,
                                    row_names=row_names)

@@ -36,6 +36,7 @@ import numpy as np
 
 from jaxrlhf import sharding
 from jaxrlhf.algorithms.online import iteration
+from jaxrlhf.algorithms.online import options
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
 from jaxrlhf.models import sampling
@@ -81,7 +82,8 @@ class HostSplitStep:
         num_steps=replicated,
         routes=rows if t.online.router_replay else None,
         preemptions=replicated if rollout_lib.counts_preemptions(
-            t.config.online.engine, t.config.online.engine_pages) else None)
+            options.decoding(t.config)[0], t.config.online.engine_pages)
+        else None)
     parts = iteration.step_parts(t)
     self._add_host = jax.jit(self._rewards.with_host_rewards)
     self._scores = jax.jit(lambda rollout: rollout.scores,

@@ -192,6 +192,7 @@ def sample(trainer, params, frozen, prompt_tokens, key):
   params, frozen = trainer.view_parts(params, frozen)  # LoRA: base + adapters
   sample_params = (training.sample_params(trainer.config, params, frozen)
                    if training.sample_params else params["policy"])
+  engine, page_size = options.decoding(trainer.config)
 
   def part(prompts, unused_responses, part_key):
     return rollout_lib.sample_responses(
@@ -200,8 +201,8 @@ def sample(trainer, params, frozen, prompt_tokens, key):
         eos_id=trainer.vocabulary.eos_id,
         num_samples=settings.samples_per_prompt,
         stop_when_done=o.stop_when_done, cache_segments=o.cache_segments,
-        record_routes=settings.router_replay, engine=o.engine,
-        engine_slots=o.engine_slots, engine_page_size=o.engine_page_size,
+        record_routes=settings.router_replay, engine=engine,
+        engine_slots=o.engine_slots, engine_page_size=page_size,
         engine_pages=o.engine_pages)
   return _by_parts(o.rollout_microbatches, settings.samples_per_prompt, part,
                    prompt_tokens, key=key)

@@ -8,6 +8,8 @@ the updates use each rollout (epochs, minibatches, clipping); and the
 alone, batch splits a run could not make.
 """
 
+from typing import Optional, Tuple
+
 from jaxrlhf import config_schema
 from jaxrlhf.agents import environments
 from jaxrlhf.agents import tool_calls
@@ -70,39 +72,51 @@ ONLINE = config_schema.Group(
           "2 on a GPU when max_new_tokens >= 2048, else 1 "
           "(sampling.default_cache_segments).",
           type=int, bounds=">0"),
-        F("engine", "lockstep",
+        F("engine", "auto",
           "How responses are decoded: 'lockstep' (sampling.py: every row "
           "of a rollout part in one batch, each step waiting for the "
           "longest); 'continuous' (jaxrlhf/models/engine.py: engine_slots "
           "decode slots, each taking the next pending response when its "
-          "own ends, so that no slot waits; each response draws its own "
-          "key, so the responses differ from lockstep's, from the same "
-          "policy; on 2 CPU cores 16 slots for 64 responses gave 1.30x "
-          "lockstep's tokens/s, experiments/results/engine/). With "
-          "online.environment or online.tools, episodes on slots "
-          "(jaxrlhf/agents/continuous.py): a turn that ends frees its slot "
-          "while its environment steps in a thread pool and the others "
-          "decode, and its answer is prefilled onto the episode's own "
-          "pages (of online.engine_page_size positions; unset 16) in a "
-          "free slot (episode i's turn t draws from "
-          "fold_in(fold_in(key, i), t): the episodes differ from "
-          "lockstep's, not from one slot's to many's; "
-          "experiments/bench_agents.py measures both). Continuous: "
+          "own ends, so that no slot waits; on 2 CPU cores 16 slots for 64 "
+          "responses gave 1.30x lockstep's tokens/s on short responses and "
+          "11x on log-normal lengths up to 4,096, "
+          "experiments/results/engine/); 'auto' (the default): "
+          "'continuous' on pages (online.engine_page_size, unset 16) where "
+          "it decodes the run's policy (decoder-only, one cache segment), "
+          "else 'lockstep' (T5, online.cache_segments > 1). Both draw the "
+          "same samples from the same key: token t of response i is row i "
+          "of the lockstep sampler's draw t over the rollout part "
+          "(models/row_draws.py), so the choice changes the speed, not the "
+          "run (up to float rounding: the engine's products run in "
+          "batches of its slots, so a log-prob differs in its last bits, "
+          "and a token where two candidates tie to that rounding can "
+          "differ). With online.environment or online.tools, episodes on "
+          "slots (jaxrlhf/agents/continuous.py): a turn that ends frees "
+          "its slot while its environment steps in a thread pool and the "
+          "others decode, and its answer is prefilled onto the episode's "
+          "own pages (of online.engine_page_size positions; unset 16) in "
+          "a free slot, each turn drawing as the lockstep loop draws it "
+          "(experiments/bench_agents.py measures both). Continuous: "
           "decoder-only policies, no cache_segments; a mixture-of-experts "
-          "policy on pages (online.engine_page_size), its routes recorded "
-          "for router_replay as lockstep's are (single-turn); single-turn "
-          "responses are also decoded on online.sampler_devices, one or "
-          "more steps ahead (tests/eight_devices.py).",
-          choices=("lockstep", "continuous")),
+          "policy on pages, its routes recorded for router_replay as "
+          "lockstep's are (single-turn); single-turn responses are also "
+          "decoded on online.sampler_devices, one or more steps ahead "
+          "(tests/eight_devices.py). The slots' default was measured on "
+          "CPU, where a step costs in proportion to its rows; on an "
+          "accelerator a decode step of 16 rows costs about one of 64, so "
+          "measure engine_slots there (experiments/bench_engine.py).",
+          choices=("auto", "lockstep", "continuous")),
         F("engine_slots", None,
-          "engine 'continuous': the decode slots (the responses decoded at "
-          "once; with episodes, the turns); unset = a quarter of a "
+          "engine 'continuous' (or 'auto' resolved to it): the decode "
+          "slots (the responses decoded at once; with episodes, the "
+          "turns); unset = a quarter of a "
           "rollout part's responses (episodes: of the step's episodes on "
           "this process), at least 1, the setting measured.", type=int,
           bounds=">0"),
         F("engine_page_size", None,
           "engine 'continuous': unset = each slot a contiguous KV cache of "
-          "prompt + max_new_tokens - 1 positions; an int = the slots' "
+          "prompt + max_new_tokens - 1 positions (engine 'auto' and "
+          "episodes: pages of 16); an int = the slots' "
           "caches as pages of this many positions in one pool "
           "(jaxrlhf/models/layers/paged_kv.py; engine.generate's page_size "
           "and its default pool), so that a sequence holds the pages of its "
@@ -113,9 +127,10 @@ ONLINE = config_schema.Group(
           "responses; python -m jaxrlhf.plan counts the pool.", type=int,
           bounds=">0"),
         F("engine_pages", None,
-          "engine 'continuous' on pages (online.engine_page_size, or "
-          "episodes): the pool's pages. Unset = enough for every slot's "
-          "longest sequence (single-turn: slots x the pages of prompt + "
+          "engine 'continuous' on pages (online.engine_page_size, "
+          "episodes, or engine 'auto' resolved to it): the pool's pages. "
+          "Unset = enough for every slot's longest sequence "
+          "(single-turn: slots x the pages of prompt + "
           "max_new_tokens - 1; episodes: the step's episodes x the pages "
           "of the longest episode), so that nothing is ever preempted. "
           "Fewer: the pool follows the real lengths, and when a sequence "
@@ -348,39 +363,73 @@ def check_sampling(c) -> None:
   check_engine(c)
 
 
+# The continuous engine's page size where online.engine_page_size is unset
+# and it decodes on pages (engine 'auto', episodes).
+DEFAULT_PAGE_SIZE = 16
+
+
+def _engine_limits(c):
+  """(holds, field, why) for each setting the continuous engine does not
+  decode yet: where one fails, engine 'auto' decodes in lockstep."""
+  o = c.online
+  return (
+      (not registry.get_family(c.model.arch).encoder_decoder, "model.arch",
+       f"{c.model.arch!r} is an encoder-decoder"),
+      (o.cache_segments in (None, 1), "online.cache_segments",
+       f"{o.cache_segments} (segments)"))
+
+
+def decoding(c) -> Tuple[str, Optional[int]]:
+  """(engine, page size) a run of config `c` decodes with:
+  online.engine, 'auto' resolved ('continuous' unless one of
+  `_engine_limits` fails, then 'lockstep'), and the continuous engine's
+  page size (online.engine_page_size; unset: DEFAULT_PAGE_SIZE under
+  'auto' and for episodes, None, a contiguous cache, for single-turn
+  responses under 'continuous'; None in lockstep)."""
+  o = c.online
+  engine = o.engine
+  if engine == "auto":
+    engine = ("continuous" if all(ok for ok, _, _ in _engine_limits(c))
+              else "lockstep")
+  if engine != "continuous":
+    return engine, None
+  if o.engine == "auto" or environments.episodic(o):
+    return engine, o.engine_page_size or DEFAULT_PAGE_SIZE
+  return engine, o.engine_page_size
+
+
 def check_engine(c) -> None:
   """engine 'continuous' decodes single-turn responses or episodes of a
-  decoder-only policy, reading the whole cache."""
+  decoder-only policy, reading the whole cache; its page settings need
+  it."""
   o = c.online
+  if o.engine == "continuous":
+    for ok, field, why in _engine_limits(c):
+      config_schema.require(
+          ok, field, f"{why}: online.engine='continuous' does not support "
+          "it yet; set online.engine='lockstep' (or 'auto').")
+  engine, page_size = decoding(c)
   config_schema.require(
-      o.engine == "continuous" or o.engine_page_size is None,
+      engine == "continuous" or o.engine_page_size is None,
       "online.engine_page_size", f"{o.engine_page_size} pages the "
-      "continuous engine's cache only; set online.engine='continuous' or "
-      "unset it.")
+      f"continuous engine's cache only, and this run decodes in lockstep "
+      f"(online.engine={o.engine!r}); unset it, or set "
+      "online.engine='continuous' where it decodes the policy.")
   config_schema.require(
-      o.engine_pages is None or (o.engine == "continuous" and (
-          o.engine_page_size or o.environment or o.tools)),
+      o.engine_pages is None or page_size is not None,
       "online.engine_pages", f"{o.engine_pages} pages the continuous "
       "engine's pool only; set online.engine='continuous' with "
-      "online.engine_page_size (or episodes), or unset it.")
-  if o.engine != "continuous":
+      "online.engine_page_size (or episodes), or 'auto' where it decodes "
+      "the policy, or unset it.")
+  if engine != "continuous":
     return
   arch = registry.get_family(c.model.arch)
   config_schema.require(
-      not issubclass(arch.module_cls, moe_decoder.MoeCausalLM)
-      or o.engine_page_size or environments.episodic(o),
+      not issubclass(arch.module_cls, moe_decoder.MoeCausalLM) or page_size,
       "online.engine_page_size", f"unset with a mixture-of-experts policy "
       f"({c.model.arch!r}): the continuous engine's contiguous cache "
       "decodes each slot under vmap, which the experts' grouped matmul "
       "(ragged_dot) does not take; set online.engine_page_size (e.g. 16).")
-  for ok, field, why in (
-      (not arch.encoder_decoder, "model.arch",
-       f"{c.model.arch!r} is an encoder-decoder"),
-      (o.cache_segments in (None, 1), "online.cache_segments",
-       f"{o.cache_segments} (segments)")):
-    config_schema.require(
-        ok, field, f"{why}: online.engine='continuous' does not support "
-        "it yet; set online.engine='lockstep'.")
 
 
 def replays_routes(config, module) -> bool:
