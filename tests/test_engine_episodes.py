@@ -330,6 +330,7 @@ class UpdatedAfterThreeChunks(continuous.EpisodeEngine):
     return super().decode()
 
 
+
 def test_run_episodes_takes_new_parameters_between_chunks(tiny,
                                                           three_slots):
   """The same parameters handed over mid-run: every episode's cache is
@@ -365,20 +366,13 @@ def test_a_grpo_step_on_episodes_is_the_same_on_one_slot_as_on_three(
   and loss do not depend on `online.engine_slots`, nor on a pool of
   `online.engine_pages` that preempts (8 pages of 16: one episode of 64 +
   60 positions), and are the lockstep loop's."""
-  from test_agent_training import _config  # pylint: disable=g-import-not-at-top
   logged = {}
   for slots, pages in ((1, None), (3, None), (3, 8), ("lockstep", None)):
     engine = {"online__engine": "lockstep"} if slots == "lockstep" else {
         "online__engine": "continuous", "online__engine_slots": slots,
         "online__engine_pages": pages}
-    config = _config(policy_run["root"], **engine)
-    config.train.num_steps = 1
-    config.online.environment = "test_engine_episodes:Said"
-    config.init.policy_checkpoint = policy_run["workdir"]
-    workdir = policy_run["root"] / f"continuous_{slots}_{pages}"
-    loop.train(config, str(workdir), devices=jax.devices()[:1])
-    rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
-    (logged[slots, pages],) = [r for r in rows if "episode/turns" in r]
+    (logged[slots, pages],) = _episode_steps(
+        policy_run, f"continuous_{slots}_{pages}", 1, **engine)
   one, three, small, lockstep = (logged[1, None], logged[3, None],
                                  logged[3, 8], logged["lockstep", None])
   assert one["episode/slot_occupancy"] == 1.0
@@ -387,11 +381,62 @@ def test_a_grpo_step_on_episodes_is_the_same_on_one_slot_as_on_three(
   assert small["episode/preemptions"] > 0
   # Several turns (an environment between), rewards that differ.
   assert one["episode/turns"] > 1 and one["advantage_abs_mean"] > 0
+  for other in (three, small, lockstep):
+    _same_steps(other, one)
+
+
+def _episode_steps(policy_run, name, steps, **overrides):
+  """The logged rows of a GRPO run of `steps` steps on the agents'
+  miniature config (its biased tiny Qwen2, `Said`'s episodes) with
+  `overrides`, one per step."""
+  from test_agent_training import _config  # pylint: disable=g-import-not-at-top
+  config = _config(policy_run["root"], **overrides)
+  config.train.num_steps = steps
+  config.online.environment = "test_engine_episodes:Said"
+  config.init.policy_checkpoint = policy_run["workdir"]
+  workdir = policy_run["root"] / name
+  loop.train(config, str(workdir), devices=jax.devices()[:1])
+  rows = [json.loads(line) for line in open(workdir / "metrics.jsonl")]
+  return [r for r in rows if "episode/turns" in r]
+
+
+def _same_steps(got, want):
+  """Every logged figure of `want` but the timing's and the engine's
+  counts is `got`'s."""
   timing = ("seconds", "occupancy", "decode_steps", "preemptions")
-  for name, value in one.items():
+  for name, value in want.items():
     if isinstance(value, float) and not any(t in name for t in timing):
       # The gap is a difference of near-equal log-probs, each sampler's
       # to its rounding (a batch of 1 or 3 slots, or all 4 episodes).
       atol = 1e-5 if name.startswith("gap/") else 1e-6
-      for other in (three, small, lockstep):
-        assert other[name] == pytest.approx(value, rel=1e-5, abs=atol), name
+      assert got[name] == pytest.approx(value, rel=1e-5, abs=atol), name
+
+
+def test_episodes_one_step_ahead_of_the_update(policy_run):
+  """online.off_policy_steps=1 on episodes: step t+1's episodes are played
+  with step t's parameters while step t's update runs. With a learning
+  rate too small to move a weight the run is the on-policy one, step for
+  step (the same prompts and keys ahead); with one that moves them, the
+  first step (which samples with its own parameters) is still the
+  on-policy one, and the second trains on episodes of the parameters
+  before the first update: its ratios start away from 1 (approx_kl_k1),
+  where the on-policy step's start at 1."""
+  still = dict(optimizer__learning_rate=1e-30)
+  on, ahead = (_episode_steps(policy_run, f"ahead_still_{k}", 2,
+                              online__off_policy_steps=k, **still)
+               for k in (0, 1))
+  for got, want in zip(ahead, on):
+    _same_steps(got, want)
+  on, ahead = (_episode_steps(policy_run, f"ahead_{k}", 2,
+                              online__off_policy_steps=k) for k in (0, 1))
+  _same_steps(ahead[0], on[0])
+  assert abs(on[1]["approx_kl_k1"]) < 1e-6
+  assert abs(ahead[1]["approx_kl_k1"]) > 1e-5
+  # The decoupled correction re-scores the stale episodes with the
+  # parameters the update starts from: the ratios start at 1 again, and
+  # the lag is in the importance weights.
+  decoupled = _episode_steps(policy_run, "ahead_decoupled", 2,
+                             online__off_policy_steps=1,
+                             online__off_policy_correction="decoupled")
+  assert abs(decoupled[1]["approx_kl_k1"]) < 1e-6
+  assert abs(decoupled[1]["correction/weight_mean"] - 1.0) > 1e-3

@@ -242,9 +242,9 @@ class EpisodeStep(host_split.HostSplitStep):
   """(state, batch) -> (state, metrics) on multi-turn episodes (module
   docstring)."""
 
-  def __init__(self, trainer):
+  def __init__(self, trainer, mesh=None):
     agent(trainer)  # refuses what cannot be played before anything else
-    super().__init__(trainer)
+    super().__init__(trainer, mesh=mesh)
     self._trainer = trainer
     self._limits = agent(trainer).limits
     self._view = jax.jit(lambda params, frozen: trainer.view_parts(
@@ -308,9 +308,9 @@ class EpisodeStep(host_split.HostSplitStep):
         sharding.batch_sharding(self.mesh, self._rules, 2), values)
     return self._add_host(rollout, values), {**skipped, **host["metrics"]}
 
-  def _keep(self, rounds):
-    rollout, metrics = super()._keep(rounds)
-    return rollout, _per_episode(metrics)
+  @staticmethod
+  def step_metrics(metrics: Dict[str, float]) -> Dict[str, float]:
+    return _per_episode(metrics)
 
 
 def _per_episode(metrics: Dict[str, float]) -> Dict[str, float]:

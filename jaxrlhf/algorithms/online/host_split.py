@@ -147,7 +147,7 @@ class HostSplitStep:
       for name, count in skipped.items():
         metrics[name] = metrics.get(name, 0.0) + count
     if self._cap is None:
-      return rounds[0][0], summed_over_processes(metrics)
+      return rounds[0][0], self.step_metrics(summed_over_processes(metrics))
     kept, dropped = self._groups(rounds)
     per_round = self._groups_per_round(rounds)
     chosen = (kept + dropped)[:per_round]
@@ -157,7 +157,13 @@ class HostSplitStep:
     metrics["dynamic_sampling/rounds"] = float(len(rounds))
     metrics["dynamic_sampling/dropped_fraction"] = (
         len(dropped) / (len(kept) + len(dropped)))
-    return rollout, summed_over_processes(metrics)
+    return rollout, self.step_metrics(summed_over_processes(metrics))
+
+  @staticmethod
+  def step_metrics(metrics: Dict[str, float]) -> Dict[str, float]:
+    """The step's host metrics from the rounds' sums over processes (a
+    subclass's to average)."""
+    return metrics
 
   def _groups_per_round(self, rounds) -> int:
     return rounds[0][0].scores.shape[0] // self._k

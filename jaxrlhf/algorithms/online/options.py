@@ -220,7 +220,9 @@ ONLINE = config_schema.Group(
           "responses of step t-k's parameters (asynchronous RL with bounded "
           "staleness; the first k steps' of the run's first step's); 0 "
           "samples each step's responses with the parameters it updates "
-          "(on-policy).", bounds=">=0"),
+          "(on-policy). Episodes (online.environment, online.tools) are "
+          "played ahead on the host once the update is dispatched, on the "
+          "training devices.", bounds=">=0"),
         F("sampler_devices", 0,
           "Devices that only sample (each process gives an equal share of "
           "its own), on a mesh of their own with mesh.shape's axes; the rest "
@@ -462,11 +464,10 @@ def check_episodes(c) -> None:
       "the named groups 'name' and 'arguments'.")
   if environments.episodic(o):
     config_schema.require(
-        not o.sampler_devices and not o.off_policy_steps,
-        "online.environment",
-        "multi-turn episodes are played on the training devices, one step "
-        "at a time; set online.sampler_devices=0 and "
-        "online.off_policy_steps=0.")
+        not o.sampler_devices, "online.environment",
+        "multi-turn episodes are played on the training devices (ahead of "
+        "the update with online.off_policy_steps); set "
+        "online.sampler_devices=0.")
 
 
 def check_off_policy(c) -> None:

@@ -41,7 +41,12 @@ update does with them:
              min(pi_start / pi_sample, online.importance_weight_cap), a
              constant of the loss (AReaL's decoupled PPO objective, Fu et
              al. 2025, eq. 5; verl's truncated importance sampling).
-             Logged: off_policy/weight_mean, off_policy/capped_fraction.
+             Logged: correction/weight_mean, correction/capped_fraction.
+
+Multi-turn episodes (`episode_step.EpisodeStep`'s parts) are played on the
+host: a rollout ahead is played once the update is dispatched, so the
+environments' time overlaps the update's; on the training devices only
+(`options.check_episodes`).
 
 The first step of a run, and of a resumed one, has no rollout in flight: it
 samples with the parameters it starts from. `off_policy_steps=0` with
@@ -100,9 +105,11 @@ def decoupled_correction(config, lm, params, rollout):
 class OverlappedStep:
   """(state, batch) -> (state, metrics): `iteration.online_step` with its
   rollout made on the sampler's mesh, up to k steps ahead with
-  `online.off_policy_steps=k` (module docstring)."""
+  `online.off_policy_steps=k` (module docstring), by the parts of
+  `sampler` (`host_split.HostSplitStep`, or `episode_step.EpisodeStep`:
+  episodes, played on the host while the update runs)."""
 
-  def __init__(self, trainer):
+  def __init__(self, trainer, sampler=host_split.HostSplitStep):
     t = trainer
     o = t.config.online
     self._ahead = int(o.off_policy_steps)  # k: the staleness bound
@@ -118,7 +125,7 @@ class OverlappedStep:
     self._training_mesh, self._rules = t.mesh, t.rules
     self._num_steps = t.config.train.num_steps
     self._prompt_source = t.online.prompt_source
-    self._sampler = host_split.HostSplitStep(t, mesh=mesh)
+    self._sampler = sampler(t, mesh=mesh)
     self._params_on_sampler = _on_mesh(t.state_shardings.params, mesh)
     self._frozen_on_sampler = _on_mesh(t.state_shardings.frozen, mesh)
     self._frozen = None  # the frozen networks on the sampler, moved once
@@ -223,4 +230,5 @@ class OverlappedStep:
     rollout, skipped = rounds[0]
     return (jax.device_put(rollout, _rows_on(self._training_mesh,
                                              self._rules, rollout)),
-            host_split.summed_over_processes(skipped))
+            self._sampler.step_metrics(
+                host_split.summed_over_processes(skipped)))

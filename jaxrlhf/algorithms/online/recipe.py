@@ -250,11 +250,16 @@ class Online(base.Training):
     """`iteration.online_step` as its driver runs it: compiled whole, or,
     when the host must score the responses (or pick which groups to train
     on), split around the host (`host_split`), or, with sampler devices or
-    off-policy steps, with rollouts made on the sampler (`overlap`)."""
-    if environments.episodic(trainer.config.online):
-      return episode_step.EpisodeStep(trainer)
+    off-policy steps, with rollouts made on the sampler (`overlap`); on
+    multi-turn episodes, the same with the episodes' parts
+    (`episode_step`)."""
+    episodic = environments.episodic(trainer.config.online)
     if overlap.overlaps(trainer.config):
-      return overlap.OverlappedStep(trainer)
+      return overlap.OverlappedStep(
+          trainer, episode_step.EpisodeStep if episodic
+          else host_split.HostSplitStep)
+    if episodic:
+      return episode_step.EpisodeStep(trainer)
     if host_split.needs_host(trainer):
       return host_split.HostSplitStep(trainer)
     return iteration.fused_step(trainer)
