@@ -161,6 +161,17 @@ def _per_chip_bytes(abstract, shardings) -> int:
   return total
 
 
+def states_primitive(jaxpr, name: str) -> bool:
+  """Whether a (closed) jaxpr, or one inside it, states primitive
+  `name`."""
+  from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
+  jaxpr = getattr(jaxpr, "jaxpr", jaxpr)
+  return any(eqn.primitive.name == name
+             or any(states_primitive(sub, name)
+                    for sub in flops.sub_jaxprs(eqn.params))
+             for eqn in jaxpr.eqns)
+
+
 def collective_bytes(jaxpr, axis_sizes: Dict[str, int]) -> float:
   """Bytes one device sends or receives in the collectives a (closed)
   jaxpr states (within `jax.shard_map`), as ring algorithms move them
@@ -320,11 +331,14 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
   from jaxrlhf import flops  # pylint: disable=g-import-not-at-top
   from jaxrlhf import sharding  # pylint: disable=g-import-not-at-top
   from jaxrlhf.algorithms import state as state_lib  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.models.layers import paged_attention  # pylint: disable=g-import-not-at-top
   import numpy as np  # pylint: disable=g-import-not-at-top
 
   defaults.validate(config)
   chips = len(devices)
-  with sharding.activate(config, devices) as mesh:
+  # Paged reads as the chips read them (the TPU kernel on TPU chips).
+  with sharding.activate(config, devices) as mesh, \
+      paged_attention.compiled_for(devices[0].platform):
     trainer = algorithms.build(config, mesh, shapes_only=True)
     state = state_lib.abstract_with_shardings(trainer.abstract_state,
                                               trainer.state_shardings)
@@ -350,6 +364,9 @@ def make_plan(config, devices, *, headroom_gib: float = 2.0,
     compile_s = time.perf_counter() - start
 
     engine_cache = engine_kv_cache(config, trainer)
+    if engine_cache and not engine_cache["episodes"]:
+      # Whether its decode steps read the pages with the TPU kernel.
+      engine_cache["tpu_kernel"] = states_primitive(jaxpr, "pallas_call")
 
   shardings = trainer.state_shardings
   abstract = trainer.abstract_state
@@ -499,6 +516,8 @@ def describe(plan: Dict[str, Any]) -> str:
             f"{cache['page_size']}")
     where = ("held beside the step, which the episodes' turns run "
              "outside" if cache["episodes"] else "among the temporaries")
+    if cache.get("tpu_kernel"):
+      where += "; decode steps read it with the TPU kernel"
     lines.append(
         f"  engine KV cache per rollout part: {_gib(cache['gib'])} "
         f"({cache['slots']} slots x {cache['width']} positions as {pool}: "

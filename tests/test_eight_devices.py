@@ -174,6 +174,12 @@ def test_the_continuous_engine_on_pages_trains_alike_on_4x2(result):
                              r["one"]["params_sum"], rtol=1e-6)
 
 
+def test_the_tpu_kernel_runs_its_rows_split_over_the_mesh(result):
+  r = result["paged_kernel"]
+  assert r["shard_map"]
+  assert r["max_diff"] < 1e-5
+
+
 def test_the_continuous_engine_samples_on_sampler_devices(result):
   """The engine on 4 sampler devices, the update on the other 4: on-policy
   it trains as one device does (the same responses, whatever the

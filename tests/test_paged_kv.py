@@ -282,8 +282,10 @@ def test_the_tpu_kernel_interpreted_equals_reading_pages_in_use(cap):
       tables.page_table, jnp.asarray(np.maximum(lengths, 1) - 1, jnp.int32),
       4, read="kernel")
   query = jnp.asarray(rng.normal(size=(5, 1, HEADS, HEAD_DIM)), jnp.float32)
-  got = paged_attention.attend(query, *pools, index, scale=0.4,
-                               logit_softcap=cap)
+  # (Called directly: `choose` keeps the kernel to head_dims of 128s, which
+  # a TPU compiles, and this test's 8 interprets as well.)
+  got = paged_attention.tpu_kernel(query, *pools, index, scale=0.4,
+                                   logit_softcap=cap)
   want = paged_attention.attend_pages(query, *pools, index, scale=0.4,
                                       logit_softcap=cap)
   np.testing.assert_allclose(got, want, rtol=1e-5, atol=1e-5)
@@ -293,22 +295,35 @@ def test_the_tpu_kernel_interpreted_equals_reading_pages_in_use(cap):
 def test_auto_gathers_short_tables_and_reads_long_ones_in_use():
   """Off TPU, 'auto' is the gather up to GATHER_POSITIONS positions a row,
   the loop over pages in use beyond; 'kernel' only where asked for, and
-  only for the calls it takes."""
+  only for the calls it takes. Compiled for a TPU, 'auto' is the kernel
+  for a bfloat16 pool's decode step with a head_dim of 128s (the kernel's
+  block shapes: tests/test_plan.py compiles it for v5e chips)."""
   def index(max_pages, page_size=16, read="auto"):
     return paged_kv.PagedIndex(jnp.zeros((1, max_pages), jnp.int32),
                                jnp.zeros((1,), jnp.int32), page_size, read)
+
+  def pool(dtype, head_dim=128):
+    return jax.ShapeDtypeStruct((2, 8, 16, head_dim), dtype)
   short = paged_attention.GATHER_POSITIONS // 16
-  assert paged_attention.choose(index(short), 1, None,
-                                jnp.bfloat16) == "gather"
-  assert paged_attention.choose(index(short + 1), 1, None,
-                                jnp.bfloat16) == "pages"
-  assert paged_attention.choose(index(1, read="kernel"), 1, None,
-                                jnp.float32) == "kernel"
-  # Calls the kernel does not take (a prefill, a window) read in the loop.
-  assert paged_attention.choose(index(1, read="kernel"), 3, None,
-                                jnp.float32) == "pages"
-  assert paged_attention.choose(index(1, read="kernel"), 1, 4,
-                                jnp.float32) == "pages"
+  choose = paged_attention.choose
+  assert choose(index(short), 1, None, pool(jnp.bfloat16)) == "gather"
+  assert choose(index(short + 1), 1, None, pool(jnp.bfloat16)) == "pages"
+  assert choose(index(1, read="kernel"), 1, None,
+                pool(jnp.float32)) == "kernel"
+  # Calls the kernel does not take (a prefill, a window, a head_dim of
+  # 64) read in the loop.
+  assert choose(index(1, read="kernel"), 3, None, pool(jnp.float32)) == (
+      "pages")
+  assert choose(index(1, read="kernel"), 1, 4, pool(jnp.float32)) == "pages"
+  assert choose(index(1, read="kernel"), 1, None,
+                pool(jnp.float32, 64)) == "pages"
+  with paged_attention.compiled_for("tpu"):
+    assert paged_attention.platform() == "tpu"
+    assert choose(index(short), 1, None, pool(jnp.bfloat16)) == "kernel"
+    assert choose(index(short), 1, None, pool(jnp.float32)) == "gather"
+    assert choose(index(short), 1, None, pool(jnp.bfloat16, 64)) == (
+        "gather")
+  assert paged_attention.platform() == jax.default_backend()
 
 
 def test_a_bad_read_is_named():

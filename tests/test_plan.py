@@ -381,6 +381,7 @@ def test_a_paged_engine_step_plans_and_says_its_pool():
       cache["num_pages"] * 4)
   assert (f"a pool of {cache['num_pages']:,} pages of 4"
           in plan_lib.describe(plan))
+  assert cache["tpu_kernel"] is False  # CPU devices: the XLA reads
 
 
 def test_a_page_size_without_the_continuous_engine_is_refused():
@@ -479,3 +480,29 @@ def test_a_decoder_only_plan_for_tpu_chips_compiles_splash_attention(
   assert result.returncode == 0, result.stderr
   plan = json.loads(out.read_text())
   assert plan["model"]["attention_impl"] == "splash" and plan["fits"]
+
+
+@pytest.mark.skipif(not _has_libtpu(), reason=(
+    "libtpu is not installed: pip install -e \".[tpu-plan]\" plans for TPU "
+    "topologies"))
+def test_a_grpo_plan_for_tpu_chips_compiles_the_engines_pallas_kernel(
+    tmp_path):
+  """online.engine 'auto' on a bfloat16 decoder-only policy with a
+  head_dim of 128: the engine's decode steps read their pages through
+  JAX's Pallas TPU kernel, compiled by Mosaic for the chips (the plan
+  traces for the chips' platform, not this CPU host's)."""
+  out = tmp_path / "plan.json"
+  result = _plan_command(
+      tmp_path, "--topology=v5e:2x2", f"--out={out}",
+      "--config.mesh.shape=(4,1)", "--config.pipeline.stages=",
+      "--config.model.arch=llama", "--config.model.size=tiny",
+      "--config.model.dtype=bfloat16", "--config.model.head_dim=128",
+      "--config.algorithm=grpo",
+      "--config.train.batch_size=8",
+      "--config.rewards.reward_model.weight=0.0",
+      "--config.rewards.gold_reward.weight=1.0",
+      "--config.online.samples_per_prompt=2")
+  assert result.returncode == 0, result.stderr
+  plan = json.loads(out.read_text())
+  assert plan["engine_kv_cache"]["tpu_kernel"] is True and plan["fits"]
+  assert "read it with the TPU kernel" in result.stdout

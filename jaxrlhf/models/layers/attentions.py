@@ -377,7 +377,7 @@ class Attention(nn.Module):
       key = paged_kv.update_paged(self, "cached_key", key, cache_index)
       value = paged_kv.update_paged(self, "cached_value", value, cache_index)
       if paged_attention.choose(cache_index, query.shape[1], window,
-                                key.dtype) != "gather":
+                                key) != "gather":
         out = paged_attention.attend(
             query, key, value, cache_index,
             scale=(self.query_scale if self.query_scale is not None

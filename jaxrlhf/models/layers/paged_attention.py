@@ -10,9 +10,12 @@ per query, in float32): a short batch in a long table reads its own pages
 only. `tpu_kernel` calls JAX's Pallas paged-attention kernel for TPU
 (`jax.experimental.pallas.ops.tpu.paged_attention`; off TPU in Pallas'
 interpret mode), which reads the same pages with its own DMA pipeline; it
-takes one query per row, no window, and reads keys and values in bfloat16
-(it rounds them to bfloat16), so `choose` picks it on TPU for a bfloat16
-pool's decode step only. `PagedIndex.read` chooses (`READS`; 'auto':
+takes one query per row, no window, a head_dim of a multiple of 128 (what
+Mosaic compiles for v5e chips), and reads keys and values in bfloat16 (it
+rounds them to bfloat16), so `choose` picks it on TPU for a bfloat16
+pool's decode step only. Under a mesh of several devices it runs in
+`jax.shard_map` (XLA does not partition a Mosaic kernel), each device on
+its rows of the mesh's batch axes, the pools whole. `PagedIndex.read` chooses (`READS`; 'auto':
 `choose`).
 
 The loop pays where the batch's sequences are short beside the table: on
@@ -27,12 +30,19 @@ gather of its pages and two small einsums; no fused kernel is used).
 Both equal softmax attention over each row's keys up to its query's
 position (and its window) to float rounding (tests/test_paged_kv.py). A
 query that may see nothing (a pad, a negative position) returns zeros.
+
+The choice follows the platform the call is compiled for: JAX's default
+backend, or inside `compiled_for(platform)` that platform (a plan of TPU
+chips traced on a CPU host: `jaxrlhf.plan`).
 """
 
+import contextlib
+import contextvars
 import dataclasses
-import functools
-from typing import Optional
+import math
+from typing import Optional, Tuple
 
+import flax.linen as nn
 import jax
 import jax.numpy as jnp
 
@@ -46,6 +56,9 @@ READS = ("auto", "pages", "kernel", "gather")
 BLOCK_POSITIONS = 128
 # The TPU kernel's pages per compute block, in positions.
 KERNEL_BLOCK_POSITIONS = 512
+# The kernel's blocks take a head_dim of a multiple of this only (Mosaic
+# refuses the others for v5e chips: tests/test_plan.py compiles it).
+KERNEL_HEAD_DIM = 128
 # Tables of at most this many positions are gathered whole under 'auto'
 # (two blocks: the loop's fixed cost outweighs what it leaves unread).
 GATHER_POSITIONS = 2 * BLOCK_POSITIONS
@@ -143,6 +156,43 @@ def attend_pages(query: Array, key_pool: Array, value_pool: Array,
   return out.reshape(batch, length, heads, head_dim).astype(query.dtype)
 
 
+# The platform the calls traced now are compiled for (None: JAX's default
+# backend); `compiled_for` sets it.
+_PLATFORM = contextvars.ContextVar("paged_attention_platform", default=None)
+
+
+@contextlib.contextmanager
+def compiled_for(platform: str):
+  """The paged reads traced inside are chosen, and the TPU kernel run
+  (not interpreted), as on `platform` ('tpu', 'gpu', 'cpu')."""
+  token = _PLATFORM.set(platform)
+  try:
+    yield
+  finally:
+    _PLATFORM.reset(token)
+
+
+def platform() -> str:
+  """The platform the paged reads traced now are compiled for."""
+  return _PLATFORM.get() or jax.default_backend()
+
+
+def _kernel_split(batch: int) -> Optional[Tuple[str, ...]]:
+  """The mesh axes the kernel's call of `batch` rows is split over under
+  the mesh traced in (a Mosaic kernel is not partitioned by XLA: it runs
+  in `jax.shard_map`, each device on its rows, the pools whole): () for
+  one device or none, the logical 'batch' axis's mesh axes otherwise;
+  None where they do not divide the rows (the kernel is not taken)."""
+  mesh = jax.sharding.get_abstract_mesh()
+  if mesh.empty or mesh.size == 1:
+    return ()
+  axes = nn.logical_to_mesh_axes(("batch",))[0]
+  axes = (() if axes is None else tuple(axes) if isinstance(axes, tuple)
+          else (axes,))
+  ways = math.prod(mesh.shape[a] for a in axes)
+  return axes if batch % ways == 0 else None
+
+
 def tpu_kernel(query: Array, key_pool: Array, value_pool: Array,
                index: paged_kv.PagedIndex, *, scale: float,
                logit_softcap: Optional[float] = None,
@@ -154,7 +204,8 @@ def tpu_kernel(query: Array, key_pool: Array, value_pool: Array,
   Args:
     query: [batch, 1, heads, head_dim]; key_pool, value_pool, index, scale,
       logit_softcap: as `attend_pages`'s.
-    interpret: run in Pallas' TPU interpret mode (None: off TPU).
+    interpret: run in Pallas' TPU interpret mode (None: off TPU,
+      `platform()`).
   Returns:
     [batch, 1, heads, head_dim] in query's dtype.
   """
@@ -178,40 +229,54 @@ def tpu_kernel(query: Array, key_pool: Array, value_pool: Array,
   per_block = max(1, min(max_pages, KERNEL_BLOCK_POSITIONS // size))
   table = jnp.where(table < num_pages, table, 0)
   table = jnp.pad(table, ((0, 0), (0, -max_pages % per_block)))
-  call = functools.partial(
-      paged_attention.paged_attention,
-      (query[:, 0].astype(jnp.float32) * scale), key_pool, value_pool,
-      lengths.astype(jnp.int32), table.astype(jnp.int32),
-      attn_logits_soft_cap=logit_softcap, pages_per_compute_block=per_block)
   if interpret is None:
-    interpret = jax.default_backend() != "tpu"
-  if interpret:
-    with pltpu.force_tpu_interpret_mode():
-      out = call()
-  else:
-    out = call()
-  return out[:, None].astype(query.dtype)
+    interpret = platform() != "tpu"
+
+  def call(query, key_pool, value_pool, lengths, table):
+    with (pltpu.force_tpu_interpret_mode() if interpret
+          else contextlib.nullcontext()):
+      return paged_attention.paged_attention(
+          query, key_pool, value_pool, lengths, table,
+          attn_logits_soft_cap=logit_softcap,
+          pages_per_compute_block=per_block)
+  args = ((query[:, 0].astype(jnp.float32) * scale), key_pool, value_pool,
+          lengths.astype(jnp.int32), table.astype(jnp.int32))
+  split = _kernel_split(batch)
+  if split is None:
+    raise ValueError(f"paged attention: the TPU kernel's {batch} rows do "
+                     "not divide over the mesh's batch axes; read='pages' "
+                     "takes them.")
+  if split:
+    rows = jax.sharding.PartitionSpec(split)
+    whole = jax.sharding.PartitionSpec()
+    call = jax.shard_map(call, in_specs=(rows, whole, whole, rows, rows),
+                         out_specs=rows, check_vma=False)
+  return call(*args)[:, None].astype(query.dtype)
 
 
 def choose(index: paged_kv.PagedIndex, length: int, window,
-           pool_dtype) -> str:
-  """How a call of `length` queries per row reads its pages: index.read
-  ('kernel' where the kernel takes the call, one query per row and no
-  window, else 'pages'), or for 'auto' the TPU kernel on a TPU for a
-  bfloat16 pool's decode step (where its bfloat16 reads are exact),
-  'gather' for a table of at most GATHER_POSITIONS positions, else
-  'pages'."""
+           key_pool: Array) -> str:
+  """How a call of `length` queries per row reads its pages (of
+  `key_pool`, [kv_heads, pages, page_size, head_dim]): index.read
+  ('kernel' where the kernel takes the call, one query per row, no window,
+  a head_dim a multiple of KERNEL_HEAD_DIM and rows that divide over the
+  mesh's batch axes, else 'pages'), or for
+  'auto' the TPU kernel on a TPU (`platform()`) for a bfloat16 pool's
+  decode step (where its bfloat16 reads are exact), 'gather' for a table
+  of at most GATHER_POSITIONS positions, else 'pages'."""
   read = index.read
   if read not in READS:
     raise ValueError(f"paged attention: PagedIndex.read={read!r}; choose "
                      f"one of {list(READS)}.")
-  kernel_takes = length == 1 and window is None
+  kernel_takes = (length == 1 and window is None
+                  and key_pool.shape[-1] % KERNEL_HEAD_DIM == 0
+                  and _kernel_split(index.page_table.shape[0]) is not None)
   if read == "kernel":
     return "kernel" if kernel_takes else "pages"
   if read != "auto":
     return read
-  if (kernel_takes and pool_dtype == jnp.bfloat16
-      and jax.default_backend() == "tpu"):
+  if (kernel_takes and key_pool.dtype == jnp.bfloat16
+      and platform() == "tpu"):
     return "kernel"
   return "gather" if index.capacity <= GATHER_POSITIONS else "pages"
 
@@ -222,7 +287,7 @@ def attend(query: Array, key_pool: Array, value_pool: Array,
   """Attention over the pages in use as `choose` says: 'kernel' the TPU
   kernel, 'pages' `attend_pages` ('gather' is `attentions.Attention`'s
   own path and not taken here). Arguments as `attend_pages`'s."""
-  read = choose(index, query.shape[1], window, key_pool.dtype)
+  read = choose(index, query.shape[1], window, key_pool)
   if read == "gather":
     raise ValueError("paged attention: read 'gather' is "
                      "attentions.Attention's path (paged_kv.gather_pages).")
