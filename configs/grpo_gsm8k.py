@@ -158,6 +158,12 @@ def get_config(size: str = "qwen2.5-1.5b"):
   c.online.num_minibatches = 4
   c.online.clip_eps = 0.2
   c.online.stop_when_done = True
+  # Decoded in lockstep. The continuous engine (online.engine 'auto', the
+  # default) draws the same responses and its TPU kernel compiles for
+  # these chips, but it has not yet run on a TPU, and the committed plans
+  # (experiments/results/plans/) were made in lockstep;
+  # --config.online.engine=auto decodes with it.
+  c.online.engine = "lockstep"
   c.grpo.clip_eps_high = 0.28
   c.grpo.reduction = "token_mean"
   c.grpo.scale_by_std = True

@@ -32,4 +32,7 @@ def get_config(size: str = "pythia-1b"):
   # TPU v5e this plans to 12.9 GiB per chip on a 2x4 slice of 8 chips
   # (experiments/results/plans/).
   c.train.num_microbatches = 8
+  # Decoded in lockstep, as the committed plan was; the continuous engine
+  # (--config.online.engine=auto) draws the same responses.
+  c.online.engine = "lockstep"
   return c
