@@ -481,13 +481,36 @@ def paged_kernel():
           "shard_map": mapped}
 
 
+def episodes(workdir):
+  """Two GRPO steps on multi-turn episodes (the agents' miniature config:
+  its biased tiny Qwen2 and `Said`'s environment), on one device, and
+  played on 4 sampler devices while the other 4 train, on-policy and one
+  step ahead: each step's logged metrics."""
+  import test_agent_training  # pylint: disable=g-import-not-at-top
+  run = test_agent_training.make_policy_run(workdir / "agents")
+  out = {}
+  for name, devices, overrides in (
+      ("one", ONE, {}),
+      ("split", None, dict(mesh__shape=(-1, 1), online__sampler_devices=4)),
+      ("ahead", None, dict(mesh__shape=(-1, 1), online__sampler_devices=4,
+                           online__off_policy_steps=1))):
+    config = test_agent_training._config(run["root"], **overrides)  # pylint: disable=protected-access
+    config.train.num_steps, config.train.batch_size = 2, 4
+    config.online.environment = "test_engine_episodes:Said"
+    config.init.policy_checkpoint = run["workdir"]
+    loop.train(config, str(run["root"] / name), devices=devices)
+    rows = [json.loads(l) for l in open(run["root"] / name / "metrics.jsonl")]
+    out[name] = [r for r in rows if "episode/turns" in r]
+  return out
+
+
 def main():
   workdir = pathlib.Path(sys.argv[1])
   assert jax.device_count() == 8, jax.devices()
   results = {"devices": jax.device_count(), "models": models(),
              "offline": offline(workdir), "online": online(),
              "overlap": overlap(), "engine": engine(),
-             "paged_kernel": paged_kernel(),
+             "paged_kernel": paged_kernel(), "episodes": episodes(workdir),
              "loop": training_loop(workdir), "plan": plans(workdir)}
   print("RESULT " + json.dumps(results))
 

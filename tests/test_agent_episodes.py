@@ -340,9 +340,6 @@ def test_qwen3_thinking_stays_in_the_trained_tokens(vocabulary):
     ({"online__environment": "agent_envs:make_guess",
       "online__tools": "agent_envs:multiply"},
      r"^config.online.tools: set with online.environment"),
-    ({"online__tools": "agent_envs:multiply", "online__sampler_devices": 1},
-     r"^config.online.environment: multi-turn episodes are played on the "
-     r"training devices"),
     ({"online__tool_call_style": "regex"},
      r"^config.online.tool_call_pattern: tool_call_style 'regex'"),
 ])

@@ -98,7 +98,13 @@ def _biased(params, end_id: int):
 def policy_run(tmp_path_factory):
   """A workdir holding the biased random policy, and its module, params
   and vocabulary."""
-  root = tmp_path_factory.mktemp("agents")
+  return make_policy_run(tmp_path_factory.mktemp("agents"))
+
+
+def make_policy_run(root):
+  """`policy_run` under the directory `root`."""
+  root = pathlib.Path(root)
+  root.mkdir(parents=True, exist_ok=True)
   config = _config(root)
   vocabulary = hf_tokenizer.HFTokenizerVocabulary(
       str(TOKENIZER / "tokenizer.json"))

@@ -180,6 +180,27 @@ def test_the_tpu_kernel_runs_its_rows_split_over_the_mesh(result):
   assert r["max_diff"] < 1e-5
 
 
+def test_episodes_are_played_on_sampler_devices(result):
+  """Episodes played on 4 sampler devices, the update on the other 4:
+  on-policy the run is the one-device run, step for step; one step ahead,
+  its first step too, and its second trains on episodes of the
+  parameters before the first update (its ratios start away from 1)."""
+  r = result["episodes"]
+  timing = ("seconds", "occupancy", "decode_steps", "preemptions")
+  for one, split in zip(r["one"], r["split"]):
+    for name, value in one.items():
+      if isinstance(value, float) and not any(t in name for t in timing):
+        atol = 1e-5 if name.startswith("gap/") else 1e-6
+        np.testing.assert_allclose(split[name], value, rtol=1e-5, atol=atol,
+                                   err_msg=name)
+  split, ahead = r["split"], r["ahead"]
+  for name in ("loss", "reward/episode", "episode/turns"):
+    np.testing.assert_allclose(ahead[0][name], split[0][name], rtol=1e-5,
+                               atol=1e-7, err_msg=name)
+  assert abs(split[1]["approx_kl_k1"]) < 1e-6
+  assert abs(ahead[1]["approx_kl_k1"]) > 1e-5
+
+
 def test_the_continuous_engine_samples_on_sampler_devices(result):
   """The engine on 4 sampler devices, the update on the other 4: on-policy
   it trains as one device does (the same responses, whatever the

@@ -5,18 +5,20 @@ The truths: (1) an episode's ids, masks, rewards and sampler log-probs do
 not depend on the slots or the chunk size (one slot against three, chunks
 of 2 steps against whole turns); (2) the episodes are what a lockstep
 `TurnPolicy` plays for them all with the same key
-(`episodes.run_episodes`: a contiguous cache extended between turns); (3) every drawn token is one slot-step, so the occupancy
-is the tokens drawn over steps x slots, and with one slot it is 1; (4) a
-pool too small for every episode at once (online.engine_pages) preempts
-episodes, some mid-turn, and plays exactly the same episodes, every page
-given back at the end.
+(`episodes.run_episodes`: a contiguous cache extended between turns);
+(3) every drawn token is one slot-step, so the occupancy is the tokens
+drawn over steps x slots, and with one slot it is 1; (4) a pool too
+small for every episode at once (online.engine_pages) preempts episodes,
+some mid-turn, and plays exactly the same episodes, every page given back
+at the end.
 
 A tiny random Llama (its end-of-turn id made likely, so turns have spread
 lengths) plays an environment of numbers: the ids are the numbers of the
 messages (a renderer with no chat template), each answer a block of a
 length that varies with the row and the turn. And through the training
 loop: a GRPO step on the agents' miniature (tests/test_agent_training.py)
-is the same with one slot as with three, and on a pool that preempts.
+is the same with one slot as with three, on a pool that preempts, and in
+lockstep; and episodes played a step ahead of the update.
 """
 
 import json

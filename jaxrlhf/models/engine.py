@@ -47,10 +47,10 @@ pool of `num_pages` below the default (S x the pages of P + M - 1
 positions, never too small) can run short: before a decode step whose live
 sequences need more new pages than are free, the youngest live sequence
 (the highest prompt index) is preempted, until they fit: its pages go back,
-and it waits with its tokens and its key; a waiting sequence resumes, the
-oldest first and before any new prompt, into a free slot when the pages of
-its prompt and tokens so far are free, prefilled again with them, and
-draws on from its next draw: the same samples (the prefill's logits to float
+and it waits with its tokens; a waiting sequence resumes, the oldest
+first and before any new prompt, into a free slot when the pages of its
+prompt and tokens so far are free, prefilled again with them, and draws
+on from its next draw: the same samples (the prefill's logits to float
 rounding; tests/test_paged_kv.py). New prompts are admitted only when
 their pages are free. The oldest live sequence is never preempted, so a
 pool of `least_pages` (one longest sequence) always finishes. Only

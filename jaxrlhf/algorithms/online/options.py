@@ -221,8 +221,8 @@ ONLINE = config_schema.Group(
           "staleness; the first k steps' of the run's first step's); 0 "
           "samples each step's responses with the parameters it updates "
           "(on-policy). Episodes (online.environment, online.tools) are "
-          "played ahead on the host once the update is dispatched, on the "
-          "training devices.", bounds=">=0"),
+          "played ahead on the host once the update is dispatched.",
+          bounds=">=0"),
         F("sampler_devices", 0,
           "Devices that only sample (each process gives an equal share of "
           "its own), on a mesh of their own with mesh.shape's axes; the rest "
@@ -450,8 +450,8 @@ def replays_routes(config, module) -> bool:
 
 
 def check_episodes(c) -> None:
-  """Episodes: one way to make them, a pattern for the regex style, and
-  the step that plays them on the training devices."""
+  """Episodes: one way to make them, and a pattern for the regex
+  style."""
   o = c.online
   config_schema.require(
       not (o.environment and o.tools), "online.tools",
@@ -462,12 +462,6 @@ def check_episodes(c) -> None:
       "online.tool_call_pattern",
       "tool_call_style 'regex' reads calls with a pattern; give one with "
       "the named groups 'name' and 'arguments'.")
-  if environments.episodic(o):
-    config_schema.require(
-        not o.sampler_devices, "online.environment",
-        "multi-turn episodes are played on the training devices (ahead of "
-        "the update with online.off_policy_steps); set "
-        "online.sampler_devices=0.")
 
 
 def check_off_policy(c) -> None:

@@ -44,9 +44,9 @@ update does with them:
              Logged: correction/weight_mean, correction/capped_fraction.
 
 Multi-turn episodes (`episode_step.EpisodeStep`'s parts) are played on the
-host: a rollout ahead is played once the update is dispatched, so the
-environments' time overlaps the update's; on the training devices only
-(`options.check_episodes`).
+host, their turns decoded on the sampler's devices: a rollout ahead is
+played once the update is dispatched, so the environments' time overlaps
+the update's (tests/test_engine_episodes.py, tests/test_eight_devices.py).
 
 The first step of a run, and of a resumed one, has no rollout in flight: it
 samples with the parameters it starts from. `off_policy_steps=0` with
