@@ -36,14 +36,16 @@ for the topology's chips, as it would be on them, and the plan says:
     (`online.engine` 'continuous', or 'auto' where it resolves to it,
     `online.options.decoding`), the KV cache its engine holds per
     rollout part: slots x (prompt + budget - 1) positions of contiguous
-    rows, or on pages (`online.engine_page_size`; 'auto': 16) the page pool
-    (`online.engine_pages`, or the engine's default, slots x the pages of
+    rows, or on pages (`online.engine_page_size`; 'auto': 16) the page
+    pool (`online.engine_pages`, or the engine's default, slots x the pages of
     those positions; episodes: always pages, by default the step's
     episodes x the pages of the longest episode, held outside the compiled
     step), x the bytes of a position (layers x kv heads x head_dim x 2
     (keys, values) x the cache dtype's bytes, from the policy's cache
     shapes); XLA's memory figures hold a single-turn step's among the
-    temporaries;
+    temporaries; and whether its decode steps read the pages with JAX's
+    Pallas TPU kernel (traced for the chips' platform:
+    `paged_attention.compiled_for`);
   - for a step that does not fit, a one-line suggestion.
 
 Topologies: `cpu:N` (N simulated CPU devices, what the tests plan on) or a

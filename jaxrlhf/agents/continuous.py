@@ -52,9 +52,9 @@ episode's ids and log-probs depend neither on the slots, the chunk size
 nor when its environment answers, and are those the lockstep loop
 (`episodes.run_episodes` with a `TurnPolicy`) plays with the same key
 (log-probs to float rounding, and so a token where two candidates' noisy
-logits tie to that rounding; tests/test_engine_episodes.py). A turn's budget is the room left
-in max_episode_tokens (at most max_turn_tokens), which cuts a turn where
-the lockstep loop cuts it.
+logits tie to that rounding; tests/test_engine_episodes.py). A turn's
+budget is the room left in max_episode_tokens (at most max_turn_tokens),
+which cuts a turn where the lockstep loop cuts it.
 
 The stats: decode steps (chunk iterations), slot occupancy (slot-steps
 that drew a token / decode steps x S), preemptions, env_seconds (the
@@ -208,10 +208,10 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
 def _assign(slots, key, slot, episode, turn, pending, budget, resume,
             saved_rng, drawn, tokens, logprobs):
   """The slots' arrays (`_decode`'s) with slot[k] starting episode[k]'s
-  turn turn[k]: its key fold_in(key, turn), the id to
-  feed, the turn's budget, none drawn; or, where resume[k], going on with
-  a preempted turn: its key as it was (saved_rng[k]), its drawn[k] tokens
-  and log-probs (tokens / logprobs [k, max_turn_tokens]). All [k]; a slot
+  turn turn[k]: its key fold_in(key, turn), the id to feed, the turn's
+  budget, none drawn; or, where resume[k], going on with a preempted
+  turn: its key as it was (saved_rng[k]), its drawn[k] tokens and
+  log-probs (tokens / logprobs [k, max_turn_tokens]). All [k]; a slot
   index S is dropped."""
   keys = jax.vmap(lambda t: jax.random.fold_in(key, t))(turn)
   put = lambda old, new: old.at[slot].set(new.astype(old.dtype),
@@ -439,8 +439,9 @@ class EpisodeEngine:
     draws are added here) but the last id written onto its pages from
     what they hold on, and a free slot set to feed the last and draw at
     most `budget` tokens with the turn's key fold_in(key, turn), as the
-    episode's row of the lockstep batch draws; a preempted turn goes on with its own key, draws and
-    budget. The caller checks the pages (`pages_to_start`)."""
+    episode's row of the lockstep batch draws; a preempted turn goes on
+    with its own key, draws and budget. The caller checks the pages
+    (`pages_to_start`)."""
     self._flush_releases()
     free = self.free_slots()
     if not 0 < len(starts) <= len(free):

@@ -162,8 +162,8 @@ def play(trainer, policy_params, rows, key, temperature: float,
   a = agent(trainer)
   lim = a.limits
   o = trainer.config.online
-  engine, page_size = options.decoding(trainer.config)
-  if engine == "continuous":
+  decoder, page_size = options.decoding(trainer.config)
+  if decoder == "continuous":
     engine = continuous.EpisodeEngine(
         trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
         temperature=temperature,

@@ -15,8 +15,8 @@ Mosaic compiles for v5e chips), and reads keys and values in bfloat16 (it
 rounds them to bfloat16), so `choose` picks it on TPU for a bfloat16
 pool's decode step only. Under a mesh of several devices it runs in
 `jax.shard_map` (XLA does not partition a Mosaic kernel), each device on
-its rows of the mesh's batch axes, the pools whole. `PagedIndex.read` chooses (`READS`; 'auto':
-`choose`).
+its rows of the mesh's batch axes, the pools whole. `PagedIndex.read`
+chooses (`READS`; 'auto': `choose`).
 
 The loop pays where the batch's sequences are short beside the table: on
 bench_engine.py's CPU workload of responses averaging 47 tokens (longest
@@ -260,10 +260,10 @@ def choose(index: paged_kv.PagedIndex, length: int, window,
   `key_pool`, [kv_heads, pages, page_size, head_dim]): index.read
   ('kernel' where the kernel takes the call, one query per row, no window,
   a head_dim a multiple of KERNEL_HEAD_DIM and rows that divide over the
-  mesh's batch axes, else 'pages'), or for
-  'auto' the TPU kernel on a TPU (`platform()`) for a bfloat16 pool's
-  decode step (where its bfloat16 reads are exact), 'gather' for a table
-  of at most GATHER_POSITIONS positions, else 'pages'."""
+  mesh's batch axes, else 'pages'), or for 'auto' the TPU kernel on a TPU
+  (`platform()`) for a bfloat16 pool's decode step (where its bfloat16
+  reads are exact), 'gather' for a table of at most GATHER_POSITIONS
+  positions, else 'pages'."""
   read = index.read
   if read not in READS:
     raise ValueError(f"paged attention: PagedIndex.read={read!r}; choose "
