@@ -169,6 +169,7 @@ FIELDS = {
     'off_policy_correction': ('str', 'sampling'),
     'off_policy_steps': ('int', 0),
     'overflow_reward': ('float', 0.0),
+    'partial_rollouts': ('bool', False),
     'pg_reduction': ('str', 'sequence_sum'),
     'prompt_suffix': ('str', ''),
     'reward_model_checkpoint': ('str', ''),

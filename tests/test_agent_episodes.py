@@ -342,6 +342,13 @@ def test_qwen3_thinking_stays_in_the_trained_tokens(vocabulary):
      r"^config.online.tools: set with online.environment"),
     ({"online__tool_call_style": "regex"},
      r"^config.online.tool_call_pattern: tool_call_style 'regex'"),
+    # Partial rollouts: episodes played ahead, on the continuous engine.
+    ({"online__tools": "agent_envs:multiply",
+      "online__partial_rollouts": True},
+     r"^config.online.partial_rollouts: True needs episodes"),
+    ({"online__tools": "agent_envs:multiply", "online__off_policy_steps": 1,
+      "online__engine": "lockstep", "online__partial_rollouts": True},
+     r"^config.online.partial_rollouts: True needs episodes"),
 ])
 def test_episode_settings_are_refused_in_one_line(overrides, message):
   from conftest import tiny_config  # pylint: disable=g-import-not-at-top

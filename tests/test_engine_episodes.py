@@ -332,7 +332,6 @@ class UpdatedAfterThreeChunks(continuous.EpisodeEngine):
     return super().decode()
 
 
-
 def test_run_episodes_takes_new_parameters_between_chunks(tiny,
                                                           three_slots):
   """The same parameters handed over mid-run: every episode's cache is
@@ -347,6 +346,22 @@ def test_run_episodes_takes_new_parameters_between_chunks(tiny,
   assert engine.param_updates == 1 and stats["preemptions"] == 0
   assert_same(played, three_slots[0])
   assert int(engine.tables.num_free) == engine.tables.num_pages
+  # The same through `params_source`, polled before each chunk: given at
+  # the fourth poll, taken once, and reported.
+  polls = []
+
+  def source():
+    polls.append(1)
+    return jax.tree.map(np.array, params) if len(polls) == 4 else None
+  engine = continuous.EpisodeEngine(
+      model, params, end_id=END, temperature=1.0, turn_tokens=5,
+      max_length=36, page_size=4, num_slots=3)
+  engine.params_source = source
+  played, stats = continuous.run_episodes(
+      Numbers, ROWS, engine, NumberRenderer(), episodes.Parser("qwen"),
+      LIMITS, KEY)
+  assert len(polls) > 4 and stats["param_updates"] == 1
+  assert_same(played, three_slots[0])
 
 
 def test_bad_slots_are_one_line(tiny):
@@ -405,7 +420,8 @@ def _episode_steps(policy_run, name, steps, **overrides):
 def _same_steps(got, want):
   """Every logged figure of `want` but the timing's and the engine's
   counts is `got`'s."""
-  timing = ("seconds", "occupancy", "decode_steps", "preemptions")
+  timing = ("seconds", "occupancy", "decode_steps", "preemptions",
+            "param_updates")
   for name, value in want.items():
     if isinstance(value, float) and not any(t in name for t in timing):
       # The gap is a difference of near-equal log-probs, each sampler's
@@ -424,10 +440,10 @@ def test_episodes_one_step_ahead_of_the_update(policy_run):
   before the first update: its ratios start away from 1 (approx_kl_k1),
   where the on-policy step's start at 1."""
   still = dict(optimizer__learning_rate=1e-30)
-  on, ahead = (_episode_steps(policy_run, f"ahead_still_{k}", 2,
-                              online__off_policy_steps=k, **still)
-               for k in (0, 1))
-  for got, want in zip(ahead, on):
+  on_still, ahead = (_episode_steps(policy_run, f"ahead_still_{k}", 2,
+                                    online__off_policy_steps=k, **still)
+                     for k in (0, 1))
+  for got, want in zip(ahead, on_still):
     _same_steps(got, want)
   on, ahead = (_episode_steps(policy_run, f"ahead_{k}", 2,
                               online__off_policy_steps=k) for k in (0, 1))
@@ -442,3 +458,21 @@ def test_episodes_one_step_ahead_of_the_update(policy_run):
                              online__off_policy_correction="decoupled")
   assert abs(decoupled[1]["approx_kl_k1"]) < 1e-6
   assert abs(decoupled[1]["correction/weight_mean"] - 1.0) > 1e-3
+  # online.partial_rollouts: the second step's episodes take the first
+  # update's parameters once it is done, between two decode chunks
+  # (where depends on when it ends). With parameters the update does not
+  # move, the handover changes no token: the on-policy run, wherever it
+  # falls. With parameters it moves, each token's old log-prob is the
+  # sampler's own (the gap between them is then nothing).
+  partial_still = _episode_steps(policy_run, "ahead_partial_still", 2,
+                                 online__off_policy_steps=1,
+                                 online__partial_rollouts=True, **still)
+  assert [r["episode/param_updates"] for r in partial_still] == [0.0, 1.0]
+  for got, want in zip(partial_still, on_still):
+    _same_steps(got, want)
+  partial = _episode_steps(policy_run, "ahead_partial", 2,
+                           online__off_policy_steps=1,
+                           online__partial_rollouts=True)
+  assert [r["episode/param_updates"] for r in partial] == [0.0, 1.0]
+  _same_steps(partial[0], on[0])
+  assert partial[1]["gap/k1"] == partial[1]["gap/k3"] == 0.0

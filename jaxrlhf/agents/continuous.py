@@ -295,6 +295,9 @@ class EpisodeEngine:
     self.preemptions = 0
     self.param_updates = 0
     self._next_params, self._lock = None, threading.Lock()
+    # Polled by `take_params`: () -> new parameters to take, or None (the
+    # online step's partial rollouts: the update beside it, once done).
+    self.params_source = None
 
   # --- the pool, by episode --------------------------------------------------
 
@@ -407,10 +410,15 @@ class EpisodeEngine:
       self._next_params = params
 
   def take_params(self) -> List[int]:
-    """Takes the parameters handed over by `update_params`, if any (their
-    decode view rebuilt, every episode's pages given back): the episodes
-    whose turns were under way, now without a slot, to start again (their
-    draws and keys kept). Nothing handed over: []."""
+    """Takes the parameters handed over by `update_params`, or given by
+    `params_source`, if any (their decode view rebuilt, every episode's
+    pages given back): the episodes whose turns were under way, now
+    without a slot, to start again (their draws and keys kept). Nothing
+    handed over: []."""
+    if self.params_source is not None:
+      new = self.params_source()
+      if new is not None:
+        self.update_params(new)
     with self._lock:
       params, self._next_params = self._next_params, None
     if params is None:
@@ -675,4 +683,5 @@ def run_episodes(make_env, rows: Sequence[Mapping[str, Any]],
                                         * engine.num_slots),
                     "useful_slot_steps": float(engine.useful_slot_steps),
                     "decode_steps": float(engine.decode_steps),
-                    "preemptions": float(engine.preemptions)}
+                    "preemptions": float(engine.preemptions),
+                    "param_updates": float(engine.param_updates)}

@@ -70,7 +70,7 @@ from jaxrlhf.models import engine as engine_lib
 # (`_per_episode` logs their ratio, episode/slot_occupancy), and the
 # episodes preempted for pages (online.engine_pages).
 _TIMING = ("env_seconds", "env_hidden_seconds", "slot_steps",
-           "useful_slot_steps", "preemptions")
+           "useful_slot_steps", "preemptions", "param_updates")
 # Per-episode means of these sums (`episodes.metrics`).
 _MEANS = ("episode/turns", "episode/tool_calls", "episode/failed_calls",
           "episode/overflow")
@@ -150,7 +150,7 @@ def agent(trainer) -> Agent:
 
 
 def play(trainer, policy_params, rows, key, temperature: float,
-         row_names=None):
+         row_names=None, params_source=None):
   """The episodes of `rows` ({"prompt", **columns}) with the policy's
   parameters (its view: LoRA merged) at `temperature` (0: greedy):
   (episodes, {"env_seconds", "decode_steps", and with the continuous
@@ -158,7 +158,9 @@ def play(trainer, policy_params, rows, key, temperature: float,
   online.engine 'lockstep' plays the turns in lockstep
   (`agents.policies.TurnPolicy`), 'continuous' (and 'auto') on decode
   slots (`agents.continuous`), its pages' pool online.engine_pages (unset:
-  every episode at its longest, none preempted): the same episodes."""
+  every episode at its longest, none preempted): the same episodes.
+  `params_source` (continuous): new parameters mid-play
+  (`EpisodeEngine.params_source`, online.partial_rollouts)."""
   a = agent(trainer)
   lim = a.limits
   o = trainer.config.online
@@ -171,6 +173,7 @@ def play(trainer, policy_params, rows, key, temperature: float,
         max_length=lim.max_opening_tokens + lim.max_episode_tokens,
         turn_tokens=lim.max_turn_tokens,
         page_size=page_size, num_pages=o.engine_pages)
+    engine.params_source = params_source
     return continuous.run_episodes(a.make_env, rows, engine, a.renderer,
                                    a.parser, lim, key, name=a.name,
                                    row_names=row_names)
@@ -247,8 +250,11 @@ class EpisodeStep(host_split.HostSplitStep):
     super().__init__(trainer, mesh=mesh)
     self._trainer = trainer
     self._limits = agent(trainer).limits
-    self._view = jax.jit(lambda params, frozen: trainer.view_parts(
+    self.view = jax.jit(lambda params, frozen: trainer.view_parts(
         params, frozen)[0]["policy"])
+    # online.partial_rollouts: () -> the policy's view of newer parameters
+    # to play on with, or None; set by `overlap` for the episodes ahead.
+    self.params_source = None
     self._score_episodes = jax.jit(self._score_fn)
     self.parts = dataclasses.replace(
         self.parts, sample=self._sample, score=self._score,
@@ -263,9 +269,10 @@ class EpisodeStep(host_split.HostSplitStep):
     rows = [{"prompt": source.texts[i],
              **{c: v[i] for c, v in source.columns.items()}}
             for i in indices]
-    played, timing = play(self._trainer, self._view(params, frozen), rows,
+    played, timing = play(self._trainer, self.view(params, frozen), rows,
                           key, self._config.online.temperature,
-                          [f"prompt row {i}" for i in indices])
+                          [f"prompt row {i}" for i in indices],
+                          params_source=self.params_source)
     arrays = episodes_lib.assemble(played, self._limits)
     place = lambda x: jax.make_array_from_process_local_data(
         sharding.batch_sharding(self.mesh, self._rules, x.ndim), x)
@@ -289,8 +296,12 @@ class EpisodeStep(host_split.HostSplitStep):
         t, params, frozen, samples.opening, samples.tokens,
         episodes=(samples.opening_mask, samples.present, samples.model,
                   samples.ended))
-    return iteration.with_sampler_stats(rollout, samples.decode_steps,
-                                        samples.logprobs)
+    rollout = iteration.with_sampler_stats(rollout, samples.decode_steps,
+                                           samples.logprobs)
+    if t.config.online.partial_rollouts:
+      # A token's old log-prob is that of the policy that drew it.
+      rollout = rollout.replace(logprobs=rollout.sample_logprobs)
+    return rollout
 
   def _score(self, params, frozen, prompt_tokens, samples, references=None):
     del prompt_tokens, references  # the episodes' openings are their own
@@ -315,8 +326,8 @@ class EpisodeStep(host_split.HostSplitStep):
 
 def _per_episode(metrics: Dict[str, float]) -> Dict[str, float]:
   """The episode sums of every round (added over processes) as means per
-  episode, and the slots' occupancy; env_seconds and preemptions stay
-  the step's totals."""
+  episode, and the slots' occupancy; env_seconds, preemptions and
+  param_updates stay the step's totals."""
   metrics = dict(metrics)
   if "episode/slot_steps" in metrics:
     metrics["episode/slot_occupancy"] = (

@@ -223,6 +223,19 @@ ONLINE = config_schema.Group(
           "(on-policy). Episodes (online.environment, online.tools) are "
           "played ahead on the host once the update is dispatched.",
           bounds=">=0"),
+        F("partial_rollouts", False,
+          "Episodes played ahead (online.off_policy_steps >= 1, "
+          "online.environment or online.tools, on the continuous engine) "
+          "go on with the parameters of the update that runs beside them "
+          "as soon as it is done, taken between two decode chunks "
+          "(agents/continuous.py: the episodes' caches recomputed with "
+          "them), so their later tokens come from the newer policy (AReaL's "
+          "and PipelineRL's in-flight weight updates). Each token keeps "
+          "the log-prob of the policy that drew it, and the update takes "
+          "those as its old policy (so the gap/ metrics compare the "
+          "sampler with itself). Where the handover falls depends on when "
+          "the update ends, so such a run is not repeatable; "
+          "episode/param_updates counts the handovers."),
         F("sampler_devices", 0,
           "Devices that only sample (each process gives an equal share of "
           "its own), on a mesh of their own with mesh.shape's axes; the rest "
@@ -465,8 +478,18 @@ def check_episodes(c) -> None:
 
 
 def check_off_policy(c) -> None:
-  """Overlap works on the plain step: one round of prompts per step."""
+  """Overlap works on the plain step: one round of prompts per step;
+  partial rollouts on episodes played ahead by the continuous engine."""
   o = c.online
+  config_schema.require(
+      not o.partial_rollouts or (
+          o.off_policy_steps and environments.episodic(o)
+          and decoding(c)[0] == "continuous"),
+      "online.partial_rollouts", "True needs episodes (online.environment "
+      "or online.tools) played ahead (online.off_policy_steps >= 1) on the "
+      "continuous engine (online.engine 'auto' or 'continuous'): it hands "
+      "new parameters over between the episode engine's decode chunks, "
+      "and single-turn responses decode in one compiled loop.")
   if o.off_policy_steps and c.get("grpo") is not None:
     config_schema.require(
         not c.grpo.dynamic_sampling, "online.off_policy_steps",

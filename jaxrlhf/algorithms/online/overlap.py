@@ -46,7 +46,9 @@ update does with them:
 Multi-turn episodes (`episode_step.EpisodeStep`'s parts) are played on the
 host, their turns decoded on the sampler's devices: a rollout ahead is
 played once the update is dispatched, so the environments' time overlaps
-the update's (tests/test_engine_episodes.py, tests/test_eight_devices.py).
+the update's (tests/test_engine_episodes.py, tests/test_eight_devices.py);
+with online.partial_rollouts they go on with the update's parameters once
+it is done (`_newer_params`).
 
 The first step of a run, and of a resumed one, has no rollout in flight: it
 samples with the parameters it starts from. `off_policy_steps=0` with
@@ -126,6 +128,7 @@ class OverlappedStep:
     self._num_steps = t.config.train.num_steps
     self._prompt_source = t.online.prompt_source
     self._sampler = sampler(t, mesh=mesh)
+    self._partial = bool(o.partial_rollouts)
     self._params_on_sampler = _on_mesh(t.state_shardings.params, mesh)
     self._frozen_on_sampler = _on_mesh(t.state_shardings.frozen, mesh)
     self._frozen = None  # the frozen networks on the sampler, moved once
@@ -164,6 +167,8 @@ class OverlappedStep:
     # own step's key (the keys' chain, `split_step_key`, run forward).
     stream = self._prompt_source.stream
     rng = state.rng  # step t + 1's
+    if self._partial and ahead:
+      self._sampler.params_source = self._newer_params(state)
     for step in range(self._step + 1, ahead.stop):
       if step in ahead:
         _, key, _ = iteration.split_step_key(rng)
@@ -171,8 +176,29 @@ class OverlappedStep:
             params, state, self._on_sampler(stream.batch_at(
                 stream.position + step - self._step - 1)), key))
       rng = iteration.split_step_key(rng)[0]
+    if self._partial:
+      self._sampler.params_source = None
     self._step += 1
     return state, metrics
+
+  def _newer_params(self, state):
+    """online.partial_rollouts: a source (`EpisodeEngine.params_source`)
+    that gives, once, the policy's view of `state`'s parameters on the
+    sampler as soon as the update that makes them is done (polled
+    between decode chunks: the episodes being played ahead go on with
+    them)."""
+    taken = []
+
+    def source():
+      if taken or not all(x.is_ready() for x in jax.tree.leaves(
+          state.params)):
+        return None
+      taken.append(True)
+      params = jax.device_put(state.params, self._params_on_sampler,
+                              may_alias=False)
+      with jax.set_mesh(self.mesh):
+        return self._sampler.view(params, self._frozen_for(state.frozen))
+    return source
 
   # --- the parts that run on the sampler ------------------------------------
 
