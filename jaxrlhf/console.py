@@ -87,7 +87,9 @@ class _QuietLoader(importlib.abc.Loader):
         importlib.import_module("tensorflow_text")
       except ImportError:
         pass
-    module.config.set_visible_devices([], "GPU")
+      # Hiding the GPUs probes CUDA, which logs an error on a machine
+      # without one (seen when JAX was imported before us).
+      module.config.set_visible_devices([], "GPU")
 
 
 def silence_library_noise(python_loggers: bool = False) -> None:

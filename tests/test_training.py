@@ -309,12 +309,13 @@ def test_help_lists_the_flags_and_exits_0():
   assert result.stderr == ""
 
 
-def test_tensorflow_is_imported_only_when_needed_and_then_quietly():
+@pytest.mark.parametrize("first", ["", "import jax\n"])
+def test_tensorflow_is_imported_only_when_needed_and_then_quietly(first):
   """The models, samplers and --help start without TensorFlow; its first
   import (seqio's, here) prints none of its C++ start-up lines (on a
   machine without a GPU it announces the CUDA drivers it did not find) and
-  sees no GPU."""
-  code = (
+  sees no GPU; also after JAX was imported first, as a notebook does."""
+  code = first + (
       "import sys\n"
       "import jaxrlhf.models.pretrained, jaxrlhf.models.sampling\n"
       "from jaxrlhf import main\n"
