@@ -455,10 +455,11 @@ def plans(workdir):
 def paged_kernel():
   """JAX's Pallas TPU paged-attention kernel (interpreted on these CPUs)
   under the 4x2 mesh, its 8 rows split over the batch axes
-  (`jax.shard_map`: XLA
-  does not partition a Mosaic kernel), against the XLA loop over the
-  pages in use on the same rows: the largest difference, and whether the
-  traced call maps the kernel over the mesh."""
+  (`jax.shard_map`: XLA does not partition a Mosaic kernel), against the
+  XLA loop over the pages in use on the same rows: the largest
+  difference, and whether the traced call maps the kernel over the mesh;
+  and the same under the bare mesh, with no logical-axis rules (every
+  device then runs all the rows)."""
   from jaxrlhf.models.layers import paged_attention  # pylint: disable=g-import-not-at-top
   from jaxrlhf.models.layers import paged_kv  # pylint: disable=g-import-not-at-top
   rng = np.random.default_rng(3)
@@ -471,13 +472,20 @@ def paged_kernel():
       tables.page_table, jnp.asarray(np.maximum(lengths, 1) - 1, jnp.int32),
       4)
   query = jnp.asarray(rng.normal(size=(8, 1, 4, 8)), jnp.float32)
-  kernel = jax.jit(lambda q, k, v, i: paged_attention.tpu_kernel(
+  # A new jit for each mesh context (the logical-axis rules are not in
+  # its cache key).
+  kernel = lambda: jax.jit(lambda q, k, v, i: paged_attention.tpu_kernel(
       q, k, v, i, scale=0.4, interpret=True))
-  with sharding.activate(tiny_config(mesh__shape=(4, 2))):
-    got = kernel(query, *pools, index)
-    mapped = "shard_map" in str(kernel.trace(query, *pools, index).jaxpr)
+  with sharding.activate(tiny_config(mesh__shape=(4, 2))) as mesh:
+    got = kernel()(query, *pools, index)
+    mapped = "shard_map" in str(kernel().trace(query, *pools, index).jaxpr)
+  with jax.set_mesh(mesh):
+    bare = kernel()(query, *pools, index)
+    mapped = mapped and "shard_map" in str(
+        kernel().trace(query, *pools, index).jaxpr)
   want = paged_attention.attend_pages(query, *pools, index, scale=0.4)
   return {"max_diff": float(jnp.max(jnp.abs(got - want))),
+          "max_diff_bare": float(jnp.max(jnp.abs(bare - want))),
           "shard_map": mapped}
 
 

@@ -176,8 +176,8 @@ def test_the_continuous_engine_on_pages_trains_alike_on_4x2(result):
 
 def test_the_tpu_kernel_runs_its_rows_split_over_the_mesh(result):
   r = result["paged_kernel"]
-  assert r["shard_map"]
-  assert r["max_diff"] < 1e-5
+  assert r["shard_map"]  # with the rules and without
+  assert r["max_diff"] < 1e-5 and r["max_diff_bare"] < 1e-5
 
 
 def test_episodes_are_played_on_sampler_devices(result):

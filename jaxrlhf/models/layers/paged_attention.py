@@ -177,15 +177,22 @@ def platform() -> str:
   return _PLATFORM.get() or jax.default_backend()
 
 
+def _several_devices() -> bool:
+  """Whether the call is traced under a mesh of more than one device."""
+  mesh = jax.sharding.get_abstract_mesh()
+  return not mesh.empty and mesh.size > 1
+
+
 def _kernel_split(batch: int) -> Optional[Tuple[str, ...]]:
   """The mesh axes the kernel's call of `batch` rows is split over under
-  the mesh traced in (a Mosaic kernel is not partitioned by XLA: it runs
-  in `jax.shard_map`, each device on its rows, the pools whole): () for
-  one device or none, the logical 'batch' axis's mesh axes otherwise;
+  the mesh traced in (a Mosaic kernel is not partitioned by XLA: on
+  several devices it runs in `jax.shard_map`, each device on its rows,
+  the pools whole): the logical 'batch' axis's mesh axes (() for one
+  device or none, or no rule for 'batch': every device all the rows);
   None where they do not divide the rows (the kernel is not taken)."""
-  mesh = jax.sharding.get_abstract_mesh()
-  if mesh.empty or mesh.size == 1:
+  if not _several_devices():
     return ()
+  mesh = jax.sharding.get_abstract_mesh()
   axes = nn.logical_to_mesh_axes(("batch",))[0]
   axes = (() if axes is None else tuple(axes) if isinstance(axes, tuple)
           else (axes,))
@@ -246,8 +253,8 @@ def tpu_kernel(query: Array, key_pool: Array, value_pool: Array,
     raise ValueError(f"paged attention: the TPU kernel's {batch} rows do "
                      "not divide over the mesh's batch axes; read='pages' "
                      "takes them.")
-  if split:
-    rows = jax.sharding.PartitionSpec(split)
+  if _several_devices():
+    rows = jax.sharding.PartitionSpec(split or None)
     whole = jax.sharding.PartitionSpec()
     call = jax.shard_map(call, in_specs=(rows, whole, whole, rows, rows),
                          out_specs=rows, check_vma=False)
