@@ -383,10 +383,6 @@ def test_overlap_settings_that_cannot_work_are_refused_naming_the_field():
       check(config)
     return str(error.value)
 
-  assert refusal(defaults.validate, **{
-      "algorithm": "grpo", "online.off_policy_steps": 1,
-      "grpo.dynamic_sampling": True}).startswith(
-          "config.online.off_policy_steps: 1 with grpo.dynamic_sampling")
   assert refusal(lambda c: algorithms.check_rows(c, 1), **{
       "algorithm": "rejection_sampling", "online.off_policy_steps": 1,
       "online.off_policy_correction": "decoupled"}).startswith(

@@ -101,6 +101,19 @@ class Said:
             len(message["content"]) / 10.0, self.t >= 2)
 
 
+class SaidToRow(Said):
+  """`Said`, with the row's answer added to the last turn's reward: the
+  returns tell the prompts apart."""
+
+  def __init__(self, row):
+    super().__init__(row)
+    self.answer = float(row["answer"])
+
+  def step(self, message):
+    said, reward, done = super().step(message)
+    return said, reward + (self.answer if done else 0.0), done
+
+
 @pytest.fixture(scope="module")
 def tiny():
   model, params = tiny_llama(VOCAB)
@@ -402,14 +415,15 @@ def test_a_grpo_step_on_episodes_is_the_same_on_one_slot_as_on_three(
     _same_steps(other, one)
 
 
-def _episode_steps(policy_run, name, steps, **overrides):
+def _episode_steps(policy_run, name, steps, environment="Said",
+                   **overrides):
   """The logged rows of a GRPO run of `steps` steps on the agents'
-  miniature config (its biased tiny Qwen2, `Said`'s episodes) with
-  `overrides`, one per step."""
+  miniature config (its biased tiny Qwen2, the episodes of `environment`,
+  a class here) with `overrides`, one per step."""
   from test_agent_training import _config  # pylint: disable=g-import-not-at-top
   config = _config(policy_run["root"], **overrides)
   config.train.num_steps = steps
-  config.online.environment = "test_engine_episodes:Said"
+  config.online.environment = f"test_engine_episodes:{environment}"
   config.init.policy_checkpoint = policy_run["workdir"]
   workdir = policy_run["root"] / name
   loop.train(config, str(workdir), devices=jax.devices()[:1])
@@ -428,6 +442,25 @@ def _same_steps(got, want):
       # to its rounding (a batch of 1 or 3 slots, or all 4 episodes).
       atol = 1e-5 if name.startswith("gap/") else 1e-6
       assert got[name] == pytest.approx(value, rel=1e-5, abs=atol), name
+
+
+def test_episodes_ahead_with_dynamic_sampling(policy_run):
+  """DAPO's dynamic sampling on episodes played k = 2 steps ahead: each
+  step ahead plays as many rounds of prompts as it needs, from the batches
+  after those of the steps in flight. With parameters held still that is
+  the on-policy run, step for step, rounds included (they differ by step
+  here: a group whose two episodes said as much scores alike). The
+  returns count the rows' answers (`SaidToRow`), so a step ahead that
+  played other prompts would log another reward."""
+  options = dict(grpo__dynamic_sampling=True, grpo__max_sampling_rounds=3,
+                 optimizer__learning_rate=1e-30)
+  on, ahead = (_episode_steps(policy_run, f"dynamic_{k}", 4, "SaidToRow",
+                              online__off_policy_steps=k, **options)
+               for k in (0, 2))
+  assert len({r["dynamic_sampling/rounds"] for r in on}) > 1
+  assert len(ahead) == len(on) == 4
+  for got, want in zip(ahead, on):
+    _same_steps(got, want)
 
 
 def test_episodes_one_step_ahead_of_the_update(policy_run):

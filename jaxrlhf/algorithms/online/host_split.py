@@ -24,7 +24,8 @@ on and a resumed run draws the same) until it has train.batch_size groups
 that vary, or has sampled its cap of rounds; the places still empty then
 take dropped groups, so the update always trains on the same number of
 rows. `dynamic_sampling/rounds` and `dynamic_sampling/dropped_fraction`
-(of the groups sampled) are logged.
+(of the groups sampled) are logged. Steps sampled ahead of the update
+(online.off_policy_steps) decide their rounds the same way (`overlap`).
 """
 
 import dataclasses
@@ -107,15 +108,20 @@ class HostSplitStep:
 
   def _rounds(self, batch, rounds):
     """The step's batch, then, with dynamic sampling, the prompt stream's
-    next batches while fewer than train.batch_size groups vary and the cap
-    allows."""
+    next batches while `more_rounds`."""
     yield batch
-    for unused_round in range(1, self._cap or 1):
-      kept, _ = self._groups(rounds)
-      if len(kept) >= self._groups_per_round(rounds):
-        return
+    while self.more_rounds(rounds):
       yield sharding.global_batch(next(self._prompt_source.stream),
                                   self._training_mesh, self._rules)
+
+  def more_rounds(self, rounds) -> bool:
+    """Dynamic sampling wants another round of prompts after `rounds` (the
+    step's [(rollout, host metrics)] so far): fewer than train.batch_size
+    groups vary, and the cap allows."""
+    if len(rounds) >= (self._cap or 1):
+      return False
+    kept, _ = self._groups(rounds)
+    return len(kept) < self._groups_per_round(rounds)
 
   def _host_rewards(self, rollout, samples, batch):
     """The rollout with this process's rows scored by the host rewards, and

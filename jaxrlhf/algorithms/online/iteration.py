@@ -84,15 +84,8 @@ def online_step(parts: StepParts, state, batch):
   next_key, rollout_key, update_key = split_step_key(state.rng)
   # Prompts -> sample -> score -> rewards, in rounds: one, unless dynamic
   # sampling asks for more prompts to find groups whose rewards vary.
-  rounds = []
-  for round_, prompts in enumerate(parts.rounds(batch, rounds)):
-    key = rollout_key if not round_ else jax.random.fold_in(rollout_key,
-                                                             round_)
-    samples = parts.sample(state.params, state.frozen, prompts, key)
-    rollout = parts.score(state.params, state.frozen,
-                          prompts[prompts_lib.PROMPT_FEATURE], samples,
-                          prompts.get(prompts_lib.COMPLETIONS))
-    rounds.append(parts.host_rewards(rollout, samples, prompts))
+  rounds = sample_rounds(parts, state.params, state.frozen, batch,
+                         rollout_key)
   rollout, metrics = parts.keep(rounds)
   # Off-policy: the gap between the policy that sampled and this one.
   rollout, token_weights, gap_metrics = parts.correct(state, rollout)
@@ -104,6 +97,21 @@ def online_step(parts: StepParts, state, batch):
                                        update_key, next_key)
   return state, {**metrics, **gap_metrics, **target_metrics,
                  **update_metrics}
+
+
+def sample_rounds(parts: StepParts, params, frozen, batch, rollout_key):
+  """[(rollout, host metrics)] of each round of prompts `parts.rounds`
+  gives (round r > 0 sampled with fold_in(rollout_key, r)): the sampling
+  half of a step, which the overlap also runs ahead."""
+  rounds = []
+  for round_, prompts in enumerate(parts.rounds(batch, rounds)):
+    key = rollout_key if not round_ else jax.random.fold_in(rollout_key,
+                                                             round_)
+    samples = parts.sample(params, frozen, prompts, key)
+    rollout = parts.score(params, frozen, prompts[prompts_lib.PROMPT_FEATURE],
+                          samples, prompts.get(prompts_lib.COMPLETIONS))
+    rounds.append(parts.host_rewards(rollout, samples, prompts))
+  return rounds
 
 
 def split_step_key(key):

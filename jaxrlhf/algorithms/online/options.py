@@ -478,8 +478,8 @@ def check_episodes(c) -> None:
 
 
 def check_off_policy(c) -> None:
-  """Overlap works on the plain step: one round of prompts per step;
-  partial rollouts on episodes played ahead by the continuous engine."""
+  """Partial rollouts work on episodes played ahead by the continuous
+  engine."""
   o = c.online
   config_schema.require(
       not o.partial_rollouts or (
@@ -490,12 +490,6 @@ def check_off_policy(c) -> None:
       "continuous engine (online.engine 'auto' or 'continuous'): it hands "
       "new parameters over between the episode engine's decode chunks, "
       "and single-turn responses decode in one compiled loop.")
-  if o.off_policy_steps and c.get("grpo") is not None:
-    config_schema.require(
-        not c.grpo.dynamic_sampling, "online.off_policy_steps",
-        "1 with grpo.dynamic_sampling: dynamic sampling decides how many "
-        "prompts a step samples after scoring them, which an overlapped step "
-        "cannot know ahead; set one of them off.")
 
 
 def check_groups_of_two(c) -> None:

@@ -23,7 +23,11 @@ move to the sampler with a resharding `jax.device_put` once per step (the
 frozen reference and reward model once per run), and each rollout moves
 back the same way. Prompts t+1 are the stream's next batch, read ahead
 without moving it, so the data position (and a resumed run's) is the
-on-policy run's.
+on-policy run's. With dynamic sampling (`host_split`) a step made ahead
+samples its rounds from the batches after those of the steps in flight,
+deciding on more rounds as the on-policy step does; when it trains, the
+stream moves past its rounds, so the data position is where the next
+step's prompts start (tests/test_staleness.py).
 
 The update trains on responses of the previous parameters. The rollout's
 log-probs are computed on the sampler with the parameters that sampled
@@ -65,7 +69,6 @@ import jax
 from jaxrlhf import sharding
 from jaxrlhf.algorithms.online import host_split
 from jaxrlhf.algorithms.online import iteration
-from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.eval import evaluation
 from jaxrlhf.rl import rollout as rollout_lib
 
@@ -165,16 +168,13 @@ class OverlappedStep:
     # steps' prompts with the parameters this step started from (read
     # ahead: the stream's position is already step t + 1's), each with its
     # own step's key (the keys' chain, `split_step_key`, run forward).
-    stream = self._prompt_source.stream
     rng = state.rng  # step t + 1's
     if self._partial and ahead:
       self._sampler.params_source = self._newer_params(state)
     for step in range(self._step + 1, ahead.stop):
       if step in ahead:
         _, key, _ = iteration.split_step_key(rng)
-        self._pending.append(self._rollout(
-            params, state, self._on_sampler(stream.batch_at(
-                stream.position + step - self._step - 1)), key))
+        self._pending.append(self._rounds_ahead(params, state, key))
       rng = iteration.split_step_key(rng)[0]
     if self._partial:
       self._sampler.params_source = None
@@ -207,11 +207,15 @@ class OverlappedStep:
 
   def _rounds(self, batch, rounds):
     """Nothing to sample when the rollout was made a step ahead; else the
-    step's batch, moved to the sampler."""
-    del rounds
-    if not self._pending:
-      yield self._on_sampler({k: evaluation.local_rows(v)
-                              for k, v in batch.items()})
+    step's batch, moved to the sampler, then the stream's next batches
+    while dynamic sampling wants more (the stream moving on, as
+    `host_split`'s do)."""
+    if self._pending:
+      return
+    yield self._on_sampler({k: evaluation.local_rows(v)
+                            for k, v in batch.items()})
+    while self._sampler.more_rounds(rounds):
+      yield self._on_sampler(next(self._prompt_source.stream))
 
   def _frozen_for(self, frozen):
     """The frozen networks on the sampler (moved once); the live state's
@@ -239,22 +243,35 @@ class OverlappedStep:
     with jax.set_mesh(self.mesh):
       return self._sampler.parts.host_rewards(rollout, samples, batch)
 
-  def _rollout(self, params, state, batch, key):
-    """A rollout of `batch` sampled ahead with `params` (already on the
-    sampler), as `online_step` makes one: (rollout, host metrics)."""
-    samples = self._sample(params, state.frozen, batch, key)
-    rollout = self._score(params, state.frozen,
-                          batch[prompts_lib.PROMPT_FEATURE], samples,
-                          batch.get(prompts_lib.COMPLETIONS))
-    return self._host_rewards(rollout, samples, batch)
+  def _rounds_ahead(self, params, state, key):
+    """The rounds of the next step not yet made, sampled ahead with
+    `params` (already on the sampler) as `online_step` samples a step's:
+    its prompts the stream's batches after those of the steps in flight
+    (one each, or a step's dynamic-sampling rounds), read without moving
+    the stream."""
+    stream = self._prompt_source.stream
+    start = stream.position + sum(len(r) for r in self._pending)
+
+    def rounds(batch, so_far):
+      yield batch
+      while self._sampler.more_rounds(so_far):
+        yield self._on_sampler(stream.batch_at(start + len(so_far)))
+    return iteration.sample_rounds(
+        dataclasses.replace(self.parts, rounds=rounds), params, state.frozen,
+        self._on_sampler(stream.batch_at(start)), key)
 
   def _keep(self, rounds):
     """The rollout made ahead (or this step's), moved to the training mesh,
-    and the host's metrics."""
+    and the host's metrics: the sampler's `keep` of its rounds. A step made
+    ahead moves the stream past its later rounds' batches, so the data
+    position (and a resumed run's) is where the next step's prompts
+    start."""
     if self._pending:
-      rounds = [self._pending.popleft()]
-    rollout, skipped = rounds[0]
+      rounds = self._pending.popleft()
+      for unused_round in rounds[1:]:
+        next(self._prompt_source.stream)
+    with jax.set_mesh(self.mesh):
+      rollout, metrics = self._sampler.parts.keep(rounds)
     return (jax.device_put(rollout, _rows_on(self._training_mesh,
                                              self._rules, rollout)),
-            self._sampler.step_metrics(
-                host_split.summed_over_processes(skipped)))
+            metrics)
