@@ -204,8 +204,9 @@ def decode_main(path, argv, n=8):
   play = episode_step.play
 
   def recording_play(trainer, params, rows, key, temperature,
-                     row_names=None):
-    played, info = play(trainer, params, rows, key, temperature, row_names)
+                     row_names=None, **options):
+    played, info = play(trainer, params, rows, key, temperature, row_names,
+                        **options)
     if temperature == 0.0 and not pathlib.Path(path).exists():
       renderer = episode_step.agent(trainer).renderer
       pathlib.Path(path).write_text(json.dumps([{

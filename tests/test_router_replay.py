@@ -20,7 +20,12 @@ scoring and the updates route those tokens alike (`moe_decoder.apply`'s
     the update's loss replays them (its ratio is exactly 1 before the
     first update even with routes the trainer would never choose itself,
     and is not without them), and a step split around the host logs the
-    gap with and without.
+    gap with and without;
+  * multi-turn episodes: both episode players (lockstep turns, the cache
+    extended or prefilled afresh; the engine's slots on a pool that
+    preempts) record the teacher-forced experts of every id they feed,
+    and an episode step's rollout carries them to its scoring (the
+    sampler's own log-probs) and to the update, as above.
 """
 
 import flax.linen as nn
@@ -268,29 +273,36 @@ def test_the_update_replays_the_rollouts_routes(grpo_run):
   assert trainer.online.router_replay
   with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
     rollout = iteration.rollout_for_step(trainer, state, batch)
-    rows, length = rollout.mask.shape
-    layers = sum(trainer.lm.module.config.sparse_layers)
-    assert rollout.routes.shape == (
-        rows, rollout.features["tokens"].shape[1], layers, TOP_K)
-    # Routes the trainer would not choose: each expert moved by one.
-    moved = jnp.where(rollout.routes >= 0, (rollout.routes + 1) % E,
-                      rollout.routes)
-    rescored = rollout_lib.logprobs_and_entropy(
-        trainer.lm, state.params["policy"], rollout.features, None,
-        trainer.config.online.temperature, length, routes=moved)[0]
-    assert float(jnp.max(jnp.abs(rescored - rollout.logprobs))) > 1e-3
-    rollout = rollout.replace(routes=moved, logprobs=rescored)
-    data, algorithm_state, _ = trainer.algorithm.training.targets(
-        trainer, state, rollout)
-    assert rollout_lib.ROUTES in data
-    loss = trainer.algorithm.training.loss
-    _, metrics = loss(trainer, state.params, data, algorithm_state)
-    np.testing.assert_allclose(metrics["approx_kl_k3"], 0.0, atol=1e-10)
-    np.testing.assert_allclose(metrics["ratio_mean"], 1.0, atol=1e-6)
-    # Without the routes the loss's forward pass routes itself: not 1.
-    del data[rollout_lib.ROUTES]
-    _, metrics = loss(trainer, state.params, data, algorithm_state)
-    assert float(metrics["approx_kl_k3"]) > 1e-5
+    _assert_the_update_replays(trainer, state, rollout)
+
+
+def _assert_the_update_replays(trainer, state, rollout):
+  """The rollout's routes laid out over its features' columns, and the
+  update's forward pass replaying them: with routes the trainer would not
+  choose (each expert moved by one) and the log-probs they give as the
+  old policy, the ratios are exactly 1, and not without the routes."""
+  rows, length = rollout.mask.shape
+  layers = sum(trainer.lm.module.config.sparse_layers)
+  assert rollout.routes.shape == (
+      rows, rollout.features["tokens"].shape[1], layers, TOP_K)
+  moved = jnp.where(rollout.routes >= 0, (rollout.routes + 1) % E,
+                    rollout.routes)
+  rescored = rollout_lib.logprobs_and_entropy(
+      trainer.lm, state.params["policy"], rollout.features, None,
+      trainer.config.online.temperature, length, routes=moved)[0]
+  assert float(jnp.max(jnp.abs(rescored - rollout.logprobs))) > 1e-3
+  rollout = rollout.replace(routes=moved, logprobs=rescored)
+  data, algorithm_state, _ = trainer.algorithm.training.targets(
+      trainer, state, rollout)
+  assert rollout_lib.ROUTES in data
+  loss = trainer.algorithm.training.loss
+  _, metrics = loss(trainer, state.params, data, algorithm_state)
+  np.testing.assert_allclose(metrics["approx_kl_k3"], 0.0, atol=1e-10)
+  np.testing.assert_allclose(metrics["ratio_mean"], 1.0, atol=1e-6)
+  # Without the routes the loss's forward pass routes itself: not 1.
+  del data[rollout_lib.ROUTES]
+  _, metrics = loss(trainer, state.params, data, algorithm_state)
+  assert float(metrics["approx_kl_k3"]) > 1e-5
 
 
 def test_a_grpo_step_logs_the_gap_with_and_without_replay(grpo_run):
@@ -367,3 +379,120 @@ def test_a_moe_rollout_on_the_engine_carries_its_routes(grpo_run):
   np.testing.assert_allclose(
       np.asarray(rollout.logprobs)[mask],
       np.asarray(samples.logprobs)[mask], atol=1e-4)
+
+
+def _forced_routes(module, params, sequences):
+  """The experts a teacher-forced forward pass routes each id of
+  `sequences` (lists of ids) to, sorted per token: a list of [n, moe
+  layers, top_k] (the rows right-padded into one causal pass)."""
+  longest = max(len(s) for s in sequences)
+  tokens = np.zeros((len(sequences), longest), np.int32)
+  mask = np.zeros_like(tokens)
+  for r, s in enumerate(sequences):
+    tokens[r, :len(s)], mask[r, :len(s)] = s, 1
+  positions = np.broadcast_to(np.arange(longest, dtype=np.int32),
+                              tokens.shape)
+  _, state = module.apply({"params": params}, tokens, positions, mask,
+                          mutable=[moe_decoder.INTERMEDIATES])
+  forced = np.sort(np.asarray(moe_decoder.routes(
+      state[moe_decoder.INTERMEDIATES])), axis=-1)
+  return [forced[r, :len(s)] for r, s in enumerate(sequences)]
+
+
+@pytest.mark.parametrize("player", ["lockstep", "lockstep_fresh_prefills",
+                                    "engine_preempting"])
+def test_episode_players_record_the_experts_of_every_id_they_fed(player):
+  """Multi-turn episodes (the numbers environment of
+  tests/test_engine_episodes.py) of a tiny Qwen3-MoE, played in lockstep
+  (the cache extended between turns, or prefilled afresh every turn) and
+  on the engine's slots in a pool that preempts: each episode's recorded
+  experts of its opening, turns and answers are those a teacher-forced
+  pass over the whole episode routes its ids to; the engine never feeds
+  an episode's last id (-1), the lockstep loop feeds every drawn one."""
+  import test_engine_episodes as numbers  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.agents import continuous  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.agents import episodes  # pylint: disable=g-import-not-at-top
+  from jaxrlhf.agents import policies  # pylint: disable=g-import-not-at-top
+  module, params, _, _ = _tiny(False)
+  # The end-of-turn id's logit raised: turns of a few tokens.
+  params = jax.tree.map(np.array, params)
+  params["decoder"]["logits_dense"]["kernel"][:, numbers.END] *= 8.0
+  limits = numbers.LIMITS
+  length = limits.max_opening_tokens + limits.max_episode_tokens
+  rows = [{"prompt": "", "row": r} for r in range(8)]
+  if player.startswith("lockstep"):
+    policy = policies.TurnPolicy(
+        module, params, end_id=numbers.END, temperature=1.0,
+        width=length + limits.max_turn_tokens,
+        turn_tokens=limits.max_turn_tokens,
+        extend_cache=player == "lockstep", record_routes=True)
+    played, _ = episodes.run_episodes(
+        numbers.Numbers, rows, policy, numbers.NumberRenderer(),
+        episodes.Parser("qwen"), limits, numbers.KEY)
+  else:
+    policy = continuous.EpisodeEngine(
+        module, params, end_id=numbers.END, temperature=1.0, num_slots=4,
+        max_length=length, turn_tokens=limits.max_turn_tokens, page_size=4,
+        num_pages=-(-length // 4), record_routes=True)
+    played, stats = continuous.run_episodes(
+        numbers.Numbers, rows, policy, numbers.NumberRenderer(),
+        episodes.Parser("qwen"), limits, numbers.KEY)
+    assert stats["preemptions"] > 0
+  sequences = [e.opening + e.tokens for e in played]
+  assert sum(e.turns for e in played) > len(played)  # several turns
+  for e, sequence, forced in zip(played, sequences,
+                                 _forced_routes(module, params, sequences)):
+    recorded = np.sort(policy.routes(e.row, len(sequence)), axis=-1)
+    assert recorded.shape == forced.shape
+    fed = len(sequence) - (player == "engine_preempting")
+    np.testing.assert_array_equal(recorded[:fed], forced[:fed])
+    assert np.all(recorded[fed:] == -1)
+  # A dense model records nothing.
+  assert not policies.TurnPolicy(
+      numbers.tiny_llama(numbers.VOCAB)[0], None, end_id=numbers.END,
+      temperature=1.0, width=8, turn_tokens=2,
+      record_routes=True).record_routes
+
+
+def test_moe_episodes_carry_their_routes_to_the_update(tmp_path):
+  """A GRPO step's episodes (tests/test_agent_training.py's guessing game,
+  a tiny Qwen3-MoE policy whose turns end within a few tokens) played on
+  the engine (online.engine 'auto'): the rollout carries an expert for
+  every id the engine fed (the openings' and conversations', each
+  episode's last id but one: -1 elsewhere), the trainer's scoring
+  replaying them gives the sampler's own log-probs, and the update
+  replays them."""
+  from jaxrlhf.algorithms.online import episode_step  # pylint: disable=g-import-not-at-top
+  import test_agent_training as agents  # pylint: disable=g-import-not-at-top
+  config = agents._config(tmp_path)  # pylint: disable=protected-access
+  config.model.arch, config.model.num_decoder_layers = "qwen3_moe", None
+  mesh, rules = one_device_mesh(config)
+  with jax.set_mesh(mesh), nn.logical_axis_rules(rules):
+    trainer = trainer_of(from_scratch(algorithms.get("grpo")), config, mesh)
+    assert trainer.online.router_replay
+    state = trainer.init_state()
+    policy = jax.tree.map(np.array, state.params["policy"])
+    # The end-of-turn id's column scaled (negated: its logit is large and
+    # positive for this initialisation's states) so that turns end early.
+    policy["decoder"]["logits_dense"]["kernel"][
+        :, trainer.vocabulary.eos_id] *= -8.0
+    state = state.replace(params={"policy": policy})
+    step = episode_step.EpisodeStep(trainer)
+    batch = sharding.global_batch(next(trainer.train_batches(0)), mesh,
+                                  rules)
+    _, key, _ = iteration.split_step_key(state.rng)
+    samples = step.parts.sample(state.params, state.frozen, batch, key)
+    assert max(e.turns for e in samples.host["played"]) > 1
+    rollout = step.parts.score(state.params, state.frozen, None, samples)
+    present = np.asarray(samples.present, bool)
+    last = np.zeros_like(present)
+    last[np.arange(len(present)), present.sum(axis=1) - 1] = True
+    fed = np.concatenate([np.asarray(samples.opening_mask, bool),
+                          present & ~last], axis=1)
+    routes = np.asarray(rollout.routes)
+    assert np.all(routes[fed] >= 0) and np.all(routes[~fed] == -1)
+    mask = np.asarray(rollout.mask, bool)
+    np.testing.assert_allclose(np.asarray(rollout.logprobs)[mask],
+                               np.asarray(rollout.sample_logprobs)[mask],
+                               atol=1e-4)
+    _assert_the_update_replays(trainer, state, rollout)

@@ -42,7 +42,9 @@ Every drawn token is fed, as the lockstep sampler feeds it, but one step
 later: a slot's step feeds the token its episode drew last (or the last id
 of its opening or block) and draws the next, so a block is prefilled
 together with the end-of-turn id before it, and an episode's last token,
-never read, is never fed.
+never read, is never fed. With `record_routes` (router replay) every
+write records the experts of the ids it feeds at their positions
+(`EpisodeEngine.routes`; an episode prefilled again records its latest).
 
 The draws are the lockstep loop's: episode i's turn t draws from
 fold_in(key, t), split once per token as `turn_sampler.decode` splits its
@@ -77,6 +79,7 @@ import numpy as np
 from jaxrlhf.agents import environments
 from jaxrlhf.agents import episodes as episodes_lib
 from jaxrlhf.agents import turn_sampler
+from jaxrlhf.models import moe_decoder
 from jaxrlhf.models import row_draws
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import paged_kv
@@ -93,24 +96,30 @@ def _rows(tables: paged_kv.PageTables, episodes: jax.Array):
           tables.lengths.at[episodes].get(mode="fill", fill_value=0))
 
 
-def _write(model, params, pool, tables, episodes, tokens, real):
+def _write(model, params, pool, tables, episodes, tokens, real,
+           routes=None):
   """`tokens` [k, L] of `episodes` [k] (each row's first real[k] ids,
   then pads) written at each episode's length, its pages reserved: the
   model's decode step over the pool -> (float32 logits [k, vocab] after
-  the last column, pool, tables). A pad sits past its row's real ids, at
-  positions whose pages are not reserved (dropped) or that the episode's
-  next token writes before any query reads them."""
+  the last column, pool, tables, routes). A pad sits past its row's real
+  ids, at positions whose pages are not reserved (dropped) or that the
+  episode's next token writes before any query reads them. `routes` [E,
+  max_length, moe layers, top_k] (router replay; None: not recorded)
+  comes back with the real ids' experts at their positions."""
   _, start = _rows(tables, episodes)
   tables = paged_kv.reserve(
       tables, tables.lengths.at[episodes].set(start + real, mode="drop"))
   page_table, _ = _rows(tables, episodes)
   index = paged_kv.PagedIndex(page_table, start, tables.page_size)
-  positions = start[:, None] + jnp.arange(tokens.shape[1],
-                                          dtype=jnp.int32)[None, :]
-  logits, variables = model.apply(
-      {"params": params, "cache": pool}, tokens, positions, None, index,
-      method=model.decode_step, mutable=["cache"])
-  return logits.astype(jnp.float32), variables["cache"], tables
+  columns = jnp.arange(tokens.shape[1], dtype=jnp.int32)[None, :]
+  positions = start[:, None] + columns
+  logits, pool, routed = sampling.decode_step(
+      model, {"params": params, "cache": pool}, tokens, positions, None,
+      index, routes=routes is not None)
+  if routes is not None:  # (a pad's position is dropped)
+    at = jnp.where(columns < real[:, None], positions, routes.shape[1])
+    routes = routes.at[episodes[:, None], at].set(routed, mode="drop")
+  return logits.astype(jnp.float32), pool, tables, routes
 
 
 @functools.lru_cache(maxsize=4)
@@ -135,11 +144,11 @@ def _pool(model, params, num_pages, page_size):
                       _pool_shapes(model, shapes, num_pages, page_size))
 
 
-def _prefill(model, params, pool, tables, episodes, tokens, real):
+def _prefill(model, params, pool, tables, episodes, tokens, real, routes):
   model = sampling._inference_module(model)
-  _, pool, tables = _write(model, params, pool, tables, episodes, tokens,
-                           real)
-  return pool, tables
+  _, pool, tables, routes = _write(model, params, pool, tables, episodes,
+                                   tokens, real, routes)
+  return pool, tables, routes
 
 
 def _decode_params(model, params, pool, tables, fuse_projections):
@@ -155,14 +164,14 @@ def _decode_params(model, params, pool, tables, fuse_projections):
 
 
 def _decode(model, params, pool, tables, slot_episode, pending, drawn,
-            budget, rng, live, tokens, logprobs, max_steps, end_id,
+            budget, rng, live, tokens, logprobs, routes, max_steps, end_id,
             temperature, greedy, return_on_end):
   """At most max_steps decode steps of the live slots, with return_on_end
   stopping after a step in which some slot's turn ended. Slot arrays
   [S]: slot_episode (its episode), pending (the id to feed), drawn (this
   turn's tokens so far), budget (this turn's most), rng [S, ...] (its
   turn's key), live; tokens / logprobs [S, max_turn_tokens] this turn's
-  draws."""
+  draws; routes: the episodes' experts (`_write`), or None."""
   model = sampling._inference_module(model)
   slots = slot_episode.shape[0]
   rows = jnp.arange(slots, dtype=jnp.int32)
@@ -174,10 +183,11 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
 
   def body(carry):
     (pool, tables, pending, drawn, rng, live, tokens, logprobs, steps,
-     useful, _) = carry
+     useful, _, routes) = carry
     episode = jnp.where(live, slot_episode, tables.lengths.shape[0])
-    logits, pool, tables = _write(model, params, pool, tables, episode,
-                                  pending[:, None], live.astype(jnp.int32))
+    logits, pool, tables, routes = _write(
+        model, params, pool, tables, episode, pending[:, None],
+        live.astype(jnp.int32), routes)
     row_draws.check_rows(tables.lengths.shape[0], logits.shape[-1])
     rng, token, logprob = jax.vmap(draw)(rng, logits, slot_episode)
     at = jnp.where(live, rows, slots)  # a slot not live writes nothing
@@ -187,7 +197,7 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
     ended = live & ((token == end_id) | (drawn >= budget))
     return (pool, tables, jnp.where(live, token, pending), drawn, rng,
             live & ~ended, tokens, logprobs, steps + 1,
-            useful + jnp.sum(live, dtype=jnp.int32), jnp.any(ended))
+            useful + jnp.sum(live, dtype=jnp.int32), jnp.any(ended), routes)
 
   def going(carry):
     tables, live, steps, any_ended = carry[1], carry[5], carry[8], carry[10]
@@ -201,8 +211,9 @@ def _decode(model, params, pool, tables, slot_episode, pending, drawn,
 
   zero = jnp.int32(0)
   carry = (pool, tables, pending, drawn, rng, live, tokens, logprobs, zero,
-           zero, jnp.zeros((), bool))
-  return jax.lax.while_loop(going, body, carry)[:10]
+           zero, jnp.zeros((), bool), routes)
+  out = jax.lax.while_loop(going, body, carry)
+  return out[:10] + out[11:]
 
 
 def _assign(slots, key, slot, episode, turn, pending, budget, resume,
@@ -260,12 +271,16 @@ class EpisodeEngine:
       of max_length, never short. Fewer: episodes are preempted when a
       turn needs a page and none is free (`run_episodes`); at least the
       pages of one max_length episode.
+    record_routes: keep the experts of every id each episode feeds
+      (`routes`: router replay; a mixture-of-experts model's only), those
+      of its latest prefill where it was prefilled again.
   """
 
   def __init__(self, model, params, *, end_id: int, temperature: float,
                num_slots: int, max_length: int, turn_tokens: int,
                page_size: int = 16, chunk_steps: Optional[int] = None,
-               return_on_end: bool = True, num_pages: Optional[int] = None):
+               return_on_end: bool = True, num_pages: Optional[int] = None,
+               record_routes: bool = False):
     for field, value in (("num_slots", num_slots), ("max_length", max_length),
                          ("turn_tokens", turn_tokens),
                          ("page_size", page_size),
@@ -288,6 +303,7 @@ class EpisodeEngine:
     self.num_pages = None if num_pages is None else int(num_pages)
     self.chunk_steps = int(chunk_steps or turn_tokens)
     self.return_on_end = bool(return_on_end)
+    self.record_routes = sampling.records_routes(model, record_routes)
     self.decode_steps = 0
     self.useful_slot_steps = 0
     self.prefills = 0
@@ -332,6 +348,21 @@ class EpisodeEngine:
     # mid-decode: episode -> (ids, log-probs, key, budget).
     self.lengths = np.zeros((num_episodes,), np.int64)
     self._paused: Dict[int, Tuple[List[int], List[float], Any, int]] = {}
+    # The experts of each episode's fed ids by position (-1: none fed),
+    # on the device, and its host copy once read (`routes`).
+    self._routes = self._host_routes = None
+    if self.record_routes:
+      self._routes = jnp.full(
+          (num_episodes, self.max_length)
+          + moe_decoder.route_shape(self.model.config), -1, jnp.int32)
+
+  def routes(self, episode: int, length: int) -> np.ndarray:
+    """int32 [length, moe layers, top_k]: the experts of the episode's
+    first `length` ids (`record_routes`); -1 for an id never fed (an
+    episode's last)."""
+    if self._host_routes is None:
+      self._host_routes = np.asarray(jax.device_get(self._routes))
+    return self._host_routes[episode, :length]
 
   def free_slots(self) -> List[int]:
     return [s for s in range(self.num_slots) if self.slot_episode[s] < 0]
@@ -472,9 +503,11 @@ class EpisodeEngine:
         tokens[r, :len(ids) - 1] = ids[:-1]
         real[r], episodes[r] = len(ids) - 1, i
         self.lengths[i] += len(ids) - 1
-      self.pool, self.tables = _prefill_jit(
+      self.pool, self.tables, self._routes = _prefill_jit(
           model=self.model, params=self.params, pool=self.pool,
-          tables=self.tables, episodes=episodes, tokens=tokens, real=real)
+          tables=self.tables, episodes=episodes, tokens=tokens, real=real,
+          routes=self._routes)
+      self._host_routes = None
       self.prefills += 1
     # The slots' new turns, padded to a bucket (slot S: dropped).
     m = self.turn_tokens
@@ -506,16 +539,18 @@ class EpisodeEngine:
     d = self._slots
     greedy = self.temperature <= 0
     (self.pool, self.tables, d["pending"], d["drawn"], d["rng"], live_after,
-     d["tokens"], d["logprobs"], steps, useful) = _decode_jit(
+     d["tokens"], d["logprobs"], steps, useful, self._routes) = _decode_jit(
          model=self.model, params=self._dparams, pool=self.pool,
          tables=self.tables,
          slot_episode=np.maximum(self.slot_episode, 0).astype(np.int32),
          pending=d["pending"], drawn=d["drawn"], budget=d["budget"],
          rng=d["rng"], live=live, tokens=d["tokens"],
-         logprobs=d["logprobs"], max_steps=np.int32(self.chunk_steps),
+         logprobs=d["logprobs"], routes=self._routes,
+         max_steps=np.int32(self.chunk_steps),
          end_id=self.end_id,
          temperature=1.0 if greedy else self.temperature, greedy=greedy,
          return_on_end=self.return_on_end)
+    self._host_routes = None
     live_after, steps, useful, used, lengths = jax.device_get(
         (live_after, steps, useful,
          self.tables.num_pages - self.tables.num_free, self.tables.lengths))

@@ -92,6 +92,10 @@ class Episode:
   # Why it was dropped (rewards.on_bad_row=skip_and_report), or None.
   failure: Optional[str] = None
   final_text: str = ""
+  # [len(opening) + len(tokens), moe layers, top_k] int32: the experts the
+  # sampler routed each id to (-1: never fed), where it recorded them
+  # (router replay); else None.
+  routes: Optional[np.ndarray] = None
 
   @property
   def finished(self) -> bool:
@@ -423,7 +427,10 @@ class Assembled:
   its tokens; model [E, L]: 1 on the model's (0 for a dropped episode);
   logprobs [E, L]: the sampler's, on the model's tokens; ended [E]: the
   last turn ended at its end-of-turn id; returns [E]: each episode's
-  return (`Episode.episode_return`)."""
+  return (`Episode.episode_return`); routes [E, Lp + L, moe layers,
+  top_k]: the sampler's experts of the openings' and conversations' ids,
+  laid out as they are (-1 elsewhere), where the episodes carry them
+  (`Episode.routes`), else None."""
   opening: np.ndarray
   opening_mask: np.ndarray
   tokens: np.ndarray
@@ -432,6 +439,7 @@ class Assembled:
   logprobs: np.ndarray
   ended: np.ndarray
   returns: np.ndarray
+  routes: Optional[np.ndarray] = None
 
 
 def assemble(episodes: Sequence[Episode], limits: Limits,
@@ -447,8 +455,15 @@ def assemble(episodes: Sequence[Episode], limits: Limits,
       model=np.zeros((n, length), np.float32),
       logprobs=np.zeros((n, length), np.float32),
       ended=np.zeros((n,), bool), returns=np.zeros((n,), np.float32))
+  recorded = [e.routes for e in episodes if e.routes is not None]
+  if recorded:
+    out.routes = np.full((n, width + length) + recorded[0].shape[1:], -1,
+                         np.int32)
   for r, e in enumerate(episodes):
     opening = e.opening[-width:]
+    if out.routes is not None and e.routes is not None:
+      out.routes[r, width - len(opening):width + len(e.tokens)] = e.routes[
+          len(e.opening) - len(opening):len(e.opening) + len(e.tokens)]
     out.opening[r, width - len(opening):] = opening
     out.opening_mask[r, width - len(opening):] = 1
     m = len(e.tokens)

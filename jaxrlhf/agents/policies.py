@@ -7,7 +7,10 @@ turns are never recomputed. When the cache has no room left for what comes
 next (the columns of rows that ended early stay empty until then), or with
 `extend_cache=False`, the conversations are prefilled afresh from their
 ids: exact either way (`tests/test_agent_episodes.py` compares the two),
-and what `experiments/bench_agents.py` measures.
+and what `experiments/bench_agents.py` measures. With `record_routes` (a
+mixture-of-experts policy, router replay) it keeps the experts of every
+id each conversation has fed (`routes`), those of its latest prefill where
+it was prefilled afresh.
 """
 
 from typing import List, Sequence, Tuple
@@ -16,6 +19,7 @@ import jax
 import numpy as np
 
 from jaxrlhf.agents import turn_sampler
+from jaxrlhf.models import sampling
 
 
 class TurnPolicy:
@@ -32,11 +36,13 @@ class TurnPolicy:
     extend_cache: extend the cache with the environment's tokens (else
       prefill every turn afresh).
     pad_id: the padding id.
+    record_routes: keep each fed id's experts (`routes`; a
+      mixture-of-experts model's only).
   """
 
   def __init__(self, model, params, *, end_id: int, temperature: float,
                width: int, turn_tokens: int, extend_cache: bool = True,
-               pad_id: int = 0):
+               pad_id: int = 0, record_routes: bool = False):
     self.model, self.params = model, params
     self.end_id, self.temperature = int(end_id), float(temperature)
     self.turn_tokens = int(turn_tokens)
@@ -44,6 +50,10 @@ class TurnPolicy:
                                                   bool(extend_cache),
                                                   int(pad_id))
     self.sequences: List[List[int]] = []
+    self.record_routes = sampling.records_routes(model, record_routes)
+    # Per conversation, the experts of its ids fed so far: arrays [n,
+    # moe layers, top_k], in order.
+    self._routes: List[List[np.ndarray]] = []
     self.context = None
     self.decode_steps = 0
     self.prefills = 0
@@ -68,7 +78,12 @@ class TurnPolicy:
       tokens[b, length - len(s):] = s
       mask[b, length - len(s):] = 1
     self.context = turn_sampler.start(self.model, self.params, tokens, mask,
-                                      self.width)
+                                      self.width, self.record_routes)
+    if self.record_routes:
+      routes = jax.device_get(self.context.routes)
+      self._routes = [[routes[b, length - len(s):]]
+                      for b, s in enumerate(self.sequences)]
+      self.context = self.context.replace(routes=None)
     self.prefills += 1
     self._stale = False
 
@@ -84,9 +99,9 @@ class TurnPolicy:
         self.model, self.params, self.context, key, int(max_tokens),
         np.asarray(active, bool), self.end_id,
         temperature=self.temperature if self.temperature > 0 else 1.0,
-        greedy=self.temperature <= 0)
-    tokens, logprobs, lengths, ended = jax.device_get(
-        (turn.tokens, turn.logprobs, turn.lengths, turn.ended))
+        greedy=self.temperature <= 0, record_routes=self.record_routes)
+    tokens, logprobs, lengths, ended, routes = jax.device_get(
+        (turn.tokens, turn.logprobs, turn.lengths, turn.ended, turn.routes))
     self.decode_steps += int(self.context.column) - before
     out = []
     for b, on in enumerate(active):
@@ -96,6 +111,8 @@ class TurnPolicy:
       n = int(lengths[b])
       ids = [int(t) for t in tokens[b, :n]]
       self.sequences[b] += ids
+      if self.record_routes:
+        self._routes[b].append(routes[b, :n])
       out.append((ids, [float(x) for x in logprobs[b, :n]], bool(ended[b])))
     return out
 
@@ -118,4 +135,21 @@ class TurnPolicy:
         tokens[b, size - len(block):] = block
         mask[b, size - len(block):] = 1
     self.context = turn_sampler.extend(self.model, self.params, self.context,
-                                       tokens, mask)
+                                       tokens, mask, self.record_routes)
+    if self.record_routes:
+      routes = jax.device_get(self.context.routes)
+      for b, block in enumerate(blocks):
+        if block:
+          self._routes[b].append(routes[b, size - len(block):])
+      self.context = self.context.replace(routes=None)
+
+  def routes(self, b: int, length: int) -> np.ndarray:
+    """int32 [length, moe layers, top_k]: the experts of conversation b's
+    first `length` ids (`record_routes`), every one of which was fed."""
+    if self._stale:  # its latest block not fed yet
+      self._prefill()
+    routes = np.concatenate(self._routes[b])
+    if len(routes) < length:
+      raise ValueError(f"TurnPolicy.routes: conversation {b} fed "
+                       f"{len(routes)} ids, fewer than {length}.")
+    return routes[:length]

@@ -24,7 +24,9 @@ how many columns are left; once too few are, the caller prefills afresh.
 
 `decode` feeds every token it draws, the last one too (unlike
 `sampling.sample_decoder_only`, which never feeds its last): the next turn
-continues after it. Its loop reads the weights cast once to the compute
+continues after it. With `record_routes` (router replay) a
+mixture-of-experts model's calls record the experts every token they feed
+was routed to (`Context.routes`, `Turn.routes`). Its loop reads the weights cast once to the compute
 dtype, and the query, key and value projections (and a gated MLP's two
 input projections) joined, as `sampling` does
 (`param_recording.cast_read_params`, `fuse_projections`); `start` and
@@ -38,6 +40,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from jaxrlhf.models import moe_decoder
 from jaxrlhf.models import row_draws
 from jaxrlhf.models import sampling
 from jaxrlhf.models.layers import attentions
@@ -55,6 +58,10 @@ class Context:
   logits: jax.Array      # [B, vocab] float32 next-token logits after each
   #                        row's last real token
   column: jax.Array      # int32 []: the next free cache column (all rows)
+  # [B, m, moe layers, top_k] int32: the experts of the m tokens the call
+  # that made it fed (`start`: the openings' columns, `extend`: the
+  # block's), with record_routes; else None.
+  routes: Any = None
 
 
 @flax.struct.dataclass
@@ -68,6 +75,10 @@ class Turn:
   #                      token was drawn
   lengths: jax.Array   # [B] int32 tokens drawn (end_id included)
   ended: jax.Array     # [B] bool: drew end_id
+  # [B, max_tokens, moe layers, top_k] int32: the experts of each drawn
+  # token (all are fed), -1 where none was drawn; with record_routes, else
+  # None.
+  routes: Any = None
 
 
 def bucket(n: int, smallest: int) -> int:
@@ -84,36 +95,38 @@ def room(context: Context) -> int:
   return int(context.cache_mask.shape[1]) - int(context.column)
 
 
-def _step(model, params, cache, tokens, positions, cache_mask, index):
+def _step(model, params, cache, tokens, positions, cache_mask, index,
+          routes=False):
   """One `decode_step` call: (float32 logits [B, vocab] after the last of
-  `tokens` [B, L], the cache written at columns index .. index + L - 1).
+  `tokens` [B, L], the cache written at columns index .. index + L - 1,
+  the tokens' experts [B, L, moe layers, top_k] when `routes`, else None).
   `cache` None creates it, with cache_mask.shape[1] columns."""
   variables = {"params": params}
   if cache is not None:
     variables["cache"] = cache
-  logits, variables = model.apply(
-      variables, tokens, positions, cache_mask, index,
-      method=model.decode_step, mutable=["cache"])
-  return logits.astype(jnp.float32), variables["cache"]
+  logits, cache, routed = sampling.decode_step(
+      model, variables, tokens, positions, cache_mask, index, routes=routes)
+  return logits.astype(jnp.float32), cache, routed
 
 
 # ----------------------------------------------------------------------------
 # The compiled bodies (model and sizes static).
 
-def _start(model, params, tokens, mask, width):
+def _start(model, params, tokens, mask, width, record_routes):
   model = sampling._inference_module(model)  # pylint: disable=protected-access
   tokens = jnp.asarray(tokens, jnp.int32)
   mask = jnp.asarray(mask).astype(jnp.int32)
   batch, length = tokens.shape
   cache_mask = jnp.zeros((batch, width), jnp.int32).at[:, :length].set(mask)
-  logits, cache = _step(model, params, None, tokens,
-                        rotary.positions_from_mask(mask), cache_mask, 0)
+  logits, cache, routed = _step(model, params, None, tokens,
+                                rotary.positions_from_mask(mask), cache_mask,
+                                0, record_routes)
   return Context(cache=cache, cache_mask=cache_mask,
                  num_real=jnp.sum(mask, axis=-1).astype(jnp.int32),
-                 logits=logits, column=jnp.int32(length))
+                 logits=logits, column=jnp.int32(length), routes=routed)
 
 
-def _extend(model, params, context, tokens, mask):
+def _extend(model, params, context, tokens, mask, record_routes):
   model = sampling._inference_module(model)  # pylint: disable=protected-access
   tokens = jnp.asarray(tokens, jnp.int32)
   mask = jnp.asarray(mask).astype(jnp.int32)
@@ -124,8 +137,9 @@ def _extend(model, params, context, tokens, mask):
   zero = jnp.zeros((), jnp.int32)
   cache_mask = jax.lax.dynamic_update_slice(context.cache_mask, mask,
                                             (zero, context.column))
-  logits, cache = _step(model, params, context.cache, tokens, positions,
-                        cache_mask, context.column)
+  logits, cache, routed = _step(model, params, context.cache, tokens,
+                                positions, cache_mask, context.column,
+                                record_routes)
   # decode_step gives the block's last column's logits: a row's last new
   # token (right-aligned), or a hole for a row with none, which keeps its
   # own.
@@ -133,7 +147,7 @@ def _extend(model, params, context, tokens, mask):
   return Context(cache=cache, cache_mask=cache_mask,
                  num_real=context.num_real + jnp.sum(mask, axis=-1),
                  logits=jnp.where(some[:, None], logits, context.logits),
-                 column=context.column + tokens.shape[1])
+                 column=context.column + tokens.shape[1], routes=routed)
 
 
 def _decode_params(model, params, context, fuse_projections):
@@ -145,7 +159,7 @@ def _decode_params(model, params, context, fuse_projections):
       param_recording.recording_param_fusions() as fusions:
     jax.eval_shape(
         lambda p, c: _step(model, p, c.cache, jnp.zeros((batch, 1), jnp.int32),
-                           c.num_real[:, None], c.cache_mask, c.column),
+                           c.num_real[:, None], c.cache_mask, c.column)[:2],
         params, context)
   return sampling._decode_params(  # pylint: disable=protected-access
       params, reads, fusions, fuse_projections)
@@ -172,9 +186,13 @@ def choose(logits, key, temperature, greedy, row=None):
 
 
 def _decode(model, params, context, key, active, max_tokens, end_id,
-            temperature, greedy, fuse_projections):
+            temperature, greedy, fuse_projections, record_routes):
   model = sampling._inference_module(model)  # pylint: disable=protected-access
   params = _decode_params(model, params, context, fuse_projections)
+  routes = None
+  if record_routes:
+    routes = jnp.full((active.shape[0], max_tokens)
+                      + moe_decoder.route_shape(model.config), -1, jnp.int32)
   active = jnp.asarray(active, bool)
   batch = active.shape[0]
   zero = jnp.zeros((), jnp.int32)
@@ -185,7 +203,7 @@ def _decode(model, params, context, key, active, max_tokens, end_id,
 
   def body(carry):
     (t, logits, cache, cache_mask, num_real, done, ended, key, tokens,
-     logprobs) = carry
+     logprobs, routes) = carry
     key, token, logprob = choose(logits, key, temperature, greedy)
     # A row still in its turn draws; the others write a masked column.
     live = ~done
@@ -199,32 +217,38 @@ def _decode(model, params, context, key, active, max_tokens, end_id,
         cache_mask, live.astype(jnp.int32)[:, None], (zero, index))
     # Every drawn token is fed, the last one too: the next call continues
     # after it.
-    new_logits, cache = _step(model, params, cache, token[:, None],
-                              num_real[:, None], cache_mask, index)
+    new_logits, cache, routed = _step(model, params, cache, token[:, None],
+                                      num_real[:, None], cache_mask, index,
+                                      record_routes)
+    if record_routes:
+      routed = jnp.where(live[:, None, None, None], routed, -1)
+      routes = jax.lax.dynamic_update_slice(routes, routed,
+                                            (zero, t, zero, zero))
     logits = jnp.where(live[:, None], new_logits, logits)
     num_real = num_real + live.astype(jnp.int32)
     ended = ended | (live & (token == end_id))
     return (t + 1, logits, cache, cache_mask, num_real, done | ended, ended,
-            key, tokens, logprobs)
+            key, tokens, logprobs, routes)
 
   carry = (jnp.int32(0), context.logits, context.cache, context.cache_mask,
            context.num_real, ~active, jnp.zeros((batch,), bool), key,
            jnp.zeros((batch, max_tokens), jnp.int32),
-           jnp.zeros((batch, max_tokens), jnp.float32))
+           jnp.zeros((batch, max_tokens), jnp.float32), routes)
   (steps, logits, cache, cache_mask, num_real, _, ended, _, tokens,
-   logprobs) = jax.lax.while_loop(keep_going, body, carry)
+   logprobs, routes) = jax.lax.while_loop(keep_going, body, carry)
   turn = Turn(tokens=tokens, logprobs=logprobs,
-              lengths=num_real - context.num_real, ended=ended)
+              lengths=num_real - context.num_real, ended=ended, routes=routes)
   return turn, Context(cache=cache, cache_mask=cache_mask, num_real=num_real,
                        logits=logits, column=context.column + steps)
 
 
 # pylint: disable=protected-access
-_start_jit = sampling._jit_static(_start, ("model", "width"))
-_extend_jit = sampling._jit_static(_extend, ("model",))
+_start_jit = sampling._jit_static(_start, ("model", "width",
+                                           "record_routes"))
+_extend_jit = sampling._jit_static(_extend, ("model", "record_routes"))
 _decode_jit = sampling._jit_static(
     _decode, ("model", "max_tokens", "end_id", "temperature", "greedy",
-              "fuse_projections"))
+              "fuse_projections", "record_routes"))
 # pylint: enable=protected-access
 
 
@@ -267,7 +291,8 @@ def _check_window(model, width):
         "afresh.")
 
 
-def start(model, params, tokens, mask, width: int) -> Context:
+def start(model, params, tokens, mask, width: int,
+          record_routes: bool = False) -> Context:
   """Prefills B conversations' openings into a KV cache of `width` columns.
 
   Args:
@@ -280,6 +305,8 @@ def start(model, params, tokens, mask, width: int) -> Context:
     width: the cache's columns, >= Lp: the openings, then every later
       turn's and block's columns (at most a sliding-window model's
       window: `_check_window`).
+    record_routes: a mixture-of-experts model records the openings'
+      experts (`Context.routes`); ignored for other models.
   Returns:
     The Context after the openings (column Lp).
   """
@@ -299,10 +326,13 @@ def start(model, params, tokens, mask, width: int) -> Context:
         f"turn_sampler.start: rows {bad[:5].tolist()} are empty or not "
         "left-padded; pad each opening on the left (its last column real).")
   return _start_jit(model=model, params=params, tokens=tokens, mask=mask,
-                    width=int(width))
+                    width=int(width),
+                    record_routes=sampling.records_routes(model,
+                                                          record_routes))
 
 
-def extend(model, params, context: Context, tokens, mask) -> Context:
+def extend(model, params, context: Context, tokens, mask,
+           record_routes: bool = False) -> Context:
   """Appends a block of new tokens (an environment's answer) to the cache.
 
   Args:
@@ -313,6 +343,7 @@ def extend(model, params, context: Context, tokens, mask) -> Context:
       column is each row's last new token.
     mask: [B, m], 1 = a new token; a row of 0s adds nothing (its logits
       stay).
+    record_routes: as in `start` (the block's experts).
   Returns:
     The Context after the block (column + m). Raises ValueError when the
     cache has fewer than m columns left.
@@ -329,13 +360,17 @@ def extend(model, params, context: Context, tokens, mask) -> Context:
         f"turn_sampler.extend: rows {bad[:5].tolist()} have a hole after a "
         "new token; right-align each row's tokens (holes first).")
   _check_room("extend", tokens.shape[1], context)
-  return _extend_jit(model=model, params=params, context=context,
-                     tokens=tokens, mask=mask)
+  return _extend_jit(model=model, params=params,
+                     context=context.replace(routes=None),
+                     tokens=tokens, mask=mask,
+                     record_routes=sampling.records_routes(model,
+                                                           record_routes))
 
 
 def decode(model, params, context: Context, key, max_tokens: int, active,
            end_id: int, temperature: float = 1.0, greedy: bool = False,
-           fuse_projections: bool = True) -> Tuple[Turn, Context]:
+           fuse_projections: bool = True, record_routes: bool = False
+           ) -> Tuple[Turn, Context]:
   """Draws a turn of at most `max_tokens` tokens for the active rows.
 
   The rows decode in lockstep; an active row stops after drawing end_id,
@@ -354,6 +389,7 @@ def decode(model, params, context: Context, key, max_tokens: int, active,
     greedy: argmax; the log-probs are then at temperature 1.
     fuse_projections: static; as `sampling.sample_decoder_only`'s (the
       loop reads joined projections where it casts the weights).
+    record_routes: static; as in `start` (`Turn.routes`).
   Returns:
     (the Turn, the Context after it: column + the steps run). Raises
     ValueError when the cache has fewer than max_tokens columns left.
@@ -375,8 +411,11 @@ def decode(model, params, context: Context, key, max_tokens: int, active,
       raise ValueError("turn_sampler.decode: sampling at a temperature "
                        "needs a PRNG key, got key=None.")
     key = jax.random.PRNGKey(0)  # split, never read
-  return _decode_jit(model=model, params=params, context=context, key=key,
+  return _decode_jit(model=model, params=params,
+                     context=context.replace(routes=None), key=key,
                      active=active, max_tokens=int(max_tokens),
                      end_id=int(end_id),
                      temperature=1.0 if greedy else float(temperature),
-                     greedy=greedy, fuse_projections=bool(fuse_projections))
+                     greedy=greedy, fuse_projections=bool(fuse_projections),
+                     record_routes=sampling.records_routes(model,
+                                                           record_routes))

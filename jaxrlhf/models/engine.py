@@ -154,18 +154,6 @@ def _slot_rows(x: jax.Array) -> jax.Array:
   return jnp.expand_dims(jnp.moveaxis(x, lead, 0), lead + 1)
 
 
-def _apply(model, variables, *args, routes: bool):
-  """`model.decode_step(*args)` with the cache mutable: (logits, cache, the
-  experts each token was routed to [n, length, moe layers, top_k] when
-  `routes`, else None)."""
-  mutable = ["cache"] + ([moe_decoder.INTERMEDIATES] if routes else [])
-  logits, out = model.apply(variables, *args, method=model.decode_step,
-                            mutable=mutable)
-  return (logits, out["cache"],
-          moe_decoder.routes(out[moe_decoder.INTERMEDIATES]) if routes
-          else None)
-
-
 def _prefill(model, params, tokens, mask, width, routes):
   """Prefills n left-padded prompts [n, P] into caches of `width` columns:
   (logits [n, vocab] float32, cache in slot rows (`_slot_rows`), cache_mask
@@ -174,7 +162,7 @@ def _prefill(model, params, tokens, mask, width, routes):
   n, length = tokens.shape
   cache_mask = jnp.concatenate(
       [mask, jnp.ones((n, width - length), jnp.int32)], axis=1)
-  logits, cache, routed = _apply(
+  logits, cache, routed = sampling.decode_step(
       model, {"params": params}, tokens, rotary.positions_from_mask(mask),
       cache_mask, 0, routes=routes)
   cache = jax.tree.map(_slot_rows, cache)
@@ -189,7 +177,7 @@ def _feed(model, params, cache, tokens, positions, cache_mask, index,
   (logits [S, vocab] float32, cache, routes [S, ...] of the tokens fed or
   None)."""
   def one(cache, token, position, mask, index):
-    logits, cache, routed = _apply(
+    logits, cache, routed = sampling.decode_step(
         model, {"params": params, "cache": cache}, token[None, None],
         position[None, None], mask[None], index, routes=routes)
     return (logits[0].astype(jnp.float32), cache,
@@ -211,7 +199,7 @@ def _prefill_pages(model, params, pages, tokens, mask, rows, routes):
       tables.page_table.at[rows].get(mode="fill",
                                      fill_value=tables.num_pages),
       num_real - length, tables.page_size)
-  logits, pool, routed = _apply(
+  logits, pool, routed = sampling.decode_step(
       model, {"params": params, "cache": pool}, tokens,
       rotary.positions_from_mask(mask), None, index, routes=routes)
   return logits.astype(jnp.float32), (pool, tables), num_real, routed
@@ -226,7 +214,7 @@ def _feed_pages(model, params, pages, tokens, live, routes):
   start = tables.lengths  # prompt + tokens fed: the token's position
   tables = paged_kv.reserve(tables, start + live.astype(jnp.int32))
   index = paged_kv.PagedIndex(tables.page_table, start, tables.page_size)
-  logits, pool, routed = _apply(
+  logits, pool, routed = sampling.decode_step(
       model, {"params": params, "cache": pool}, tokens[:, None],
       start[:, None], None, index, routes=routes)
   return (logits.astype(jnp.float32), (pool, tables),
@@ -259,7 +247,7 @@ def _generate(*, model, params, prompt_tokens, prompt_attention_mask, rng,
               num_pages, group_size, record_routes):
   model = sampling._inference_module(model)
   # Router replay: the experts each fed token was routed to.
-  record = record_routes and isinstance(model, moe_decoder.MoeCausalLM)
+  record = sampling.records_routes(model, record_routes)
   tokens_in = jnp.asarray(prompt_tokens, jnp.int32)
   mask_in = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
   n, length = tokens_in.shape

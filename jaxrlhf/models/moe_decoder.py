@@ -214,13 +214,18 @@ def routes(intermediates) -> Array:
       jnp.int32)
 
 
+def route_shape(config: MoeConfig) -> Tuple[int, int]:
+  """(moe layers, top_k): the trailing dimensions of a token's `routes`."""
+  return sum(bool(s) for s in config.sparse_layers), config.num_experts_per_tok
+
+
 def routing_variables(config: MoeConfig, replayed: Array):
   """The variable collection (`layers.moe.ROUTING`) that makes a forward
   pass of a `MoeCausalLM` of `config` route each token to the experts
   `replayed` int [batch, length, moe layers, top_k] holds (a token whose
   first entry is -1 routes itself), as `routes` returns them."""
   sparse = [i for i, s in enumerate(config.sparse_layers) if s]
-  expected = (len(sparse), config.num_experts_per_tok)
+  expected = route_shape(config)
   if replayed.ndim != 4 or tuple(replayed.shape[2:]) != expected:
     raise ValueError(f"routing_variables: the replayed routes have shape "
                      f"{tuple(replayed.shape)}, not [batch, length, moe "

@@ -408,6 +408,24 @@ def _inference_module(model):
   return model
 
 
+def records_routes(model, record: bool) -> bool:
+  """Whether a sampler asked to `record` routes (router replay) records
+  them for `model`: a mixture-of-experts model's only."""
+  return bool(record) and isinstance(model, moe_decoder.MoeCausalLM)
+
+
+def decode_step(model, variables, *args, routes: bool = False, **kwargs):
+  """`model.decode_step(*args, **kwargs)` with the cache mutable: (logits,
+  cache, the experts each fed token was routed to [n, length, moe layers,
+  top_k] when `routes`, else None)."""
+  mutable = ["cache"] + ([moe_decoder.INTERMEDIATES] if routes else [])
+  logits, out = model.apply(variables, *args, method=model.decode_step,
+                            mutable=mutable, **kwargs)
+  return (logits, out["cache"],
+          moe_decoder.routes(out[moe_decoder.INTERMEDIATES]) if routes
+          else None)
+
+
 _STATIC = ("model", "max_new_tokens", "temperature", "top_k", "top_p",
            "greedy", "eos_id", "num_samples", "stop_when_done",
            "fuse_projections", "cache_segments")
@@ -536,9 +554,7 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
                          bidirectional_prompt, record_routes):
   model = _inference_module(model)
   # Router replay: record the experts each fed token is routed to.
-  record_routes = record_routes and isinstance(model,
-                                               moe_decoder.MoeCausalLM)
-  mutable = ["cache"] + ([moe_decoder.INTERMEDIATES] if record_routes else [])
+  record_routes = records_routes(model, record_routes)
   prompt_tokens = jnp.asarray(prompt_tokens, jnp.int32)
   prompt_mask = jnp.asarray(prompt_attention_mask).astype(jnp.int32)
   batch, prompt_length = prompt_tokens.shape
@@ -557,32 +573,29 @@ def _sample_decoder_only(*, model, params, prompt_tokens, prompt_attention_mask,
   with param_recording.recording_param_reads() as reads, \
       param_recording.recording_param_fusions() as fusions, \
       kv_cache.kv_cache_chunks(_later_chunks(ends)):
-    logits, variables = model.apply(
-        {"params": params}, prompt_tokens, positions,
-        cache_mask[:, :prompt_length + ends[0]], 0,
-        method=model.decode_step, mutable=mutable, **extra)
+    logits, cache, prompt_routes = decode_step(
+        model, {"params": params}, prompt_tokens, positions,
+        cache_mask[:, :prompt_length + ends[0]], 0, routes=record_routes,
+        **extra)
   params = _decode_params(params, reads, fusions, fuse_projections)
-  records = prompt_routes = None
+  records = None
   if record_routes:
-    prompt_routes = _repeat_rows(
-        moe_decoder.routes(variables[moe_decoder.INTERMEDIATES]), num_samples)
+    prompt_routes = _repeat_rows(prompt_routes, num_samples)
     records = jnp.full((batch * num_samples, max_new_tokens)
                        + prompt_routes.shape[2:], -1, jnp.int32)
   logits = _repeat_rows(logits, num_samples, 0, ("batch", "vocab"))
-  cache = _repeat_cache(variables["cache"], num_samples, batch, "kv_heads")
+  cache = _repeat_cache(cache, num_samples, batch, "kv_heads")
   cache_mask = _repeat_rows(cache_mask, num_samples, 0, ("batch", "length"))
   num_real = _repeat_rows(num_real, num_samples, 0, ("batch",))
 
   def step(cache, token, t, end):
     position = (num_real + t)[:, None].astype(jnp.int32)
-    logits, variables = model.apply(
-        {"params": params, "cache": cache}, token[:, None], position,
+    logits, cache, record = decode_step(
+        model, {"params": params, "cache": cache}, token[:, None], position,
         cache_mask[:, :prompt_length + end], prompt_length + t,
-        method=model.decode_step, mutable=mutable)
-    record = None
-    if record_routes:
-      record = moe_decoder.routes(variables[moe_decoder.INTERMEDIATES])[:, 0]
-    return logits.astype(jnp.float32), variables["cache"], record
+        routes=record_routes)
+    return (logits.astype(jnp.float32), cache,
+            None if record is None else record[:, 0])
 
   samples = _decode_loop(logits, cache, step, rng, max_new_tokens,
                          temperature, top_k, top_p, greedy, eos_id,

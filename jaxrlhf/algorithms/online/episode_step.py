@@ -41,7 +41,7 @@ at its longest; each is prefilled again later, drawing the same tokens).
 """
 
 import dataclasses
-from typing import Callable, Dict, Tuple
+from typing import Any, Callable, Dict, Tuple
 
 import jax
 import jax.numpy as jnp
@@ -89,6 +89,7 @@ class EpisodeSamples:
   logprobs: jax.Array
   ended: jax.Array
   decode_steps: jax.Array
+  routes: Any = None  # the sampler's experts (router replay), or None
   host: dict = dataclasses.field(metadata=dict(static=True), default=None)
 
 
@@ -150,7 +151,7 @@ def agent(trainer) -> Agent:
 
 
 def play(trainer, policy_params, rows, key, temperature: float,
-         row_names=None, params_source=None):
+         row_names=None, params_source=None, record_routes=False):
   """The episodes of `rows` ({"prompt", **columns}) with the policy's
   parameters (its view: LoRA merged) at `temperature` (0: greedy):
   (episodes, {"env_seconds", "decode_steps", and with the continuous
@@ -160,33 +161,42 @@ def play(trainer, policy_params, rows, key, temperature: float,
   slots (`agents.continuous`), its pages' pool online.engine_pages (unset:
   every episode at its longest, none preempted): the same episodes.
   `params_source` (continuous): new parameters mid-play
-  (`EpisodeEngine.params_source`, online.partial_rollouts)."""
+  (`EpisodeEngine.params_source`, online.partial_rollouts).
+  `record_routes` (router replay, a mixture-of-experts policy): each
+  episode carries the experts its ids were routed to
+  (`Episode.routes`)."""
   a = agent(trainer)
   lim = a.limits
   o = trainer.config.online
   decoder, page_size = options.decoding(trainer.config)
   if decoder == "continuous":
-    engine = continuous.EpisodeEngine(
+    player = continuous.EpisodeEngine(
         trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
         temperature=temperature,
         num_slots=o.engine_slots or engine_lib.default_slots(len(rows)),
         max_length=lim.max_opening_tokens + lim.max_episode_tokens,
         turn_tokens=lim.max_turn_tokens,
-        page_size=page_size, num_pages=o.engine_pages)
-    engine.params_source = params_source
-    return continuous.run_episodes(a.make_env, rows, engine, a.renderer,
-                                   a.parser, lim, key, name=a.name,
-                                   row_names=row_names)
-  policy = policies.TurnPolicy(
-      trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
-      temperature=temperature,
-      width=(lim.max_opening_tokens + lim.max_episode_tokens
-             + lim.max_turn_tokens),
-      turn_tokens=lim.max_turn_tokens,
-      extend_cache=o.extend_kv_cache)
-  return episodes_lib.run_episodes(a.make_env, rows, policy, a.renderer,
-                                   a.parser, lim, key, name=a.name,
-                                   row_names=row_names)
+        page_size=page_size, num_pages=o.engine_pages,
+        record_routes=record_routes)
+    player.params_source = params_source
+    played, timing = continuous.run_episodes(
+        a.make_env, rows, player, a.renderer, a.parser, lim, key,
+        name=a.name, row_names=row_names)
+  else:
+    player = policies.TurnPolicy(
+        trainer.lm.module, policy_params, end_id=trainer.vocabulary.eos_id,
+        temperature=temperature,
+        width=(lim.max_opening_tokens + lim.max_episode_tokens
+               + lim.max_turn_tokens),
+        turn_tokens=lim.max_turn_tokens,
+        extend_cache=o.extend_kv_cache, record_routes=record_routes)
+    played, timing = episodes_lib.run_episodes(
+        a.make_env, rows, player, a.renderer, a.parser, lim, key,
+        name=a.name, row_names=row_names)
+  if player.record_routes:
+    for i, e in enumerate(played):
+      e.routes = player.routes(i, len(e.opening) + len(e.tokens))
+  return played, timing
 
 
 def episode_rewards(trainer, played, rows) -> Tuple[np.ndarray, dict]:
@@ -272,7 +282,8 @@ class EpisodeStep(host_split.HostSplitStep):
     played, timing = play(self._trainer, self.view(params, frozen), rows,
                           key, self._config.online.temperature,
                           [f"prompt row {i}" for i in indices],
-                          params_source=self.params_source)
+                          params_source=self.params_source,
+                          record_routes=self._trainer.online.router_replay)
     arrays = episodes_lib.assemble(played, self._limits)
     place = lambda x: jax.make_array_from_process_local_data(
         sharding.batch_sharding(self.mesh, self._rules, x.ndim), x)
@@ -285,6 +296,7 @@ class EpisodeStep(host_split.HostSplitStep):
         tokens=place(arrays.tokens), present=place(arrays.present),
         model=place(arrays.model), logprobs=place(arrays.logprobs),
         ended=place(arrays.ended),
+        routes=None if arrays.routes is None else place(arrays.routes),
         decode_steps=jnp.int32(timing["decode_steps"]), host=host)
 
   # --- score: log-probs over the model's tokens -----------------------------
@@ -294,6 +306,7 @@ class EpisodeStep(host_split.HostSplitStep):
     params, frozen = t.view_parts(params, frozen)
     rollout = iteration.score_rows(
         t, params, frozen, samples.opening, samples.tokens,
+        routes=samples.routes,
         episodes=(samples.opening_mask, samples.present, samples.model,
                   samples.ended))
     rollout = iteration.with_sampler_stats(rollout, samples.decode_steps,

@@ -99,7 +99,7 @@ ONLINE = config_schema.Group(
           "(experiments/bench_agents.py measures both). Continuous: "
           "decoder-only policies, no cache_segments; a mixture-of-experts "
           "policy on pages, its routes recorded for router_replay as "
-          "lockstep's are (single-turn); single-turn responses are also "
+          "lockstep's are; single-turn responses are also "
           "decoded on online.sampler_devices, one or more steps ahead "
           "(tests/eight_devices.py). The slots' default was measured on "
           "CPU, where a step costs in proportion to its rows; on an "
@@ -283,8 +283,9 @@ ONLINE = config_schema.Group(
           "weighted by the trained router's probabilities of them (so the "
           "router still learns): Rollout Routing Replay (R3), which keeps "
           "the trainer's log-probs of the sampled tokens from drifting from "
-          "the sampler's where the two would route differently. Dense "
-          "policies ignore it; multi-turn episodes need it False."),
+          "the sampler's where the two would route differently; "
+          "multi-turn episodes record the experts of every id they feed "
+          "(opening, turns, answers). Dense policies ignore it."),
         F("router_replay_gap", False,
           "With router_replay, also score each rollout without replaying "
           "and log that gap to the sampler too (gap/unreplayed/k1, k3): "
@@ -449,17 +450,9 @@ def check_engine(c) -> None:
 
 def replays_routes(config, module) -> bool:
   """Whether a run of `config` with policy `module` replays the sampler's
-  routing (`online.router_replay` on a mixture-of-experts policy); refused
-  for multi-turn episodes, whose turn sampler does not record it."""
-  if not (config.online.router_replay
-          and isinstance(module, moe_decoder.MoeCausalLM)):
-    return False
-  config_schema.require(
-      not environments.episodic(config.online), "online.router_replay",
-      "True with multi-turn episodes of a mixture-of-experts policy: the "
-      "turn sampler does not record its routing yet; set "
-      "online.router_replay=False.")
-  return True
+  routing (`online.router_replay` on a mixture-of-experts policy)."""
+  return bool(config.online.router_replay) and isinstance(
+      module, moe_decoder.MoeCausalLM)
 
 
 def check_episodes(c) -> None:
