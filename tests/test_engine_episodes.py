@@ -101,6 +101,14 @@ class Said:
             len(message["content"]) / 10.0, self.t >= 2)
 
 
+class SaidNothing(Said):
+  """`Said`, every return 0: no group varies."""
+
+  def step(self, message):
+    said, _, done = super().step(message)
+    return said, 0.0, done
+
+
 class SaidToRow(Said):
   """`Said`, with the row's answer added to the last turn's reward: the
   returns tell the prompts apart."""
@@ -359,13 +367,15 @@ def test_run_episodes_takes_new_parameters_between_chunks(tiny,
   assert engine.param_updates == 1 and stats["preemptions"] == 0
   assert_same(played, three_slots[0])
   assert int(engine.tables.num_free) == engine.tables.num_pages
-  # The same through `params_source`, polled before each chunk: given at
-  # the fourth poll, taken once, and reported.
+  # The same through `params_source`, polled before each chunk: given
+  # from the fourth poll on, taken once (the same parameters are not taken
+  # again), and reported.
   polls = []
+  given = jax.tree.map(np.array, params)
 
   def source():
     polls.append(1)
-    return jax.tree.map(np.array, params) if len(polls) == 4 else None
+    return given if len(polls) >= 4 else None
   engine = continuous.EpisodeEngine(
       model, params, end_id=END, temperature=1.0, turn_tokens=5,
       max_length=36, page_size=4, num_slots=3)
@@ -461,6 +471,22 @@ def test_episodes_ahead_with_dynamic_sampling(policy_run):
   assert len(ahead) == len(on) == 4
   for got, want in zip(ahead, on):
     _same_steps(got, want)
+
+
+def test_partial_rollouts_play_every_later_round_on_the_new_parameters(
+    policy_run):
+  """online.partial_rollouts with dynamic sampling, one step ahead, every
+  group tied (`SaidNothing`: each step samples its cap of 2 rounds): the
+  second step's first round takes the update's parameters between two
+  chunks, and its second round starts from them, so both count a
+  handover."""
+  rows = _episode_steps(policy_run, "partial_rounds", 2, "SaidNothing",
+                        grpo__dynamic_sampling=True,
+                        grpo__max_sampling_rounds=2,
+                        online__off_policy_steps=1,
+                        online__partial_rollouts=True)
+  assert [r["dynamic_sampling/rounds"] for r in rows] == [2.0, 2.0]
+  assert [r["episode/param_updates"] for r in rows] == [0.0, 2.0]
 
 
 def test_episodes_one_step_ahead_of_the_update(policy_run):

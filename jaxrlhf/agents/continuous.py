@@ -311,9 +311,11 @@ class EpisodeEngine:
     self.preemptions = 0
     self.param_updates = 0
     self._next_params, self._lock = None, threading.Lock()
-    # Polled by `take_params`: () -> new parameters to take, or None (the
-    # online step's partial rollouts: the update beside it, once done).
+    # Polled by `take_params`: () -> the newest parameters, or None (the
+    # online step's partial rollouts: the update beside it, once done);
+    # taken when they are not the ones it last gave.
     self.params_source = None
+    self._sourced = None
 
   # --- the pool, by episode --------------------------------------------------
 
@@ -442,13 +444,14 @@ class EpisodeEngine:
 
   def take_params(self) -> List[int]:
     """Takes the parameters handed over by `update_params`, or given by
-    `params_source`, if any (their decode view rebuilt, every episode's
-    pages given back): the episodes whose turns were under way, now
-    without a slot, to start again (their draws and keys kept). Nothing
-    handed over: []."""
+    `params_source` (when they are not the ones it gave last time), if any
+    (their decode view rebuilt, every episode's pages given back): the
+    episodes whose turns were under way, now without a slot, to start
+    again (their draws and keys kept). Nothing handed over: []."""
     if self.params_source is not None:
       new = self.params_source()
-      if new is not None:
+      if new is not None and new is not self._sourced:
+        self._sourced = new
         self.update_params(new)
     with self._lock:
       params, self._next_params = self._next_params, None

@@ -230,12 +230,13 @@ ONLINE = config_schema.Group(
           "as soon as it is done, taken between two decode chunks "
           "(agents/continuous.py: the episodes' caches recomputed with "
           "them), so their later tokens come from the newer policy (AReaL's "
-          "and PipelineRL's in-flight weight updates). Each token keeps "
-          "the log-prob of the policy that drew it, and the update takes "
-          "those as its old policy (so the gap/ metrics compare the "
+          "and PipelineRL's in-flight weight updates); the plays after it "
+          "(dynamic sampling's further rounds) start from them. Each token "
+          "keeps the log-prob of the policy that drew it, and the update "
+          "takes those as its old policy (so the gap/ metrics compare the "
           "sampler with itself). Where the handover falls depends on when "
           "the update ends, so such a run is not repeatable; "
-          "episode/param_updates counts the handovers."),
+          "episode/param_updates counts the plays that took them."),
         F("sampler_devices", 0,
           "Devices that only sample (each process gives an equal share of "
           "its own), on a mesh of their own with mesh.shape's axes; the rest "

@@ -183,21 +183,22 @@ class OverlappedStep:
 
   def _newer_params(self, state):
     """online.partial_rollouts: a source (`EpisodeEngine.params_source`)
-    that gives, once, the policy's view of `state`'s parameters on the
-    sampler as soon as the update that makes them is done (polled
-    between decode chunks: the episodes being played ahead go on with
-    them)."""
-    taken = []
+    of the policy's view of `state`'s parameters on the sampler, None
+    until the update that makes them is done (polled between decode
+    chunks: the episodes being played ahead go on with them, and every
+    round or step played ahead after it starts from them)."""
+    made = []
 
     def source():
-      if taken or not all(x.is_ready() for x in jax.tree.leaves(
-          state.params)):
-        return None
-      taken.append(True)
-      params = jax.device_put(state.params, self._params_on_sampler,
-                              may_alias=False)
-      with jax.set_mesh(self.mesh):
-        return self._sampler.view(params, self._frozen_for(state.frozen))
+      if not made:
+        if not all(x.is_ready() for x in jax.tree.leaves(state.params)):
+          return None
+        params = jax.device_put(state.params, self._params_on_sampler,
+                                may_alias=False)
+        with jax.set_mesh(self.mesh):
+          made.append(self._sampler.view(params,
+                                         self._frozen_for(state.frozen)))
+      return made[0]
     return source
 
   # --- the parts that run on the sampler ------------------------------------
