@@ -24,13 +24,15 @@ how many columns are left; once too few are, the caller prefills afresh.
 
 `decode` feeds every token it draws, the last one too (unlike
 `sampling.sample_decoder_only`, which never feeds its last): the next turn
-continues after it. With `record_routes` (router replay) a
-mixture-of-experts model's calls record the experts every token they feed
-was routed to (`Context.routes`, `Turn.routes`). Its loop reads the weights cast once to the compute
+continues after it. Its loop reads the weights cast once to the compute
 dtype, and the query, key and value projections (and a gated MLP's two
 input projections) joined, as `sampling` does
 (`param_recording.cast_read_params`, `fuse_projections`); `start` and
 `extend`, one model call each, read the parameters as they are.
+
+With `record_routes` (router replay) a mixture-of-experts model's calls
+record the experts every token they feed was routed to (`Context.routes`,
+`Turn.routes`).
 """
 
 from typing import Any, Tuple

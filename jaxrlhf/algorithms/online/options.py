@@ -19,6 +19,7 @@ from jaxrlhf.algorithms import update as update_lib
 from jaxrlhf.data import prompts as prompts_lib
 from jaxrlhf.models import moe_decoder
 from jaxrlhf.models import registry
+from jaxrlhf.models import sampling
 from jaxrlhf.rl import importance_sampling
 from jaxrlhf.rl import kl as kl_lib
 from jaxrlhf.rl import reductions
@@ -452,8 +453,7 @@ def check_engine(c) -> None:
 def replays_routes(config, module) -> bool:
   """Whether a run of `config` with policy `module` replays the sampler's
   routing (`online.router_replay` on a mixture-of-experts policy)."""
-  return bool(config.online.router_replay) and isinstance(
-      module, moe_decoder.MoeCausalLM)
+  return sampling.records_routes(module, config.online.router_replay)
 
 
 def check_episodes(c) -> None:
