@@ -107,21 +107,24 @@ class HostSplitStep:
   # --- the host's parts -----------------------------------------------------
 
   def _rounds(self, batch, rounds):
-    """The step's batch, then, with dynamic sampling, the prompt stream's
-    next batches while `more_rounds`."""
-    yield batch
-    while self.more_rounds(rounds):
-      yield sharding.global_batch(next(self._prompt_source.stream),
-                                  self._training_mesh, self._rules)
+    """The step's batch, then the prompt stream's next batches
+    (`dynamic_rounds`)."""
+    return self.dynamic_rounds(
+        batch, rounds, lambda unused_round: sharding.global_batch(
+            next(self._prompt_source.stream), self._training_mesh,
+            self._rules))
 
-  def more_rounds(self, rounds) -> bool:
-    """Dynamic sampling wants another round of prompts after `rounds` (the
-    step's [(rollout, host metrics)] so far): fewer than train.batch_size
-    groups vary, and the cap allows."""
-    if len(rounds) >= (self._cap or 1):
-      return False
-    kept, _ = self._groups(rounds)
-    return len(kept) < self._groups_per_round(rounds)
+  def dynamic_rounds(self, first, rounds, later):
+    """A step's prompt batches (`StepParts.rounds`): `first`, then, while
+    dynamic sampling wants more (fewer than train.batch_size groups of
+    `rounds`, the step's [(rollout, host metrics)] so far, vary, and the
+    cap allows), `later(r)` for round r."""
+    yield first
+    while len(rounds) < (self._cap or 1):
+      kept, _ = self._groups(rounds)
+      if len(kept) >= self._groups_per_round(rounds):
+        return
+      yield later(len(rounds))
 
   def _host_rewards(self, rollout, samples, batch):
     """The rollout with this process's rows scored by the host rewards, and

@@ -212,11 +212,12 @@ class OverlappedStep:
     while dynamic sampling wants more (the stream moving on, as
     `host_split`'s do)."""
     if self._pending:
-      return
-    yield self._on_sampler({k: evaluation.local_rows(v)
-                            for k, v in batch.items()})
-    while self._sampler.more_rounds(rounds):
-      yield self._on_sampler(next(self._prompt_source.stream))
+      return ()
+    return self._sampler.dynamic_rounds(
+        self._on_sampler({k: evaluation.local_rows(v)
+                          for k, v in batch.items()}), rounds,
+        lambda unused_round: self._on_sampler(
+            next(self._prompt_source.stream)))
 
   def _frozen_for(self, frozen):
     """The frozen networks on the sampler (moved once); the live state's
@@ -254,9 +255,9 @@ class OverlappedStep:
     start = stream.position + sum(len(r) for r in self._pending)
 
     def rounds(batch, so_far):
-      yield batch
-      while self._sampler.more_rounds(so_far):
-        yield self._on_sampler(stream.batch_at(start + len(so_far)))
+      return self._sampler.dynamic_rounds(
+          batch, so_far,
+          lambda r: self._on_sampler(stream.batch_at(start + r)))
     return iteration.sample_rounds(
         dataclasses.replace(self.parts, rounds=rounds), params, state.frozen,
         self._on_sampler(stream.batch_at(start)), key)
